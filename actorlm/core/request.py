@@ -1,0 +1,63 @@
+"""The scheduler's record of one request. Only the scheduler creates or changes these."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from actorlm.fsm import REQUEST_LIFECYCLE, FinishReason, Machine, RequestEvent, RequestState
+from actorlm.fsm.machine import Listener
+from actorlm.sampling_params import SamplingParams
+
+
+class Request:
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params", "seed",
+                 "arrival_time", "num_computed_tokens", "block_ids", "fsm", "finish_reason",
+                 "stop_reason", "error", "num_preemptions", "is_known_to_workers")
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 seed: int, arrival_time: float, listeners: Iterable[Listener] = ()):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.sampling_params = sampling_params
+        self.seed = seed
+        self.arrival_time = arrival_time
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []  # granted by the allocator, in logical order
+        self.fsm = Machine(REQUEST_LIFECYCLE, name=request_id, listeners=listeners)
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.num_preemptions = 0
+        self.is_known_to_workers = False  # False: the next step sends it in full
+
+    @property
+    def state(self) -> RequestState:
+        return self.fsm.state
+
+    @property
+    def is_finished(self) -> bool:
+        return self.fsm.is_terminal
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    def fire(self, event: RequestEvent) -> None:
+        self.fsm.fire(event)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.state.name}, computed={self.num_computed_tokens}/"
+                f"{self.num_tokens}, blocks={len(self.block_ids)})")

@@ -1,0 +1,254 @@
+"""The scheduling policy: which requests compute how many tokens in the next step.
+
+Design (vLLM V1's token-debt model). There is no prefill or decode phase: every request owes
+``num_tokens - num_computed_tokens`` tokens, and each step pays down as much debt as the token
+budget (``max_num_batched_tokens``), the sequence cap (``max_num_seqs``) and the free KV blocks
+allow. Running requests are served first, in arrival order, so decodes are never starved by a
+new prompt; a long prompt is split across steps (chunked prefill). When a running request needs
+a block and none is free, the newest running request is preempted: its blocks are released,
+its computed tokens reset, and it returns to the front of the waiting queue to be recomputed
+later — which yields the same greedy tokens. No waiting request is admitted in a step that
+preempted, since admitting one would only take blocks back from the victims.
+
+The policy is pure and thread-free. It plans against ``num_free_blocks`` — the allocator's last
+report plus the blocks this scheduler has released since — so the allocator's grant for the
+step never fails. Aborts are applied only between steps (the actor defers them while a step is
+in flight), so a step's requests never change under it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from actorlm.core.request import Request
+from actorlm.fsm import FinishReason, RequestEvent, RequestState
+from actorlm.fsm.machine import Listener
+from actorlm.messages import (AddRequest, AllocateSlots, CachedRequestData, EngineOutputs,
+                              NewRequestData, RequestDelta, ScheduleStep, SlotsGranted, StepResult)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    block_size: int
+    enable_chunked_prefill: bool = True
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class StepPlan:
+    """What ``schedule()`` decided; becomes one AllocateSlots, then one ScheduleStep."""
+
+    step_id: int
+    requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    num_new_blocks: list[int] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    free_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    def allocate_message(self) -> AllocateSlots:
+        return AllocateSlots(self.step_id, self.free_request_ids,
+                             [r.request_id for r in self.requests], self.num_new_blocks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, num_total_blocks: int,
+                 listeners: Iterable[Listener] = ()):
+        self.config = config
+        self.listeners = list(listeners)
+        self.requests: dict[str, Request] = {}  # every live (unfinished) request
+        self.waiting: deque[Request] = deque()  # WAITING and PREEMPTED, front first
+        self.running: list[Request] = []  # admission order: the last is preempted first
+        self.num_total_blocks = num_total_blocks
+        self.num_free_blocks = num_total_blocks
+        self._to_free: list[str] = []  # released since the last AllocateSlots
+        self._dropped_by_workers: list[str] = []  # finished or preempted since the last step
+        self._next_step_id = 0
+        self.num_preemptions = 0
+        self.num_finished = 0
+
+    # --- intake -------------------------------------------------------------------------------
+
+    def add_request(self, msg: AddRequest) -> None:
+        """Queue a validated request (FCFS)."""
+        if msg.request_id in self.requests:
+            raise ValueError(f"request id {msg.request_id!r} is already in use")
+        request = Request(msg.request_id, msg.prompt_token_ids, msg.sampling_params, msg.seed,
+                          msg.arrival_time, self.listeners)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_ids: Iterable[str], event=RequestEvent.ABORT,
+              error: str | None = None) -> list[RequestDelta]:
+        """Finish the given live requests (unknown or finished ids are ignored). Between steps only."""
+        reason = FinishReason.ABORT if event is RequestEvent.ABORT else FinishReason.ERROR
+        deltas = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.state is RequestState.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.error = error
+            deltas.append(self._finish(request, event, reason))
+        return deltas
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # --- one step -----------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan | None:
+        """Plan the next step; None when there is nothing to compute and nothing to free."""
+        cfg = self.config
+        plan = StepPlan(self._next_step_id)
+        budget = cfg.max_num_batched_tokens
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_blocks = self._num_new_blocks(request, num_tokens)
+            while num_blocks > self.num_free_blocks and request in self.running:
+                self._preempt(self.running[-1], plan)
+            if request not in self.running:
+                break  # it was the newest and had to go itself
+            self._add_to_plan(plan, request, num_tokens, num_blocks)
+            budget -= num_tokens
+            index += 1
+
+        while (self.waiting and not plan.preempted_ids and budget > 0
+               and len(self.running) < cfg.max_num_seqs):
+            request = self.waiting[0]
+            num_tokens = request.num_tokens - request.num_computed_tokens
+            if num_tokens > budget and not cfg.enable_chunked_prefill:
+                break
+            num_tokens = min(num_tokens, budget)
+            num_blocks = self._num_new_blocks(request, num_tokens)
+            if num_blocks > self.num_free_blocks:
+                break
+            self.waiting.popleft()
+            request.fire(RequestEvent.SCHEDULE)
+            self.running.append(request)
+            self._add_to_plan(plan, request, num_tokens, num_blocks)
+            budget -= num_tokens
+
+        plan.free_request_ids, self._to_free = self._to_free, []
+        if not plan.requests and not plan.free_request_ids:
+            return None
+        self._next_step_id += 1
+        return plan
+
+    def on_slots_granted(self, plan: StepPlan, granted: SlotsGranted) -> ScheduleStep | None:
+        """Turn a granted plan into the step message (None for a plan that only freed blocks)."""
+        # nothing is released between a plan and its grant, so the allocator's count is ours
+        self.num_free_blocks = granted.num_free_blocks
+        new, cached = [], []
+        for request, num_tokens, block_ids in zip(plan.requests, plan.num_scheduled_tokens,
+                                                  granted.new_block_ids):
+            request.block_ids.extend(block_ids)
+            if request.is_known_to_workers:
+                cached.append(CachedRequestData(request.request_id, block_ids,
+                                                request.num_computed_tokens))
+            else:
+                new.append(self._new_request_data(request))
+                request.is_known_to_workers = True
+            request.num_computed_tokens += num_tokens
+        dropped, self._dropped_by_workers = self._dropped_by_workers, []
+        if not plan.requests:
+            self._dropped_by_workers = dropped  # nothing runs: tell the workers next time
+            return None
+        # new requests first, then cached: num_scheduled_tokens follows that order
+        order = {r.request_id: n for r, n in zip(plan.requests, plan.num_scheduled_tokens)}
+        counts = [order[d.request_id] for d in new] + [order[d.request_id] for d in cached]
+        return ScheduleStep(plan.step_id, new, cached, counts, dropped)
+
+    def update_from_output(self, plan: StepPlan, result: StepResult) -> EngineOutputs:
+        """Apply sampled tokens, finish what is done, and say what happened in one message."""
+        deltas: list[RequestDelta] = []
+        if result.failed_request_ids:
+            deltas += self.abort(result.failed_request_ids, RequestEvent.FAIL,
+                                 result.error or "the model runner failed")
+        for request_id, token_id in zip(result.request_ids, result.sampled_token_ids):
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            request.output_token_ids.append(token_id)
+            reason = self._check_stop(request, token_id)
+            if reason is None:
+                deltas.append(RequestDelta(request_id, [token_id]))
+            else:
+                self.running.remove(request)
+                delta = self._finish(request, RequestEvent.FINISH, reason)
+                deltas.append(RequestDelta(request_id, [token_id], delta.finish_reason,
+                                           delta.stop_reason))
+        return EngineOutputs(plan.step_id, deltas)
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _num_new_blocks(self, request: Request, num_tokens: int) -> int:
+        needed = -(-(request.num_computed_tokens + num_tokens) // self.config.block_size)
+        return max(0, needed - len(request.block_ids))
+
+    def _add_to_plan(self, plan: StepPlan, request: Request, num_tokens: int, num_blocks: int):
+        plan.requests.append(request)
+        plan.num_scheduled_tokens.append(num_tokens)
+        plan.num_new_blocks.append(num_blocks)
+        self.num_free_blocks -= num_blocks
+
+    def _release(self, request: Request) -> None:
+        self.num_free_blocks += len(request.block_ids)
+        self._to_free.append(request.request_id)
+        if request.is_known_to_workers:
+            self._dropped_by_workers.append(request.request_id)
+        request.block_ids = []
+        request.is_known_to_workers = False
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        self.running.remove(request)
+        request.fire(RequestEvent.PREEMPT)
+        self._release(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        plan.preempted_ids.append(request.request_id)
+
+    def _finish(self, request: Request, event: RequestEvent, reason: FinishReason) -> RequestDelta:
+        request.fire(event)
+        request.finish_reason = reason
+        self._release(request)
+        del self.requests[request.request_id]
+        self.num_finished += 1
+        return RequestDelta(request.request_id, [], reason.value, request.stop_reason,
+                            request.error)
+
+    def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:
+        params = request.sampling_params
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return FinishReason.STOP
+        if not params.ignore_eos and token_id in self.config.eos_token_ids:
+            return FinishReason.STOP
+        if params.max_tokens is not None and len(request.output_token_ids) >= params.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        p = request.sampling_params
+        return NewRequestData(request.request_id, request.all_token_ids, request.num_prompt_tokens,
+                              list(request.block_ids), request.num_computed_tokens, p.temperature,
+                              p.top_p, p.top_k, p.min_p, request.seed)

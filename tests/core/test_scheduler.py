@@ -1,0 +1,149 @@
+"""The scheduling policy driven by hand, with a block pool in-process and fake model outputs."""
+
+import pytest
+
+from actorlm.core.block_pool import BlockPool
+from actorlm.core.scheduler import Scheduler, SchedulerConfig
+from actorlm.fsm import RequestState
+from actorlm.messages import AddRequest, SlotsGranted, StepResult
+from actorlm.sampling_params import SamplingParams
+
+
+def fake_token(token_ids: list[int]) -> int:
+    """A deterministic 'model': the next token depends only on the tokens so far."""
+    return (sum(t * (i + 1) for i, t in enumerate(token_ids)) * 31 + 7) % 97 + 3
+
+
+class Driver:
+    def __init__(self, num_blocks=64, block_size=4, budget=32, max_seqs=8, max_model_len=64,
+                 chunked=True, eos=2):
+        cfg = SchedulerConfig(budget, max_seqs, max_model_len, block_size, chunked, frozenset({eos}))
+        self.scheduler, self.pool = Scheduler(cfg, num_blocks), BlockPool(num_blocks)
+        self.plans, self.outputs, self.running_before = [], {}, []
+
+    def add(self, request_id, prompt_len, max_tokens=8, **params):
+        prompt = [(hash((request_id, i)) % 90) + 5 for i in range(prompt_len)]
+        self.scheduler.add_request(AddRequest(request_id, prompt, SamplingParams(
+            max_tokens=max_tokens, temperature=0, **params), 0, 0.0))
+
+    def step(self):
+        before = {r.request_id for r in self.scheduler.running}
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return None
+        granted = self.pool.grant(plan.allocate_message())
+        assert isinstance(granted, SlotsGranted)
+        self.scheduler.on_slots_granted(plan, granted)
+        sampled = [r for r in plan.requests if r.num_computed_tokens == r.num_tokens]
+        result = StepResult(plan.step_id, [r.request_id for r in sampled],
+                            [fake_token(r.all_token_ids) for r in sampled])
+        for delta in self.scheduler.update_from_output(plan, result).deltas:
+            out = self.outputs.setdefault(delta.request_id, [[], None])
+            out[0] += delta.new_token_ids
+            out[1] = delta.finish_reason or out[1]
+        self.plans.append(plan)
+        self.running_before.append(before)
+        return plan
+
+    def run(self, max_steps=2000):
+        for _ in range(max_steps):
+            if self.step() is None and not self.scheduler.has_unfinished:
+                return self
+        raise AssertionError("engine did not become idle")
+
+
+def test_budgets_hold_every_step_and_nothing_leaks():
+    d = Driver(budget=24, max_seqs=3)
+    for i in range(7):
+        d.add(f"r{i}", prompt_len=5 + 3 * i, max_tokens=6)
+    d.run()
+    for plan in d.plans:
+        assert plan.num_tokens <= 24 and len(plan.requests) <= 3
+    assert all(out[1] == "length" and len(out[0]) == 6 for out in d.outputs.values())
+    d.scheduler.schedule()  # flush the last frees
+    assert d.pool.num_free_blocks == 64 and d.pool.num_requests_holding_blocks == 0
+
+
+def test_chunked_prefill_splits_a_long_prompt_and_keeps_decoding_others():
+    d = Driver(budget=16, max_model_len=128, num_blocks=64)
+    d.add("short", prompt_len=4, max_tokens=20)
+    d.step()  # short prefills alone
+    d.add("long", prompt_len=50, max_tokens=2)
+    chunks = []
+    while d.scheduler.requests.get("long") and d.scheduler.requests["long"].is_prefilling:
+        plan = d.step()
+        by_id = dict(zip([r.request_id for r in plan.requests], plan.num_scheduled_tokens))
+        assert by_id["short"] == 1  # the decode is served first, every step
+        chunks.append(by_id["long"])
+    assert chunks == [15, 15, 15, 5]
+
+
+def test_preemption_by_recompute_gives_the_same_tokens():
+    def run(num_blocks):
+        d = Driver(num_blocks=num_blocks, block_size=4, budget=64, max_seqs=8, max_model_len=64)
+        for i in range(6):
+            d.add(f"r{i}", prompt_len=6 + i, max_tokens=24, ignore_eos=True)
+        return d.run()
+
+    roomy, tight = run(64), run(16)
+    assert roomy.scheduler.num_preemptions == 0 and tight.scheduler.num_preemptions > 0
+    assert tight.outputs == roomy.outputs
+    for plan, before in zip(tight.plans, tight.running_before):
+        if plan.preempted_ids:  # no waiting request is admitted in a step that preempted
+            assert {r.request_id for r in plan.requests} <= before
+
+
+def test_newest_running_request_is_the_one_preempted():
+    d = Driver(num_blocks=6, block_size=4, budget=64, max_model_len=24)
+    d.add("old", prompt_len=7, max_tokens=12, ignore_eos=True)
+    d.add("new", prompt_len=7, max_tokens=12, ignore_eos=True)
+    while not d.scheduler.num_preemptions:
+        d.step()
+    victim = [p for p in d.plans if p.preempted_ids][0].preempted_ids
+    assert victim == ["new"]
+    assert d.scheduler.requests["new"].state is RequestState.PREEMPTED
+
+
+@pytest.mark.parametrize("stop", ["eos", "stop_token", "max_tokens", "max_model_len"])
+def test_finish_reasons(stop):
+    d = Driver(max_model_len=16)
+    prompt_len = 6
+    d.add("probe", prompt_len, max_tokens=30, ignore_eos=True)
+    tokens = d.run().outputs["probe"][0]  # 10 tokens until max_model_len
+    assert len(tokens) == 16 - prompt_len
+    d = Driver(max_model_len=16, eos=tokens[3])
+    params = {"eos": dict(max_tokens=30), "stop_token": dict(max_tokens=30, ignore_eos=True,
+              stop_token_ids=[tokens[3]]), "max_tokens": dict(max_tokens=3, ignore_eos=True),
+              "max_model_len": dict(max_tokens=30, ignore_eos=True)}[stop]
+    d.add("probe", prompt_len, **params)
+    out, reason = d.run().outputs["probe"]
+    expected = {"eos": (4, "stop"), "stop_token": (4, "stop"), "max_tokens": (3, "length"),
+                "max_model_len": (10, "length")}[stop]
+    assert (len(out), reason) == expected and out == tokens[:len(out)]
+
+
+@pytest.mark.parametrize("when", ["waiting", "running", "preempted"])
+def test_abort_in_each_state_frees_every_block(when):
+    d = Driver(num_blocks=6, block_size=4, budget=64, max_model_len=24)
+    d.add("old", prompt_len=7, max_tokens=12, ignore_eos=True)
+    d.add("new", prompt_len=7, max_tokens=12, ignore_eos=True)
+    if when == "waiting":
+        d.add("late", prompt_len=3)
+        target = "late"
+    elif when == "running":
+        d.step()
+        target = "old"
+    else:
+        while not d.scheduler.num_preemptions:
+            d.step()
+        target = "new"
+    state = {"waiting": RequestState.WAITING, "running": RequestState.RUNNING,
+             "preempted": RequestState.PREEMPTED}[when]
+    request = d.scheduler.requests[target]
+    assert request.state is state
+    deltas = d.scheduler.abort([target])
+    assert [(x.request_id, x.finish_reason) for x in deltas] == [(target, "abort")]
+    assert request.state is RequestState.FINISHED and target not in d.scheduler.requests
+    d.run()
+    d.scheduler.schedule()
+    assert d.pool.num_free_blocks == 6
