@@ -1,0 +1,24 @@
+"""KVAllocatorActor: the only owner of KV block bookkeeping. One request/reply per step."""
+
+from __future__ import annotations
+
+import pykka
+
+from actorlm.core.block_pool import BlockPool
+from actorlm.messages import AllocateSlots, GetStats, KVStats
+
+
+class KVAllocatorActor(pykka.ThreadingActor):
+    def __init__(self, num_blocks: int, scheduler: pykka.ActorRef):
+        super().__init__()
+        self.pool = BlockPool(num_blocks)
+        self.scheduler = scheduler  # its only client: every grant goes back there
+
+    def on_receive(self, message):
+        if isinstance(message, AllocateSlots):
+            self.scheduler.tell(self.pool.grant(message))
+        elif isinstance(message, GetStats):
+            return KVStats(self.pool.num_free_blocks, self.pool.num_total_blocks,
+                           self.pool.num_requests_holding_blocks)
+        else:
+            raise TypeError(f"KVAllocatorActor cannot handle {type(message).__name__}")

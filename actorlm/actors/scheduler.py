@@ -1,0 +1,130 @@
+"""SchedulerActor: drives the engine loop. Owns every live Request through its Scheduler.
+
+One step is a chain of messages, never a blocking ask:
+plan → ``AllocateSlots`` to the allocator → ``SlotsGranted`` → ``ScheduleStep`` to the
+executor → ``StepResult`` → apply, plan the next step at once, ``EngineOutputs`` to the
+frontend. An idle engine sleeps in its mailbox until the next ``AddRequest``.
+
+Aborts that arrive while a step is in flight wait until its result is applied, so a step's
+requests never change under it.
+"""
+
+from __future__ import annotations
+
+import logging
+from enum import Enum
+
+import pykka
+
+from actorlm.core.scheduler import Scheduler, StepPlan
+from actorlm.fsm import RequestEvent
+from actorlm.messages import (AbortRequests, AddRequest, Connect, EngineOutputs, FailRequests,
+                              GetStats, RequestDelta, SchedulerStats, SlotsGranted, SlotsRefused,
+                              StepResult)
+
+log = logging.getLogger(__name__)
+
+
+class _Phase(Enum):
+    IDLE = "idle"
+    ALLOCATING = "allocating"  # AllocateSlots sent, waiting for the grant
+    RUNNING = "running"  # ScheduleStep sent, waiting for the result
+
+
+class SchedulerActor(pykka.ThreadingActor):
+    def __init__(self, scheduler: Scheduler):
+        super().__init__()
+        self.scheduler = scheduler
+        self.frontend = self.allocator = self.executor = None
+        self._phase = _Phase.IDLE
+        self._plan: StepPlan | None = None
+        self._deferred: list[AbortRequests | FailRequests] = []
+        self.num_steps = 0
+
+    def on_receive(self, message):
+        if isinstance(message, AddRequest):
+            try:
+                self.scheduler.add_request(message)
+            except ValueError as exc:  # a duplicate id: refuse it alone
+                refusal = RequestDelta(message.request_id, [], "error", None, str(exc))
+                self.frontend.tell(EngineOutputs(-1, [refusal]))
+            self._kick()
+        elif isinstance(message, (AbortRequests, FailRequests)):
+            self._deferred.append(message)
+            if self._phase is _Phase.IDLE:
+                self._send(EngineOutputs(-1, self._apply_deferred()))
+                self._kick()
+        elif isinstance(message, SlotsGranted):
+            self._on_granted(message)
+        elif isinstance(message, StepResult):
+            self._on_result(message)
+        elif isinstance(message, SlotsRefused):
+            self._on_refused(message)
+        elif isinstance(message, GetStats):
+            return self.stats()
+        elif isinstance(message, Connect):
+            self.frontend, self.allocator = message.frontend, message.allocator
+            self.executor = message.executor
+        else:
+            raise TypeError(f"SchedulerActor cannot handle {type(message).__name__}")
+
+    def stats(self) -> SchedulerStats:
+        s = self.scheduler
+        return SchedulerStats(len(s.running), len(s.waiting), s.num_preemptions, self.num_steps,
+                              s.num_free_blocks, s.num_total_blocks, s.num_finished)
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def _kick(self) -> None:
+        """Start the next step if none is in flight and there is work."""
+        if self._phase is not _Phase.IDLE:
+            return
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return
+        self._plan, self._phase = plan, _Phase.ALLOCATING
+        self.allocator.tell(plan.allocate_message())
+
+    def _on_granted(self, granted: SlotsGranted) -> None:
+        step = self.scheduler.on_slots_granted(self._plan, granted)
+        if step is None:  # the plan only returned blocks
+            self._phase, self._plan = _Phase.IDLE, None
+            self._kick()
+            return
+        self._phase = _Phase.RUNNING
+        self.num_steps += 1
+        self.executor.tell(step)
+
+    def _on_result(self, result: StepResult) -> None:
+        outputs = self.scheduler.update_from_output(self._plan, result)
+        deltas = outputs.deltas + self._apply_deferred()
+        self._phase, self._plan = _Phase.IDLE, None
+        # free blocks (the next plan carries them) before the frontend hears of the finish,
+        # so a caller woken by its last output never sees its blocks still held
+        self._kick()
+        self._send(EngineOutputs(outputs.step_id, deltas))
+
+    def _on_refused(self, refused: SlotsRefused) -> None:
+        # the plan counted blocks the allocator did not have: a bookkeeping fault. Fail the
+        # plan's requests alone and resynchronise with the allocator's count.
+        log.error("step %d refused by the allocator (%s)", refused.step_id, refused.reason)
+        plan, self._plan, self._phase = self._plan, None, _Phase.IDLE
+        ids = [r.request_id for r in plan.requests]
+        deltas = self.scheduler.abort(ids, RequestEvent.FAIL, f"KV allocation refused: {refused.reason}")
+        self.scheduler.num_free_blocks = refused.num_free_blocks
+        self._kick()
+        self._send(EngineOutputs(refused.step_id, deltas))
+
+    def _apply_deferred(self) -> list:
+        deltas = []
+        for message in self._deferred:
+            if isinstance(message, FailRequests):
+                deltas += self.scheduler.abort(message.request_ids, RequestEvent.FAIL, message.error)
+            else:
+                deltas += self.scheduler.abort(message.request_ids)
+        self._deferred = []
+        return deltas
+
+    def _send(self, outputs: EngineOutputs) -> None:
+        if outputs.deltas:
+            self.frontend.tell(outputs)

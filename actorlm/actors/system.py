@@ -1,0 +1,102 @@
+"""EngineSystem: resolves the model and config, starts the actors in order, stops them cleanly.
+
+Start order follows the replies: the scheduler first (everyone reports to it), then the
+allocator and the executor (whose constructor loads the weights, so a bad model fails here,
+in the caller's thread, with nothing left running), then the frontend; finally the scheduler
+is told its peers. Stop order is the reverse of the data flow: no new input, then no new steps,
+then the workers, then the block pool.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pykka
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+from actorlm.actors.executor import ExecutorActor
+from actorlm.actors.frontend import FrontendActor
+from actorlm.actors.kv_allocator import KVAllocatorActor
+from actorlm.actors.scheduler import SchedulerActor
+from actorlm.config import EngineConfig
+from actorlm.core.scheduler import Scheduler, SchedulerConfig
+from actorlm.kernels import select_backend
+from actorlm.messages import Connect, GetStats, KVStats, SchedulerStats
+from actorlm.models.loader import load_hf_config, load_model, resolve_model
+from actorlm.models.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+def model_geometry(hf_config) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) as the KV cache sees them."""
+    num_heads = hf_config.num_attention_heads
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    return hf_config.num_hidden_layers, num_kv_heads, head_dim
+
+
+def eos_token_ids(path, tokenizer) -> frozenset[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        eos = None
+    ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(ids)
+
+
+class EngineSystem:
+    def __init__(self, config: EngineConfig):
+        self.model_path = resolve_model(config.model)
+        self.hf_config = load_hf_config(self.model_path)
+        device = config.torch_device
+        dtype = config.torch_dtype(self.hf_config)
+        num_layers, num_kv_heads, head_dim = model_geometry(self.hf_config)
+        bytes_per_block = 2 * num_layers * config.block_size * num_kv_heads * head_dim * \
+            torch.empty((), dtype=dtype).element_size()
+        free = torch.cuda.mem_get_info()[0] if device.type == "cuda" else None
+        self.config = config = config.resolve(self.hf_config, bytes_per_block, free)
+        self.dtype, self.device = dtype, device
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        backend = select_backend(device)
+
+        def make_runner(rank: int) -> ModelRunner:
+            model = load_model(self.model_path, dtype, device, backend)
+            return ModelRunner(model, backend, config.num_kv_blocks, config.block_size, dtype,
+                               device)
+
+        policy = Scheduler(SchedulerConfig(
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+            block_size=config.block_size, enable_chunked_prefill=config.enable_chunked_prefill,
+            eos_token_ids=eos_token_ids(self.model_path, self.tokenizer)),
+            num_total_blocks=config.num_kv_blocks)
+        self.frontend = self.allocator = self.executor = None
+        self.scheduler = SchedulerActor.start(policy)
+        try:
+            self.allocator = KVAllocatorActor.start(config.num_kv_blocks, self.scheduler)
+            self.executor = ExecutorActor.start(make_runner, 1, self.scheduler)
+            self.frontend = FrontendActor.start(self.tokenizer, config.max_model_len,
+                                                self.hf_config.vocab_size, self.scheduler,
+                                                config.seed)
+        except BaseException:
+            self.stop()
+            raise
+        self.scheduler.tell(Connect(self.frontend, self.allocator, self.executor))
+        log.info("engine ready: %s (%s, %s), %d KV blocks of %d tokens, max_model_len %d",
+                 self.model_path.name, dtype, backend.name, config.num_kv_blocks,
+                 config.block_size, config.max_model_len)
+
+    def scheduler_stats(self) -> SchedulerStats:
+        return self.scheduler.ask(GetStats())
+
+    def kv_stats(self) -> KVStats:
+        return self.allocator.ask(GetStats())
+
+    def stop(self) -> None:
+        """Stop every actor this system started, frontend first; waits for their threads."""
+        for ref in (self.frontend, self.scheduler, self.executor, self.allocator):
+            if ref is not None and ref.is_alive():
+                ref.stop(block=True)

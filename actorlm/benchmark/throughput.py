@@ -1,0 +1,93 @@
+"""``actorlm bench throughput``: offline throughput of the engine, optionally against transformers.
+
+Every request decodes exactly ``output_len`` tokens (EOS ignored, greedy) from a fixed set of
+distinct chat prompts, so runs are comparable across machines and commits. ``--compare hf``
+runs transformers' batched ``generate`` (left-padded, same dtype, same threads) on the same
+prompt ids in the same process, after the engine has shut down.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+_TOPICS = ["a lighthouse", "the ocean", "a mountain village", "a robot", "an old library",
+           "a desert caravan", "a winter forest", "a space station", "a jazz club", "a garden",
+           "a river delta", "a night train", "a bakery", "a chess match", "a volcano", "a comet"]
+_TASKS = ["Write a short story about {}.", "Describe {} in vivid detail.",
+          "Explain how {} might change over a century.", "Write a poem about {}."]
+
+
+def bench_prompts(num_prompts: int) -> list[list[dict]]:
+    """Deterministic, distinct chat conversations."""
+    convs = []
+    for i in range(num_prompts):
+        topic, task = _TOPICS[i % len(_TOPICS)], _TASKS[(i // len(_TOPICS)) % len(_TASKS)]
+        text = task.format(topic) + (f" Variation {i // 64}." if i >= 64 else "")
+        convs.append([{"role": "user", "content": text}])
+    return convs
+
+
+def run_throughput(model: str | None, flags: dict, num_prompts: int, output_len: int,
+                   compare_hf: bool = False, num_iters: int = 1) -> dict:
+    from actorlm.llm import LLM
+    from actorlm.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    llm = LLM(model, **flags)
+    try:
+        prompt_ids = [llm.apply_chat_template(c) for c in bench_prompts(num_prompts)]
+        num_prompt_tokens = sum(map(len, prompt_ids))
+        llm.generate([{"prompt_token_ids": prompt_ids[0]}], SamplingParams(max_tokens=4),
+                     use_tqdm=False)  # warm-up: first-call allocations and thread start-up
+        runs = []
+        for _ in range(num_iters):
+            start = time.perf_counter()
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
+                                   use_tqdm=False)
+            runs.append(time.perf_counter() - start)
+        num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
+        stats = llm.stats()
+        path, dtype = llm.engine.model_path, llm.engine.dtype
+    finally:
+        llm.shutdown()
+    elapsed = statistics.median(runs)
+    result = {
+        "model": path.name, "dtype": str(dtype).removeprefix("torch."),
+        "num_prompts": num_prompts, "output_len": output_len, "num_iters": num_iters,
+        "threads": torch.get_num_threads(), "prompt_tokens": num_prompt_tokens,
+        "output_tokens": num_output, "elapsed_s": round(elapsed, 3),
+        "requests_per_s": round(num_prompts / elapsed, 3),
+        "output_tokens_per_s": round(num_output / elapsed, 2),
+        "total_tokens_per_s": round((num_output + num_prompt_tokens) / elapsed, 2),
+        "num_preemptions": stats["num_preemptions"],
+    }
+    if compare_hf:
+        hf_elapsed = statistics.median(
+            _time_hf(path, dtype, prompt_ids, output_len) for _ in range(num_iters))
+        hf_tps = num_prompts * output_len / hf_elapsed
+        result.update({"hf_elapsed_s": round(hf_elapsed, 3),
+                       "hf_output_tokens_per_s": round(hf_tps, 2),
+                       "ratio_vs_hf": round(result["output_tokens_per_s"] / hf_tps, 3)})
+    return result
+
+
+def _time_hf(path, dtype, prompt_ids: list[list[int]], output_len: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    pad = model.generation_config.pad_token_id
+    pad = pad if isinstance(pad, int) else 0
+    width = max(map(len, prompt_ids))
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
+    kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                  pad_token_id=pad)
+    with torch.inference_mode():
+        model.generate(input_ids=input_ids[:1], attention_mask=mask[:1], max_new_tokens=4,
+                       do_sample=False, pad_token_id=pad)  # warm-up, as for the engine
+        start = time.perf_counter()
+        model.generate(input_ids=input_ids, attention_mask=mask, **kwargs)
+        return time.perf_counter() - start

@@ -1,0 +1,100 @@
+"""EngineConfig: every engine knob, its default and its validation.
+
+Flags carry vLLM's names where vLLM has one. A config is validated when it is built, and
+``resolve()`` fills the values that depend on the model (context length, KV pool size) and checks
+them against it; every error names the flag to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+                  "half": "float16"}
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: 2048, or max_model_len if larger
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # exact KV pool size; None: from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int | None = None  # None: 2 GiB on a CPU, 90 % of free memory on a GPU
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        dtype = _DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower())
+        if dtype != "auto" and dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        object.__setattr__(self, "dtype", dtype)
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu or cuda; got {self.device!r}")
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "num_kv_blocks", "kv_cache_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
+
+    @classmethod
+    def from_flags(cls, model: str | None = None, **flags) -> EngineConfig:
+        """Build from keyword flags, refusing unknown ones by name."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(flags) - known):
+            raise ValueError(f"unknown engine flag(s): {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known - {'model'}))}")
+        return cls(model=model, **flags)
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, hf_config=None) -> torch.dtype:
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if declared in (torch.float16, "float16") and self.torch_device.type == "cpu":
+            return torch.bfloat16  # fp16 matmuls are slow on CPUs; bf16 keeps the range
+        if isinstance(declared, str):
+            declared = DTYPES.get(declared)
+        return declared if isinstance(declared, torch.dtype) else torch.float32
+
+    def resolve(self, hf_config, kv_bytes_per_block: int,
+                free_device_bytes: int | None = None) -> EngineConfig:
+        """Fill the model-dependent values and check them against the model."""
+        limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+        max_model_len = self.max_model_len or limit
+        if max_model_len > limit:
+            raise ValueError(f"--max-model-len {max_model_len} exceeds the model's "
+                             f"max_position_embeddings ({limit})")
+        max_batched = self.max_num_batched_tokens or 2048
+        if not self.enable_chunked_prefill and max_batched < max_model_len:
+            raise ValueError(f"--max-num-batched-tokens ({max_batched}) must be at least "
+                             f"--max-model-len ({max_model_len}) when chunked prefill is off")
+        num_blocks = self.num_kv_blocks
+        if num_blocks is None:
+            budget = self.kv_cache_memory_bytes or (
+                int(free_device_bytes * 0.9) if free_device_bytes else DEFAULT_CPU_KV_CACHE_BYTES)
+            num_blocks = budget // kv_bytes_per_block
+        blocks_per_sequence = -(-max_model_len // self.block_size)
+        if num_blocks < blocks_per_sequence:
+            raise ValueError(
+                f"the KV pool ({num_blocks} blocks of {self.block_size} tokens) cannot hold one "
+                f"sequence of --max-model-len {max_model_len}: raise --num-kv-blocks to at least "
+                f"{blocks_per_sequence} or lower --max-model-len")
+        return dataclasses.replace(self, max_model_len=max_model_len,
+                                   max_num_batched_tokens=max_batched, num_kv_blocks=num_blocks)

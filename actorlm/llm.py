@@ -1,0 +1,120 @@
+"""LLM: the offline, synchronous facade over the actor system (vLLM's ``LLM`` interface)."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+from typing import Sequence
+
+from tqdm.auto import tqdm
+
+from actorlm.actors.system import EngineSystem
+from actorlm.config import EngineConfig
+from actorlm.messages import AbortRequests, SubmitRequest
+from actorlm.outputs import RequestOutput
+from actorlm.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict
+
+
+class LLM:
+    """``LLM(model=None, **engine_flags)``; ``model=None`` is the embedded SmolLM2-135M-Instruct.
+
+    Engine flags carry vLLM's names (``dtype``, ``max_model_len``, ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``block_size``, ``seed``, …) plus ``num_kv_blocks``.
+    """
+
+    def __init__(self, model: str | None = None, **engine_flags):
+        self.engine = EngineSystem(EngineConfig.from_flags(model, **engine_flags))
+        self.config = self.engine.config
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order.
+
+        A prompt is text, a list of token ids, or ``{"prompt_token_ids": [...]}``. If any prompt
+        or parameter is refused, nothing of this call keeps running and the error is raised.
+        """
+        prompts = _as_list(prompts)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
+        sink: queue.Queue[RequestOutput] = queue.Queue()
+        request_ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                request_id = str(next(self._ids))
+                self.engine.frontend.ask(SubmitRequest(request_id, _prompt_input(prompt), p, sink))
+                request_ids.append(request_id)
+        except Exception:
+            self.engine.frontend.tell(AbortRequests(request_ids))
+            raise
+        by_id: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Generating", unit="req",
+                  disable=not use_tqdm) as bar:
+            while len(by_id) < len(request_ids):
+                output = sink.get()
+                by_id[output.request_id] = output
+                bar.update(1)
+        return [by_id[rid] for rid in request_ids]
+
+    def chat(self, messages: list[dict] | Sequence[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the chat template."""
+        if not messages:
+            raise ValueError("messages: the conversation is empty")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt)}
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt=True) -> list[int]:
+        if not conversation:
+            raise ValueError("messages: the conversation is empty")
+        ids = self.tokenizer.apply_chat_template(conversation, tokenize=True,
+                                                 add_generation_prompt=add_generation_prompt)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def stats(self) -> dict:
+        """Scheduler and KV pool counters (for tests, metrics and the curious)."""
+        s, kv = self.engine.scheduler_stats(), self.engine.kv_stats()
+        return {"num_running": s.num_running, "num_waiting": s.num_waiting,
+                "num_preemptions": s.num_preemptions, "num_steps": s.num_steps,
+                "num_finished": s.num_finished, "num_free_blocks": kv.num_free_blocks,
+                "num_total_blocks": kv.num_total_blocks,
+                "num_requests_holding_blocks": kv.num_requests_holding_blocks}
+
+    def shutdown(self) -> None:
+        self.engine.stop()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _as_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):  # one prompt given as token ids
+        return [prompts]
+    return prompts
+
+
+def _prompt_input(prompt: PromptType) -> str | list[int]:
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, (str, list)):
+        return prompt
+    raise ValueError(f"prompt: expected text, token ids or a dict, got {type(prompt).__name__}")

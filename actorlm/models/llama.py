@@ -1,0 +1,254 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over the paged KV cache.
+
+Inputs are one flattened batch of T tokens (no padding, no batch dimension); every attention
+layer writes its new K/V into the paged cache and attends through the kernel backend, so the
+same module runs the Triton kernels on a GPU and their torch twins on a CPU. q/k/v and
+gate/up are merged into one matmul each; ``load_weights`` maps Hugging Face names onto them.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actorlm.kernels import KernelBackend
+from actorlm.models.metadata import AttentionMetadata
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+# HF checkpoint name fragment -> (merged parameter fragment, shard index)
+_STACKED = {
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class Linear(nn.Module):
+    """nn.Linear without the random init: every weight comes from the checkpoint."""
+
+    def __init__(self, in_features, out_features, bias, dtype, device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), False) if bias else None
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps, dtype, device):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), False)
+
+    def forward(self, x):
+        # As HF does: normalise in fp32, cast back, then scale (the order changes bf16 results).
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config, device=None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [D/2] fp32, attention_scaling) through transformers' own RoPE init functions.
+
+    transformers 5 keeps ``rope_theta`` and the scaling type in ``config.rope_parameters``;
+    older versions have ``rope_theta`` and ``rope_scaling`` attributes.
+    """
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in ("dynamic", "longrope"):
+        # These switch frequencies with the running sequence length; not supported here.
+        raise ValueError(f"rope type {rope_type!r} is not supported")
+    if rope_type == "default" and "default" not in ROPE_INIT_FUNCTIONS:
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        dim = _head_dim(config)
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float().to(device) / dim))
+        return inv_freq, 1.0
+    return ROPE_INIT_FUNCTIONS[rope_type](config, device)
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, backend: KernelBackend, dtype, device):
+        super().__init__()
+        self.backend = backend
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = _head_dim(config)
+        self.scale = self.head_dim**-0.5
+        hidden = config.hidden_size
+        is_qwen2 = config.model_type == "qwen2"
+        # Qwen2 always has a qkv bias (and none on o_proj); the others follow attention_bias.
+        qkv_bias = is_qwen2 or bool(getattr(config, "attention_bias", False))
+        o_bias = not is_qwen2 and bool(getattr(config, "attention_bias", False))
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias, dtype, device)
+        self.o_proj = Linear(self.q_size, hidden, o_bias, dtype, device)
+        self.q_norm = self.k_norm = None
+        if config.model_type == "qwen3":
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
+
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
+        # x: [T, hidden]; cos, sin: [T, 1, D]
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k_cache, v_cache = kv_cache
+        self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = self.backend.paged_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, self.scale,
+            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+        )  # fmt: skip
+        return self.o_proj(o.reshape(num_tokens, self.q_size))  # o: [T, Hq, D]
+
+
+class MLP(nn.Module):
+    def __init__(self, config, dtype, device):
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias, dtype, device)
+        self.down_proj = Linear(self.intermediate_size, config.hidden_size, bias, dtype, device)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [T, I]
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, backend, dtype, device):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+        self.self_attn = Attention(config, backend, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+        self.mlp = MLP(config, dtype, device)
+
+    def forward(self, x, cos, sin, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBody(nn.Module):
+    """Named ``model`` inside LlamaForCausalLM so parameter names match HF checkpoints."""
+
+    def __init__(self, config, backend, dtype, device):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, backend, dtype, device) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config, backend: KernelBackend, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {config.model_type!r} is not supported (use one of {SUPPORTED_MODEL_TYPES})")
+        self.config = config
+        self.dtype = dtype
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = _head_dim(config)
+        self.vocab_size = config.vocab_size
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.model = LlamaBody(config, backend, dtype, device)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        inv_freq, self.attention_scaling = rope_inv_freq(config, device)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def rope(self, positions):
+        """cos, sin: [T, 1, D], computed as HF does (fp32 angles, then cast to the model dtype)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attention_scaling).to(self.dtype)
+        sin = (emb.sin() * self.attention_scaling).to(self.dtype)
+        return cos[:, None, :], sin[:, None, :]
+
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] int64; kv_caches: per layer (k_cache, v_cache) -> [T, hidden]."""
+        cos, sin = self.rope(positions)
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> logits [N, V] float32."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the (merged) parameters; raises if any is left unset."""
+        params = dict(self.named_parameters())  # a tied lm_head appears once, as embed_tokens
+        missing = {key for name in params for key in _load_keys(name)}
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
+                continue  # recomputed at init / shared with embed_tokens
+            target, shard = name, None
+            for fragment, (merged, index) in _STACKED.items():
+                if fragment in name:
+                    target, shard = name.replace(fragment, merged), index
+                    break
+            if target not in params:
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            dst = params[target]
+            if shard is not None:
+                start, size = self._shard_range(target, shard)
+                dst = dst.narrow(0, start, size)
+            if dst.shape != tensor.shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            with torch.no_grad():
+                dst.copy_(tensor.to(dtype=dst.dtype, device=dst.device))
+            missing.discard(target if shard is None else f"{target}#{shard}")
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing)}")
+
+    def _shard_range(self, merged_name, shard) -> tuple[int, int]:
+        """(first row, rows) of shard ``shard`` inside a merged weight or bias."""
+        if ".qkv_proj." in merged_name:
+            attn = self.model.layers[0].self_attn
+            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        else:
+            sizes = [self.config.intermediate_size] * 2
+        return sum(sizes[:shard]), sizes[shard]
+
+
+def _load_keys(param_name) -> list[str]:
+    """What must be loaded to fill ``param_name``: one key per checkpoint tensor merged into it."""
+    if ".qkv_proj." in param_name:
+        return [f"{param_name}#{i}" for i in range(3)]
+    if ".gate_up_proj." in param_name:
+        return [f"{param_name}#{i}" for i in range(2)]
+    return [param_name]

@@ -1,0 +1,32 @@
+"""What a caller gets back: vLLM's RequestOutput / CompletionOutput shapes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    prompt_logprobs: list | None = None
+    error: str | None = None  # set when the engine failed this request (finish_reason "error")
+    metrics: dict = field(default_factory=dict)

@@ -1,0 +1,135 @@
+"""Session fixtures: a tiny tokenizer, tiny random Llama/Qwen2/Qwen3 checkpoints, SmolLM2.
+
+The tiny checkpoints are real transformers models saved as Hugging Face directories, so every
+test exercises the same loading path as a user's model and can compare against transformers.
+Weights are drawn with a wide ``initializer_range`` so greedy continuations are peaky (no
+near-ties that flip under float noise) without collapsing into one repeated token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+__all__ = ["tiny_tokenizer_dir", "tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "smollm2_dir"]
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a
+single step. Once upon a time there was a small village at the edge of a great forest, and
+in that village lived an old baker who rose every morning before the sun to bake bread.
+The people of the village loved his bread, and children would gather at his door to smell
+the warm loaves. One winter the river froze, the roads closed, and no flour could reach the
+village. The baker opened his last sack and shared it with every family until spring came.
+Machine learning models read text as tokens. A tokenizer splits words into pieces that the
+model has seen before, and the model predicts the next piece, one step at a time, until it
+writes an answer. Questions and answers, numbers like 1, 2, 3, 42 and 2024, and punctuation
+such as commas, periods, colons: all of them become tokens.
+"""
+_SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory):
+    """A byte-level BPE tokenizer (~400 tokens) with ChatML special tokens; eos is <|im_end|>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=_SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="<|im_end|>",
+        pad_token="<pad>",
+        unk_token=None,
+        chat_template=_CHAT_TEMPLATE,
+    )
+    path = tmp_path_factory.mktemp("tiny_tokenizer")
+    fast.save_pretrained(path)
+    return path
+
+
+def _save_tiny(tmp_path_factory, tokenizer_dir, name, config, seed):
+    """Random weights for ``config`` saved with the tokenizer beside them; returns the dir."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    with torch.random.fork_rng(devices=[]):  # leave the session's global RNG alone
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            # HF initialises biases to 0 and norms to 1; perturb them so a mis-mapped bias
+            # or norm weight shows up in the logits.
+            for name_, param in model.named_parameters():
+                if name_.endswith("bias"):
+                    param.normal_(0.0, 0.1)
+                elif "norm" in name_:
+                    param.add_(torch.randn_like(param) * 0.1)
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _common(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, tiny_tokenizer_dir):
+    """Llama, 2 layers, hidden 64, 4 query / 2 KV heads, tied embeddings."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**_common(tiny_tokenizer_dir), tie_word_embeddings=True, rope_theta=10000.0)
+    return _save_tiny(tmp_path_factory, tiny_tokenizer_dir, "tiny_llama", config, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory, tiny_tokenizer_dir):
+    """Qwen2 (qkv bias), untied lm_head."""
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(**_common(tiny_tokenizer_dir), tie_word_embeddings=False, rope_theta=1000000.0)
+    return _save_tiny(tmp_path_factory, tiny_tokenizer_dir, "tiny_qwen2", config, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory, tiny_tokenizer_dir):
+    """Qwen3 (per-head q/k RMSNorm), untied lm_head."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(**_common(tiny_tokenizer_dir), tie_word_embeddings=False, rope_theta=1000000.0)
+    return _save_tiny(tmp_path_factory, tiny_tokenizer_dir, "tiny_qwen3", config, seed=2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The embedded default model as an HF directory (dequantized once, then cached)."""
+    from actorlm.models.loader import resolve_model
+
+    return resolve_model(None)

@@ -1,0 +1,60 @@
+"""Greedy output of the whole actor engine equals transformers' greedy on the same weights."""
+
+import random
+
+import pytest
+from engine_helpers import hf_greedy
+
+from actorlm import SamplingParams
+
+NUM_TOKENS = 32
+GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def mixed_prompts(vocab_size: int, lengths=(3, 17, 9, 30, 1, 24, 12)) -> list[list[int]]:
+    rng = random.Random(1234)
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def cases(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir):
+    """(model dir, prompts, transformers' greedy tokens) per architecture, computed once."""
+    from transformers import AutoConfig
+
+    out = {}
+    for name, path in [("llama", tiny_llama_dir), ("qwen2", tiny_qwen2_dir),
+                       ("qwen3", tiny_qwen3_dir)]:
+        prompts = mixed_prompts(AutoConfig.from_pretrained(path).vocab_size)
+        out[name] = (path, prompts, hf_greedy(path, prompts, NUM_TOKENS))
+    return out
+
+
+def generate_ids(llm, prompts):
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outputs] == prompts
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outputs)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_batch_of_mixed_lengths(arch, cases, make_llm):
+    path, prompts, expected = cases[arch]
+    llm = make_llm(str(path))
+    assert generate_ids(llm, prompts) == expected
+    assert llm.stats()["num_preemptions"] == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_under_kv_pressure_requests_are_preempted_and_recomputed(arch, cases, make_llm):
+    path, prompts, expected = cases[arch]
+    # 7 requests of up to 62 tokens share 20 blocks of 4 tokens: preemption is unavoidable
+    llm = make_llm(str(path), block_size=4, num_kv_blocks=20, max_model_len=64)
+    assert generate_ids(llm, prompts) == expected
+    assert llm.stats()["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_chunked_prefill(arch, cases, make_llm):
+    path, prompts, expected = cases[arch]
+    llm = make_llm(str(path), max_num_batched_tokens=8, block_size=4)
+    assert generate_ids(llm, prompts) == expected
