@@ -1,44 +1,92 @@
-"""SamplingParams: vLLM's field names, defaults and validation ranges."""
+"""SamplingParams: vLLM's field names, defaults, semantics and validation ranges.
+
+Everything that can be checked without the model is checked on construction and raises a
+``ValueError`` that names the field. Checks that need the model (a token id outside the
+vocabulary, logprobs above the engine's cap) happen when the request is submitted.
+"""
 
 from __future__ import annotations
 
 import msgspec
+from msgspec.structs import force_setattr
 
 _GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
-    """How to sample one request. Validated on construction; every error names the field."""
+    """How to sample one request (see vLLM's ``SamplingParams`` for each field's meaning)."""
 
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16
-    stop_token_ids: list[int] = []
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
-        _check(self.n == 1, "n", f"n must be 1 (got {self.n}); n > 1 is not supported yet")
-        _check(0.0 <= self.temperature <= 2.0, "temperature",
-               f"temperature must be in [0, 2], got {self.temperature}")
-        _check(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= -1, "top_k",
-               f"top_k must be 0 or -1 (disabled) or at least 1, got {self.top_k}")
-        _check(0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        # normalise: stop is always a list, absent lists are empty
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        force_setattr(self, "stop", stop)
+        force_setattr(self, "stop_token_ids", list(self.stop_token_ids or []))
+        force_setattr(self, "bad_words", list(self.bad_words or []))
+        if self.logit_bias is not None:
+            force_setattr(self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
+        _check(0.0 <= self.temperature <= 2.0, "temperature", f"must be in [0, 2], got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= -1, "top_k", f"must be 0 or -1 (disabled) or at least 1, got {self.top_k}")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value}")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty",
+               f"must be greater than 0, got {self.repetition_penalty}")
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
-               f"max_tokens must be at least 1, got {self.max_tokens}")
+               f"must be at least 1, got {self.max_tokens}")
+        _check(self.min_tokens >= 0, "min_tokens", f"must be at least 0, got {self.min_tokens}")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or value >= 0, name, f"must be at least 0, got {value}")
+        _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids}")
+               f"must be non-negative token ids, got {self.stop_token_ids}")
+        _check(self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+               "allowed_token_ids", "must not be empty")
+        if self.logit_bias:
+            for token_id, bias in self.logit_bias.items():
+                _check(-100.0 <= bias <= 100.0, "logit_bias",
+                       f"bias for token {token_id} must be in [-100, 100], got {bias}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
+    @property
+    def max_logprobs_requested(self) -> int:
+        return max(self.logprobs or 0, self.prompt_logprobs or 0)
+
 
 def _check(ok: bool, field: str, message: str) -> None:
     if not ok:
-        raise ValueError(f"{field}: {message}" if not message.startswith(field) else message)
+        raise ValueError(f"{field}: {message}")

@@ -11,6 +11,7 @@ from typing import Callable
 
 import pykka
 
+from actorlm.actors.base import tell
 from actorlm.actors.worker import WorkerActor
 from actorlm.messages import ScheduleStep, StepResult, WorkerResult
 
@@ -49,7 +50,7 @@ class ExecutorActor(pykka.ThreadingActor):
             if len(self._results) == len(self.workers):
                 # every rank samples identically; rank 0 speaks for the step
                 self._step = None
-                self.scheduler.tell(self._results[0])
+                tell(self.scheduler, self._results[0])
         else:
             raise TypeError(f"ExecutorActor cannot handle {type(message).__name__}")
 
@@ -57,6 +58,6 @@ class ExecutorActor(pykka.ThreadingActor):
         step, self._step = self._step, None
         log.error("worker %d is dead; failing step %d and restarting it", rank, step.step_id)
         request_ids = [d.request_id for d in step.new_requests + step.cached_requests]
-        self.scheduler.tell(StepResult(step.step_id, [], [], f"worker {rank} died", request_ids))
+        tell(self.scheduler, StepResult(step.step_id, [], [], f"worker {rank} died", request_ids))
         self.runners[rank] = self.make_runner(rank)
         self.workers[rank] = WorkerActor.start(rank, self.runners[rank], self.actor_ref)

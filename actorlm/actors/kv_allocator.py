@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pykka
 
+from actorlm.actors.base import tell
 from actorlm.core.block_pool import BlockPool
 from actorlm.messages import AllocateSlots, GetStats, KVStats
 
@@ -16,7 +17,7 @@ class KVAllocatorActor(pykka.ThreadingActor):
 
     def on_receive(self, message):
         if isinstance(message, AllocateSlots):
-            self.scheduler.tell(self.pool.grant(message))
+            tell(self.scheduler, self.pool.grant(message))
         elif isinstance(message, GetStats):
             return KVStats(self.pool.num_free_blocks, self.pool.num_total_blocks,
                            self.pool.num_requests_holding_blocks)

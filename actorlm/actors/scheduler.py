@@ -16,6 +16,7 @@ from enum import Enum
 
 import pykka
 
+from actorlm.actors.base import tell
 from actorlm.core.scheduler import Scheduler, StepPlan
 from actorlm.fsm import RequestEvent
 from actorlm.messages import (AbortRequests, AddRequest, Connect, EngineOutputs, FailRequests,
@@ -47,7 +48,7 @@ class SchedulerActor(pykka.ThreadingActor):
                 self.scheduler.add_request(message)
             except ValueError as exc:  # a duplicate id: refuse it alone
                 refusal = RequestDelta(message.request_id, [], "error", None, str(exc))
-                self.frontend.tell(EngineOutputs(-1, [refusal]))
+                tell(self.frontend, EngineOutputs(-1, [refusal]))
             self._kick()
         elif isinstance(message, (AbortRequests, FailRequests)):
             self._deferred.append(message)
@@ -83,7 +84,7 @@ class SchedulerActor(pykka.ThreadingActor):
         if plan is None:
             return
         self._plan, self._phase = plan, _Phase.ALLOCATING
-        self.allocator.tell(plan.allocate_message())
+        tell(self.allocator, plan.allocate_message())
 
     def _on_granted(self, granted: SlotsGranted) -> None:
         step = self.scheduler.on_slots_granted(self._plan, granted)
@@ -93,7 +94,7 @@ class SchedulerActor(pykka.ThreadingActor):
             return
         self._phase = _Phase.RUNNING
         self.num_steps += 1
-        self.executor.tell(step)
+        tell(self.executor, step)
 
     def _on_result(self, result: StepResult) -> None:
         outputs = self.scheduler.update_from_output(self._plan, result)
@@ -127,4 +128,4 @@ class SchedulerActor(pykka.ThreadingActor):
 
     def _send(self, outputs: EngineOutputs) -> None:
         if outputs.deltas:
-            self.frontend.tell(outputs)
+            tell(self.frontend, outputs)

@@ -6,6 +6,7 @@ import logging
 
 import pykka
 
+from actorlm.actors.base import tell
 from actorlm.messages import ScheduleStep, StepResult, WorkerResult
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,6 @@ class WorkerActor(pykka.ThreadingActor):
             if result.error:
                 log.error("worker %d: step %d failed for requests %s: %s", self.rank,
                           result.step_id, result.failed_request_ids, result.error)
-            self.executor.tell(WorkerResult(self.rank, result))
+            tell(self.executor, WorkerResult(self.rank, result))
         else:
             raise TypeError(f"WorkerActor cannot handle {type(message).__name__}")

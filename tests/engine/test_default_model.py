@@ -1,0 +1,32 @@
+"""The embedded default model (SmolLM2-135M-Instruct) end to end."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from engine_helpers import hf_greedy
+
+from actorlm import SamplingParams
+from actorlm.benchmark.throughput import bench_prompts
+
+pytestmark = pytest.mark.slow
+
+
+def test_sixteen_prompts_together_match_transformers_greedy(smollm2_dir, make_llm):
+    llm = make_llm(None)
+    prompts = [llm.apply_chat_template(c) for c in bench_prompts(16)]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True),
+                           use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(smollm2_dir, prompts, 64)
+
+
+def test_cli_answers_the_capital_of_france(smollm2_dir):
+    actorlm = Path(sys.executable).with_name("actorlm")
+    result = subprocess.run([str(actorlm), "generate", "--chat", "What is the capital of France?"],
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
