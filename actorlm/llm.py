@@ -85,7 +85,8 @@ class LLM:
         s, kv = self.engine.scheduler_stats(), self.engine.kv_stats()
         return {"num_running": s.num_running, "num_waiting": s.num_waiting,
                 "num_preemptions": s.num_preemptions, "num_steps": s.num_steps,
-                "num_finished": s.num_finished, "num_free_blocks": kv.num_free_blocks,
+                "num_finished": s.num_finished, "num_scheduled_tokens": s.num_scheduled_tokens,
+                "num_free_blocks": kv.num_free_blocks,
                 "num_total_blocks": kv.num_total_blocks,
                 "num_requests_holding_blocks": kv.num_requests_holding_blocks}
 

@@ -47,17 +47,26 @@ class SubmitRequest(_Message):
 
 
 class AddRequest(_Message):
-    """A validated, tokenized request entering the engine."""
+    """A validated, tokenized request entering the engine. With ``sampling_params.n > 1`` the
+    scheduler runs ``n`` children named ``child_request_id(request_id, i)``."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     seed: int
     arrival_time: float
+    bad_words_token_ids: list[list[int]] = []
 
 
 class AbortRequests(_Message):
     request_ids: list[str]
+
+
+class StopRequests(_Message):
+    """The frontend found a stop string: finish these with reason "stop" and free their blocks."""
+
+    request_ids: list[str]
+    stop_reasons: list[str]
 
 
 class FailRequests(_Message):
@@ -65,6 +74,15 @@ class FailRequests(_Message):
 
     request_ids: list[str]
     error: str
+
+
+class PositionLogprobs(_StepMessage):
+    """Log-probabilities at one position: ``token_ids[0]`` is the token actually there (sampled
+    or given), followed by the top-k; ``rank`` is the first token's 1-based rank."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
 
 
 class RequestDelta(_StepMessage):
@@ -76,6 +94,8 @@ class RequestDelta(_StepMessage):
     stop_reason: int | str | None = None
     error: str | None = None
     num_cached_tokens: int = 0
+    new_logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs] | None = None  # positions computed in this step
 
 
 class EngineOutputs(_StepMessage):
@@ -89,7 +109,9 @@ class EngineOutputs(_StepMessage):
 
 
 class AllocateSlots(_StepMessage):
-    """One step's block traffic: free what finished or was preempted, then grant blocks.
+    """One step's block traffic, applied in this order: requests take references on blocks
+    they share (``n > 1`` children on their parent's prompt), finished or preempted requests
+    release theirs, then the step's new blocks are granted.
 
     The scheduler plans against the free count the allocator last reported, so the grant
     never fails; the allocator still checks and refuses the whole step if it would.
@@ -99,6 +121,8 @@ class AllocateSlots(_StepMessage):
     free_request_ids: list[str]
     request_ids: list[str]
     num_new_blocks: list[int]
+    share_request_ids: list[str] = []
+    shared_block_ids: list[list[int]] = []
 
 
 class SlotsGranted(_StepMessage):
@@ -126,11 +150,9 @@ class NewRequestData(_StepMessage):
     num_prompt_tokens: int
     block_ids: list[int]
     num_computed_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
+    sampling_params: SamplingParams
     seed: int
+    bad_words_token_ids: list[list[int]] = []
 
 
 class CachedRequestData(_StepMessage):
@@ -153,15 +175,27 @@ class ScheduleStep(_StepMessage):
     finished_request_ids: list[str]
 
 
+class PromptLogprobs(_StepMessage):
+    """Logprobs of prompt tokens ``start, start + 1, …`` (the ones this step's logits predict)."""
+
+    request_id: str
+    start: int
+    positions: list[PositionLogprobs]
+
+
 class StepResult(_StepMessage):
     """Sampled tokens of one step. ``sampled_token_ids[i]`` belongs to ``request_ids[i]``;
-    requests still mid-prefill are absent. ``error`` is set when the step failed as a whole."""
+    requests still mid-prefill are absent. ``logprobs`` is aligned with them (None where not
+    asked). ``failed_request_ids`` failed in this step (all of them when ``error`` is a fault of
+    the whole step)."""
 
     step_id: int
     request_ids: list[str]
     sampled_token_ids: list[int]
     error: str | None = None
     failed_request_ids: list[str] = []
+    logprobs: list[PositionLogprobs | None] = []
+    prompt_logprobs: list[PromptLogprobs] = []
 
 
 class WorkerResult(_StepMessage):
@@ -186,6 +220,7 @@ class SchedulerStats(_Message):
     num_free_blocks: int
     num_total_blocks: int
     num_finished: int
+    num_scheduled_tokens: int = 0  # every token computed so far, prefill and decode
 
 
 class KVStats(_Message):
@@ -200,6 +235,11 @@ class Connect(_Message):
     frontend: Any
     allocator: Any
     executor: Any
+
+
+def child_request_id(request_id: str, index: int) -> str:
+    """The engine-side id of child ``index`` of an ``n > 1`` request (vLLM's naming)."""
+    return f"{index}_{request_id}"
 
 
 STEP_MESSAGE_TYPES = (AllocateSlots, SlotsGranted, SlotsRefused, ScheduleStep, StepResult,

@@ -6,12 +6,25 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One candidate token at one position (vLLM's Logprob)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# per position: token id -> Logprob, the token actually chosen first, then the top-k
+PositionLogprobDict = dict[int, Logprob]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list | None = None
+    logprobs: list[PositionLogprobDict] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
 
@@ -27,6 +40,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    prompt_logprobs: list | None = None
+    prompt_logprobs: list[PositionLogprobDict | None] | None = None
     error: str | None = None  # set when the engine failed this request (finish_reason "error")
     metrics: dict = field(default_factory=dict)

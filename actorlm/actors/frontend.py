@@ -2,42 +2,36 @@
 
 It refuses bad input with a ``ValueError`` before anything is allocated, tokenizes, gives each
 request its sampling seed, and turns each step's ``EngineOutputs`` into ``RequestOutput``s
-delivered to the request's sink (a queue the caller reads).
+delivered to the request's sink (a queue the caller reads): after every step when streaming,
+once at the end otherwise. Stop strings are found here, since only the frontend sees text.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field
 
 import pykka
 
-from actorlm.messages import AbortRequests, AddRequest, EngineOutputs, SubmitRequest
-from actorlm.outputs import CompletionOutput, RequestOutput
+from actorlm.actors.base import tell
+from actorlm.core.output_stream import OutputStream
+from actorlm.messages import AbortRequests, AddRequest, EngineOutputs, StopRequests, SubmitRequest
 from actorlm.sampling_params import SamplingParams
 
 _SEED_RANGE = 1 << 63  # seeds travel as int64 to the sampling kernels
-
-
-@dataclass
-class _Stream:
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    sink: object
-    stream: bool
-    token_ids: list[int] = field(default_factory=list)
+MAX_LOGPROBS = 20  # vLLM's default cap on logprobs and prompt_logprobs
 
 
 class FrontendActor(pykka.ThreadingActor):
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int,
-                 scheduler: pykka.ActorRef, seed: int = 0):
+                 scheduler: pykka.ActorRef, seed: int = 0, clock=time):
         super().__init__()
+        self.clock = clock  # anything with monotonic(): the time module or a ManualClock
         self.tokenizer, self.scheduler = tokenizer, scheduler
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self._rng = random.Random(seed)  # seeds for requests that bring none
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, OutputStream] = {}
+        self._children: dict[str, tuple[OutputStream, int]] = {}  # engine id -> (stream, index)
 
     def on_receive(self, message):
         if isinstance(message, SubmitRequest):
@@ -45,7 +39,7 @@ class FrontendActor(pykka.ThreadingActor):
         if isinstance(message, EngineOutputs):
             self.deliver(message)
         elif isinstance(message, AbortRequests):
-            self.scheduler.tell(message)
+            tell(self.scheduler, AbortRequests(self._engine_ids(message.request_ids)))
         else:
             raise TypeError(f"FrontendActor cannot handle {type(message).__name__}")
 
@@ -55,10 +49,17 @@ class FrontendActor(pykka.ThreadingActor):
             raise ValueError(f"request id {msg.request_id!r} is already in use")
         token_ids = self.tokenize(msg.prompt)
         params = msg.sampling_params
+        self._validate(params)
         seed = self._rng.randrange(_SEED_RANGE) if params.seed is None else params.seed % _SEED_RANGE
         text = msg.prompt if isinstance(msg.prompt, str) else None
-        self._streams[msg.request_id] = _Stream(text, token_ids, params, msg.sink, msg.stream)
-        self.scheduler.tell(AddRequest(msg.request_id, token_ids, params, seed, time.monotonic()))
+        stream = OutputStream(msg.request_id, text, token_ids, params, self.tokenizer, msg.sink,
+                              msg.stream)
+        self._streams[msg.request_id] = stream
+        for index, engine_id in enumerate(stream.engine_ids):
+            self._children[engine_id] = (stream, index)
+        arrival_time = self.clock.monotonic()
+        self.scheduler.tell(AddRequest(msg.request_id, token_ids, params, seed, arrival_time,
+                                       self._bad_words(params.bad_words)))
         return token_ids
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -70,10 +71,7 @@ class FrontendActor(pykka.ThreadingActor):
             token_ids = list(prompt)
             if not token_ids:
                 raise ValueError("prompt_token_ids: the prompt is empty")
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt_token_ids: token id {bad[0]!r} is outside the "
-                                 f"vocabulary [0, {self.vocab_size})")
+            self._check_token_ids("prompt_token_ids", token_ids)
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. "
                              f"However, your request has {len(token_ids)} input tokens. "
@@ -81,22 +79,57 @@ class FrontendActor(pykka.ThreadingActor):
         return token_ids
 
     def deliver(self, outputs: EngineOutputs) -> None:
+        touched: dict[str, OutputStream] = {}
+        stops: list[tuple[str, str]] = []
         for delta in outputs.deltas:
-            stream = self._streams.get(delta.request_id)
-            if stream is None:
+            entry = self._children.get(delta.request_id)
+            if entry is None:
                 continue
-            stream.token_ids.extend(delta.new_token_ids)
-            finished = delta.finish_reason is not None
-            if finished:
-                del self._streams[delta.request_id]
-            if finished or stream.stream:
-                stream.sink.put(self._output(delta.request_id, stream, delta, finished))
+            stream, index = entry
+            stop = stream.apply(index, delta)
+            if stop is not None and delta.finish_reason is None:
+                stops.append((delta.request_id, stop))
+            touched[stream.request_id] = stream
+        if stops:  # the engine is still running them: stop them and free their blocks
+            tell(self.scheduler, StopRequests([rid for rid, _ in stops], [s for _, s in stops]))
+        for stream in touched.values():
+            if stream.finished:
+                del self._streams[stream.request_id]
+                for engine_id in stream.engine_ids:
+                    del self._children[engine_id]
+            if stream.finished or stream.stream:
+                stream.sink.put(stream.output())
 
-    def _output(self, request_id: str, stream: _Stream, delta, finished: bool) -> RequestOutput:
-        text = self.tokenizer.decode(stream.token_ids,
-                                     skip_special_tokens=stream.params.skip_special_tokens)
-        completion = CompletionOutput(0, text, list(stream.token_ids),
-                                      finish_reason=delta.finish_reason,
-                                      stop_reason=delta.stop_reason)
-        return RequestOutput(request_id, stream.prompt, stream.prompt_token_ids, [completion],
-                             finished, delta.num_cached_tokens, error=delta.error)
+    def _validate(self, params: SamplingParams) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > MAX_LOGPROBS:
+                raise ValueError(f"{name}: at most {MAX_LOGPROBS} are supported, got {value}")
+        if params.logit_bias:
+            self._check_token_ids("logit_bias", list(params.logit_bias))
+        if params.allowed_token_ids:
+            self._check_token_ids("allowed_token_ids", params.allowed_token_ids)
+
+    def _check_token_ids(self, field: str, token_ids: list[int]) -> None:
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{field}: token id {bad[0]!r} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+
+    def _bad_words(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as token ids, alone and after a space (how it appears mid-text)."""
+        found = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in found:
+                    found.append(ids)
+        return found
+
+    def _engine_ids(self, request_ids: list[str]) -> list[str]:
+        """Caller ids to engine ids: a request with n > 1 runs as n children."""
+        out = []
+        for request_id in request_ids:
+            stream = self._streams.get(request_id)
+            out += stream.engine_ids if stream is not None else [request_id]
+        return out

@@ -21,7 +21,7 @@ from actorlm.core.scheduler import Scheduler, StepPlan
 from actorlm.fsm import RequestEvent
 from actorlm.messages import (AbortRequests, AddRequest, Connect, EngineOutputs, FailRequests,
                               GetStats, RequestDelta, SchedulerStats, SlotsGranted, SlotsRefused,
-                              StepResult)
+                              StepResult, StopRequests)
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class SchedulerActor(pykka.ThreadingActor):
         self.frontend = self.allocator = self.executor = None
         self._phase = _Phase.IDLE
         self._plan: StepPlan | None = None
-        self._deferred: list[AbortRequests | FailRequests] = []
+        self._deferred: list[AbortRequests | FailRequests | StopRequests] = []
         self.num_steps = 0
 
     def on_receive(self, message):
@@ -50,11 +50,12 @@ class SchedulerActor(pykka.ThreadingActor):
                 refusal = RequestDelta(message.request_id, [], "error", None, str(exc))
                 tell(self.frontend, EngineOutputs(-1, [refusal]))
             self._kick()
-        elif isinstance(message, (AbortRequests, FailRequests)):
+        elif isinstance(message, (AbortRequests, FailRequests, StopRequests)):
             self._deferred.append(message)
             if self._phase is _Phase.IDLE:
-                self._send(EngineOutputs(-1, self._apply_deferred()))
-                self._kick()
+                deltas = self._apply_deferred()
+                self._kick()  # frees travel before the news, as after a step
+                self._send(EngineOutputs(-1, deltas))
         elif isinstance(message, SlotsGranted):
             self._on_granted(message)
         elif isinstance(message, StepResult):
@@ -72,7 +73,8 @@ class SchedulerActor(pykka.ThreadingActor):
     def stats(self) -> SchedulerStats:
         s = self.scheduler
         return SchedulerStats(len(s.running), len(s.waiting), s.num_preemptions, self.num_steps,
-                              s.num_free_blocks, s.num_total_blocks, s.num_finished)
+                              s.num_free_blocks, s.num_total_blocks, s.num_finished,
+                              s.num_scheduled_tokens)
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -121,6 +123,9 @@ class SchedulerActor(pykka.ThreadingActor):
         for message in self._deferred:
             if isinstance(message, FailRequests):
                 deltas += self.scheduler.abort(message.request_ids, RequestEvent.FAIL, message.error)
+            elif isinstance(message, StopRequests):
+                deltas += self.scheduler.abort(message.request_ids, RequestEvent.FINISH,
+                                               stop_reasons=message.stop_reasons)
             else:
                 deltas += self.scheduler.abort(message.request_ids)
         self._deferred = []

@@ -10,6 +10,9 @@ then the workers, then the block pool.
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
 
 import pykka
 import torch
@@ -21,6 +24,7 @@ from actorlm.actors.kv_allocator import KVAllocatorActor
 from actorlm.actors.scheduler import SchedulerActor
 from actorlm.config import EngineConfig
 from actorlm.core.scheduler import Scheduler, SchedulerConfig
+from actorlm.fsm.machine import Listener
 from actorlm.kernels import select_backend
 from actorlm.messages import Connect, GetStats, KVStats, SchedulerStats
 from actorlm.models.loader import load_hf_config, load_model, resolve_model
@@ -47,8 +51,65 @@ def eos_token_ids(path, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
+@dataclass(frozen=True)
+class ModelParts:
+    """A model as the actors see it. ``EngineSystem`` loads one from ``config.model``; tests and
+    tools may pass their own (``actorlm.testing`` brings a fake runner and a toy tokenizer)."""
+
+    name: str
+    tokenizer: Any
+    make_runner: Callable[[int], Any]  # rank -> an object with execute(ScheduleStep) -> StepResult
+    vocab_size: int
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+def _direct(name: str, ref: pykka.ActorRef) -> pykka.ActorRef:
+    return ref
+
+
 class EngineSystem:
-    def __init__(self, config: EngineConfig):
+    """Starts the engine's actors. The keyword arguments are seams for tests and tools:
+    ``parts`` replaces model loading (``config`` must then be resolved already), ``clock`` is
+    what the actors read time from, ``listeners`` observe every request's state machine, and
+    ``route(name, ref)`` returns what an actor's peers are given in place of actor ``name``'s
+    ref (a test harness returns a probe that relays, to control delivery)."""
+
+    def __init__(self, config: EngineConfig, *, parts: ModelParts | None = None, clock=time,
+                 listeners: Iterable[Listener] = (),
+                 route: Callable[[str, pykka.ActorRef], Any] = _direct):
+        self.model_path = self.hf_config = self.dtype = self.device = None
+        if parts is None:
+            parts = self._load_model(config)
+        else:
+            self.config = config
+            self.tokenizer = parts.tokenizer
+        config = self.config
+        policy = Scheduler(SchedulerConfig(
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+            block_size=config.block_size, enable_chunked_prefill=config.enable_chunked_prefill,
+            eos_token_ids=parts.eos_token_ids), num_total_blocks=config.num_kv_blocks,
+            listeners=listeners)
+        self.frontend = self.allocator = self.executor = None
+        self.scheduler = SchedulerActor.start(policy)
+        to_scheduler = route("scheduler", self.scheduler)
+        try:
+            self.allocator = KVAllocatorActor.start(config.num_kv_blocks, to_scheduler)
+            self.executor = ExecutorActor.start(parts.make_runner, 1, to_scheduler)
+            self.frontend = FrontendActor.start(self.tokenizer, config.max_model_len,
+                                                parts.vocab_size, to_scheduler, config.seed,
+                                                clock=clock)
+        except BaseException:
+            self.stop()
+            raise
+        self.scheduler.tell(Connect(route("frontend", self.frontend),
+                                    route("allocator", self.allocator),
+                                    route("executor", self.executor)))
+        log.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d", parts.name,
+                 config.num_kv_blocks, config.block_size, config.max_model_len)
+
+    def _load_model(self, config: EngineConfig) -> ModelParts:
+        """Resolve the model and the config against it; the weights load in ``make_runner``."""
         self.model_path = resolve_model(config.model)
         self.hf_config = load_hf_config(self.model_path)
         device = config.torch_device
@@ -61,33 +122,15 @@ class EngineSystem:
         self.dtype, self.device = dtype, device
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         backend = select_backend(device)
+        eos_ids = eos_token_ids(self.model_path, self.tokenizer)
 
         def make_runner(rank: int) -> ModelRunner:
             model = load_model(self.model_path, dtype, device, backend)
             return ModelRunner(model, backend, config.num_kv_blocks, config.block_size, dtype,
-                               device)
+                               device, eos_ids)
 
-        policy = Scheduler(SchedulerConfig(
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-            block_size=config.block_size, enable_chunked_prefill=config.enable_chunked_prefill,
-            eos_token_ids=eos_token_ids(self.model_path, self.tokenizer)),
-            num_total_blocks=config.num_kv_blocks)
-        self.frontend = self.allocator = self.executor = None
-        self.scheduler = SchedulerActor.start(policy)
-        try:
-            self.allocator = KVAllocatorActor.start(config.num_kv_blocks, self.scheduler)
-            self.executor = ExecutorActor.start(make_runner, 1, self.scheduler)
-            self.frontend = FrontendActor.start(self.tokenizer, config.max_model_len,
-                                                self.hf_config.vocab_size, self.scheduler,
-                                                config.seed)
-        except BaseException:
-            self.stop()
-            raise
-        self.scheduler.tell(Connect(self.frontend, self.allocator, self.executor))
-        log.info("engine ready: %s (%s, %s), %d KV blocks of %d tokens, max_model_len %d",
-                 self.model_path.name, dtype, backend.name, config.num_kv_blocks,
-                 config.block_size, config.max_model_len)
+        return ModelParts(f"{self.model_path.name} ({dtype}, {backend.name})", self.tokenizer,
+                          make_runner, self.hf_config.vocab_size, eos_ids)
 
     def scheduler_stats(self) -> SchedulerStats:
         return self.scheduler.ask(GetStats())

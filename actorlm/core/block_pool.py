@@ -43,8 +43,17 @@ class BlockPool:
         self._blocks_by_request.setdefault(request_id, []).extend(new_ids)
         return new_ids
 
+    def share(self, request_id: str, block_ids: list[int]) -> None:
+        """Append blocks another request holds to this request's table (one more reference)."""
+        for block_id in block_ids:
+            if self._ref_counts[block_id] == 0:
+                raise ValueError(f"cannot share block {block_id}: it is free")
+        for block_id in block_ids:
+            self._ref_counts[block_id] += 1
+        self._blocks_by_request.setdefault(request_id, []).extend(block_ids)
+
     def free(self, request_id: str) -> int:
-        """Release every block the request holds; returns how many were released."""
+        """Drop every reference the request holds; returns how many blocks it held."""
         block_ids = self._blocks_by_request.pop(request_id, [])
         for block_id in block_ids:
             self._ref_counts[block_id] -= 1
@@ -56,7 +65,9 @@ class BlockPool:
         return list(self._blocks_by_request.get(request_id, ()))
 
     def grant(self, msg: AllocateSlots) -> SlotsGranted | SlotsRefused:
-        """Apply one step's block traffic: free first, then grant the whole step or nothing."""
+        """Apply one step's block traffic: share, free, then grant the whole step or nothing."""
+        for request_id, block_ids in zip(msg.share_request_ids, msg.shared_block_ids):
+            self.share(request_id, block_ids)
         for request_id in msg.free_request_ids:
             self.free(request_id)
         needed = sum(msg.num_new_blocks)

@@ -12,10 +12,12 @@ from actorlm.sampling_params import SamplingParams
 class Request:
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params", "seed",
                  "arrival_time", "num_computed_tokens", "block_ids", "fsm", "finish_reason",
-                 "stop_reason", "error", "num_preemptions", "is_known_to_workers")
+                 "stop_reason", "error", "num_preemptions", "is_known_to_workers",
+                 "bad_words_token_ids", "num_prompt_logprobs_sent")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 seed: int, arrival_time: float, listeners: Iterable[Listener] = ()):
+                 seed: int, arrival_time: float, listeners: Iterable[Listener] = (),
+                 bad_words_token_ids: list[list[int]] | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -30,6 +32,8 @@ class Request:
         self.error: str | None = None
         self.num_preemptions = 0
         self.is_known_to_workers = False  # False: the next step sends it in full
+        self.bad_words_token_ids = bad_words_token_ids or []
+        self.num_prompt_logprobs_sent = 0  # prompt tokens 1..this have had their logprobs sent
 
     @property
     def state(self) -> RequestState:

@@ -26,7 +26,8 @@ from actorlm.core.request import Request
 from actorlm.fsm import FinishReason, RequestEvent, RequestState
 from actorlm.fsm.machine import Listener
 from actorlm.messages import (AddRequest, AllocateSlots, CachedRequestData, EngineOutputs,
-                              NewRequestData, RequestDelta, ScheduleStep, SlotsGranted, StepResult)
+                              NewRequestData, PromptLogprobs, RequestDelta, ScheduleStep,
+                              SlotsGranted, StepResult, child_request_id)
 
 
 @dataclass(frozen=True)
@@ -54,9 +55,12 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(self.num_scheduled_tokens)
 
+    shares: list[tuple[str, list[int]]] = field(default_factory=list)
+
     def allocate_message(self) -> AllocateSlots:
         return AllocateSlots(self.step_id, self.free_request_ids,
-                             [r.request_id for r in self.requests], self.num_new_blocks)
+                             [r.request_id for r in self.requests], self.num_new_blocks,
+                             [rid for rid, _ in self.shares], [ids for _, ids in self.shares])
 
 
 class Scheduler:
@@ -70,36 +74,59 @@ class Scheduler:
         self.num_total_blocks = num_total_blocks
         self.num_free_blocks = num_total_blocks
         self._to_free: list[str] = []  # released since the last AllocateSlots
+        self._to_share: list[tuple[str, list[int]]] = []  # forked since the last AllocateSlots
+        # n > 1: children wait here until their leader (child 0) has prefilled the prompt
+        self._pending_forks: dict[str, list[Request]] = {}
+        # blocks held by two or more live requests -> number of holders (the planning view;
+        # the allocator's reference counts stay the truth)
+        self._num_holders: dict[int, int] = {}
         self._dropped_by_workers: list[str] = []  # finished or preempted since the last step
         self._next_step_id = 0
         self.num_preemptions = 0
         self.num_finished = 0
+        self.num_scheduled_tokens = 0
 
     # --- intake -------------------------------------------------------------------------------
 
     def add_request(self, msg: AddRequest) -> None:
-        """Queue a validated request (FCFS)."""
-        if msg.request_id in self.requests:
-            raise ValueError(f"request id {msg.request_id!r} is already in use")
-        request = Request(msg.request_id, msg.prompt_token_ids, msg.sampling_params, msg.seed,
-                          msg.arrival_time, self.listeners)
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
+        """Queue a validated request (FCFS); ``n > 1`` queues its first child, the others
+        follow once it has prefilled the prompt they share."""
+        n = msg.sampling_params.n
+        ids = [msg.request_id] if n == 1 else [child_request_id(msg.request_id, i) for i in range(n)]
+        if taken := [rid for rid in ids if rid in self.requests]:
+            raise ValueError(f"request id {taken[0]!r} is already in use")
+        children = [Request(rid, msg.prompt_token_ids, msg.sampling_params,
+                            (msg.seed + i) % (1 << 63), msg.arrival_time, self.listeners,
+                            msg.bad_words_token_ids) for i, rid in enumerate(ids)]
+        for request in children:
+            self.requests[request.request_id] = request
+        self.waiting.append(children[0])
+        if n > 1:
+            self._pending_forks[children[0].request_id] = children[1:]
 
     def abort(self, request_ids: Iterable[str], event=RequestEvent.ABORT,
-              error: str | None = None) -> list[RequestDelta]:
-        """Finish the given live requests (unknown or finished ids are ignored). Between steps only."""
-        reason = FinishReason.ABORT if event is RequestEvent.ABORT else FinishReason.ERROR
+              error: str | None = None, stop_reasons: Iterable[str] | None = None
+              ) -> list[RequestDelta]:
+        """Finish the given live requests (unknown or finished ids are ignored). Between steps
+        only. ``event`` FINISH with ``stop_reasons`` finishes them as stopped (stop strings)."""
+        reason = {RequestEvent.ABORT: FinishReason.ABORT, RequestEvent.FAIL: FinishReason.ERROR,
+                  RequestEvent.FINISH: FinishReason.STOP}[event]
+        stop_reasons = list(stop_reasons) if stop_reasons is not None else [None] * len(request_ids)
         deltas = []
-        for request_id in request_ids:
+        for request_id, stop_reason in zip(request_ids, stop_reasons):
             request = self.requests.get(request_id)
             if request is None:
                 continue
             if request.state is RequestState.RUNNING:
                 self.running.remove(request)
-            else:
+            elif request in self.waiting:
                 self.waiting.remove(request)
-            request.error = error
+            else:  # a child still waiting for its fork
+                for siblings in self._pending_forks.values():
+                    if request in siblings:
+                        siblings.remove(request)
+            request.error, request.stop_reason = error, stop_reason
+            self._release_pending_forks(request)
             deltas.append(self._finish(request, event, reason))
         return deltas
 
@@ -145,7 +172,8 @@ class Scheduler:
             budget -= num_tokens
 
         plan.free_request_ids, self._to_free = self._to_free, []
-        if not plan.requests and not plan.free_request_ids:
+        plan.shares, self._to_share = self._to_share, []
+        if not plan.requests and not plan.free_request_ids and not plan.shares:
             return None
         self._next_step_id += 1
         return plan
@@ -165,6 +193,7 @@ class Scheduler:
                 new.append(self._new_request_data(request))
                 request.is_known_to_workers = True
             request.num_computed_tokens += num_tokens
+            self.num_scheduled_tokens += num_tokens
         dropped, self._dropped_by_workers = self._dropped_by_workers, []
         if not plan.requests:
             self._dropped_by_workers = dropped  # nothing runs: tell the workers next time
@@ -180,19 +209,30 @@ class Scheduler:
         if result.failed_request_ids:
             deltas += self.abort(result.failed_request_ids, RequestEvent.FAIL,
                                  result.error or "the model runner failed")
-        for request_id, token_id in zip(result.request_ids, result.sampled_token_ids):
+        prompt_logprobs = {p.request_id: p for p in result.prompt_logprobs}
+        logprobs = result.logprobs or [None] * len(result.request_ids)
+        for request_id, token_id, token_logprobs in zip(result.request_ids,
+                                                        result.sampled_token_ids, logprobs):
             request = self.requests.get(request_id)
             if request is None:
                 continue
             request.output_token_ids.append(token_id)
-            reason = self._check_stop(request, token_id)
-            if reason is None:
-                deltas.append(RequestDelta(request_id, [token_id]))
-            else:
+            if request_id in self._pending_forks:
+                self._fork(request)
+            new_logprobs = [token_logprobs] if token_logprobs is not None else None
+            positions = self._new_prompt_logprobs(request, prompt_logprobs.pop(request_id, None))
+            reason = self._check_stop(request)
+            finish = stop = None
+            if reason is not None:
                 self.running.remove(request)
-                delta = self._finish(request, RequestEvent.FINISH, reason)
-                deltas.append(RequestDelta(request_id, [token_id], delta.finish_reason,
-                                           delta.stop_reason))
+                finish = self._finish(request, RequestEvent.FINISH, reason).finish_reason
+                stop = request.stop_reason
+            deltas.append(RequestDelta(request_id, [token_id], finish, stop, None,
+                                       0, new_logprobs, positions))
+        for request_id, chunk in prompt_logprobs.items():  # mid-prefill chunks
+            request = self.requests.get(request_id)
+            if request is not None and (positions := self._new_prompt_logprobs(request, chunk)):
+                deltas.append(RequestDelta(request_id, [], prompt_logprobs=positions))
         return EngineOutputs(plan.step_id, deltas)
 
     # --- internals ----------------------------------------------------------------------------
@@ -208,7 +248,14 @@ class Scheduler:
         self.num_free_blocks -= num_blocks
 
     def _release(self, request: Request) -> None:
-        self.num_free_blocks += len(request.block_ids)
+        for block_id in request.block_ids:
+            holders = self._num_holders.get(block_id)
+            if holders is None:
+                self.num_free_blocks += 1
+            elif holders > 2:
+                self._num_holders[block_id] = holders - 1
+            else:
+                del self._num_holders[block_id]  # one holder left: no longer shared
         self._to_free.append(request.request_id)
         if request.is_known_to_workers:
             self._dropped_by_workers.append(request.request_id)
@@ -234,21 +281,52 @@ class Scheduler:
         return RequestDelta(request.request_id, [], reason.value, request.stop_reason,
                             request.error)
 
-    def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:
-        params = request.sampling_params
+    def _check_stop(self, request: Request) -> FinishReason | None:
+        """vLLM's order: length caps, then (past min_tokens) EOS, then stop token ids."""
+        params, num_output = request.sampling_params, len(request.output_token_ids)
+        if request.num_tokens >= self.config.max_model_len or (
+                params.max_tokens is not None and num_output >= params.max_tokens):
+            return FinishReason.LENGTH
+        if num_output < params.min_tokens:
+            return None
+        token_id = request.output_token_ids[-1]
+        if not params.ignore_eos and token_id in self.config.eos_token_ids:
+            return FinishReason.STOP
         if token_id in params.stop_token_ids:
             request.stop_reason = token_id
             return FinishReason.STOP
-        if not params.ignore_eos and token_id in self.config.eos_token_ids:
-            return FinishReason.STOP
-        if params.max_tokens is not None and len(request.output_token_ids) >= params.max_tokens:
-            return FinishReason.LENGTH
-        if request.num_tokens >= self.config.max_model_len:
-            return FinishReason.LENGTH
         return None
 
+    def _fork(self, leader: Request) -> None:
+        """The leader has prefilled the prompt: its siblings share the prompt's full blocks and
+        recompute only the partial last block (fewer than block_size tokens each)."""
+        num_shared = (leader.num_prompt_tokens - 1) // self.config.block_size
+        shared = leader.block_ids[:num_shared]
+        children = self._pending_forks.pop(leader.request_id)
+        for child in reversed(children):
+            child.block_ids = list(shared)
+            child.num_computed_tokens = num_shared * self.config.block_size
+            self.waiting.appendleft(child)
+            if shared:
+                self._to_share.append((child.request_id, shared))
+        for block_id in shared:
+            self._num_holders[block_id] = self._num_holders.get(block_id, 1) + len(children)
+
+    def _release_pending_forks(self, leader: Request) -> None:
+        """A leader that ends before its prefill leaves its siblings to prefill on their own."""
+        for child in reversed(self._pending_forks.pop(leader.request_id, [])):
+            self.waiting.appendleft(child)
+
+    def _new_prompt_logprobs(self, request: Request, chunk: PromptLogprobs | None):
+        """Prompt logprobs not delivered before (a recompute after preemption repeats them)."""
+        if chunk is None:
+            return None
+        fresh = chunk.positions[max(0, request.num_prompt_logprobs_sent + 1 - chunk.start):]
+        request.num_prompt_logprobs_sent = max(request.num_prompt_logprobs_sent,
+                                               chunk.start + len(chunk.positions) - 1)
+        return fresh or None
+
     def _new_request_data(self, request: Request) -> NewRequestData:
-        p = request.sampling_params
         return NewRequestData(request.request_id, request.all_token_ids, request.num_prompt_tokens,
-                              list(request.block_ids), request.num_computed_tokens, p.temperature,
-                              p.top_p, p.top_k, p.min_p, request.seed)
+                              list(request.block_ids), request.num_computed_tokens,
+                              request.sampling_params, request.seed, request.bad_words_token_ids)

@@ -39,6 +39,9 @@ _ROWS = [
     Transition(_R, RequestEvent.PREEMPT, _P),
     Transition(_P, RequestEvent.SCHEDULE, _R),
     Transition(_R, RequestEvent.FINISH, _F),
+    # a stop string is found by the frontend a step after its token: the request may have
+    # been preempted in between, and it is still a normal finish
+    Transition(_P, RequestEvent.FINISH, _F),
     *(Transition(s, e, _F) for s in (_W, _R, _P) for e in (RequestEvent.ABORT, RequestEvent.FAIL)),
 ]
 

@@ -3,7 +3,8 @@
 The worker keeps every request it has been sent (``_CachedState``) and receives only deltas for
 them, so a decode step moves a handful of integers per request. Each step's scheduled tokens
 are flattened into one unpadded batch; logits are computed only at the last token of the
-requests that complete their context in this step (the others are mid-prefill).
+requests that complete their context in this step (the others are mid-prefill), plus the prompt
+positions of requests that asked for prompt logprobs.
 """
 
 from __future__ import annotations
@@ -13,36 +14,36 @@ from dataclasses import dataclass
 import torch
 
 from actorlm.kernels import KernelBackend
-from actorlm.messages import NewRequestData, ScheduleStep, StepResult
+from actorlm.messages import NewRequestData, PromptLogprobs, ScheduleStep, StepResult
 from actorlm.models.metadata import AttentionMetadata
-
-_GREEDY_EPS = 1e-5
+from actorlm.models.sampler import sample, token_logprobs
+from actorlm.sampling_params import SamplingParams
 
 
 @dataclass
 class _CachedState:
-    token_ids: list[int]
+    token_ids: list[int]  # prompt + output so far
     num_prompt_tokens: int
     block_ids: list[int]
     num_computed_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
+    sampling_params: SamplingParams
     seed: int
+    bad_words_token_ids: list[list[int]]
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> _CachedState:
         return cls(list(data.token_ids), data.num_prompt_tokens, list(data.block_ids),
-                   data.num_computed_tokens, data.temperature, data.top_p, data.top_k,
-                   data.min_p, data.seed)
+                   data.num_computed_tokens, data.sampling_params, data.seed,
+                   data.bad_words_token_ids)
 
 
 class ModelRunner:
     def __init__(self, model, backend: KernelBackend, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device,
+                 eos_token_ids: frozenset[int] = frozenset()):
         self.model, self.backend = model, backend
         self.block_size, self.device = block_size, device
+        self.eos_token_ids = eos_token_ids
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
         # one (k, v) pair per layer: [num_blocks, block_size, Hkv, D]
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
@@ -63,17 +64,16 @@ class ModelRunner:
         request_ids = [d.request_id for d in step.new_requests] + \
                       [d.request_id for d in step.cached_requests]
         try:
-            sampled_ids, tokens = self._run(request_ids, step.num_scheduled_tokens)
+            return self._run(step.step_id, request_ids, step.num_scheduled_tokens)
         except Exception as exc:  # noqa: BLE001 — a fault fails this step's requests only
             for request_id in request_ids:
                 self.requests.pop(request_id, None)
             return StepResult(step.step_id, [], [], f"{type(exc).__name__}: {exc}", request_ids)
-        return StepResult(step.step_id, sampled_ids, tokens)
 
     @torch.inference_mode()
-    def _run(self, request_ids: list[str], num_scheduled: list[int]) -> tuple[list[str], list[int]]:
+    def _run(self, step_id: int, request_ids: list[str], num_scheduled: list[int]) -> StepResult:
         states = [self.requests[rid] for rid in request_ids]
-        input_ids, positions, slots, seq_lens, logits_rows, query_start = [], [], [], [], [], [0]
+        input_ids, positions, slots, seq_lens, query_start = [], [], [], [], [0]
         bs = self.block_size
         for state, n in zip(states, num_scheduled):
             start, end = state.num_computed_tokens, state.num_computed_tokens + n
@@ -82,8 +82,6 @@ class ModelRunner:
             slots += [state.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
             seq_lens.append(end)
             query_start.append(query_start[-1] + n)
-            if end == len(state.token_ids):  # context complete: this step samples a token
-                logits_rows.append(query_start[-1] - 1)
         max_blocks = max(len(s.block_ids) for s in states)
         block_table = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in states]
 
@@ -97,29 +95,35 @@ class ModelRunner:
         hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=dev),
                             torch.tensor(positions, dtype=torch.int64, device=dev),
                             self.kv_caches, meta)  # [T, hidden]
-        sampling = [(rid, s) for rid, s, n in zip(request_ids, states, num_scheduled)
+        prompt_logprobs = self._prompt_logprobs(hidden, request_ids, states, num_scheduled,
+                                                query_start)
+        # a request whose context is complete after this step samples its next token
+        sampling = [i for i, (s, n) in enumerate(zip(states, num_scheduled))
                     if s.num_computed_tokens + n == len(s.token_ids)]
         if not sampling:
-            return [], []
-        logits = self.model.compute_logits(hidden[logits_rows])  # [N, V] fp32
-        tokens = self._sample(logits, [s for _, s in sampling]).tolist()
-        for (_, state), token in zip(sampling, tokens):
-            state.token_ids.append(token)
-        return [rid for rid, _ in sampling], tokens
+            return StepResult(step_id, [], [], prompt_logprobs=prompt_logprobs)
+        logits = self.model.compute_logits(hidden[[query_start[i + 1] - 1 for i in sampling]])
+        tokens, logprobs = sample(logits, [states[i] for i in sampling], self.backend,
+                                  self.eos_token_ids)  # logits: [N, V] fp32
+        for i, token in zip(sampling, tokens):
+            states[i].token_ids.append(token)
+        return StepResult(step_id, [request_ids[i] for i in sampling], tokens,
+                          logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
-    def _sample(self, logits: torch.Tensor, states: list[_CachedState]) -> torch.Tensor:
-        if all(s.temperature < _GREEDY_EPS for s in states):
-            return logits.argmax(dim=-1)  # skips building per-row parameter tensors
-        dev = logits.device
-
-        def column(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=dev)
-
-        return self.backend.sample(
-            logits,
-            column([s.temperature for s in states], torch.float32),
-            column([s.top_k for s in states], torch.int32),
-            column([s.top_p for s in states], torch.float32),
-            column([s.min_p for s in states], torch.float32),
-            column([s.seed for s in states], torch.int64),
-            column([len(s.token_ids) - s.num_prompt_tokens for s in states], torch.int64))
+    def _prompt_logprobs(self, hidden, request_ids, states, num_scheduled,
+                         query_start) -> list[PromptLogprobs]:
+        """Logprobs of the prompt tokens that this step's positions predict, where asked."""
+        out = []
+        for i, (state, n) in enumerate(zip(states, num_scheduled)):
+            k = state.sampling_params.prompt_logprobs
+            start = state.num_computed_tokens
+            # position p predicts prompt token p + 1, which exists while p + 1 < num_prompt_tokens
+            end = min(start + n, state.num_prompt_tokens - 1)
+            if k is None or end <= start:
+                continue
+            rows = hidden[query_start[i]:query_start[i] + end - start]
+            logits = self.model.compute_logits(rows)  # [end - start, V]
+            targets = state.token_ids[start + 1:end + 1]
+            out.append(PromptLogprobs(request_ids[i], start + 1,
+                                      token_logprobs(logits, targets, [k] * len(targets))))
+        return out

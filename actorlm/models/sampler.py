@@ -1,0 +1,155 @@
+"""From one step's raw logits to tokens: logit processing, penalties, logprobs, sampling.
+
+vLLM's order, batched over the step (one tensor operation per kind of processing, only over
+the rows that ask for it):
+1. logprobs come from the *raw* logits (what the model said, before any processing);
+2. allowed_token_ids, bad_words, min_tokens (EOS and stop tokens banned) and logit_bias;
+3. repetition penalty (prompt and output tokens), frequency and presence penalties (output);
+4. greedy rows take the argmax; the others go to the backend's sampling kernel (temperature,
+   top-k, top-p, min-p, seeded). Both backends share steps 1-3, so they agree on them.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+
+from actorlm.messages import PositionLogprobs
+from actorlm.sampling_params import SamplingParams
+
+_GREEDY_EPS = 1e-5
+
+
+class SamplingState(Protocol):
+    token_ids: list[int]  # prompt + output so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    seed: int
+    bad_words_token_ids: list[list[int]]
+
+
+def sample(logits: torch.Tensor, states: Sequence[SamplingState], backend,
+           eos_token_ids: frozenset[int]) -> tuple[list[int], list[PositionLogprobs | None]]:
+    """Tokens for each row of ``logits`` ([N, V] fp32, raw), and their logprobs where asked."""
+    raw = logits
+    logits = apply_processors(logits.clone(), states, eos_token_ids)
+    params = [s.sampling_params for s in states]
+    if all(p.temperature < _GREEDY_EPS for p in params):
+        tokens = logits.argmax(dim=-1)  # skips building per-row parameter tensors
+    else:
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=logits.device)
+
+        tokens = backend.sample(
+            logits, column([p.temperature for p in params], torch.float32),
+            column([p.top_k for p in params], torch.int32),
+            column([p.top_p for p in params], torch.float32),
+            column([p.min_p for p in params], torch.float32),
+            column([s.seed for s in states], torch.int64),
+            column([len(s.token_ids) - s.num_prompt_tokens for s in states], torch.int64))
+    token_list = tokens.tolist()
+    wanted = [p.logprobs for p in params]
+    if all(k is None for k in wanted):
+        return token_list, [None] * len(states)
+    rows = [i for i, k in enumerate(wanted) if k is not None]
+    found = token_logprobs(raw[rows], [token_list[i] for i in rows], [wanted[i] for i in rows])
+    logprobs: list[PositionLogprobs | None] = [None] * len(states)
+    for i, entry in zip(rows, found):
+        logprobs[i] = entry
+    return token_list, logprobs
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int],
+                   num_top: Sequence[int]) -> list[PositionLogprobs]:
+    """For each row: the logprob and rank of ``token_ids[i]`` plus the row's top ``num_top[i]``."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+    chosen = torch.tensor(token_ids, device=logits.device)
+    chosen_lp = logprobs.gather(1, chosen[:, None])  # [N, 1]
+    ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
+    k = max(num_top)
+    top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], chosen[:, None][:, :0])
+    out = []
+    for i, n in enumerate(num_top):
+        out.append(PositionLogprobs([token_ids[i]] + top_ids[i, :n].tolist(),
+                                    [float(chosen_lp[i, 0])] + top_lp[i, :n].tolist(),
+                                    int(ranks[i])))
+    return out
+
+
+def apply_processors(logits: torch.Tensor, states: Sequence[SamplingState],
+                     eos_token_ids: frozenset[int]) -> torch.Tensor:
+    """Steps 2 and 3 above, in place on ``logits`` [N, V]; returns it."""
+    num_rows, vocab = logits.shape
+    banned_rows, banned_ids, bias_rows, bias_ids, bias_values = [], [], [], [], []
+    allowed = []  # (row, allowed ids)
+    for row, state in enumerate(states):
+        p, output = state.sampling_params, state.token_ids[state.num_prompt_tokens:]
+        if p.allowed_token_ids is not None:
+            allowed.append((row, p.allowed_token_ids))
+        banned = set()
+        if len(output) < p.min_tokens:
+            banned |= set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
+        for word in state.bad_words_token_ids:
+            # a bad word's last token is banned when the output already ends with the rest
+            if len(word) == 1 or output[len(output) - len(word) + 1:] == word[:-1]:
+                banned.add(word[-1])
+        banned_rows += [row] * len(banned)
+        banned_ids += banned
+        for token_id, bias in (p.logit_bias or {}).items():
+            bias_rows.append(row)
+            bias_ids.append(token_id)
+            bias_values.append(bias)
+    dev = logits.device
+    if allowed:
+        keep = torch.zeros_like(logits, dtype=torch.bool)
+        for row, ids in allowed:
+            keep[row, torch.tensor(ids, device=dev)] = True
+        rows = torch.tensor([r for r, _ in allowed], device=dev)
+        logits[rows] = logits[rows].masked_fill(~keep[rows], float("-inf"))
+    if bias_rows:
+        logits.index_put_((torch.tensor(bias_rows, device=dev), torch.tensor(bias_ids, device=dev)),
+                          torch.tensor(bias_values, dtype=logits.dtype, device=dev),
+                          accumulate=True)
+    if banned_rows:
+        logits[torch.tensor(banned_rows, device=dev), torch.tensor(banned_ids, device=dev)] = \
+            float("-inf")
+    _apply_penalties(logits, states)
+    return logits
+
+
+def _apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
+    rows = [i for i, s in enumerate(states) if _has_penalty(s.sampling_params)]
+    if not rows:
+        return
+    vocab, dev = logits.shape[1], logits.device
+    chosen = [states[i] for i in rows]
+    # counts of each token in the output, and which tokens the prompt holds: [R, V]
+    counts = _token_counts([s.token_ids[s.num_prompt_tokens:] for s in chosen], vocab, dev)
+    in_prompt = _token_counts([s.token_ids[:s.num_prompt_tokens] for s in chosen], vocab, dev) > 0
+    params = [s.sampling_params for s in chosen]
+
+    def column(name):
+        return torch.tensor([getattr(p, name) for p in params], dtype=logits.dtype,
+                            device=dev)[:, None]
+
+    sub = logits[rows]  # [R, V]
+    repetition = column("repetition_penalty")
+    seen = in_prompt | (counts > 0)
+    penalised = torch.where(sub > 0, sub / repetition, sub * repetition)
+    sub = torch.where(seen, penalised, sub)
+    sub = sub - column("frequency_penalty") * counts - column("presence_penalty") * (counts > 0)
+    logits[rows] = sub
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _token_counts(sequences: list[list[int]], vocab: int, device) -> torch.Tensor:
+    """[R, V] float counts; an extra padding column absorbs the ragged ends."""
+    width = max(1, max(len(s) for s in sequences))
+    ids = torch.tensor([s + [vocab] * (width - len(s)) for s in sequences], device=device)
+    counts = torch.zeros(len(sequences), vocab + 1, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+    return counts[:, :vocab]
