@@ -49,9 +49,18 @@ def test_bad_prompts_are_refused_and_the_engine_keeps_serving(tiny_llama_dir, ma
     for bad, message in cases:
         with pytest.raises(ValueError, match=message):
             llm.generate([good, bad], OK, use_tqdm=False)  # the good one is withdrawn too
+    # checks that need the model happen at submission
+    params_cases = [(dict(logprobs=21), "logprobs: at most 20"),
+                    (dict(prompt_logprobs=50), "prompt_logprobs: at most 20"),
+                    (dict(logit_bias={10**6: 1.0}), "logit_bias: token id 1000000"),
+                    (dict(allowed_token_ids=[3, -4]), "allowed_token_ids: token id -4")]
+    for fields, message in params_cases:
+        with pytest.raises(ValueError, match=message):
+            llm.generate([good, good], [OK, SamplingParams(max_tokens=4, **fields)], use_tqdm=False)
     outputs = llm.generate([good, good], OK, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4]
-    assert llm.stats()["num_finished"] == 2 + len(cases)  # the withdrawn ones ended as aborts
+    # the withdrawn ones ended as aborts
+    assert llm.stats()["num_finished"] == 2 + len(cases) + len(params_cases)
 
 
 def test_shutdown_leaves_no_thread_behind(tiny_llama_dir):
