@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Seeds, positions and token ids are mixed with a 32-bit integer hash (Chris Wellons'
-# "lowbias32"), done in int64 so every product fits without overflow. A Triton kernel can
-# reproduce it bit for bit with uint32 arithmetic.
-_MASK32 = 0xFFFFFFFF
 _GREEDY_TEMPERATURE = 1e-5
+# top-p without top-k first looks at this many most likely tokens (a topk is far cheaper than
+# sorting the vocabulary) and sorts everything only when the nucleus does not fit.
+_TOP_P_CANDIDATES = 1024
+_MASK64 = (1 << 64) - 1
 
 
 def write_kv_ref(key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -94,14 +94,15 @@ def paged_attention_ref(
 
 
 def _gather_kv(k_cache, v_cache, block_tables, max_seq_len):
-    """Each request's context as a dense [B, Hkv, S, D] tensor, S = blocks needed * block_size."""
-    block_size = k_cache.shape[1]
+    """Each request's context as a dense [B, Hkv, S, D] view, S = blocks needed * block_size."""
+    num_rows = block_tables.shape[0]
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_blocks = max(1, -(-max_seq_len // block_size))
-    table = block_tables[:, :num_blocks].long()  # [B, nb]
-    # k_cache[table]: [B, nb, block_size, Hkv, D] -> [B, S, Hkv, D] -> [B, Hkv, S, D]
-    k = k_cache[table].flatten(1, 2).transpose(1, 2)
-    v = v_cache[table].flatten(1, 2).transpose(1, 2)
-    return k, v
+    table = block_tables[:, :num_blocks].flatten().long()  # [B * nb]
+    # index_select copies whole blocks at memcpy speed (advanced indexing is ~1.5x slower).
+    k = k_cache.index_select(0, table).view(num_rows, num_blocks * block_size, num_kv_heads, head_dim)
+    v = v_cache.index_select(0, table).view(num_rows, num_blocks * block_size, num_kv_heads, head_dim)
+    return k.transpose(1, 2), v.transpose(1, 2)  # [B, S, Hkv, D] -> [B, Hkv, S, D]
 
 
 def _sdpa(q, k, v, mask, scale):
@@ -117,11 +118,16 @@ def _sdpa(q, k, v, mask, scale):
 
 def _attend_decodes(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len):
     """query: [B, Hq, D], one token per request at position seq_len - 1 -> [B, Hq, D]."""
+    num_rows, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
     k, v = _gather_kv(k_cache, v_cache, block_tables, max_seq_len)
     kv_pos = torch.arange(k.shape[2], device=query.device)
     # The last token of a request sees its whole context and nothing past it.
     mask = (kv_pos[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
-    return _sdpa(query[:, :, None, :], k, v, mask, scale)[:, :, 0, :]
+    # Query head i reads K/V head i // G, so the G heads of a group become G query rows of
+    # that K/V head: plain attention, cheaper on CPU than SDPA's enable_gqa.
+    q = query.reshape(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
+    return _sdpa(q, k, v, mask, scale).reshape(num_rows, num_heads, head_dim)
 
 
 def _attend_prefills(query, out, k_cache, v_cache, block_tables, starts, q_lens, seq_lens, scale, max_q, max_s):
@@ -149,74 +155,120 @@ def sample_ref(logits, temperature, top_k, top_p, min_p, seeds, positions) -> to
     seeds, positions: [B] int64. Rows with temperature < 1e-5 take the argmax (lowest index on
     ties). Others: softmax(logits / T); keep the top_k most likely; then the smallest head of
     that (renormalised) distribution whose mass >= top_p; then drop tokens below
-    min_p * max_prob; draw by an exponential race, argmax(p / E), where E for token i is a pure
-    function of (seed, position, i) so a seeded row never depends on its batch neighbours.
+    min_p * max_prob; draw by an exponential race, argmax(p / E), whose Exp(1) noise comes from
+    a generator seeded by (seed, position) alone, so a row never depends on its neighbours.
     Returns [B] int64.
     """
     num_rows, vocab_size = logits.shape
-    tokens = logits.argmax(dim=-1)  # [B]; argmax returns the first maximum
-    sampled = (temperature >= _GREEDY_TEMPERATURE).nonzero().flatten()
-    if sampled.numel() == 0:
+    is_sampled = (temperature >= _GREEDY_TEMPERATURE).tolist()
+    tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    greedy = [i for i, s in enumerate(is_sampled) if not s]
+    if greedy:
+        tokens[greedy] = _rows(logits, greedy).argmax(dim=-1)  # argmax returns the first maximum
+    sampled = [i for i, s in enumerate(is_sampled) if s]
+    if not sampled:
         return tokens
-    probs = torch.softmax(logits[sampled].float() / temperature[sampled, None].float(), dim=-1)  # [S, V]
-    k = top_k[sampled].long()
-    p = top_p[sampled].float()
-    k = torch.where(k > 0, k.clamp(max=vocab_size), torch.full_like(k, vocab_size))
-    num_candidates = int(k.max())
-    if num_candidates == vocab_size and bool((p >= 1.0).all()):
-        cand_probs, cand_ids = probs, None  # no truncation: race over the whole vocabulary
-    elif num_candidates < vocab_size:
-        cand_probs, cand_ids = torch.topk(probs, num_candidates, dim=-1)  # sorted, descending
-    else:
-        cand_probs, cand_ids = torch.sort(probs, dim=-1, descending=True, stable=True)
-    keep = _candidate_mask(cand_probs, cand_ids is not None, k, p, min_p[sampled].float())
-    ids = cand_ids if cand_ids is not None else torch.arange(vocab_size, device=logits.device).expand_as(probs)
-    noise = _exponential_noise(seeds[sampled], positions[sampled], ids)  # [S, C]
-    score = cand_probs.masked_fill(~keep, 0.0) / noise
-    choice = score.argmax(dim=-1, keepdim=True)  # [S, 1]
-    tokens[sampled] = ids.gather(1, choice).flatten()
+    # Whether a row truncates depends on its own parameters only, never on its neighbours.
+    truncates = ((top_k[sampled] > 0) & (top_k[sampled] < vocab_size) | (top_p[sampled] < 1.0)).tolist()
+    for is_truncated, sample in ((False, _sample_whole_vocab), (True, _sample_truncated)):
+        rows = [i for i, t in zip(sampled, truncates) if t == is_truncated]
+        if not rows:
+            continue
+        scaled = _rows(logits, rows).float() / temperature[rows, None].float()  # [S, V]
+        k = top_k[rows].long()
+        k = torch.where((k > 0) & (k < vocab_size), k, vocab_size)
+        row_seeds = [_row_seed(s, pos) for s, pos in zip(seeds[rows].tolist(), positions[rows].tolist())]
+        tokens[rows] = sample(scaled, k, top_p[rows].float(), min_p[rows].float(), row_seeds)
     return tokens
 
 
-def _candidate_mask(cand_probs, is_sorted, top_k, top_p, min_p):
-    """Which candidates survive top-k, top-p and min-p; the most likely one always does.
+def _rows(x, rows: list[int]):
+    """x[rows] without the copy when rows is every row, in order (the common uniform batch)."""
+    return x if rows == list(range(x.shape[0])) else x[rows]
 
-    cand_probs: [S, C], descending when ``is_sorted`` (otherwise the whole vocabulary with
-    top-k and top-p off); top_k: [S] int64 already clamped to [1, V].
+
+def _row_seed(seed: int, position: int) -> int:
+    """A 64-bit generator seed from (seed, position): splitmix64 of both."""
+    x = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _uniform_noise(row_seed: int, n: int, device, out=None) -> torch.Tensor:
+    """[n] U[0, 1) draws, a pure function of row_seed."""
+    gen = torch.Generator(device=device).manual_seed(row_seed)
+    return torch.rand(n, generator=gen, device=device, out=out)
+
+
+def _sample_whole_vocab(scaled, top_k, top_p, min_p, row_seeds):
+    """Rows with top-k and top-p off: race over all V tokens, noise indexed by token id.
+
+    scaled: [S, V] logits / T. In log space argmax(p / E) is argmax(scaled - log E), so no
+    softmax is needed; min-p's p < min_p * max_p is scaled < max + log(min_p).
     """
-    max_prob = cand_probs.max(dim=-1, keepdim=True).values  # [S, 1]
-    keep = cand_probs >= min_p[:, None] * max_prob  # min-p: a ratio, so renormalising cannot change it
-    if is_sorted:
-        rank = torch.arange(cand_probs.shape[1], device=cand_probs.device)
-        in_top_k = rank[None, :] < top_k[:, None]  # [S, C]
-        head = cand_probs * in_top_k
-        head = head / head.sum(dim=-1, keepdim=True)  # renormalised after top-k
-        mass_before = head.cumsum(dim=-1) - head  # exclusive prefix sum
-        in_top_p = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
-        keep &= in_top_k & in_top_p
-        keep[:, 0] = True
-    else:
-        keep |= cand_probs == max_prob
+    drop = None
+    if bool((min_p > 0).any()):
+        top = scaled.max(dim=-1, keepdim=True).values  # [S, 1]; the top token always survives
+        drop = scaled < top + min_p.log()[:, None]
+    log_e = torch.empty_like(scaled)  # [S, V]
+    for b, s in enumerate(row_seeds):
+        _uniform_noise(s, scaled.shape[1], scaled.device, out=log_e[b])
+    log_e.log_().neg_().log_()  # log(E), E = -log(u); u = 0 gives +inf: that token loses
+    score = scaled - log_e
+    if drop is not None:
+        score.masked_fill_(drop, float("-inf"))
+    return score.argmax(dim=-1)
+
+
+def _sample_truncated(scaled, top_k, top_p, min_p, row_seeds):
+    """Rows with top-k or top-p: the kept tokens are a prefix of the descending order."""
+    probs = torch.softmax(scaled, dim=-1)  # [S, V]
+    vocab_size = probs.shape[1]
+    limited_k = top_k[top_k < vocab_size]
+    num_candidates = int(limited_k.max()) if limited_k.numel() else 0
+    if bool((top_k == vocab_size).any()):
+        num_candidates = max(num_candidates, _TOP_P_CANDIDATES)
+    if num_candidates < vocab_size:
+        cand_probs, cand_ids = _top_candidates(probs, num_candidates)
+        keep = _kept_prefix(cand_probs, probs, top_k, top_p, min_p)
+        # A nucleus that may run past the candidates needs the full sort after all.
+        if not bool((keep[:, -1] & (top_k > num_candidates)).any()):
+            return _race_prefixes(cand_probs, cand_ids, keep, row_seeds)
+    cand_probs, cand_ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    keep = _kept_prefix(cand_probs, probs, top_k, top_p, min_p)
+    return _race_prefixes(cand_probs, cand_ids, keep, row_seeds)
+
+
+def _top_candidates(probs, num):
+    """The ``num`` most likely tokens, descending, ties by lower id (as a stable full sort)."""
+    vals, ids = torch.topk(probs, num, dim=-1)  # [S, C]; topk orders ties arbitrarily
+    ids, order = ids.sort(dim=-1)
+    vals, order = vals.gather(1, order).sort(dim=-1, descending=True, stable=True)
+    return vals, ids.gather(1, order)
+
+
+def _kept_prefix(cand_probs, probs, top_k, top_p, min_p):
+    """[S, C] bool: which descending candidates survive top-k, then top-p, then min-p."""
+    num_candidates = cand_probs.shape[1]
+    rank = torch.arange(num_candidates, device=probs.device)
+    in_top_k = rank[None, :] < top_k[:, None]  # [S, C]
+    # Mass of the top-k tokens, to renormalise before top-p; with top-k off that is all of V.
+    mass = torch.where(top_k <= num_candidates, (cand_probs * in_top_k).sum(-1), probs.sum(-1))
+    head = cand_probs * in_top_k / mass[:, None]
+    mass_before = head.cumsum(dim=-1) - head  # exclusive prefix sum
+    in_top_p = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    above_min_p = cand_probs >= min_p[:, None] * cand_probs[:, :1]
+    keep = in_top_k & in_top_p & above_min_p
+    keep[:, 0] = True  # the most likely token always survives
     return keep
 
 
-def _mix32(x):
-    """lowbias32 on int64 tensors holding uint32 values; all products stay below 2**63."""
-    x = x ^ (x >> 16)
-    x = (x * 0x21F0AAAD) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x735A2D97) & _MASK32
-    return x ^ (x >> 15)
-
-
-def _exponential_noise(seeds, positions, token_ids):
-    """Exp(1) noise: [S] seeds, [S] positions, [S, C] token ids -> [S, C] float32 in (0, ~17]."""
-    seeds = seeds.long()
-    row = _mix32(seeds & _MASK32)
-    row = _mix32(row ^ ((seeds >> 32) & _MASK32))
-    row = _mix32(row ^ (positions.long() & _MASK32))  # [S]
-    h = _mix32(row[:, None] ^ token_ids)  # [S, C]
-    h = _mix32(h ^ 0x9E3779B9)  # a second round: neighbouring ids must look unrelated
-    # 24 high bits -> uniform in (0, 1), never 0 or 1, so -log(u) is finite and positive.
-    u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(u)
+def _race_prefixes(cand_probs, cand_ids, keep, row_seeds):
+    """Exponential race over each row's kept prefix, noise indexed by rank."""
+    num_kept = keep.sum(dim=-1).tolist()
+    choice = []
+    for b, (n, s) in enumerate(zip(num_kept, row_seeds)):
+        exp_noise = _uniform_noise(s, n, cand_probs.device).log_().neg_()  # u = 0: inf, that token loses
+        choice.append(int((cand_probs[b, :n] / exp_noise).argmax()))  # all zero: rank 0
+    return cand_ids[torch.arange(len(choice)), torch.tensor(choice)]

@@ -4,6 +4,9 @@ Inputs are one flattened batch of T tokens (no padding, no batch dimension); eve
 layer writes its new K/V into the paged cache and attends through the kernel backend, so the
 same module runs the Triton kernels on a GPU and their torch twins on a CPU. q/k/v and
 gate/up are merged into one matmul each; ``load_weights`` maps Hugging Face names onto them.
+
+Attention is always full causal: a sliding window (Mistral v0.1, Qwen with
+``use_sliding_window``) is not applied, which is exact while contexts fit in the window.
 """
 
 from __future__ import annotations

@@ -32,7 +32,9 @@ def resolve_model(model: str | os.PathLike | None) -> pathlib.Path:
         return _cached_hf_dir(_default_gguf_path())
     path = pathlib.Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return _cached_hf_dir(path)
+        cached = _cached_hf_dir(path)
+        load_hf_config(cached)  # a GGUF of another architecture dequantizes fine but cannot run
+        return cached
     if not path.exists():
         raise ValueError(f"model {str(model)!r} not found: expected a Hugging Face directory or a .gguf file")
     if not path.is_dir():
@@ -119,6 +121,7 @@ def _cached_hf_dir(gguf: pathlib.Path) -> pathlib.Path:
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         _dequantize(gguf, tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary directory
         try:
             os.replace(tmp, target)  # atomic: readers never see a half-written directory
         except OSError:

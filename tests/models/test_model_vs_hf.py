@@ -1,0 +1,164 @@
+"""Our paged LlamaForCausalLM against transformers on the same checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actorlm.kernels import select_backend
+from actorlm.models.loader import load_model
+from actorlm.models.metadata import AttentionMetadata
+
+TINY = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"]
+PROMPTS = [
+    "Once upon a time there was a small village",
+    "The quick brown fox",
+    "Machine learning models read text as tokens, one step at a time, until they write an answer.",
+]
+
+
+class PagedContexts:
+    """A freshly allocated paged cache and per-request block tables, as the worker keeps them."""
+
+    def __init__(self, model, num_blocks=96, block_size=4, seed=0):
+        shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        self.kv_caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(model.num_layers)]
+        self.block_size = block_size
+        # Shuffled so a request's blocks are not contiguous; block 0 is the table padding.
+        self.free = (torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1).tolist()
+        self.blocks: dict[int, list[int]] = {}
+        self.lens: dict[int, int] = {}
+
+    def step(self, model, chunks: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """Run one flattened step of (request id, new token ids) chunks; returns logits [T, V]."""
+        ids, positions, slots, starts, seq_lens = [], [], [], [0], []
+        for rid, tokens in chunks:
+            start = self.lens.get(rid, 0)
+            end = start + len(tokens)
+            blocks = self.blocks.setdefault(rid, [])
+            while len(blocks) * self.block_size < end:
+                blocks.append(self.free.pop())
+            for pos in range(start, end):
+                slots.append(blocks[pos // self.block_size] * self.block_size + pos % self.block_size)
+            ids += tokens
+            positions += range(start, end)
+            starts.append(starts[-1] + len(tokens))
+            seq_lens.append(end)
+            self.lens[rid] = end
+        width = max(len(self.blocks[rid]) for rid, _ in chunks)
+        table = torch.zeros(len(chunks), width, dtype=torch.int32)
+        for b, (rid, _) in enumerate(chunks):
+            table[b, : len(self.blocks[rid])] = torch.tensor(self.blocks[rid], dtype=torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=table,
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            max_query_len=max(len(t) for _, t in chunks),
+            max_seq_len=max(seq_lens),
+        )
+        with torch.inference_mode():
+            hidden = model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, meta)
+            return model.compute_logits(hidden)
+
+
+def _load_pair(path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ours = load_model(path, torch.float32, "cpu", select_backend("cpu"))
+    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return ours, theirs, tokenizer
+
+
+def _hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf_model(torch.tensor([ids])).logits[0].float()  # [L, V]
+
+
+@pytest.mark.parametrize("checkpoint", TINY)
+def test_prefill_logits_match_hf(checkpoint, request):
+    ours, theirs, tokenizer = _load_pair(request.getfixturevalue(checkpoint))
+    prompts = [tokenizer(p).input_ids for p in PROMPTS]
+    logits = PagedContexts(ours).step(ours, list(enumerate(prompts)))
+    assert logits.dtype == torch.float32 and logits.shape == (sum(map(len, prompts)), ours.vocab_size)
+    for rows, ids in zip(logits.split([len(p) for p in prompts]), prompts):
+        torch.testing.assert_close(rows, _hf_logits(theirs, ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("checkpoint", TINY)
+def test_two_stage_prefill_matches_hf(checkpoint, request):
+    ours, theirs, tokenizer = _load_pair(request.getfixturevalue(checkpoint))
+    prompts = [tokenizer(p).input_ids for p in PROMPTS]
+    splits = [3, len(prompts[1]) - 1, 9]  # the second request's second stage is a single token
+    cache = PagedContexts(ours, seed=1)
+    cache.step(ours, [(rid, ids[:cut]) for rid, (ids, cut) in enumerate(zip(prompts, splits))])
+    logits = cache.step(ours, [(rid, ids[cut:]) for rid, (ids, cut) in enumerate(zip(prompts, splits))])
+    rows = logits.split([len(ids) - cut for ids, cut in zip(prompts, splits)])
+    for got, ids, cut in zip(rows, prompts, splits):
+        torch.testing.assert_close(got, _hf_logits(theirs, ids)[cut:], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("checkpoint", TINY)
+def test_batched_greedy_decode_matches_hf_generate(checkpoint, request):
+    ours, theirs, tokenizer = _load_pair(request.getfixturevalue(checkpoint))
+    prompts = [tokenizer(p).input_ids for p in PROMPTS]
+    num_steps = 12
+    cache = PagedContexts(ours, seed=2)
+    logits = cache.step(ours, list(enumerate(prompts)))
+    last = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+    outputs = [[t] for t in logits[last].argmax(-1).tolist()]
+    for _ in range(num_steps - 1):
+        logits = cache.step(ours, [(rid, out[-1:]) for rid, out in enumerate(outputs)])
+        for out, token in zip(outputs, logits.argmax(-1).tolist()):
+            out.append(token)
+    for ids, out in zip(prompts, outputs):
+        with torch.inference_mode():
+            expected = theirs.generate(
+                torch.tensor([ids]), max_new_tokens=num_steps, min_new_tokens=num_steps, do_sample=False
+            )
+        assert out == expected[0, len(ids) :].tolist()
+
+
+@pytest.mark.slow
+def test_smollm2_last_logits_match_hf(smollm2_dir):
+    ours, theirs, tokenizer = _load_pair(smollm2_dir)
+    texts = ["The capital of France is", "def fibonacci(n):", "Hello! How are you today? I am"]
+    prompts = [tokenizer(t).input_ids for t in texts]
+    logits = PagedContexts(ours, num_blocks=64, block_size=16).step(ours, list(enumerate(prompts)))
+    last = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+    for row, ids in zip(logits[last], prompts):
+        expected = _hf_logits(theirs, ids)[-1]
+        torch.testing.assert_close(row, expected, atol=1e-3, rtol=0)
+        assert row.argmax() == expected.argmax()
+
+
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"rope_type": "default", "rope_theta": 500000.0},
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+        {
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 128,
+        },
+        {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128},
+    ],
+    ids=lambda p: p["rope_type"],
+)  # fmt: skip
+def test_rope_scaling_matches_hf(rope_parameters):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from actorlm.models.llama import LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=32, max_position_embeddings=512, rope_parameters=dict(rope_parameters),
+    )  # fmt: skip
+    model = LlamaForCausalLM(config, select_backend("cpu"))
+    positions = torch.arange(0, 500, 7)
+    cos, sin = model.rope(positions)  # [T, 1, D]
+    hf_cos, hf_sin = LlamaRotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32), positions[None])
+    torch.testing.assert_close(cos[:, 0], hf_cos[0], atol=0, rtol=0)
+    torch.testing.assert_close(sin[:, 0], hf_sin[0], atol=0, rtol=0)
