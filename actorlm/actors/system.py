@@ -122,6 +122,7 @@ class EngineSystem:
         self.dtype, self.device = dtype, device
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         backend = select_backend(device)
+        self.backend_name = backend.name
         eos_ids = eos_token_ids(self.model_path, self.tokenizer)
 
         def make_runner(rank: int) -> ModelRunner:

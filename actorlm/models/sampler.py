@@ -31,10 +31,12 @@ class SamplingState(Protocol):
 
 def sample(logits: torch.Tensor, states: Sequence[SamplingState], backend,
            eos_token_ids: frozenset[int]) -> tuple[list[int], list[PositionLogprobs | None]]:
-    """Tokens for each row of ``logits`` ([N, V] fp32, raw), and their logprobs where asked."""
-    raw = logits
-    logits = apply_processors(logits.clone(), states, eos_token_ids)
+    """Tokens for each row of ``logits`` ([N, V] fp32, raw; processed in place), and their
+    logprobs where asked."""
     params = [s.sampling_params for s in states]
+    wanted = [p.logprobs for p in params]
+    raw = logits.clone() if any(k is not None for k in wanted) else None  # logprobs see raw logits
+    logits = apply_processors(logits, states, eos_token_ids)
     if all(p.temperature < _GREEDY_EPS for p in params):
         tokens = logits.argmax(dim=-1)  # skips building per-row parameter tensors
     else:
@@ -49,8 +51,7 @@ def sample(logits: torch.Tensor, states: Sequence[SamplingState], backend,
             column([s.seed for s in states], torch.int64),
             column([len(s.token_ids) - s.num_prompt_tokens for s in states], torch.int64))
     token_list = tokens.tolist()
-    wanted = [p.logprobs for p in params]
-    if all(k is None for k in wanted):
+    if raw is None:
         return token_list, [None] * len(states)
     rows = [i for i, k in enumerate(wanted) if k is not None]
     found = token_logprobs(raw[rows], [token_list[i] for i in rows], [wanted[i] for i in rows])

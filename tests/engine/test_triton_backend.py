@@ -1,0 +1,39 @@
+"""The whole engine on the Triton kernels (CPU interpreter) gives the torch backend's tokens."""
+
+import pytest
+
+from actorlm import SamplingParams
+from actorlm.llm import LLM
+
+PROMPTS = [[5, 17, 33, 8, 91, 4, 60], [12, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52],
+           [200, 3, 150]]
+
+
+def run(model_dir, monkeypatch, backend, params):
+    monkeypatch.setenv("ACTORLM_ATTENTION_BACKEND", backend)
+    # a small pool and a small token budget: chunked prefills mixed with decodes, and preemption
+    with LLM(str(model_dir), dtype="float32", block_size=4, num_kv_blocks=12, max_model_len=32,
+             max_num_batched_tokens=10) as llm:
+        assert llm.engine.backend_name == backend
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    return [o.outputs[0].token_ids for o in outputs], stats
+
+
+@pytest.mark.slow
+def test_triton_backend_matches_torch_backend(tiny_llama_dir, monkeypatch):
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    torch_tokens, torch_stats = run(tiny_llama_dir, monkeypatch, "torch", greedy)
+    triton_tokens, triton_stats = run(tiny_llama_dir, monkeypatch, "triton", greedy)
+    assert triton_tokens == torch_tokens
+    assert torch_stats["num_preemptions"] > 0 and triton_stats["num_preemptions"] > 0
+
+
+@pytest.mark.slow
+def test_logit_processing_is_shared_by_both_backends(tiny_llama_dir, monkeypatch):
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                            repetition_penalty=1.4, frequency_penalty=0.5, logit_bias={9: 3.0})
+    torch_tokens, _ = run(tiny_llama_dir, monkeypatch, "torch", params)
+    triton_tokens, _ = run(tiny_llama_dir, monkeypatch, "triton", params)
+    assert triton_tokens == torch_tokens
