@@ -123,11 +123,12 @@ def _dot(a, b, IN_FP32: tl.constexpr):
     # fp32 operands use exact (ieee) products: tf32 would miss the fp32 tolerance.
     # IN_FP32 upcasts 16-bit operands (the CPU interpreter multiplies bf16 as raw bits).
     if IN_FP32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     elif a.dtype == tl.float32:
-        return tl.dot(a, b, input_precision="ieee")
+        out = tl.dot(a, b, input_precision="ieee")
     else:
-        return tl.dot(a, b)
+        out = tl.dot(a, b)
+    return out
 
 
 @triton.jit

@@ -24,7 +24,10 @@ import triton.language as tl
 
 _GREEDY_TEMPERATURE = 1e-5
 _MAX_BLOCK_V = 4096  # vocabulary chunk streamed per step
-_ROWS_TILE = 2048  # elements per [BLOCK_R, BLOCK_V] tile when several rows share a program
+# Elements of a [BLOCK_R, BLOCK_V] tile when several rows share a program: register-sized on a
+# GPU; large on the CPU interpreter, whose cost is per operation rather than per element.
+_ROWS_TILE_GPU = 2048
+_ROWS_TILE_CPU = 65536
 _ONE_BITS = 0x3F800000  # float32 1.0; q never exceeds it
 _SEARCH_STEPS = 30  # ceil(log2(_ONE_BITS + 1)): bisection over [0, 1.0] bit patterns
 
@@ -62,7 +65,7 @@ def _sample_kernel(
     temperature = tl.load(temperature_ptr + rows, mask=row_mask, other=1.0)
     is_greedy = temperature < GREEDY_TEMPERATURE
     is_sampled = row_mask & ~is_greedy
-    inv_temp_log2e = tl.where(is_greedy, 1.0, 1.0 / temperature) * 1.4426950408889634
+    inv_temp_log2e = tl.where(is_greedy, 1.0, 1.0 / tl.maximum(temperature, GREEDY_TEMPERATURE)) * 1.4426950408889634
     top_k = tl.load(top_k_ptr + rows, mask=row_mask, other=0)
     top_p = tl.load(top_p_ptr + rows, mask=row_mask, other=1.0)
     min_p = tl.load(min_p_ptr + rows, mask=row_mask, other=0.0)
@@ -80,6 +83,9 @@ def _sample_kernel(
         better = chunk_max > row_max  # strict: an earlier chunk keeps ties
         argmax = tl.where(better, chunk_arg, argmax)
         row_max = tl.where(better, chunk_max, row_max)
+
+    # A row of -inf logits (or a row past the batch) keeps a finite max: its q are all 0.
+    row_max = tl.where(row_max > float("-inf"), row_max, 0.0)
 
     # Keep q >= threshold. min-p is a ratio to the most likely token, whose q is exactly 1.
     threshold = tl.where(is_sampled & (min_p > 0.0), min_p, 0.0)
@@ -202,7 +208,8 @@ def sample(
     block_v = min(triton.next_power_of_2(vocab_size), _MAX_BLOCK_V)
     if block_v >= vocab_size:
         # The whole row fits in one chunk: pack several rows per program.
-        block_r = min(triton.next_power_of_2(num_rows), max(1, _ROWS_TILE // block_v))
+        rows_tile = _ROWS_TILE_GPU if logits.device.type == "cuda" else _ROWS_TILE_CPU
+        block_r = min(triton.next_power_of_2(num_rows), max(1, rows_tile // block_v))
     else:
         block_r = 1
     _sample_kernel[(triton.cdiv(num_rows, block_r),)](
@@ -213,5 +220,6 @@ def sample(
         ONE_BITS=_ONE_BITS,
         SEARCH_STEPS=_SEARCH_STEPS,
         GREEDY_TEMPERATURE=_GREEDY_TEMPERATURE,
+        num_warps=4 if block_r * block_v <= 1024 else 8,
     )
     return out
