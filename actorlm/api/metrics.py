@@ -1,0 +1,144 @@
+"""Prometheus metrics under vLLM's names, on a registry of the app's own (not the global one).
+
+Gauges (running, waiting, KV usage) and the preemption counter are read from the scheduler and
+the allocator at scrape time; latencies and token counts are observed as outputs reach the
+event loop (``AsyncLLM`` calls the ``observe_*`` methods). ``StatsLogger`` writes vLLM's
+periodic INFO line while the server has work and sleeps on an event while it has none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+log = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineCollector:
+    """Scrape-time values from the engine (blocking asks: scrape off the event loop)."""
+
+    def __init__(self, get_engine, model_name: str):
+        self.get_engine, self.model_name = get_engine, model_name
+
+    def collect(self):
+        engine = self.get_engine()
+        if engine is None or engine.check_health() is not None:
+            return
+        try:
+            stats = engine.stats()
+        except Exception:  # an actor stopped between the check and the ask
+            return
+        labels, values = ["model_name"], [self.model_name]
+        for name, doc, value in (
+                ("vllm:num_requests_running", "Number of requests in model execution batches.",
+                 stats["num_running"]),
+                ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                 stats["num_waiting"]),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                 stats["kv_cache_usage"])):
+            gauge = GaugeMetricFamily(name, doc, labels=labels)
+            gauge.add_metric(values, value)
+            yield gauge
+        preemptions = CounterMetricFamily("vllm:num_preemptions",
+                                          "Cumulative number of preemptions.", labels=labels)
+        preemptions.add_metric(values, stats["num_preemptions"])
+        yield preemptions
+
+
+class ServerMetrics:
+    """Every metric the server exports; also the ``stats_listener`` of its AsyncLLM."""
+
+    def __init__(self, model_name: str, get_engine=lambda: None):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.model_name = model_name
+        self.activity = asyncio.Event()  # set while there is work: wakes the stats logger
+        r, labels = self.registry, ["model_name"]
+        self.registry.register(_EngineCollector(get_engine, model_name))
+        self.ttft = Histogram("vllm:time_to_first_token_seconds",
+                              "Histogram of time to first token in seconds.", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("vllm:inter_token_latency_seconds",
+                             "Histogram of inter-token latency in seconds.", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds",
+                              "Histogram of time per output token in seconds.", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds",
+                             "Histogram of end to end request latency in seconds.", labels,
+                             buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
+                                     labels, registry=r).labels(model_name)
+        self.generation_tokens = Counter("vllm:generation_tokens",
+                                         "Number of generation tokens processed.", labels,
+                                         registry=r).labels(model_name)
+        self.success = Counter("vllm:request_success", "Count of finished requests.",
+                               labels + ["finished_reason"], registry=r)
+        self.num_unfinished = 0
+
+    # --- the listener AsyncLLM calls (on the event loop) ------------------------------------------
+
+    def on_request_added(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.num_unfinished += 1
+        self.activity.set()
+
+    def observe_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def add_generation_tokens(self, num_tokens: int) -> None:
+        self.generation_tokens.inc(num_tokens)
+
+    def observe_finished(self, reason: str, e2e_seconds: float, tpot_seconds: float | None) -> None:
+        self.num_unfinished = max(0, self.num_unfinished - 1)
+        self.success.labels(self.model_name, reason).inc()
+        self.e2e.observe(e2e_seconds)
+        if tpot_seconds is not None:
+            self.tpot.observe(tpot_seconds)
+
+    def render(self) -> bytes:
+        """The exposition text (blocking: reads engine stats)."""
+        return generate_latest(self.registry)
+
+
+class StatsLogger:
+    """Logs running / waiting / KV usage / generation throughput every ``interval`` seconds
+    while the server has work; sleeps on ``metrics.activity`` while it has none."""
+
+    def __init__(self, get_engine, metrics: ServerMetrics, interval: float = 10.0):
+        self.get_engine, self.metrics, self.interval = get_engine, metrics, interval
+
+    async def run(self) -> None:
+        last_tokens, last_time = 0, time.monotonic()
+        while True:
+            if self.metrics.num_unfinished == 0:
+                self.metrics.activity.clear()
+                await self.metrics.activity.wait()
+                engine = self.get_engine()
+                last_tokens = engine.num_generation_tokens if engine else 0
+                last_time = time.monotonic()
+            await asyncio.sleep(self.interval)
+            engine = self.get_engine()
+            if engine is None or engine.check_health() is not None:
+                continue
+            try:
+                stats = await engine.get_stats()
+            except Exception:  # the engine is going away; the health check will tell
+                continue
+            now = time.monotonic()
+            rate = (stats["num_generation_tokens"] - last_tokens) / max(now - last_time, 1e-9)
+            last_tokens, last_time = stats["num_generation_tokens"], now
+            log.info("Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
+                     "Avg generation throughput: %.1f tokens/s", stats["num_running"],
+                     stats["num_waiting"], 100.0 * stats["kv_cache_usage"], rate)

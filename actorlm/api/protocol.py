@@ -1,0 +1,483 @@
+"""OpenAI-compatible request and response schemas (msgspec), with vLLM's extra sampling fields.
+
+Requests are decoded strictly by type (a string where a number belongs is a 400 that names the
+field); unknown fields are ignored, as vLLM and OpenAI do. Value ranges are checked by
+``SamplingParams``, whose ValueError names the field. Most request fields accept an explicit
+``null`` as "use the default", since many clients send one.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta, Struct
+
+from actorlm.sampling_params import SamplingParams
+
+MAX_TOP_LOGPROBS = 20  # the engine's cap (vLLM's default max_logprobs)
+
+
+class ApiError(Exception):
+    """An error the client caused or must hear about, with its HTTP status."""
+
+    TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed",
+             413: "RequestTooLarge", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def response(self) -> ErrorResponse:
+        return ErrorResponse(ErrorInfo(self.message, self.TYPES.get(self.status, "Error"),
+                                       self.param, self.status))
+
+
+_PATH = re.compile(r"at `\$\.?([^`]*)`|missing required field `([^`]*)`$")
+_FIELD = re.compile(r"^([a-z_]+): ")
+
+
+def bad_request(exc: Exception) -> ApiError:
+    """A 400 from a decoding error or a ValueError, with the offending field as ``param``."""
+    message = str(exc)
+    if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
+        return ApiError(400, f"Invalid JSON body: {message}")
+    match = _PATH.search(message) or _FIELD.search(message)
+    param = match and next((g for g in match.groups() if g), None)
+    return ApiError(400, message, param or None)
+
+
+def decode(body: bytes, type_: type):
+    if not body.strip():
+        raise ApiError(400, "The request body is empty; expected a JSON object")
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.DecodeError as exc:
+        raise bad_request(exc) from None
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+class ErrorInfo(Struct):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(Struct):
+    error: ErrorInfo
+
+
+# --- requests ------------------------------------------------------------------------------------
+
+
+class StreamOptions(Struct):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _SamplingRequest(Struct, kw_only=True):
+    """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    n: Annotated[int, Meta(ge=1, le=128)] | None = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extra sampling parameters
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = False
+    min_tokens: int | None = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options can only be set when stream is true",
+                           "stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ApiError(400, "prompt_logprobs is not supported when streaming",
+                           "prompt_logprobs")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's SamplingParams; raises ValueError naming the field that is out of range."""
+        logit_bias = None
+        if self.logit_bias:
+            try:
+                logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise ValueError("logit_bias: keys must be token ids (integers as strings)") \
+                    from None
+        d = or_default
+        return SamplingParams(
+            n=d(self.n, 1), temperature=d(self.temperature, 1.0), top_p=d(self.top_p, 1.0),
+            top_k=d(self.top_k, 0), min_p=d(self.min_p, 0.0),
+            presence_penalty=d(self.presence_penalty, 0.0),
+            frequency_penalty=d(self.frequency_penalty, 0.0),
+            repetition_penalty=d(self.repetition_penalty, 1.0), seed=self.seed, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, bad_words=self.bad_words,
+            include_stop_str_in_output=d(self.include_stop_str_in_output, False),
+            ignore_eos=d(self.ignore_eos, False), max_tokens=max_tokens,
+            min_tokens=d(self.min_tokens, 0), logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            skip_special_tokens=d(self.skip_special_tokens, True),
+            spaces_between_special_tokens=d(self.spaces_between_special_tokens, True),
+            logit_bias=logit_bias, allowed_token_ids=self.allowed_token_ids)
+
+
+class CompletionRequest(_SamplingRequest, kw_only=True):
+    # text, a list of texts, token ids, or a list of token-id lists (checked in prompts())
+    prompt: str | list[Any]
+    max_tokens: int | None = 16
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+    add_special_tokens: bool | None = True
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request: each text or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ApiError(400, "prompt: the prompt is empty", "prompt")
+        if all(isinstance(x, str) for x in p):
+            return list(p)
+        if all(_is_int(x) for x in p):
+            return [list(p)]
+        if all(isinstance(x, list) and all(_is_int(t) for t in x) for x in p):
+            return [list(x) for x in p]
+        raise ApiError(400, "prompt: expected a string, a list of strings, a list of token ids "
+                            "or a list of token-id lists", "prompt")
+
+    def check_supported(self) -> None:
+        self.check_stream_options()
+        if self.suffix:
+            raise ApiError(400, "suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of != or_default(self.n, 1):
+            raise ApiError(400, "best_of: only best_of == n is supported", "best_of")
+        if self.echo and self.logprobs is not None:
+            raise ApiError(400, "echo together with logprobs is not supported", "echo")
+
+
+class ContentPart(Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def as_dict(self, index: int) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    field = f"messages[{index}].content"
+                    raise ApiError(400, f"{field}: only text parts are supported, "
+                                        f"got {part.type!r}", field)
+                texts.append(part.text)
+            content = "\n".join(texts)
+        out = {"role": self.role, "content": content if content is not None else ""}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ChatCompletionRequest(_SamplingRequest, kw_only=True):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    add_generation_prompt: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        self.check_stream_options()
+        if not self.messages:
+            raise ApiError(400, "messages: the conversation is empty", "messages")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs: logprobs must be true when top_logprobs is set",
+                           "top_logprobs")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return or_default(self.top_logprobs, 0) if self.logprobs else None
+
+    def conversation(self) -> list[dict]:
+        return [m.as_dict(i) for i, m in enumerate(self.messages)]
+
+
+class TokenizeRequest(Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = True
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    tokens: list[int]
+    model: str | None = None
+
+
+# --- responses -----------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0
+
+
+class UsageInfo(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogProbs(Struct):
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
+class PromptLogprob(Struct):
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]  # vLLM's shape: one entry per prompt token
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class CompletionStreamChoice(Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionStreamResponse(Struct, omit_defaults=True):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatTopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[ChatLogprobToken] | None = None
+
+
+class ChatResponseMessage(Struct):
+    role: str
+    content: str | None
+
+
+class ChatChoice(Struct):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class DeltaMessage(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(Struct, omit_defaults=True):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(Struct):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+    parent: str | None = None
+
+
+class ModelList(Struct):
+    object: str
+    data: list[ModelCard]
+
+
+class TokenizeResponse(Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
+
+
+# --- logprob formatting --------------------------------------------------------------------------
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
+
+
+def _token_text(token_id: int, lp, decode) -> str:
+    text = getattr(lp, "decoded_token", None)
+    return text if text is not None else decode([token_id])
+
+
+def _value(lp) -> float:
+    return max(float(lp.logprob), _MIN_LOGPROB)
+
+
+def _ranked(position: dict) -> list:
+    """(token_id, Logprob) candidates best first (the chosen token may come first otherwise)."""
+    return sorted(position.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None
+                                                    else 1 << 30))
+
+
+def chat_logprobs(token_ids: list[int], positions: list[dict | None], num_top: int,
+                  decode) -> ChatLogprobs:
+    """OpenAI chat shape: each chosen token with its logprob and the ``num_top`` best."""
+    content = []
+    for token_id, position in zip(token_ids, positions):
+        position = position or {}
+        chosen = position.get(token_id)
+        text = _token_text(token_id, chosen, decode)
+        top = [ChatTopLogprob(t := _token_text(tid, lp, decode), _value(lp), list(t.encode()))
+               for tid, lp in _ranked(position)[:num_top]] if num_top else []
+        content.append(ChatLogprobToken(text, _value(chosen) if chosen else _MIN_LOGPROB,
+                                        list(text.encode()), top))
+    return ChatLogprobs(content)
+
+
+def completion_logprobs(token_ids: list[int], positions: list[dict | None], num_top: int,
+                        decode, text_offset: int = 0) -> CompletionLogProbs:
+    """Legacy completions shape: the chosen tokens, their logprobs and up to ``num_top``
+    alternatives plus the chosen one at each position (as OpenAI documents)."""
+    out = CompletionLogProbs([], [], [], [])
+    for token_id, position in zip(token_ids, positions):
+        position = position or {}
+        chosen = position.get(token_id)
+        text = _token_text(token_id, chosen, decode)
+        out.tokens.append(text)
+        out.token_logprobs.append(_value(chosen) if chosen else None)
+        out.text_offset.append(text_offset)
+        text_offset += len(text)
+        top = {}  # keyed by text: tokens that decode alike keep the best value
+        for tid, lp in _ranked(position)[:num_top]:
+            top.setdefault(_token_text(tid, lp, decode), _value(lp))
+        if chosen is not None:
+            top.setdefault(text, _value(chosen))
+        out.top_logprobs.append(top if num_top or chosen else None)
+    return out
+
+
+def prompt_logprobs(positions: list[dict | None] | None) -> PromptLogprobs | None:
+    if positions is None:
+        return None
+    return [None if position is None else {
+        token_id: PromptLogprob(_value(lp), lp.rank, lp.decoded_token)
+        for token_id, lp in position.items()} for position in positions]
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def or_default(value, default):
+    """``default`` when a field was omitted or sent as null."""
+    return default if value is None else value

@@ -1,0 +1,414 @@
+"""Completions and chat completions: from a decoded request to a JSON answer or an SSE stream.
+
+A request's path: validate, tokenize (the chat template for chat) and check prompt + max_tokens
+against the context like vLLM, build SamplingParams (their ValueError is a 400), submit one
+engine request per prompt, then either collect the final outputs or stream Server-Sent Events:
+chunks carry the text (and logprobs) added since the previous chunk, ``finish_reason`` rides on
+a choice's last chunk, a usage chunk with empty ``choices`` follows when asked, and
+``data: [DONE]`` ends the stream. An error after the stream has started is sent as an error
+event before ``[DONE]``. Both kinds of answer watch the connection: a client that hangs up
+aborts its requests at once (the engine finishes them as ``abort`` and frees their blocks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from typing import AsyncIterator, Callable
+
+import anyio
+import jinja2
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from actorlm.api import protocol as p
+from actorlm.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestStream
+from actorlm.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+_json = msgspec.json.Encoder()
+_DONE = b"data: [DONE]\n\n"
+
+
+def json_response(obj, status: int = 200) -> Response:
+    return Response(_json.encode(obj), status, media_type="application/json")
+
+
+def error_response(error: p.ApiError) -> Response:
+    return json_response(error.response(), error.status)
+
+
+def as_api_error(exc: BaseException) -> p.ApiError:
+    """What the client hears about an exception: 400 for its input, 503 for an engine that
+    cannot take it now, 500 (logged) for anything else."""
+    if isinstance(exc, p.ApiError):
+        return exc
+    if isinstance(exc, (ValueError, msgspec.DecodeError)):
+        return p.bad_request(exc)
+    if isinstance(exc, (EngineOverloadedError, EngineDeadError)):
+        return p.ApiError(503, str(exc))
+    log.exception("internal error", exc_info=exc)
+    return p.ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def check_token_ids(engine: AsyncLLM, token_ids: list[int], field: str) -> None:
+    bad = [t for t in token_ids if not 0 <= t < engine.vocab_size]
+    if bad:
+        raise p.ApiError(400, f"{field}: token id {bad[0]} is outside the vocabulary "
+                              f"[0, {engine.vocab_size})", field)
+
+
+async def apply_chat_template(engine: AsyncLLM, conversation: list[dict],
+                               add_generation_prompt: bool, **kwargs) -> list[int]:
+    try:
+        return await engine.run_blocking(
+            lambda: engine.apply_chat_template(conversation, add_generation_prompt, **kwargs))
+    except (jinja2.TemplateError, TypeError, KeyError) as exc:  # the template refused it
+        raise p.ApiError(400, f"messages: the chat template failed: {exc}", "messages") from None
+
+
+def max_tokens_for(num_prompt_tokens: int, requested: int | None, max_model_len: int,
+                   field: str = "max_tokens") -> int:
+    """vLLM's check of prompt + completion against the context; None means 'the rest of it'."""
+    if requested is not None and requested < 1:
+        raise p.ApiError(400, f"{field}: must be at least 1, got {requested}", field)
+    if requested is None:
+        if num_prompt_tokens >= max_model_len:
+            raise p.ApiError(400, f"This model's maximum context length is {max_model_len} tokens. "
+                                  f"However, you requested {num_prompt_tokens} tokens in the "
+                                  f"messages, Please reduce the length of the messages.")
+        return max_model_len - num_prompt_tokens
+    if num_prompt_tokens + requested > max_model_len:
+        raise p.ApiError(400, f"This model's maximum context length is {max_model_len} tokens. "
+                              f"However, you requested {num_prompt_tokens + requested} tokens "
+                              f"({num_prompt_tokens} in the messages, {requested} in the "
+                              f"completion). Please reduce the length of the messages or "
+                              f"completion.")
+    return requested
+
+
+async def create_completion(state, request: Request) -> Response:
+    engine = state.ready_engine()
+    req = p.decode(await request.body(), p.CompletionRequest)
+    state.check_model(req.model)
+    req.check_supported()
+    prompts = req.prompts()
+    add_special = p.or_default(req.add_special_tokens, True)
+    for prompt in prompts:
+        if not isinstance(prompt, str):
+            check_token_ids(engine, prompt, "prompt")
+    prompt_ids = await engine.run_blocking(
+        lambda: [engine.encode(x, add_special) if isinstance(x, str) else x for x in prompts])
+    if any(not ids for ids in prompt_ids):
+        raise p.ApiError(400, "prompt: the prompt is empty", "prompt")
+    params = [req.sampling_params(max_tokens_for(len(ids), req.max_tokens, engine.max_model_len),
+                                  req.logprobs) for ids in prompt_ids]
+    echo = None
+    if req.echo:
+        echo = await engine.run_blocking(
+            lambda: [x if isinstance(x, str) else engine.decode(x) for x in prompts])
+    gen = _Generation(engine, state.model_name, f"cmpl-{uuid.uuid4().hex}", req)
+    await gen.start(prompt_ids, params)
+    if req.stream:
+        return EventStream(gen.completion_events(echo), gen.abort)
+    return await gen.respond(request, lambda finals: gen.completion_response(finals, echo))
+
+
+async def create_chat_completion(state, request: Request) -> Response:
+    engine = state.ready_engine()
+    req = p.decode(await request.body(), p.ChatCompletionRequest)
+    state.check_model(req.model)
+    req.check_supported()
+    ids = await apply_chat_template(engine, req.conversation(),
+                                     p.or_default(req.add_generation_prompt, True),
+                                     **(req.chat_template_kwargs or {}))
+    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = max_tokens_for(len(ids), req.requested_max_tokens, engine.max_model_len, field)
+    params = req.sampling_params(max_tokens, req.num_logprobs)
+    gen = _Generation(engine, state.model_name, f"chatcmpl-{uuid.uuid4().hex}", req)
+    await gen.start([ids], [params])
+    if req.stream:
+        return EventStream(gen.chat_events(), gen.abort)
+    return await gen.respond(request, gen.chat_response)
+
+
+class _Progress:
+    """What one choice has sent so far while streaming."""
+
+    __slots__ = ("text_len", "num_tokens", "finished", "text_offset")
+
+    def __init__(self):
+        self.text_len = self.num_tokens = self.text_offset = 0
+        self.finished = False
+
+    def advance(self, c) -> tuple[str, int, int] | None:
+        """(new text, first new token, end) since the last call; None when nothing is new."""
+        if self.finished:
+            return None
+        finished = c.finish_reason is not None
+        # the frontend's cumulative text only grows: it holds back half characters and
+        # text that could still begin a stop string
+        text = c.text[self.text_len:]
+        start, end = self.num_tokens, len(c.token_ids)
+        if not text and start == end and not finished:
+            return None
+        self.text_len, self.num_tokens = max(self.text_len, len(c.text)), end
+        self.finished = finished
+        return text, start, end
+
+
+class _Generation:
+    """One API request's engine requests (one per prompt) and how to answer with them."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str, request_id: str, req):
+        self.engine, self.model_name, self.request_id = engine, model_name, request_id
+        self.req = req
+        self.created = int(time.time())
+        self.n = p.or_default(req.n, 1)
+        self.streams: list[RequestStream] = []
+
+    async def start(self, prompt_ids: list[list[int]], params: list) -> None:
+        try:
+            for i, (ids, sp) in enumerate(zip(prompt_ids, params)):
+                rid = self.request_id if len(prompt_ids) == 1 else f"{self.request_id}-{i}"
+                self.streams.append(await self.engine.add_request(rid, ids, sp))
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        for stream in self.streams:
+            stream.abort()
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) as they arrive from every prompt's request."""
+        if len(self.streams) == 1:
+            async for out in self.streams[0]:
+                yield 0, _checked(out)
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream) -> None:
+            try:
+                async for out in stream:
+                    queue.put_nowait((i, out))
+            except Exception as exc:
+                queue.put_nowait((i, exc))
+            finally:
+                queue.put_nowait((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, _checked(item)
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def finals(self) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(self.streams)
+        async for i, out in self.outputs():
+            finals[i] = out
+        return finals
+
+    async def respond(self, request: Request, build: Callable) -> Response:
+        """Collect the final outputs unless the client hangs up first (then abort)."""
+        work = asyncio.ensure_future(self.finals())
+        gone = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                self.abort()
+        if not work.done() or work.cancelled():
+            log.info("%s: client disconnected; aborted", self.request_id)
+            return Response(status_code=499)
+        return json_response(build(work.result()))
+
+    def usage(self, finals: list[RequestOutput]) -> p.UsageInfo:
+        num_prompt = sum(len(f.prompt_token_ids) for f in finals)
+        num_completion = sum(len(c.token_ids) for f in finals for c in f.outputs)
+        cached = sum(f.num_cached_tokens for f in finals)
+        return p.UsageInfo(num_prompt, num_completion, num_prompt + num_completion,
+                           p.PromptTokensDetails(cached))
+
+    # --- completions ---------------------------------------------------------------------------
+
+    def completion_response(self, finals: list[RequestOutput], echo) -> p.CompletionResponse:
+        choices = []
+        for i, final in enumerate(finals):
+            prefix = echo[i] if echo else ""
+            for c in final.outputs:
+                lp = None
+                if self.req.logprobs is not None and c.logprobs is not None:
+                    lp = p.completion_logprobs(c.token_ids, c.logprobs, self.req.logprobs,
+                                               self.engine.decode, len(prefix))
+                choices.append(p.CompletionChoice(i * self.n + c.index, prefix + c.text, lp,
+                                                  c.finish_reason, c.stop_reason,
+                                                  p.prompt_logprobs(final.prompt_logprobs)))
+        return p.CompletionResponse(self.request_id, "text_completion", self.created,
+                                    self.model_name, choices, self.usage(finals))
+
+    async def completion_events(self, echo) -> AsyncIterator[bytes]:
+        progress = [[_Progress() for _ in range(self.n)] for _ in self.streams]
+        finals: list[RequestOutput | None] = [None] * len(self.streams)
+        continuous = self.req.continuous_usage
+        try:
+            async for i, out in self.outputs():
+                finals[i] = out
+                for c in out.outputs:
+                    prog = progress[i][c.index]
+                    step = prog.advance(c)
+                    if step is None:
+                        continue
+                    text, start, end = step
+                    if echo and start == 0 and prog.text_offset == 0:
+                        text, prog.text_offset = echo[i] + text, len(echo[i])
+                    lp = None
+                    if self.req.logprobs is not None and c.logprobs is not None:
+                        lp = p.completion_logprobs(c.token_ids[start:end], c.logprobs[start:end],
+                                                   self.req.logprobs, self.engine.decode,
+                                                   prog.text_offset)
+                        if lp.tokens:
+                            prog.text_offset = lp.text_offset[-1] + len(lp.tokens[-1])
+                    done = prog.finished
+                    choice = p.CompletionStreamChoice(i * self.n + c.index, text, lp,
+                                                      c.finish_reason if done else None,
+                                                      c.stop_reason if done else None)
+                    usage = self.usage([f for f in finals if f]) if continuous else None
+                    yield _event(p.CompletionStreamResponse(
+                        self.request_id, "text_completion", self.created, self.model_name,
+                        [choice], usage))
+            if self.req.include_usage:
+                yield _event(p.CompletionStreamResponse(
+                    self.request_id, "text_completion", self.created, self.model_name, [],
+                    self.usage(finals)))
+        except Exception as exc:
+            yield _error_event(exc, self.request_id)
+        yield _DONE
+
+    # --- chat ----------------------------------------------------------------------------------
+
+    def chat_response(self, finals: list[RequestOutput]) -> p.ChatCompletionResponse:
+        final = finals[0]
+        choices = []
+        for c in final.outputs:
+            lp = self._chat_logprobs(c, 0, len(c.token_ids))
+            choices.append(p.ChatChoice(c.index, p.ChatResponseMessage("assistant", c.text), lp,
+                                        c.finish_reason, c.stop_reason))
+        return p.ChatCompletionResponse(self.request_id, "chat.completion", self.created,
+                                        self.model_name, choices, self.usage(finals),
+                                        p.prompt_logprobs(final.prompt_logprobs))
+
+    def _chat_logprobs(self, c, start: int, end: int) -> p.ChatLogprobs | None:
+        num_top = self.req.num_logprobs
+        if num_top is None or c.logprobs is None:
+            return None
+        return p.chat_logprobs(c.token_ids[start:end], c.logprobs[start:end], num_top,
+                               self.engine.decode)
+
+    def _chunk(self, choices: list, usage=None) -> bytes:
+        return _event(p.ChatCompletionChunk(self.request_id, "chat.completion.chunk",
+                                            self.created, self.model_name, choices, usage))
+
+    async def chat_events(self) -> AsyncIterator[bytes]:
+        progress = [_Progress() for _ in range(self.n)]
+        final = None
+        continuous = self.req.continuous_usage
+        try:
+            async for _, out in self.outputs():
+                usage = self.usage([out]) if continuous else None
+                if final is None:  # the role comes first, with the first output (as vLLM)
+                    for index in range(self.n):
+                        yield self._chunk([p.ChatChunkChoice(
+                            index, p.DeltaMessage(role="assistant", content=""))], usage)
+                final = out
+                for c in out.outputs:
+                    prog = progress[c.index]
+                    step = prog.advance(c)
+                    if step is None:
+                        continue
+                    text, start, end = step
+                    done = prog.finished
+                    yield self._chunk([p.ChatChunkChoice(
+                        c.index, p.DeltaMessage(content=text), self._chat_logprobs(c, start, end),
+                        c.finish_reason if done else None, c.stop_reason if done else None)], usage)
+            if self.req.include_usage:
+                yield self._chunk([], self.usage([final]))
+        except Exception as exc:
+            yield _error_event(exc, self.request_id)
+        yield _DONE
+
+
+def _checked(out: RequestOutput) -> RequestOutput:
+    if out.error:
+        raise p.ApiError(500, f"the engine failed this request: {out.error}")
+    return out
+
+
+def _event(obj) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+def _error_event(exc: Exception, request_id: str) -> bytes:
+    error = as_api_error(exc)
+    log.log(logging.ERROR if error.status >= 500 else logging.INFO, "%s: stream failed: %s",
+            request_id, error.message)
+    return _event(error.response())
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # the body has been read: the next message on the channel is the disconnect
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class EventStream(Response):
+    """Server-Sent Events from an async iterator of encoded events. It listens for the client
+    hanging up while it streams; either way it closes the iterator and calls ``on_close``."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None]):
+        self.events, self.on_close = events, on_close
+        self.status_code, self.background = 200, None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+
+        async def stream() -> None:
+            async for chunk in self.events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        async def listen() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        try:
+            async with anyio.create_task_group() as group:
+                async def run_then_cancel(fn) -> None:
+                    with contextlib.suppress(OSError):  # the client left mid-send
+                        await fn()
+                    group.cancel_scope.cancel()
+
+                group.start_soon(run_then_cancel, stream)
+                group.start_soon(run_then_cancel, listen)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.events.aclose()
+            self.on_close()

@@ -1,0 +1,335 @@
+"""AsyncLLM: the asyncio facade over the actor engine (what the HTTP server talks to).
+
+The engine's actors run on their own threads; a request's ``RequestOutput``s reach the event
+loop through a sink whose ``put()`` hands each one to an ``asyncio.Queue`` with
+``loop.call_soon_threadsafe`` — the awaiting coroutine sleeps until an output arrives, there is
+no polling. The engine is always asked to stream (one cumulative output per step), so time to
+first token and inter-token latency are known for every request, streamed to its client or not.
+
+Submission (tokenizing, the chat template, the frontend's blocking ``ask``) runs on one
+dedicated thread, never on the event loop: the frontend answers an ask only after the step
+outputs already in its mailbox, which under load takes milliseconds that would stall every
+stream on the loop. One thread is enough — the frontend handles one message at a time anyway —
+and it keeps the tokenizer to one caller and the waiting-queue count (``max_num_waiting``)
+exact.
+
+A consumer that stops reading (client disconnect: ``CancelledError`` or ``GeneratorExit``)
+aborts its request through the frontend; the scheduler finishes it as ``abort`` and its KV
+blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator, Callable
+
+import pykka
+
+from actorlm.actors.system import EngineSystem
+from actorlm.config import EngineConfig
+from actorlm.messages import AbortRequests, SubmitRequest
+from actorlm.outputs import RequestOutput
+from actorlm.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict
+
+
+class EngineDeadError(RuntimeError):
+    """The engine can no longer serve requests (an actor died, or it is shutting down)."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is at ``max_num_waiting``; the caller should retry later."""
+
+
+class _AsyncSink:
+    """The frontend's sink for one request: hands each output to the event loop's queue."""
+
+    __slots__ = ("_loop", "_queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
+        self._loop, self._queue = loop, queue
+
+    def put(self, item) -> None:
+        # runs on the frontend's thread; it must never raise there
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop has closed: nobody is listening any more
+            pass
+
+
+class RequestStream:
+    """The outputs of one submitted request, as an async iterator; ``abort()`` cancels it."""
+
+    def __init__(self, engine: AsyncLLM, request_id: str, prompt_token_ids: list[int],
+                 sink: _AsyncSink, queue: asyncio.Queue, arrival: float):
+        self.engine, self.request_id = engine, request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.finished = False
+        self._sink, self._queue = sink, queue
+        self._arrival = self._last = arrival
+        self._first_token: float | None = None
+        self._num_tokens = 0  # generated so far, over all n completions
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._close("error")
+            raise item
+        self._record(item)
+        return item
+
+    def abort(self) -> None:
+        """Abort the request unless it has finished (idempotent; safe from the loop)."""
+        if not self.finished:
+            self._close("abort")
+            self.engine.abort(self.request_id)
+
+    def fail(self, error: BaseException) -> None:
+        """Wake the reader with ``error`` (the engine died or is shutting down)."""
+        self._sink.put(error)
+
+    def _close(self, reason: str, tpot: float | None = None) -> None:
+        self.finished = True
+        self.engine._live.pop(self.request_id, None)
+        if self.engine.stats_listener is not None:
+            self.engine.stats_listener.observe_finished(reason, time.monotonic() - self._arrival,
+                                                        tpot)
+
+    def _record(self, output: RequestOutput) -> None:
+        now = time.monotonic()
+        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        new = num_tokens - self._num_tokens
+        listener = self.engine.stats_listener
+        if new > 0:
+            self._num_tokens = num_tokens
+            self.engine.num_generation_tokens += new
+            if listener is not None:
+                if self._first_token is None:
+                    listener.observe_first_token(now - self._arrival)
+                else:
+                    listener.observe_inter_token(now - self._last)
+                listener.add_generation_tokens(new)
+            if self._first_token is None:
+                self._first_token = now
+            self._last = now
+        if output.finished:
+            reason = output.outputs[0].finish_reason if output.outputs else None
+            reason = "error" if output.error else (reason or "abort")
+            tpot = None
+            if self._first_token is not None and num_tokens > 1:
+                tpot = (now - self._first_token) / (num_tokens - 1)
+            self._close(reason, tpot)
+
+
+class AsyncLLM:
+    """``AsyncLLM(model=None, *, max_num_waiting=None, **engine_flags)``.
+
+    Engine flags are the same as ``LLM``'s. ``max_num_waiting`` refuses new requests with
+    ``EngineOverloadedError`` while that many already wait for the scheduler.
+    Construction loads the model and blocks; build it off the event loop.
+    """
+
+    def __init__(self, model: str | None = None, *, max_num_waiting: int | None = None,
+                 **engine_flags):
+        if max_num_waiting is not None and max_num_waiting < 1:
+            raise ValueError(f"--max-num-waiting must be at least 1, got {max_num_waiting}")
+        self.engine = EngineSystem(EngineConfig.from_flags(model, **engine_flags))
+        self.config = self.engine.config
+        self.tokenizer = self.engine.tokenizer
+        self.model_path = self.engine.model_path
+        self.max_model_len: int = self.config.max_model_len
+        self.max_num_waiting = max_num_waiting
+        self.stats_listener = None  # metrics: observe_first_token, observe_inter_token, …
+        self.num_generation_tokens = 0  # since start, for throughput logs
+        self._submitter = ThreadPoolExecutor(1, thread_name_prefix="actorlm-submit")
+        self._live: dict[str, RequestStream] = {}
+        self._ids = itertools.count()
+        self._fatal: str | None = None
+        self._stopped = False
+
+    # --- requests -------------------------------------------------------------------------------
+
+    async def add_request(self, request_id: str, prompt: PromptType,
+                          sampling_params: SamplingParams | None = None) -> RequestStream:
+        """Validate and start one request; raises ValueError for bad input,
+        EngineOverloadedError when the waiting queue is full, EngineDeadError after a fault."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        sink = _AsyncSink(loop, queue)
+        arrival = time.monotonic()
+        params = sampling_params or SamplingParams()
+        submit = loop.run_in_executor(self._submitter, self._submit, request_id,
+                                      _prompt_input(prompt), params, sink)
+        try:
+            # shielded: a cancelled caller must not leave a submitted request running unseen
+            prompt_token_ids = await asyncio.shield(submit)
+        except asyncio.CancelledError:
+            submit.add_done_callback(
+                lambda f: f.cancelled() or f.exception() is not None or self.abort(request_id))
+            raise
+        stream = RequestStream(self, request_id, prompt_token_ids, sink, queue, arrival)
+        self._live[request_id] = stream
+        if self.stats_listener is not None:
+            self.stats_listener.on_request_added(len(prompt_token_ids))
+        if self._stopped or self._fatal:  # died while we were submitting
+            stream.fail(EngineDeadError(self._fatal or "the engine is shutting down"))
+        return stream
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield a cumulative ``RequestOutput`` after every step; the last has ``finished``.
+        Leaving the loop early (or being cancelled) aborts the request."""
+        request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
+        stream = await self.add_request(request_id, prompt, sampling_params)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        """Ask the engine to abort a request (non-blocking; unknown ids are ignored)."""
+        self._live.pop(request_id, None)
+        try:
+            self.engine.frontend.tell(AbortRequests([request_id]))
+        except pykka.ActorDeadError:
+            pass
+
+    def _submit(self, request_id: str, prompt, params: SamplingParams, sink) -> list[int]:
+        # on the submit thread: blocking asks are fine here
+        try:
+            if self.max_num_waiting is not None:
+                num_waiting = self.engine.scheduler_stats().num_waiting
+                if num_waiting >= self.max_num_waiting:
+                    raise EngineOverloadedError(
+                        f"the server is overloaded: {num_waiting} requests are waiting "
+                        f"(--max-num-waiting {self.max_num_waiting}); retry later")
+            return self.engine.frontend.ask(SubmitRequest(request_id, prompt, params, sink, True))
+        except pykka.ActorDeadError as exc:
+            self._mark_fatal(f"the engine has stopped ({exc})")
+            raise EngineDeadError(self._fatal or "the engine has stopped") from None
+
+    # --- tokenizer ------------------------------------------------------------------------------
+
+    async def run_blocking(self, fn: Callable, *args):
+        """Run ``fn(*args)`` on the submit thread (the tokenizer's one caller on this side)."""
+        return await asyncio.get_running_loop().run_in_executor(self._submitter, fn, *args)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **template_kwargs) -> list[int]:
+        """The conversation rendered through the model's chat template, as token ids."""
+        if not messages:
+            raise ValueError("messages: the conversation is empty")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("this model has no chat template; use /v1/completions")
+        ids = self.tokenizer.apply_chat_template(messages, tokenize=True,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 **template_kwargs)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.hf_config.vocab_size
+
+    # --- health and stats -------------------------------------------------------------------------
+
+    @property
+    def is_ready(self) -> bool:
+        return self.check_health() is None
+
+    @property
+    def fatal_error(self) -> str | None:
+        return self._fatal
+
+    def check_health(self) -> str | None:
+        """None while the engine serves; else why not. Cheap (no asks). A dead actor makes the
+        engine fatal: every live request is failed at once rather than left waiting forever."""
+        if self._stopped:
+            return "the engine is shutting down"
+        if self._fatal is None:
+            refs = (self.engine.frontend, self.engine.scheduler, self.engine.allocator,
+                    self.engine.executor)
+            dead = [r.actor_class.__name__ for r in refs if not r.is_alive()]
+            if dead:
+                self._mark_fatal(f"engine actor(s) stopped: {', '.join(dead)}")
+        return self._fatal
+
+    def _mark_fatal(self, message: str) -> None:
+        if self._fatal is None:
+            self._fatal = message
+            log.error("engine fault: %s; failing %d live request(s)", message, len(self._live))
+            self._fail_live(EngineDeadError(message))
+
+    def _fail_live(self, error: BaseException) -> None:
+        for stream in list(self._live.values()):
+            stream.fail(error)
+
+    def _check_alive(self) -> None:
+        problem = self.check_health()
+        if problem is not None:
+            raise EngineDeadError(problem)
+
+    def stats(self) -> dict:
+        """Scheduler and KV pool counters (blocking asks: call off the event loop)."""
+        s, kv = self.engine.scheduler_stats(), self.engine.kv_stats()
+        total = kv.num_total_blocks
+        return {"num_running": s.num_running, "num_waiting": s.num_waiting,
+                "num_preemptions": s.num_preemptions, "num_steps": s.num_steps,
+                "num_finished": s.num_finished, "num_free_blocks": kv.num_free_blocks,
+                "num_total_blocks": total,
+                "num_requests_holding_blocks": kv.num_requests_holding_blocks,
+                "kv_cache_usage": (total - kv.num_free_blocks) / total if total else 0.0,
+                "num_generation_tokens": self.num_generation_tokens}
+
+    async def get_stats(self) -> dict:
+        return await asyncio.to_thread(self.stats)
+
+    # --- lifecycle --------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Fail live requests, then stop the actors (blocking)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._fail_live(EngineDeadError("the engine is shutting down"))
+        self._submitter.shutdown(wait=False, cancel_futures=True)
+        self.engine.stop()
+
+    async def __aenter__(self) -> AsyncLLM:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.to_thread(self.shutdown)
+
+
+def _prompt_input(prompt: PromptType) -> str | list[int]:
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        return list(prompt)
+    raise ValueError(f"prompt: expected text, token ids or a dict, got {type(prompt).__name__}")

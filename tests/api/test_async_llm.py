@@ -1,0 +1,151 @@
+"""AsyncLLM on its own: the hand-off from the actors to asyncio, aborts, faults, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from actorlm.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
+from actorlm.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir):
+    llm = AsyncLLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=256)
+    yield llm
+    llm.shutdown()
+
+
+def _wait_idle(engine: AsyncLLM, within: float = 2.0) -> dict:
+    deadline = time.monotonic() + within
+    while True:
+        stats = engine.stats()
+        if (stats["num_running"] == 0 and stats["num_waiting"] == 0
+                and stats["num_free_blocks"] == stats["num_total_blocks"]) \
+                or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.02)
+
+
+def test_generate_streams_cumulative_outputs(engine):
+    async def main():
+        return [out async for out in engine.generate("Once upon a time", GREEDY)]
+
+    outputs = asyncio.run(main())
+    lengths = [len(o.outputs[0].token_ids) for o in outputs]
+    assert lengths == sorted(lengths) and lengths[-1] == 8 and len(outputs) >= 2
+    assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+    assert all(outputs[-1].outputs[0].text.startswith(o.outputs[0].text) for o in outputs)
+    assert outputs[-1].prompt_token_ids == engine.encode("Once upon a time")
+
+
+def test_concurrent_generates_match_one_at_a_time(engine):
+    prompts = [f"The quick brown fox {i}" for i in range(12)]
+
+    async def final(prompt):
+        async for out in engine.generate(prompt, GREEDY):
+            last = out
+        return last.outputs[0].text
+
+    async def main():
+        alone = [await final(p) for p in prompts]
+        together = await asyncio.gather(*(final(p) for p in prompts))
+        return alone, together
+
+    alone, together = asyncio.run(main())
+    assert alone == list(together)
+
+
+def test_leaving_the_loop_aborts(engine):
+    async def main():
+        async for out in engine.generate("Once upon a time", LONG, request_id="leave"):
+            if len(out.outputs[0].token_ids) >= 3:
+                break
+
+    asyncio.run(main())
+    stats = _wait_idle(engine)
+    assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_cancelling_the_consumer_aborts(engine):
+    async def main():
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in engine.generate("Once upon a time", LONG):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    stats = _wait_idle(engine)
+    assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_bad_input_raises_value_error(engine):
+    async def main():
+        with pytest.raises(ValueError, match="empty"):
+            await engine.add_request("empty", "", GREEDY)
+        with pytest.raises(ValueError, match="vocabulary"):
+            await engine.add_request("oov", [1, 10**6], GREEDY)
+        stream = await engine.add_request("dup", "Hello", LONG)
+        try:
+            with pytest.raises(ValueError, match="already in use"):
+                await engine.add_request("dup", "Hello", LONG)
+        finally:
+            stream.abort()
+
+    asyncio.run(main())
+    assert engine.is_ready and _wait_idle(engine)["num_running"] == 0
+
+
+def test_fault_and_shutdown_fail_live_requests(tiny_llama_dir):
+    engine = AsyncLLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=64)
+    try:
+        async def main():
+            stream = await engine.add_request("victim", "Once upon a time", LONG)
+            await stream.__anext__()
+            engine.engine.executor.stop()  # a worker-side actor dies
+            assert engine.check_health() is not None and not engine.is_ready
+            with pytest.raises(EngineDeadError):
+                async for _ in stream:
+                    pass
+            with pytest.raises(EngineDeadError):
+                await engine.add_request("late", "Hello", GREEDY)
+
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert engine.check_health() == "the engine is shutting down"
+
+
+def test_max_num_waiting_refuses_when_the_queue_is_full(tiny_llama_dir):
+    engine = AsyncLLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=64, max_num_seqs=1,
+                      max_num_waiting=1)
+    try:
+        async def main():
+            running = await engine.add_request("a", "Once upon a time", LONG)
+            waiting = await engine.add_request("b", "Once upon a time", LONG)
+            with pytest.raises(EngineOverloadedError, match="overloaded"):
+                await engine.add_request("c", "Hello", GREEDY)
+            running.abort()
+            async for _ in waiting:  # the waiting one gets the slot
+                break
+            waiting.abort()
+
+        asyncio.run(main())
+        assert _wait_idle(engine)["num_running"] == 0
+    finally:
+        engine.shutdown()
+
+    with pytest.raises(ValueError, match="--max-num-waiting"):
+        AsyncLLM(str(tiny_llama_dir), max_num_waiting=0)

@@ -1,0 +1,130 @@
+"""Bad input gets the right status and OpenAI's error shape, and leaves the server serving."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from api_helpers import SERVED_NAME
+
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+OK_MESSAGES = [{"role": "user", "content": "Hello"}]
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 60  # > 512 tokens
+
+
+def _cmpl(**fields):
+    return {"model": SERVED_NAME, "prompt": "Once upon a time", "max_tokens": 4, **fields}
+
+
+def _chat(**fields):
+    return {"model": SERVED_NAME, "messages": OK_MESSAGES, "max_tokens": 4, **fields}
+
+
+# (id, method, path, body: dict | bytes | None, status, param or None, substring of the message)
+CASES = [
+    ("malformed-json", "POST", CMPL, b'{"prompt": "x",', 400, None, "JSON"),
+    ("not-an-object", "POST", CMPL, b"[1, 2, 3]", 400, None, "object"),
+    ("empty-body", "POST", CHAT, b"", 400, None, "empty"),
+    ("prompt-wrong-type", "POST", CMPL, _cmpl(prompt=5), 400, "prompt", ""),
+    ("prompt-missing", "POST", CMPL, {"model": SERVED_NAME}, 400, "prompt", "prompt"),
+    ("max-tokens-string", "POST", CMPL, _cmpl(max_tokens="ten"), 400, "max_tokens", "int"),
+    ("max-tokens-negative", "POST", CMPL, _cmpl(max_tokens=-5), 400, "max_tokens", ""),
+    ("max-tokens-zero", "POST", CHAT, _chat(max_tokens=0), 400, "max_tokens", ""),
+    ("prompt-too-long", "POST", CMPL, _cmpl(prompt=LONG_PROMPT), 400, None,
+     "maximum context length is 512 tokens"),
+    ("prompt-plus-completion-too-long", "POST", CMPL, _cmpl(max_tokens=600), 400, None,
+     "Please reduce the length of the messages or completion"),
+    ("chat-too-long", "POST", CHAT, _chat(max_completion_tokens=1000), 400, None,
+     "maximum context length is 512 tokens"),
+    ("unknown-model", "POST", CMPL, _cmpl(model="gpt-17"), 404, "model", "does not exist"),
+    ("unknown-model-chat", "POST", CHAT, _chat(model="gpt-17"), 404, "model", "gpt-17"),
+    ("temperature-huge", "POST", CMPL, _cmpl(temperature=5e9), 400, "temperature", ""),
+    ("temperature-negative", "POST", CHAT, _chat(temperature=-1), 400, "temperature", ""),
+    ("top-p-zero", "POST", CMPL, _cmpl(top_p=0), 400, "top_p", ""),
+    ("top-p-above-one", "POST", CHAT, _chat(top_p=1.5), 400, "top_p", ""),
+    ("n-zero", "POST", CMPL, _cmpl(n=0), 400, "n", ""),
+    ("n-string", "POST", CHAT, _chat(n="two"), 400, "n", ""),
+    ("messages-empty", "POST", CHAT, _chat(messages=[]), 400, "messages", "empty"),
+    ("messages-not-list", "POST", CHAT, _chat(messages="hi"), 400, "messages", ""),
+    ("message-without-role", "POST", CHAT, _chat(messages=[{"content": "hi"}]), 400, None,
+     "role"),
+    ("message-content-int", "POST", CHAT, _chat(messages=[{"role": "user", "content": 3}]), 400,
+     None, "content"),
+    ("content-image-part", "POST", CHAT, _chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]), 400, None, "text"),
+    ("stop-wrong-type", "POST", CMPL, _cmpl(stop=5), 400, "stop", ""),
+    ("stop-empty-string", "POST", CMPL, _cmpl(stop=[""]), 400, "stop", ""),
+    ("logprobs-too-many", "POST", CMPL, _cmpl(logprobs=50), 400, "logprobs", ""),
+    ("top-logprobs-too-many", "POST", CHAT, _chat(logprobs=True, top_logprobs=30), 400,
+     "top_logprobs", ""),
+    ("top-logprobs-without-logprobs", "POST", CHAT, _chat(top_logprobs=2), 400, "top_logprobs",
+     "logprobs"),
+    ("presence-penalty-range", "POST", CMPL, _cmpl(presence_penalty=3), 400, "presence_penalty",
+     ""),
+    ("frequency-penalty-range", "POST", CHAT, _chat(frequency_penalty=-3), 400,
+     "frequency_penalty", ""),
+    ("repetition-penalty-zero", "POST", CMPL, _cmpl(repetition_penalty=0), 400,
+     "repetition_penalty", ""),
+    ("top-k-negative", "POST", CMPL, _cmpl(top_k=-5), 400, "top_k", ""),
+    ("min-p-above-one", "POST", CMPL, _cmpl(min_p=2), 400, "min_p", ""),
+    ("logit-bias-bad-key", "POST", CMPL, _cmpl(logit_bias={"abc": 1}), 400, "logit_bias", ""),
+    ("logit-bias-out-of-range", "POST", CMPL, _cmpl(logit_bias={"5": 500}), 400, "logit_bias", ""),
+    ("logit-bias-out-of-vocab", "POST", CMPL, _cmpl(logit_bias={"99999": 1}), 400, "logit_bias",
+     "vocabulary"),
+    ("prompt-ids-out-of-vocab", "POST", CMPL, _cmpl(prompt=[1, 99999]), 400, "prompt",
+     "vocabulary"),
+    ("prompt-empty", "POST", CMPL, _cmpl(prompt=""), 400, "prompt", "empty"),
+    ("prompt-list-empty", "POST", CMPL, _cmpl(prompt=[]), 400, "prompt", "empty"),
+    ("prompt-list-mixed", "POST", CMPL, _cmpl(prompt=[1, "a"]), 400, "prompt", ""),
+    ("stream-options-without-stream", "POST", CMPL,
+     _cmpl(stream_options={"include_usage": True}), 400, "stream_options", ""),
+    ("min-tokens-above-max", "POST", CMPL, _cmpl(min_tokens=10), 400, "min_tokens", ""),
+    ("stop-token-ids-negative", "POST", CMPL, _cmpl(stop_token_ids=[-1]), 400, "stop_token_ids",
+     ""),
+    ("seed-string", "POST", CMPL, _cmpl(seed="abc"), 400, "seed", ""),
+    ("stream-not-bool", "POST", CHAT, _chat(stream="yes"), 400, "stream", ""),
+    ("prompt-logprobs-streaming", "POST", CMPL, _cmpl(prompt_logprobs=1, stream=True), 400,
+     "prompt_logprobs", "stream"),
+    ("suffix-unsupported", "POST", CMPL, _cmpl(suffix="x"), 400, "suffix", ""),
+    ("get-on-post-route", "GET", CMPL, None, 405, None, ""),
+    ("unknown-route", "GET", "/v1/nothing", None, 404, None, ""),
+    ("detokenize-out-of-vocab", "POST", "/detokenize", {"tokens": [99999]}, 400, "tokens", ""),
+    ("tokenize-nothing", "POST", "/tokenize", {"model": SERVED_NAME}, 400, None, "prompt"),
+]
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server, timeout=30) as c:
+        yield c
+
+
+@pytest.mark.parametrize("name,method,path,body,status,param,fragment", CASES,
+                         ids=[c[0] for c in CASES])
+def test_bad_input(http, name, method, path, body, status, param, fragment):
+    content = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    response = http.request(method, path, content=content,
+                            headers={"Content-Type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["code"] == status
+    if param is not None:
+        assert error["param"] == param, error
+    assert fragment.lower() in error["message"].lower(), error
+
+
+def test_still_serving_after_bad_input(http):
+    for name, method, path, body, *_ in CASES:  # every bad request once more, in a burst
+        content = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+        http.request(method, path, content=content)
+    ok = http.post(CHAT, json=_chat(max_tokens=3, temperature=0))
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"]["completion_tokens"] >= 1
+    assert http.get("/health").status_code == 200
+
+
+def test_case_count():
+    assert len(CASES) >= 25

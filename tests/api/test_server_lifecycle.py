@@ -1,0 +1,145 @@
+"""Readiness, overload, a fatal fault and the stats log, on servers run in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from api_helpers import free_port, wait_healthy
+
+from actorlm.api.server import create_app
+from actorlm.async_llm import AsyncLLM
+
+FLAGS = dict(dtype="float32", num_kv_blocks=128)
+
+
+@contextlib.contextmanager
+def running(app):
+    """``app`` under uvicorn on a free port, in a thread; stopped (lifespan and all) on exit."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def _error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == status and error["message"]
+    return error
+
+
+def _events(response: httpx.Response) -> list:
+    return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_503_until_ready_then_fatal_fault(tiny_llama_dir):
+    release = threading.Event()
+
+    def build():
+        release.wait(30)
+        return AsyncLLM(str(tiny_llama_dir), **FLAGS)
+
+    app = create_app(build, served_model_name="tiny")
+    with running(app) as base:
+        assert "loading" in _error(httpx.get(base + "/health"), 503)["message"]
+        _error(httpx.post(base + "/v1/completions", json={"prompt": "Hi"}), 503)
+        _error(httpx.get(base + "/v1/models"), 503)
+        release.set()
+        wait_healthy(base, 60)
+        engine = app.state.actorlm.engine
+        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 400,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            engine.engine.executor.stop()  # an engine actor dies mid-request
+            rest = [line[6:] for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "[DONE]"
+        assert json.loads(rest[-2])["error"]["code"] == 503  # the error event, then [DONE]
+        _error(httpx.get(base + "/health"), 503)
+        _error(httpx.post(base + "/v1/completions", json={"prompt": "Hi"}), 503)
+
+
+def test_max_num_waiting_answers_503(tiny_llama_dir):
+    engine = AsyncLLM(str(tiny_llama_dir), max_num_seqs=1, max_num_waiting=1, **FLAGS)
+    try:
+        with running(create_app(engine)) as base:
+            name = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+            assert name == tiny_llama_dir.name  # the default served name
+            long = {"model": name, "prompt": "Once upon a time", "max_tokens": 490,
+                    "ignore_eos": True}
+
+            async def burst() -> list[httpx.Response]:
+                # one runs (a few hundred ms), one waits, the third finds the queue full —
+                # provided all three arrive while the first runs, hence the retries below
+                async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+                    return await asyncio.gather(*(http.post("/v1/completions", json=long)
+                                                  for _ in range(3)))
+
+            for _ in range(3):
+                answers = sorted(asyncio.run(burst()), key=lambda r: r.status_code)
+                if answers[-1].status_code == 503:
+                    break
+            assert [r.status_code for r in answers[:2]] == [200, 200]
+            assert "overloaded" in _error(answers[2], 503)["message"]
+    finally:
+        engine.shutdown()
+
+
+def test_periodic_stats_line(tiny_llama_dir, caplog):
+    engine = AsyncLLM(str(tiny_llama_dir), **FLAGS)
+    try:
+        with caplog.at_level(logging.INFO, logger="actorlm.api.metrics"):
+            with running(create_app(engine, log_stats_interval=0.2)) as base:
+                body = {"prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": True}
+                response = httpx.post(base + "/v1/completions", json=body, timeout=30)
+                assert response.status_code == 200
+                deadline = time.monotonic() + 5
+                while not any("Running:" in r.message for r in caplog.records):
+                    assert time.monotonic() < deadline, "no stats line"
+                    time.sleep(0.05)
+                line = next(r.message for r in caplog.records if "Running:" in r.message)
+                assert "Waiting:" in line and "KV cache usage" in line and "tokens/s" in line
+                # idle: the logger sleeps on its event instead of logging
+                time.sleep(0.2)
+                count = sum("Running:" in r.message for r in caplog.records)
+                time.sleep(0.6)
+                assert sum("Running:" in r.message for r in caplog.records) == count
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_non_streaming_client_that_hangs_up_aborts(tiny_llama_dir, path):
+    engine = AsyncLLM(str(tiny_llama_dir), **FLAGS)
+    try:
+        with running(create_app(engine)) as base:
+            body = {"max_tokens": 490, "ignore_eos": True}
+            body.update({"prompt": "Once upon a time"} if "chat" not in path else
+                        {"messages": [{"role": "user", "content": "Hi"}]})
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(base + path, json=body, timeout=httpx.Timeout(30, read=0.1))
+            deadline = time.monotonic() + 2
+            while (stats := engine.stats())["num_running"] or \
+                    stats["num_free_blocks"] != stats["num_total_blocks"]:
+                assert time.monotonic() < deadline, stats
+                time.sleep(0.02)
+    finally:
+        engine.shutdown()
