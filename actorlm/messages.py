@@ -174,6 +174,12 @@ class ScheduleStep(_StepMessage):
     num_scheduled_tokens: list[int]
     finished_request_ids: list[str]
 
+    @property
+    def request_ids(self) -> list[str]:
+        """Every scheduled request, in ``num_scheduled_tokens`` order."""
+        return [d.request_id for d in self.new_requests] + \
+            [d.request_id for d in self.cached_requests]
+
 
 class PromptLogprobs(_StepMessage):
     """Logprobs of prompt tokens ``start, start + 1, …`` (the ones this step's logits predict)."""

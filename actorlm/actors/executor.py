@@ -57,7 +57,7 @@ class ExecutorActor(pykka.ThreadingActor):
     def _on_worker_died(self, rank: int) -> None:
         step, self._step = self._step, None
         log.error("worker %d is dead; failing step %d and restarting it", rank, step.step_id)
-        request_ids = [d.request_id for d in step.new_requests + step.cached_requests]
-        tell(self.scheduler, StepResult(step.step_id, [], [], f"worker {rank} died", request_ids))
+        tell(self.scheduler, StepResult(step.step_id, [], [], f"worker {rank} died",
+                                        step.request_ids))
         self.runners[rank] = self.make_runner(rank)
         self.workers[rank] = WorkerActor.start(rank, self.runners[rank], self.actor_ref)

@@ -21,7 +21,11 @@ class WorkerActor(pykka.ThreadingActor):
 
     def on_receive(self, message):
         if isinstance(message, ScheduleStep):
-            result: StepResult = self.runner.execute(message)
+            try:
+                result: StepResult = self.runner.execute(message)
+            except Exception as exc:  # noqa: BLE001 — a fault fails this step's requests only
+                result = StepResult(message.step_id, [], [], f"{type(exc).__name__}: {exc}",
+                                    message.request_ids)
             if result.error:
                 log.error("worker %d: step %d failed for requests %s: %s", self.rank,
                           result.step_id, result.failed_request_ids, result.error)

@@ -52,7 +52,8 @@ class ModelRunner:
         self.requests: dict[str, _CachedState] = {}
 
     def execute(self, step: ScheduleStep) -> StepResult:
-        """Run one step. On a fault, the step's requests are forgotten and reported failed."""
+        """Run one step. A fault raises; the worker fails the step's requests, and the
+        scheduler then has the workers forget them."""
         for request_id in step.finished_request_ids:
             self.requests.pop(request_id, None)
         for data in step.new_requests:
@@ -61,14 +62,7 @@ class ModelRunner:
             state = self.requests[delta.request_id]
             state.block_ids.extend(delta.new_block_ids)
             state.num_computed_tokens = delta.num_computed_tokens
-        request_ids = [d.request_id for d in step.new_requests] + \
-                      [d.request_id for d in step.cached_requests]
-        try:
-            return self._run(step.step_id, request_ids, step.num_scheduled_tokens)
-        except Exception as exc:  # noqa: BLE001 — a fault fails this step's requests only
-            for request_id in request_ids:
-                self.requests.pop(request_id, None)
-            return StepResult(step.step_id, [], [], f"{type(exc).__name__}: {exc}", request_ids)
+        return self._run(step.step_id, step.request_ids, step.num_scheduled_tokens)
 
     @torch.inference_mode()
     def _run(self, step_id: int, request_ids: list[str], num_scheduled: list[int]) -> StepResult:
