@@ -19,7 +19,8 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
-        self._window = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        self._context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        self._window = list(self._context)
         self._prefix_offset = 0
         self._read_offset = len(self._window)
         self.text = ""
@@ -39,6 +40,10 @@ class IncrementalDetokenizer:
             self._prefix_offset = 0
         self.text += new_text
         return new_text
+
+    def decode_all(self, token_ids: list[int]) -> str:
+        """The whole output at once, spaced as the incremental text would be."""
+        return self._decode(self._context + token_ids)[len(self._decode(self._context)):]
 
     def _decode(self, token_ids: list[int]) -> str:
         kwargs = {"skip_special_tokens": self.skip_special_tokens}

@@ -43,6 +43,9 @@ class OutputStream:
             cumulative_logprob=0.0 if wants_logprobs else None) for _ in range(params.n)]
         self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
         self.error: str | None = None
+        # text is needed token by token only to stream it or to find stop strings; otherwise
+        # one decode at the end gives the same text for a fraction of the work
+        self._incremental = stream or bool(params.stop)
         # while streaming, hold back text that could still turn out to start a stop string
         self._holdback = (max(map(len, params.stop)) - 1
                           if params.stop and not params.include_stop_str_in_output else 0)
@@ -67,6 +70,8 @@ class OutputStream:
             if position is not None and seq.logprobs is not None:
                 seq.logprobs.append(self._logprob_dict(position))
                 seq.cumulative_logprob += position.logprobs[0]
+            if not self._incremental:
+                continue
             new_text = seq.detokenizer.add(token_id)
             seq.text += new_text
             if self.params.stop and len(seq.token_ids) >= self.params.min_tokens:
@@ -79,6 +84,8 @@ class OutputStream:
         if delta.finish_reason is not None:
             seq.finish_reason, seq.stop_reason = delta.finish_reason, delta.stop_reason
             self.error = self.error or delta.error
+            if not self._incremental:
+                seq.text = seq.detokenizer.decode_all(seq.token_ids)
         return None
 
     def output(self) -> RequestOutput:

@@ -89,3 +89,18 @@ def test_streaming_holds_back_what_could_start_a_stop_string(tokenizer):
     assert all("is a" not in o.outputs[0].text for o in sink)
     _, sink, _ = feed(tokenizer, ENGLISH, stream=True, stop=["zzz"])
     assert sink[-1].outputs[0].text == ENGLISH[:-2]  # the last len("zzz") - 1 chars wait
+
+
+@pytest.mark.parametrize("text", [ENGLISH, UNICODE])
+def test_text_decoded_once_at_the_end_equals_the_incremental_text(tokenizer, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    prompt = tokenizer.encode("Repeat after me:", add_special_tokens=False)
+    texts = []
+    for stream in (False, True):
+        out = OutputStream("r", None, prompt, SamplingParams(max_tokens=64), tokenizer,
+                           ListSink(), stream)
+        for token_id in ids[:-1]:
+            out.apply(0, RequestDelta("r", [token_id]))
+        out.apply(0, RequestDelta("r", [ids[-1]], finish_reason="length"))
+        texts.append(out.output().outputs[0].text)
+    assert texts[0] == texts[1] == text
