@@ -7,6 +7,7 @@ STAMP  := $(VENV)/.installed
 .PHONY: install serve test
 
 install: $(STAMP)
+	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 
 # torch first, pinned: an unpinned torch would pull a multi-GB CUDA build on a CPU machine
 $(STAMP): pyproject.toml Makefile

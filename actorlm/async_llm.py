@@ -34,6 +34,7 @@ from actorlm.config import EngineConfig
 from actorlm.messages import AbortRequests, SubmitRequest
 from actorlm.outputs import RequestOutput
 from actorlm.sampling_params import SamplingParams
+from actorlm.trace import TraceRecorder
 
 log = logging.getLogger(__name__)
 
@@ -142,10 +143,13 @@ class AsyncLLM:
     """
 
     def __init__(self, model: str | None = None, *, max_num_waiting: int | None = None,
-                 **engine_flags):
+                 trace_file: str | None = None, trace_capacity: int = 100_000, **engine_flags):
         if max_num_waiting is not None and max_num_waiting < 1:
             raise ValueError(f"--max-num-waiting must be at least 1, got {max_num_waiting}")
-        self.engine = EngineSystem(EngineConfig.from_flags(model, **engine_flags))
+        # always recording (a bounded ring): the server shows it live at /trace
+        self.trace = TraceRecorder(capacity=trace_capacity, path=trace_file)
+        self.engine = EngineSystem(EngineConfig.from_flags(model, **engine_flags),
+                                   trace=self.trace)
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         self.model_path = self.engine.model_path
@@ -313,6 +317,7 @@ class AsyncLLM:
         self._fail_live(EngineDeadError("the engine is shutting down"))
         self._submitter.shutdown(wait=False, cancel_futures=True)
         self.engine.stop()
+        self.trace.close()
 
     async def __aenter__(self) -> AsyncLLM:
         return self

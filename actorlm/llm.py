@@ -22,10 +22,24 @@ class LLM:
 
     Engine flags carry vLLM's names (``dtype``, ``max_model_len``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``block_size``, ``seed``, …) plus ``num_kv_blocks``.
+    ``trace_file``: record the run (``actorlm.trace``) as JSON lines there; the file is
+    complete whenever ``generate`` returns. ``llm.trace`` is the recorder (None when off).
     """
 
-    def __init__(self, model: str | None = None, **engine_flags):
-        self.engine = EngineSystem(EngineConfig.from_flags(model, **engine_flags))
+    def __init__(self, model: str | None = None, *, trace_file: str | None = None,
+                 **engine_flags):
+        config = EngineConfig.from_flags(model, **engine_flags)
+        self.trace = None
+        if trace_file is not None:
+            from actorlm.trace import TraceRecorder
+
+            self.trace = TraceRecorder(path=trace_file)
+        try:
+            self.engine = EngineSystem(config, trace=self.trace)
+        except BaseException:
+            if self.trace is not None:
+                self.trace.close()
+            raise
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
@@ -60,7 +74,17 @@ class LLM:
                 output = sink.get()
                 by_id[output.request_id] = output
                 bar.update(1)
+        self.flush_trace()
         return [by_id[rid] for rid in request_ids]
+
+    def flush_trace(self) -> None:
+        """Write the trace file up to now, including the blocks the last step returned."""
+        if self.trace is not None:
+            # the allocator answers after the last free it was sent; the scheduler then after
+            # that grant: both asks together wait for the engine to settle
+            self.engine.kv_stats()
+            self.engine.scheduler_stats()
+            self.trace.flush()
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -92,6 +116,8 @@ class LLM:
 
     def shutdown(self) -> None:
         self.engine.stop()
+        if self.trace is not None:
+            self.trace.close()
 
     def __enter__(self) -> LLM:
         return self

@@ -33,9 +33,10 @@ class _Phase(Enum):
 
 
 class SchedulerActor(pykka.ThreadingActor):
-    def __init__(self, scheduler: Scheduler):
+    def __init__(self, scheduler: Scheduler, trace=None):
         super().__init__()
         self.scheduler = scheduler
+        self.trace = trace  # an actorlm.trace.TraceRecorder, or None
         self.frontend = self.allocator = self.executor = None
         self._phase = _Phase.IDLE
         self._plan: StepPlan | None = None
@@ -44,6 +45,8 @@ class SchedulerActor(pykka.ThreadingActor):
 
     def on_receive(self, message):
         if isinstance(message, AddRequest):
+            if self.trace is not None:
+                self.trace.on_arrival(message)
             try:
                 self.scheduler.add_request(message)
             except ValueError as exc:  # a duplicate id: refuse it alone
@@ -51,6 +54,8 @@ class SchedulerActor(pykka.ThreadingActor):
                 tell(self.frontend, EngineOutputs(-1, [refusal]))
             self._kick()
         elif isinstance(message, (AbortRequests, FailRequests, StopRequests)):
+            if self.trace is not None:
+                self.trace.on_control(message)
             self._deferred.append(message)
             if self._phase is _Phase.IDLE:
                 deltas = self._apply_deferred()
@@ -82,14 +87,20 @@ class SchedulerActor(pykka.ThreadingActor):
         """Start the next step if none is in flight and there is work."""
         if self._phase is not _Phase.IDLE:
             return
+        if self.trace is not None:
+            self.trace.before_plan()
         plan = self.scheduler.schedule()
         if plan is None:
             return
+        if self.trace is not None:
+            self.trace.planned(plan)
         self._plan, self._phase = plan, _Phase.ALLOCATING
         tell(self.allocator, plan.allocate_message())
 
     def _on_granted(self, granted: SlotsGranted) -> None:
         step = self.scheduler.on_slots_granted(self._plan, granted)
+        if self.trace is not None:
+            self.trace.granted(self._plan, ran=step is not None)
         if step is None:  # the plan only returned blocks
             self._phase, self._plan = _Phase.IDLE, None
             self._kick()
@@ -99,6 +110,8 @@ class SchedulerActor(pykka.ThreadingActor):
         tell(self.executor, step)
 
     def _on_result(self, result: StepResult) -> None:
+        if self.trace is not None:
+            self.trace.step_result(self._plan, result)
         outputs = self.scheduler.update_from_output(self._plan, result)
         deltas = outputs.deltas + self._apply_deferred()
         self._phase, self._plan = _Phase.IDLE, None
@@ -112,6 +125,8 @@ class SchedulerActor(pykka.ThreadingActor):
         # plan's requests alone and resynchronise with the allocator's count.
         log.error("step %d refused by the allocator (%s)", refused.step_id, refused.reason)
         plan, self._plan, self._phase = self._plan, None, _Phase.IDLE
+        if self.trace is not None:
+            self.trace.step_refused(plan, refused)
         ids = [r.request_id for r in plan.requests]
         deltas = self.scheduler.abort(ids, RequestEvent.FAIL, f"KV allocation refused: {refused.reason}")
         self.scheduler.num_free_blocks = refused.num_free_blocks

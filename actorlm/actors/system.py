@@ -67,16 +67,21 @@ def _direct(name: str, ref: pykka.ActorRef) -> pykka.ActorRef:
     return ref
 
 
+def _direct_link(ref, sender: str, receiver: str):
+    return ref
+
+
 class EngineSystem:
     """Starts the engine's actors. The keyword arguments are seams for tests and tools:
     ``parts`` replaces model loading (``config`` must then be resolved already), ``clock`` is
     what the actors read time from, ``listeners`` observe every request's state machine, and
     ``route(name, ref)`` returns what an actor's peers are given in place of actor ``name``'s
-    ref (a test harness returns a probe that relays, to control delivery)."""
+    ref (a test harness returns a probe that relays, to control delivery). ``trace`` (an
+    ``actorlm.trace.TraceRecorder``) records every transition, message and step."""
 
     def __init__(self, config: EngineConfig, *, parts: ModelParts | None = None, clock=time,
                  listeners: Iterable[Listener] = (),
-                 route: Callable[[str, pykka.ActorRef], Any] = _direct):
+                 route: Callable[[str, pykka.ActorRef], Any] = _direct, trace=None):
         self.model_path = self.hf_config = self.dtype = self.device = None
         if parts is None:
             parts = self._load_model(config)
@@ -89,22 +94,32 @@ class EngineSystem:
             max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
             block_size=config.block_size, enable_chunked_prefill=config.enable_chunked_prefill,
             eos_token_ids=parts.eos_token_ids), num_total_blocks=config.num_kv_blocks,
-            listeners=listeners)
+            listeners=[*listeners, trace.on_transition] if trace else listeners)
+        self.trace = trace
+        link = _direct_link
+        if trace is not None:
+            trace.configure(config, parts.eos_token_ids, parts.name)
+            trace.attach(policy)
+            link = trace.wrap  # (ref, sender, receiver) -> a ref that records what it carries
         self.frontend = self.allocator = self.executor = None
-        self.scheduler = SchedulerActor.start(policy)
+        self.scheduler = SchedulerActor.start(policy, trace)
         to_scheduler = route("scheduler", self.scheduler)
         try:
-            self.allocator = KVAllocatorActor.start(config.num_kv_blocks, to_scheduler)
-            self.executor = ExecutorActor.start(parts.make_runner, 1, to_scheduler)
+            self.allocator = KVAllocatorActor.start(
+                config.num_kv_blocks, link(to_scheduler, "allocator", "scheduler"))
+            self.executor = ExecutorActor.start(parts.make_runner, 1,
+                                                link(to_scheduler, "executor", "scheduler"))
             self.frontend = FrontendActor.start(self.tokenizer, config.max_model_len,
-                                                parts.vocab_size, to_scheduler, config.seed,
-                                                clock=clock)
+                                                parts.vocab_size,
+                                                link(to_scheduler, "frontend", "scheduler"),
+                                                config.seed, clock=clock)
         except BaseException:
             self.stop()
             raise
-        self.scheduler.tell(Connect(route("frontend", self.frontend),
-                                    route("allocator", self.allocator),
-                                    route("executor", self.executor)))
+        self.scheduler.tell(Connect(
+            link(route("frontend", self.frontend), "scheduler", "frontend"),
+            link(route("allocator", self.allocator), "scheduler", "allocator"),
+            link(route("executor", self.executor), "scheduler", "executor")))
         log.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d", parts.name,
                  config.num_kv_blocks, config.block_size, config.max_model_len)
 

@@ -1,4 +1,4 @@
-"""The ``actorlm`` command: generate, bench throughput (serve and trace join later)."""
+"""The ``actorlm`` command: generate, serve, bench throughput, bench serve, trace."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import logging
 import sys
 
 from actorlm.api.flags import add_engine_flags, engine_flags
+from actorlm.trace.cli import add_trace_commands
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,6 +23,20 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     gen.set_defaults(run=_generate)
 
+    srv = commands.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    add_engine_flags(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model name clients use (default: the model directory's name)")
+    srv.add_argument("--max-num-waiting", type=int, default=None,
+                     help="answer 503 while this many requests already wait (default: no limit)")
+    srv.add_argument("--log-stats-interval", type=float, default=10.0,
+                     help="seconds between the periodic stats lines while busy")
+    srv.add_argument("--trace-file", default=None,
+                     help="also write the engine trace there as JSON lines (see /trace)")
+    srv.set_defaults(run=_serve)
+
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     tp = bench.add_parser("throughput", help="offline throughput, optionally against transformers")
     add_engine_flags(tp)
@@ -30,7 +45,24 @@ def main(argv: list[str] | None = None) -> int:
     tp.add_argument("--compare", choices=["hf"], default=None)
     tp.add_argument("--num-iters", type=int, default=1, help="report medians over this many runs")
     tp.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    tp.add_argument("--trace", action="store_true",
+                    help="record a trace (into a temporary file) while measuring")
     tp.set_defaults(run=_bench_throughput)
+    bs = bench.add_parser("serve", help="online serving benchmark against a running server")
+    bs.add_argument("--base-url", default="http://127.0.0.1:8000")
+    bs.add_argument("--endpoint", default="/v1/completions",
+                    choices=["/v1/completions", "/v1/chat/completions"])
+    bs.add_argument("--model", default=None, help="model name to send (default: the server's)")
+    bs.add_argument("--num-prompts", type=int, required=True)
+    bs.add_argument("--request-rate", type=float, default=float("inf"),
+                    help="requests per second, Poisson arrivals (default: inf, all at once)")
+    bs.add_argument("--max-tokens", type=int, default=128)
+    bs.add_argument("--max-concurrency", type=int, default=None)
+    bs.add_argument("--seed", type=int, default=0, help="seeds the arrival times")
+    bs.add_argument("--ignore-eos", action="store_true", help="every request decodes max tokens")
+    bs.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    bs.set_defaults(run=_bench_serve)
+    add_trace_commands(commands)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -61,13 +93,36 @@ def _bench_throughput(args) -> int:
     from actorlm.benchmark.throughput import run_throughput
 
     result = run_throughput(args.model, engine_flags(args), args.num_prompts, args.output_len,
-                            compare_hf=args.compare == "hf", num_iters=args.num_iters)
+                            compare_hf=args.compare == "hf", num_iters=args.num_iters,
+                            trace=args.trace)
     if args.json:
         print(json.dumps(result))
     else:
         for key, value in result.items():
             print(f"{key:>24}: {value}")
     return 0
+
+
+def _serve(args) -> int:
+    from actorlm.api.server import serve
+
+    return serve(args.model, engine_flags(args), host=args.host, port=args.port,
+                 served_model_name=args.served_model_name, max_num_waiting=args.max_num_waiting,
+                 log_stats_interval=args.log_stats_interval, trace_file=args.trace_file)
+
+
+def _bench_serve(args) -> int:
+    from actorlm.benchmark.serve import print_report, run_serve_benchmark
+
+    result = run_serve_benchmark(args.base_url, args.num_prompts, args.request_rate,
+                                 endpoint=args.endpoint, max_tokens=args.max_tokens,
+                                 model=args.model, max_concurrency=args.max_concurrency,
+                                 seed=args.seed, ignore_eos=args.ignore_eos)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_report(result)
+    return 0 if result["completed"] else 1
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from typing import Callable
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
 import actorlm
@@ -29,6 +29,7 @@ from actorlm.api import serving
 from actorlm.api.metrics import ServerMetrics, StatsLogger
 from actorlm.api.serving import as_api_error, error_response, json_response
 from actorlm.async_llm import AsyncLLM
+from actorlm.trace import render_html
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +185,21 @@ async def detokenize(request: Request) -> Response:
     return json_response(p.DetokenizeResponse(text))
 
 
+async def trace_page(request: Request) -> Response:
+    """The live visualizer over what the ring buffer holds now (rendered off the loop)."""
+    engine = _state(request).ready_engine()
+    page = await asyncio.to_thread(render_html, engine.trace.records(), "actorlm trace (live)")
+    return HTMLResponse(page)
+
+
+async def trace_json(request: Request) -> Response:
+    """The same JSON lines as --trace-file: the configuration first, then the records."""
+    engine = _state(request).ready_engine()
+    engine.trace.flush()  # keep --trace-file current as well
+    lines = await asyncio.to_thread(engine.trace.jsonl_lines)
+    return Response("\n".join(lines) + "\n", media_type="application/x-ndjson")
+
+
 # --- the app -------------------------------------------------------------------------------------
 
 
@@ -230,6 +246,8 @@ def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: 
         Route("/v1/models", _endpoint(models), methods=["GET"]),
         Route("/tokenize", _endpoint(tokenize), methods=["POST"]),
         Route("/detokenize", _endpoint(detokenize), methods=["POST"]),
+        Route("/trace", _endpoint(trace_page), methods=["GET"]),
+        Route("/trace.json", _endpoint(trace_json), methods=["GET"]),
         Route("/v1/completions", _endpoint(_generation(serving.create_completion)),
               methods=["POST"]),
         Route("/v1/chat/completions", _endpoint(_generation(serving.create_chat_completion)),
@@ -243,7 +261,7 @@ def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: 
 
 def serve(model: str | None, engine_flags: dict, *, host: str = "127.0.0.1", port: int = 8000,
           served_model_name: str | None = None, max_num_waiting: int | None = None,
-          log_stats_interval: float = 10.0) -> int:
+          log_stats_interval: float = 10.0, trace_file: str | None = None) -> int:
     """Run the server until interrupted; the engine loads while the port already answers."""
     import uvicorn
 
@@ -259,7 +277,8 @@ def serve(model: str | None, engine_flags: dict, *, host: str = "127.0.0.1", por
         failed.append(message)
         server.should_exit = True
 
-    app = create_app(lambda: AsyncLLM(model, max_num_waiting=max_num_waiting, **engine_flags),
+    app = create_app(lambda: AsyncLLM(model, max_num_waiting=max_num_waiting,
+                                      trace_file=trace_file, **engine_flags),
                      served_model_name=served_model_name, log_stats_interval=log_stats_interval,
                      on_load_error=on_load_error)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",

@@ -8,6 +8,7 @@ prompt ids in the same process, after the engine has shut down.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -31,12 +32,17 @@ def bench_prompts(num_prompts: int) -> list[list[dict]]:
 
 
 def run_throughput(model: str | None, flags: dict, num_prompts: int, output_len: int,
-                   compare_hf: bool = False, num_iters: int = 1) -> dict:
+                   compare_hf: bool = False, num_iters: int = 1, trace: bool = False) -> dict:
+    """``trace``: record the run into a temporary trace file (to measure tracing's cost)."""
+    import tempfile
+
     from actorlm.llm import LLM
     from actorlm.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    llm = LLM(model, **flags)
+    trace_dir = tempfile.TemporaryDirectory(prefix="actorlm-trace-") if trace else None
+    trace_file = os.path.join(trace_dir.name, "bench.jsonl") if trace_dir else None
+    llm = LLM(model, trace_file=trace_file, **flags)
     try:
         prompt_ids = [llm.apply_chat_template(c) for c in bench_prompts(num_prompts)]
         num_prompt_tokens = sum(map(len, prompt_ids))
@@ -53,6 +59,9 @@ def run_throughput(model: str | None, flags: dict, num_prompts: int, output_len:
         path, dtype = llm.engine.model_path, llm.engine.dtype
     finally:
         llm.shutdown()
+        trace_bytes = os.path.getsize(trace_file) if trace_file else None
+        if trace_dir is not None:
+            trace_dir.cleanup()
     elapsed = statistics.median(runs)
     result = {
         "model": path.name, "dtype": str(dtype).removeprefix("torch."),
@@ -64,6 +73,8 @@ def run_throughput(model: str | None, flags: dict, num_prompts: int, output_len:
         "total_tokens_per_s": round((num_output + num_prompt_tokens) / elapsed, 2),
         "num_preemptions": stats["num_preemptions"],
     }
+    if trace:
+        result["trace_file_bytes"] = trace_bytes
     if compare_hf:
         hf_elapsed = statistics.median(
             _time_hf(path, dtype, prompt_ids, output_len) for _ in range(num_iters))

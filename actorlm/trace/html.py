@@ -1,0 +1,81 @@
+"""The self-contained HTML visualizer: one page, inline CSS and JS, no network.
+
+``render_html(records)`` returns the page for a trace: one lane per request coloured by state
+(waiting, running — prefill or decode —, preempted, finished with its reason), the steps with
+their batch composition, the KV cache's use over time, filters, zoom, and hover details.
+The data travels inside the page as JSON; the script builds the DOM from it. Every lane
+carries ``data-request-id``, every state segment ``data-state`` (plus ``data-phase`` for
+running, ``data-reason`` for finished), and the page root gets ``data-rendered="true"`` once
+built, or ``data-js-errors`` if a script failed — so tests and tools can check the page.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+
+from actorlm.trace.records import Record
+from actorlm.trace.timeline import Timeline, build_timeline
+from actorlm.trace.visualizer_assets import CSS, SCRIPT
+
+MAX_LANES = 3000  # lanes drawn; the rest are counted (filters narrow the set)
+
+
+def render_html(records: list[Record], title: str = "actorlm trace") -> str:
+    """The visualizer page for ``records`` (a recorder's ``records()`` or a read trace)."""
+    data = page_data(build_timeline(records), title)
+    payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
+    return _PAGE.format(title=html.escape(title), css=CSS, data=payload, script=SCRIPT)
+
+
+def page_data(timeline: Timeline, title: str) -> dict:
+    t0 = timeline.t_min
+
+    def ms(t: float) -> float:
+        return round((t - t0) * 1e3, 3)
+
+    config = timeline.config
+    meta = {"title": title, "duration_ms": ms(timeline.t_max), "max_lanes": MAX_LANES}
+    if config is not None:
+        meta.update(model=config.model, max_num_batched_tokens=config.max_num_batched_tokens,
+                    max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+                    block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
+                    enable_chunked_prefill=config.enable_chunked_prefill,
+                    num_dropped=config.num_dropped, wall_time=config.wall_time)
+    lanes = []
+    for lane in timeline.lanes:
+        segments = [[s.state, ms(s.t_start), ms(s.t_end), s.step_start, s.step_end, s.phase,
+                     s.num_tokens, s.num_steps, s.num_blocks] for s in lane.segments]
+        stop = lane.stop_reason if isinstance(lane.stop_reason, (int, str)) else None
+        lanes.append([lane.request_id, lane.num_prompt_tokens, lane.num_output_tokens,
+                      lane.finish_reason, stop, lane.num_preemptions, lane.is_open, segments])
+    steps = [[s.step, ms(s.t_start), ms(s.t_end), s.num_prefill_tokens, s.num_decode_tokens,
+              s.kv_blocks_used, s.kv_blocks_free, s.num_running, s.num_waiting, s.request_ids,
+              s.num_scheduled_tokens, s.preempted_ids, s.failed_ids] for s in timeline.steps]
+    return {"meta": meta, "lanes": lanes, "steps": steps}
+
+
+_PAGE = """<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{title}</title>
+<style>{css}</style>
+<script>
+window.onerror = function (message, source, line) {{
+  var root = document.documentElement;
+  var seen = root.getAttribute('data-js-errors');
+  root.setAttribute('data-js-errors',
+                    (seen ? seen + ' | ' : '') + message + ' (line ' + line + ')');
+}};
+</script>
+</head>
+<body>
+<div id="app"></div>
+<div id="tip" hidden></div>
+<script id="trace-data" type="application/json">{data}</script>
+<script>{script}</script>
+</body>
+</html>
+"""

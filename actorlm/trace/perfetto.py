@@ -1,0 +1,139 @@
+"""Export a trace to the Chrome / Perfetto trace-event JSON format (opens in ui.perfetto.dev).
+
+Three processes: "requests" has one track per request (its state spans as complete ``X``
+events, the prefill/decode stretches of a running span nested inside it, the finish as an
+instant); "actors" has one track per sending actor with its messages as instants; "engine"
+has the steps as ``X`` events and counters (``C``) for KV blocks and batch size. Timestamps
+are microseconds from the first record; events are sorted by time, so every track's are
+monotonic.
+"""
+
+from __future__ import annotations
+
+import json
+
+from actorlm.trace.records import Record
+from actorlm.trace.timeline import Timeline, build_timeline
+
+_REQUESTS, _ACTORS, _ENGINE = 1, 2, 3
+_ACTOR_ORDER = ("frontend", "scheduler", "allocator", "executor", "worker")
+
+
+def to_perfetto(records: list[Record]) -> dict:
+    """The trace as a trace-event JSON object (``{"traceEvents": [...], ...}``)."""
+    timeline = build_timeline(records)
+    t0 = timeline.t_min
+
+    def us(t: float) -> float:
+        return round((t - t0) * 1e6, 3)
+
+    meta: list[dict] = []
+    events: list[dict] = []
+    for pid, name, index in ((_REQUESTS, "requests", 0), (_ACTORS, "actors", 1),
+                             (_ENGINE, "engine", 2)):
+        meta.append(_meta("process_name", pid, 0, name))
+        meta.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0,
+                     "args": {"sort_index": index}})
+    _requests(timeline, us, meta, events)
+    _actors(timeline, us, meta, events)
+    _engine(timeline, us, meta, events)
+    events.sort(key=lambda e: e["ts"])  # stable: a parent span stays before its children
+    other = {"producer": "actorlm"}
+    if timeline.config is not None:
+        other.update({k: v for k, v in _config_items(timeline.config)})
+    return {"traceEvents": meta + events, "displayTimeUnit": "ms", "otherData": other}
+
+
+def write_perfetto(records: list[Record], path) -> None:
+    with open(path, "w") as f:
+        json.dump(to_perfetto(records), f, separators=(",", ":"))
+
+
+def _config_items(config):
+    for name in ("model", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
+                 "block_size", "num_kv_blocks", "enable_chunked_prefill", "num_dropped"):
+        yield name, getattr(config, name)
+
+
+def _meta(kind: str, pid: int, tid: int, name: str) -> dict:
+    return {"name": kind, "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
+
+
+def _requests(timeline: Timeline, us, meta: list, events: list) -> None:
+    for tid, lane in enumerate(timeline.lanes, 1):
+        meta.append(_meta("thread_name", _REQUESTS, tid, f"request {lane.request_id}"))
+        meta.append({"name": "thread_sort_index", "ph": "M", "pid": _REQUESTS, "tid": tid,
+                     "args": {"sort_index": tid}})
+        segments = lane.segments
+        i = 0
+        while i < len(segments):
+            seg = segments[i]
+            if seg.state == "finished":
+                events.append({"name": f"finished ({seg.reason})", "cat": "request", "ph": "i",
+                               "s": "t", "ts": us(seg.t_start), "pid": _REQUESTS, "tid": tid,
+                               "args": {"reason": seg.reason, "stop_reason": seg.stop_reason,
+                                        "step": seg.step_start,
+                                        "num_output_tokens": lane.num_output_tokens}})
+                i += 1
+                continue
+            j = i + 1  # a running stay spans consecutive running segments (one per phase)
+            while seg.state == "running" and j < len(segments) and segments[j].state == "running":
+                j += 1
+            stay = segments[i:j]
+            args = {"step_start": seg.step_start, "step_end": stay[-1].step_end,
+                    "num_prompt_tokens": lane.num_prompt_tokens}
+            if seg.state == "running":
+                args.update(num_tokens=sum(s.num_tokens for s in stay),
+                            num_steps=sum(s.num_steps for s in stay),
+                            num_blocks=stay[-1].num_blocks)
+            events.append(_span(seg.state, "request", us(seg.t_start), us(stay[-1].t_end),
+                                _REQUESTS, tid, args))
+            for part in stay:
+                if part.phase is not None:
+                    events.append(_span(part.phase, "request", us(part.t_start), us(part.t_end),
+                                        _REQUESTS, tid,
+                                        {"num_tokens": part.num_tokens,
+                                         "num_steps": part.num_steps,
+                                         "step_start": part.step_start,
+                                         "step_end": part.step_end}))
+            i = j
+
+
+def _span(name: str, cat: str, start: float, end: float, pid: int, tid: int, args: dict) -> dict:
+    return {"name": name, "cat": cat, "ph": "X", "ts": start,
+            "dur": round(max(0.0, end - start), 3), "pid": pid, "tid": tid, "args": args}
+
+
+def _actors(timeline: Timeline, us, meta: list, events: list) -> None:
+    senders = {m.sender for m in timeline.messages}
+    names = [n for n in _ACTOR_ORDER if n in senders] + sorted(senders - set(_ACTOR_ORDER))
+    tids = {name: tid for tid, name in enumerate(names, 1)}
+    for name, tid in tids.items():
+        meta.append(_meta("thread_name", _ACTORS, tid, name))
+        meta.append({"name": "thread_sort_index", "ph": "M", "pid": _ACTORS, "tid": tid,
+                     "args": {"sort_index": tid}})
+    for m in timeline.messages:
+        events.append({"name": m.type, "cat": "message", "ph": "i", "s": "t", "ts": us(m.t),
+                       "pid": _ACTORS, "tid": tids[m.sender],
+                       "args": {"to": m.receiver, "bytes": m.num_bytes, "step": m.step}})
+
+
+def _engine(timeline: Timeline, us, meta: list, events: list) -> None:
+    meta.append(_meta("thread_name", _ENGINE, 1, "steps"))
+    total = timeline.config.num_kv_blocks if timeline.config is not None else None
+    for s in timeline.steps:
+        events.append(_span(f"step {s.step}", "step", us(s.t_start), us(s.t_end), _ENGINE, 1, {
+            "step": s.step, "num_requests": s.num_requests,
+            "num_prefill_tokens": s.num_prefill_tokens, "num_decode_tokens": s.num_decode_tokens,
+            "preempted_ids": s.preempted_ids, "failed_ids": s.failed_ids,
+            "kv_blocks_used": s.kv_blocks_used, "kv_blocks_free": s.kv_blocks_free,
+            "scheduled": dict(zip(s.request_ids, s.num_scheduled_tokens))}))
+        ts = us(s.t_start)
+        kv = {"used": s.kv_blocks_used, "free": s.kv_blocks_free, "cached": s.kv_blocks_cached}
+        if total:
+            kv["total"] = total
+        events.append({"name": "KV blocks", "ph": "C", "ts": ts, "pid": _ENGINE, "tid": 0,
+                       "args": kv})
+        events.append({"name": "batch", "ph": "C", "ts": ts, "pid": _ENGINE, "tid": 0,
+                       "args": {"requests": s.num_requests, "prefill_tokens": s.num_prefill_tokens,
+                                "decode_tokens": s.num_decode_tokens}})

@@ -1,0 +1,343 @@
+"""TraceRecorder: every state transition, actor message and engine step, in a bounded ring buffer.
+
+The recorder is fed from three places, all cheap enough to leave on in production:
+
+- the request state machine: ``on_transition`` is a ``Machine`` listener (DESIGN.md §3);
+- the actor message path: ``wrap(ref, sender, receiver)`` returns a ref that records each
+  message it carries (type, step, msgpack size) before passing it on;
+- the scheduler actor's loop: ``before_plan`` / ``planned`` / ``granted`` / ``step_result``
+  produce one ``StepSummary`` per planned step, and ``on_arrival`` / ``on_control`` record
+  what reached the scheduler and at which step.
+
+Records are frozen msgspec Structs (``actorlm.trace.records``) kept in a
+``deque(maxlen=capacity)``, so memory stays flat on a long-running server. With ``path``,
+every record is also appended to a JSON-lines file (written in batches and on ``flush``), which
+therefore holds the whole run, not just the ring buffer's window.
+
+Threads: transitions, steps, arrivals and the scheduler's own messages are recorded on the
+scheduler's thread; other actors record the messages they send on their own threads. Appends
+take one lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from typing import Any, Iterable
+
+import msgspec
+
+from actorlm.fsm import RequestEvent, RequestState
+from actorlm.messages import (STEP_MESSAGE_TYPES, AbortRequests, AddRequest, FailRequests,
+                              StopRequests)
+from actorlm.trace.records import (Abort, Arrival, Fail, MessageSent, Record, StateChange,
+                                   StepSummary, Stop, TraceConfig, encode_line, encode_lines,
+                                   jsonl_lines)
+
+DEFAULT_CAPACITY = 100_000
+_WRITE_BATCH = 4096  # records buffered for the file before a write
+
+_STATE_NAMES = {s: s.name.lower() for s in RequestState}
+_EVENT_NAMES = {e: e.value for e in RequestEvent}
+_FINISH_REASONS = {RequestEvent.ABORT: "abort", RequestEvent.FAIL: "error"}
+_FINISHED = RequestState.FINISHED
+_STEP_TYPES = frozenset(STEP_MESSAGE_TYPES)
+
+
+def estimate_size(message) -> int:
+    """A cheap stand-in for the msgpack size of a message that is not per-step (one per
+    request, not per step: an exact encode is not worth its cost there)."""
+    size = 16
+    for name in getattr(message, "__struct_fields__", ()):
+        value = getattr(message, name)
+        if isinstance(value, (list, str)):
+            size += 2 + (3 if isinstance(value, list) else 1) * len(value)
+        else:
+            size += 8
+    return size
+
+
+class TracedRef:
+    """Stands in for an actor ref: records each message, then forwards it unchanged.
+
+    One per (sender, receiver) pair, used from the sender's thread, so its encoder is never
+    shared between threads.
+    """
+
+    __slots__ = ("_ref", "_recorder", "_sender", "_receiver", "_encoder")
+
+    def __init__(self, ref, recorder: TraceRecorder, sender: str, receiver: str):
+        self._ref, self._recorder = ref, recorder
+        self._sender, self._receiver = sender, receiver
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def tell(self, message) -> None:
+        # the hot path of tracing (several messages per step): kept to a few operations
+        recorder, cls = self._recorder, message.__class__
+        if cls in _STEP_TYPES:
+            step, num_bytes = message.step_id, len(self._encoder.encode(message))
+            if step < 0:
+                step = recorder.step
+        else:
+            step, num_bytes = recorder.step, estimate_size(message)
+        recorder._append(MessageSent(recorder._now(), step, cls.__name__, self._sender,
+                                     self._receiver, num_bytes))
+        self._ref.tell(message)
+
+    def ask(self, message, *args, **kwargs):
+        self._recorder.on_message(self._sender, self._receiver, message, self._encoder)
+        return self._ref.ask(message, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ref, name)
+
+    def __repr__(self) -> str:
+        return f"TracedRef({self._sender}->{self._receiver}, {self._ref!r})"
+
+
+class _PendingStep:
+    __slots__ = ("plan", "t_start", "request_ids", "is_prefill", "num_running", "num_waiting",
+                 "kv_free")
+
+    def __init__(self, plan, t_start, request_ids, is_prefill, num_running, num_waiting):
+        self.plan, self.t_start = plan, t_start
+        self.request_ids, self.is_prefill = request_ids, is_prefill
+        self.num_running, self.num_waiting = num_running, num_waiting
+        self.kv_free = 0
+
+
+class TraceRecorder:
+    """A bounded in-memory trace, optionally mirrored to a JSON-lines file at ``path``.
+
+    ``capacity`` bounds the records kept in memory (the configuration record is kept apart
+    and is always first in an export). ``clock`` is anything with ``monotonic()``.
+    """
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, path=None, clock=time):
+        if capacity <= 0:
+            raise ValueError(f"trace capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self.path = path
+        self._now = clock.monotonic
+        self._wall = getattr(clock, "time", time.time)
+        self._records: deque[Record] = deque(maxlen=capacity)
+        self._write_lock = threading.Lock()  # file writes only: appends need no lock
+        # appends take a number each (next() on a count is atomic); so does every read of
+        # num_recorded, which remembers how many it took
+        self._seq = itertools.count()
+        self._take = self._seq.__next__
+        self._num_reads = 0
+        self._read_lock = threading.Lock()
+        self.config: TraceConfig | None = None
+        self.step = 0  # the step being planned, in flight or applied
+        self.next_step_id = 0  # the next step the scheduler will plan
+        self._scheduler = None
+        self._requests: dict = {}
+        self._max_model_len = 1 << 62
+        self._pending: _PendingStep | None = None
+        self._file = open(path, "wb") if path is not None else None
+        self._unwritten: list[Record] = []
+
+    # --- set-up -------------------------------------------------------------------------------
+
+    def configure(self, config, eos_token_ids: Iterable[int] = (), model: str = "") -> None:
+        """Record the engine configuration (an ``EngineConfig`` after ``resolve``)."""
+        self.config = TraceConfig(
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+            block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            eos_token_ids=sorted(eos_token_ids), model=model, t0=self._now(),
+            wall_time=self._wall(), capacity=self.capacity)
+        if self._file is not None:
+            with self._write_lock:
+                self._file.write(encode_line(msgspec.structs.replace(self.config, capacity=0))
+                                 + b"\n")
+
+    def attach(self, scheduler) -> None:
+        """Read request counts and queue lengths from this ``core.scheduler.Scheduler``."""
+        self._scheduler = scheduler
+        self._requests = scheduler.requests
+        self._max_model_len = scheduler.config.max_model_len
+
+    def wrap(self, ref, sender: str, receiver: str) -> TracedRef:
+        return TracedRef(ref, self, sender, receiver)
+
+    # --- hooks --------------------------------------------------------------------------------
+
+    def on_transition(self, machine, move) -> None:
+        """A ``Machine`` listener: one ``StateChange`` per transition."""
+        request = self._requests.get(machine.name)
+        reason = stop_reason = None
+        if move.target is _FINISHED:
+            reason = _FINISH_REASONS.get(move.event)
+            if reason is None and request is not None:
+                reason = "length" if self._at_length_cap(request) else "stop"
+                stop_reason = request.stop_reason
+        if request is None:
+            counts = (0, 0, 0, 0)
+        else:
+            counts = (len(request.prompt_token_ids), len(request.output_token_ids),
+                      request.num_computed_tokens, len(request.block_ids))
+        self._append(StateChange(self._now(), self.step, machine.name,
+                                 _STATE_NAMES[move.source], _STATE_NAMES[move.target],
+                                 _EVENT_NAMES[move.event], reason, *counts,
+                                 stop_reason=stop_reason))
+
+    def on_arrival(self, msg: AddRequest) -> None:
+        p = msg.sampling_params
+        self._append(Arrival(self._now(), self.next_step_id, msg.request_id,
+                             len(msg.prompt_token_ids), p.n, p.max_tokens, p.min_tokens,
+                             p.ignore_eos, list(p.stop_token_ids or ()), msg.arrival_time))
+
+    def on_control(self, msg: AbortRequests | StopRequests | FailRequests) -> None:
+        now, step = self._now(), self.next_step_id
+        if isinstance(msg, StopRequests):
+            record = Stop(now, step, list(msg.request_ids), list(msg.stop_reasons))
+        elif isinstance(msg, FailRequests):
+            record = Fail(now, step, list(msg.request_ids), msg.error)
+        else:
+            record = Abort(now, step, list(msg.request_ids))
+        self._append(record)
+
+    def before_plan(self) -> None:
+        self.step = self.next_step_id
+
+    def planned(self, plan) -> None:
+        """``Scheduler.schedule()`` returned ``plan`` (counts are still the pre-step ones)."""
+        self.next_step_id = plan.step_id + 1
+        requests = plan.requests
+        request_ids = [r.request_id for r in requests]
+        # a decode computes exactly the newest token; anything else is prefill or recompute
+        is_prefill = [n != 1 or len(r.prompt_token_ids) + len(r.output_token_ids)
+                      - r.num_computed_tokens != 1
+                      for r, n in zip(requests, plan.num_scheduled_tokens)]
+        s = self._scheduler
+        self._pending = _PendingStep(plan, self._now(), request_ids, is_prefill,
+                                     len(s.running) if s else 0, len(s.waiting) if s else 0)
+
+    def granted(self, plan, ran: bool) -> None:
+        """The allocator granted ``plan``; ``ran`` is False for a plan that only freed blocks."""
+        pending = self._pending
+        if pending is None or pending.plan is not plan:
+            return
+        pending.kv_free = self._scheduler.num_free_blocks if self._scheduler else 0
+        if not ran:
+            self._emit_step(pending, self._now(), [], None)
+
+    def step_result(self, plan, result) -> None:
+        """The step's result arrived (before the scheduler applies it)."""
+        self.step = result.step_id
+        pending = self._pending
+        if pending is not None and pending.plan is plan:
+            self._emit_step(pending, self._now(), list(result.failed_request_ids), result.error)
+
+    def step_refused(self, plan, refused) -> None:
+        pending = self._pending
+        if pending is not None and pending.plan is plan:
+            pending.kv_free = refused.num_free_blocks
+            self._emit_step(pending, self._now(), [r.request_id for r in plan.requests],
+                            f"KV allocation refused: {refused.reason}")
+
+    def on_message(self, sender: str, receiver: str, message, encoder=None) -> None:
+        """One message sent: per-step messages with their exact msgpack size, others with an
+        estimate (``TracedRef.tell`` does the same inline)."""
+        if type(message) in _STEP_TYPES:
+            step = message.step_id if message.step_id >= 0 else self.step
+            num_bytes = len((encoder or msgspec.msgpack).encode(message))
+        else:
+            step, num_bytes = self.step, estimate_size(message)
+        self._append(MessageSent(self._now(), step, type(message).__name__, sender, receiver,
+                                 num_bytes))
+
+    # --- export -------------------------------------------------------------------------------
+
+    @property
+    def num_recorded(self) -> int:
+        """Records made so far (including those the ring buffer has let go of)."""
+        with self._read_lock:
+            taken = next(self._seq)
+            count = taken - self._num_reads
+            self._num_reads += 1
+        return count
+
+    @property
+    def num_dropped(self) -> int:
+        """Records the ring buffer has let go of."""
+        return max(0, self.num_recorded - len(self._records))
+
+    def records(self) -> list[Record]:
+        """The configuration record (if known) followed by the ring buffer's contents."""
+        body = list(self._records)  # one C-level copy: no append interleaves with it
+        dropped = self.num_dropped
+        head = [msgspec.structs.replace(self.config, num_dropped=dropped)] if self.config else []
+        return head + body
+
+    def latest(self, kind: type) -> Record | None:
+        """The most recent record of type ``kind`` still in the buffer."""
+        return next((r for r in reversed(self._records.copy()) if isinstance(r, kind)), None)
+
+    def jsonl_lines(self) -> list[str]:
+        """The trace as JSON lines (no newlines), configuration first: ``GET /trace.json``."""
+        return list(jsonl_lines(self.records()))
+
+    def flush(self) -> None:
+        """Write every record made so far to the file (a no-op without ``path``)."""
+        with self._write_lock:
+            if self._file is not None:
+                self._write_locked()
+                self._file.flush()
+
+    def close(self) -> None:
+        with self._write_lock:
+            if self._file is not None:
+                self._write_locked()
+                self._file.close()
+                self._file = None
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _append(self, record: Record) -> None:
+        # deque and list appends are atomic: recording threads never wait for each other
+        self._take()
+        self._records.append(record)
+        if self._file is not None:
+            self._unwritten.append(record)
+            if len(self._unwritten) >= _WRITE_BATCH and self._write_lock.acquire(blocking=False):
+                try:
+                    if self._file is not None:
+                        self._write_locked()
+                finally:
+                    self._write_lock.release()
+
+    def _write_locked(self) -> None:
+        """Write what is buffered for the file (``_write_lock`` held). Records appended
+        meanwhile stay for the next write."""
+        count = len(self._unwritten)
+        if count:
+            self._file.write(encode_lines(self._unwritten[:count]))
+            del self._unwritten[:count]
+
+    def _at_length_cap(self, request) -> bool:
+        max_tokens = request.sampling_params.max_tokens
+        return request.num_tokens >= self._max_model_len or (
+            max_tokens is not None and len(request.output_token_ids) >= max_tokens)
+
+    def _emit_step(self, pending: _PendingStep, t_end: float, failed_ids: list[str],
+                   error: str | None) -> None:
+        self._pending = None
+        plan = pending.plan
+        counts = list(plan.num_scheduled_tokens)
+        num_prefill = sum([n for n, p in zip(counts, pending.is_prefill) if p])
+        total = self._scheduler.num_total_blocks if self._scheduler else 0
+        self._append(StepSummary(
+            step=plan.step_id, t_start=pending.t_start, t_end=t_end,
+            duration_s=t_end - pending.t_start,
+            request_ids=pending.request_ids, num_scheduled_tokens=counts,
+            is_prefill=pending.is_prefill, num_prefill_tokens=num_prefill,
+            num_decode_tokens=sum(counts) - num_prefill, preempted_ids=list(plan.preempted_ids),
+            failed_ids=failed_ids, kv_blocks_used=total - pending.kv_free,
+            kv_blocks_free=pending.kv_free, kv_blocks_cached=0,
+            num_running=pending.num_running, num_waiting=pending.num_waiting, error=error))

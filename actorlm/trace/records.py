@@ -1,0 +1,194 @@
+"""The trace's record types and their JSON-lines form.
+
+A trace is a sequence of records, each a small frozen msgspec Struct tagged by ``kind``. In
+JSON lines every record is one object; the first line is always the ``config`` record (what a
+replay needs to rebuild the scheduler), the others follow in the order they were recorded.
+
+Two meanings of ``step``:
+
+- on ``arrival``, ``abort``, ``stop`` and ``fail`` it is the id of the first step the event can
+  change: the next step the scheduler will plan when it receives the message. That is the key
+  a replay feeds the event in at.
+- on ``transition`` and ``message`` it is the step being planned, in flight or applied when
+  the record was made; on ``step`` it is that step's id.
+
+Times ``t`` are seconds on the monotonic clock; ``config.t0`` is the clock at start-up and
+``config.wall_time`` the wall-clock time then.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Union
+
+import msgspec
+
+TRACE_VERSION = 1
+STATES = ("waiting", "running", "preempted", "finished")
+
+
+class _Record(msgspec.Struct, frozen=True, gc=False, tag_field="kind"):
+    pass
+
+
+class TraceConfig(_Record, tag="config"):
+    """The engine configuration a replay needs; always the first record of an export."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    enable_chunked_prefill: bool
+    eos_token_ids: list[int]
+    model: str = ""
+    t0: float = 0.0
+    wall_time: float = 0.0
+    capacity: int = 0  # ring-buffer size; 0: unbounded (a trace file)
+    num_dropped: int = 0  # records the ring buffer lost before this export
+    version: int = TRACE_VERSION
+
+
+class Arrival(_Record, tag="arrival"):
+    """A request reached the scheduler (with the sampling fields the scheduler reads)."""
+
+    t: float
+    step: int
+    request_id: str
+    num_prompt_tokens: int
+    n: int
+    max_tokens: int | None
+    min_tokens: int
+    ignore_eos: bool
+    stop_token_ids: list[int]
+    arrival_time: float = 0.0
+
+
+class Abort(_Record, tag="abort"):
+    t: float
+    step: int
+    request_ids: list[str]
+
+
+class Stop(_Record, tag="stop"):
+    """Stop strings found by the frontend: these requests finish as stopped."""
+
+    t: float
+    step: int
+    request_ids: list[str]
+    stop_reasons: list[str]
+
+
+class Fail(_Record, tag="fail"):
+    t: float
+    step: int
+    request_ids: list[str]
+    error: str
+
+
+class StateChange(_Record, tag="transition"):
+    """One state-machine transition, with the request's counts at that moment."""
+
+    t: float
+    step: int
+    request_id: str
+    source: str
+    target: str
+    event: str
+    reason: str | None  # finish reason when target is "finished"
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_computed_tokens: int
+    num_blocks: int
+    stop_reason: int | str | None = None  # stop token id, or stop string (StopRequests)
+
+
+class MessageSent(_Record, tag="message"):
+    """One actor-to-actor message. ``num_bytes`` is its msgpack-encoded size (-1: unknown)."""
+
+    t: float
+    step: int
+    type: str
+    sender: str
+    receiver: str
+    num_bytes: int
+
+
+class StepSummary(_Record, tag="step"):
+    """One planned step: what ran, what was preempted, the KV pool after the grant.
+
+    ``t_start`` is when the plan was made, ``t_end`` when its result was applied (equal for a
+    plan that only returned blocks). ``is_prefill[i]`` is False when ``request_ids[i]``
+    computed exactly its newest token (a decode); prompt chunks and recomputes are prefill.
+    """
+
+    step: int
+    t_start: float
+    t_end: float
+    duration_s: float
+    request_ids: list[str]
+    num_scheduled_tokens: list[int]
+    is_prefill: list[bool]
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    preempted_ids: list[str]
+    failed_ids: list[str]
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    num_running: int
+    num_waiting: int
+    error: str | None = None
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.request_ids)
+
+
+Record = Union[TraceConfig, Arrival, Abort, Stop, Fail, StateChange, MessageSent, StepSummary]
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(Record)
+
+
+def encode_line(record: Record) -> bytes:
+    return _encoder.encode(record)
+
+
+def encode_lines(records: list[Record]) -> bytes:
+    """Newline-terminated JSON lines, one per record."""
+    return _encoder.encode_lines(records)
+
+
+def jsonl_lines(records: Iterable[Record]) -> Iterator[str]:
+    """One JSON object per record, without newlines."""
+    for record in records:
+        yield _encoder.encode(record).decode()
+
+
+def write_jsonl(path, records: Iterable[Record]) -> None:
+    with open(path, "wb") as f:
+        for record in records:
+            f.write(_encoder.encode(record) + b"\n")
+
+
+def parse_lines(lines: Iterable[str | bytes]) -> list[Record]:
+    """Records from JSON lines (blank lines skipped); raises ValueError naming a bad line."""
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(_decoder.decode(line))
+        except msgspec.DecodeError as exc:
+            raise ValueError(f"trace line {number}: {exc}") from None
+    return records
+
+
+def read_jsonl(path) -> list[Record]:
+    with open(path, "rb") as f:
+        return parse_lines(f)
+
+
+def as_dicts(records: Iterable[Record]) -> list[dict]:
+    """Plain dicts (with ``kind``), e.g. for embedding in a page."""
+    return msgspec.json.decode(_encoder.encode(list(records)))

@@ -1,0 +1,301 @@
+"""Replay a recorded trace through the real scheduler and allocator, and compare every step.
+
+``SyncEngine`` is the engine's scheduling half run in one thread: the real ``SchedulerActor``
+(its ``on_receive``, not its thread), the real ``Scheduler`` and ``BlockPool``, and
+``actorlm.testing.FakeModelRunner`` for the model. Every message the scheduler sends lands in
+an outbox the engine routes itself, so the order in which the scheduler handles messages is
+exactly the order the caller chooses.
+
+The recording says what that order was: arrivals, aborts, stops, failures and step summaries
+are all recorded on the scheduler's thread, as it handles them. The replay walks them in
+recorded order — an ``arrival`` becomes an ``AddRequest``, an ``abort`` an ``AbortRequests``,
+a ``stop`` a ``StopRequests``, a ``step`` delivers the held grant (a plan that only freed
+blocks) or the step's result — and after each step compares the replay's plan with the
+recorded one: which requests, how many tokens each, which preemptions, KV blocks in use.
+
+Fake tokens are not the recorded ones, so no token may end a request: the replay runs without
+EOS or stop tokens, and a request that finished on its own (EOS, stop token, a length cap)
+is given ``max_tokens`` equal to the output length it finished at. A stop string arrives as
+the recorded ``StopRequests``. Failures the recording saw are injected into the fake runner.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import msgspec
+
+from actorlm.actors.scheduler import SchedulerActor
+from actorlm.core.block_pool import BlockPool
+from actorlm.core.scheduler import Scheduler, SchedulerConfig
+from actorlm.messages import (AbortRequests, AddRequest, AllocateSlots, Connect, FailRequests,
+                              ScheduleStep, SlotsGranted, StopRequests, child_request_id)
+from actorlm.sampling_params import SamplingParams
+from actorlm.testing import FakeModelRunner
+from actorlm.trace.recorder import TraceRecorder
+from actorlm.trace.records import (TRACE_VERSION, Abort, Arrival, Fail, Record, StateChange,
+                                   StepSummary, Stop, TraceConfig)
+
+
+class TraceIncomplete(ValueError):
+    """The trace cannot be replayed: no configuration, or the ring buffer dropped records."""
+
+
+class _Outbox:
+    """Stands for a peer actor: what the scheduler tells it is queued for the engine."""
+
+    def __init__(self, name: str, queue: deque):
+        self.name, self._queue = name, queue
+
+    def tell(self, message) -> None:
+        self._queue.append((self.name, message))
+
+
+class SyncEngine:
+    """The real scheduler actor, allocator pool and a fake model runner, in one thread.
+
+    ``send(message)`` hands the scheduler one message and routes what it sends: allocation
+    asks are granted at once; a grant for a plan that runs requests is handed back at once;
+    a grant for a plan that only frees blocks, and each ``ScheduleStep``, are held until
+    ``deliver_held()`` (so a caller can place other messages before them).
+    """
+
+    def __init__(self, config: TraceConfig | SchedulerConfig, num_kv_blocks: int | None = None,
+                 *, recorder: TraceRecorder | None = None, runner: FakeModelRunner | None = None,
+                 check_kv: bool = True):
+        if isinstance(config, TraceConfig):
+            num_kv_blocks = config.num_kv_blocks
+            config = SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
+                                     config.max_model_len, config.block_size,
+                                     config.enable_chunked_prefill, frozenset(config.eos_token_ids))
+        self.recorder = recorder
+        listeners = [recorder.on_transition] if recorder is not None else []
+        self.scheduler = Scheduler(config, num_kv_blocks, listeners=listeners)
+        if recorder is not None:
+            recorder.configure(SimpleNamespace(num_kv_blocks=num_kv_blocks, **{
+                name: getattr(config, name) for name in (
+                    "max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
+                    "enable_chunked_prefill")}), config.eos_token_ids, "replay")
+            recorder.attach(self.scheduler)
+        self.pool = BlockPool(num_kv_blocks)
+        self.runner = runner or FakeModelRunner(
+            block_size=config.block_size if check_kv else None,
+            num_blocks=num_kv_blocks if check_kv else None)
+        self.actor = SchedulerActor(self.scheduler, recorder)  # driven here, never started
+        self._outbox: deque = deque()
+        self.next_step_id = 0  # the next step the scheduler will plan
+        self.held: SlotsGranted | ScheduleStep | None = None
+        self.outputs: list = []  # EngineOutputs the scheduler sent, in order
+        self.actor.on_receive(Connect(_Outbox("frontend", self._outbox),
+                                      _Outbox("allocator", self._outbox),
+                                      _Outbox("executor", self._outbox)))
+
+    def send(self, message) -> None:
+        self.actor.on_receive(message)
+        self._route()
+
+    def deliver_held(self, fail_request_ids: list[str] = ()) -> None:
+        """Hand the scheduler what it waits for: the held grant, or the step's result (after
+        making the fake runner fail ``fail_request_ids``)."""
+        held, self.held = self.held, None
+        if isinstance(held, ScheduleStep):
+            for request_id in fail_request_ids:
+                self.runner.fail_request(request_id, "failed in the recording")
+            held = self.runner.execute(held)
+        self.send(held)
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> int:
+        """Deliver held messages until nothing is in flight; returns the steps run."""
+        for num_steps in range(max_steps):
+            if self.held is None:
+                return num_steps
+            self.deliver_held()
+        raise RuntimeError(f"still busy after {max_steps} steps")
+
+    def _route(self) -> None:
+        while self._outbox:
+            dest, message = self._outbox.popleft()
+            if dest == "allocator":
+                self.next_step_id = message.step_id + 1
+                granted = self.pool.grant(message)
+                if isinstance(message, AllocateSlots) and message.request_ids and \
+                        isinstance(granted, SlotsGranted):
+                    self.actor.on_receive(granted)  # the step's requests run: no choice here
+                else:
+                    self._hold(granted)
+            elif dest == "executor":
+                self._hold(message)
+            else:
+                self.outputs.append(message)
+
+    def _hold(self, message) -> None:
+        if self.held is not None:
+            raise RuntimeError(f"the scheduler sent {type(message).__name__} while "
+                               f"{type(self.held).__name__} was still held")
+        self.held = message
+
+
+@dataclass
+class Divergence:
+    step: int
+    reason: str
+    recorded: StepSummary | None = None
+    replayed: StepSummary | None = None
+
+    def describe(self) -> str:
+        lines = [f"first divergent step: {self.step}: {self.reason}"]
+        for label, s in (("recorded", self.recorded), ("replayed", self.replayed)):
+            if s is not None:
+                lines.append(f"  {label:>8}: {_describe_step(s)}")
+        return "\n".join(lines)
+
+
+@dataclass
+class ReplayReport:
+    num_steps: int  # recorded steps replayed and compared
+    num_requests: int
+    divergence: Divergence | None = None
+    replayed: list[Record] = field(default_factory=list)  # the replay's own trace
+
+    @property
+    def matched(self) -> bool:
+        return self.divergence is None
+
+    def describe(self) -> str:
+        if self.matched:
+            return (f"replay matches: {self.num_steps} steps, {self.num_requests} requests "
+                    f"(schedules, token counts, preemptions and KV blocks identical)")
+        return self.divergence.describe()
+
+
+def replay_trace(records: list[Record], *, check_kv: bool = True) -> ReplayReport:
+    """Re-drive the recorded arrivals and stops through the real scheduler; compare steps."""
+    if not records or not isinstance(records[0], TraceConfig):
+        raise TraceIncomplete("the trace does not start with its configuration record")
+    config = records[0]
+    if config.version != TRACE_VERSION:
+        raise TraceIncomplete(f"trace format version {config.version} is not {TRACE_VERSION}, "
+                              f"the one this actorlm replays")
+    if config.num_dropped:
+        raise TraceIncomplete(f"the ring buffer dropped {config.num_dropped} records before "
+                              f"this export; replay needs a complete trace (use a trace file)")
+    finish_lengths = _natural_finish_lengths(records)
+    recorder = TraceRecorder(capacity=2 * len(records) + 64)
+    engine = SyncEngine(msgspec.structs.replace(config, eos_token_ids=[]), recorder=recorder,
+                        check_kv=check_kv)
+    report = ReplayReport(0, 0)
+    for record in records[1:]:
+        if isinstance(record, StepSummary):
+            divergence = _replay_step(engine, recorder, record)
+            report.num_steps += 1
+        elif isinstance(record, (Arrival, Abort, Stop, Fail)):
+            divergence = _check_key(engine, record)
+            if divergence is None:
+                if isinstance(record, Arrival):
+                    report.num_requests += 1
+                engine.send(_message(record))
+                if isinstance(record, Arrival):
+                    _cap_outputs(engine.scheduler, record, finish_lengths)
+        else:
+            continue
+        if divergence is None and engine.runner.violations:
+            divergence = Divergence(engine.next_step_id - 1, "the fake runner caught a KV "
+                                    "bookkeeping fault: " + "; ".join(engine.runner.violations))
+        if divergence is not None:
+            report.divergence = divergence
+            break
+    else:
+        if isinstance(engine.held, ScheduleStep) and _all_finished(records):
+            report.divergence = Divergence(engine.held.step_id, "the replay runs a step the "
+                                           "recording does not have (it ends idle)")
+    report.replayed = recorder.records()
+    return report
+
+
+def _check_key(engine: SyncEngine, record) -> Divergence | None:
+    if record.step == engine.next_step_id:
+        return None
+    what = record.request_id if isinstance(record, Arrival) else ", ".join(record.request_ids)
+    kind = type(record).__name__.lower()
+    return Divergence(min(record.step, engine.next_step_id),
+                      f"{kind} of {what} reached the scheduler before step {record.step} in "
+                      f"the recording, before step {engine.next_step_id} in the replay")
+
+
+def _replay_step(engine: SyncEngine, recorder: TraceRecorder, recorded: StepSummary):
+    held = engine.held
+    if held is None:
+        return Divergence(recorded.step, "the recording ran this step; the replay is idle",
+                          recorded)
+    if held.step_id != recorded.step:
+        return Divergence(min(held.step_id, recorded.step),
+                          f"the recording handles step {recorded.step} next, the replay "
+                          f"step {held.step_id}", recorded)
+    engine.deliver_held(recorded.failed_ids)
+    replayed = recorder.latest(StepSummary)
+    if replayed is None or replayed.step != recorded.step:
+        return Divergence(recorded.step, "the replay produced no summary for this step",
+                          recorded, replayed)
+    for name, label in (("request_ids", "scheduled requests"),
+                        ("num_scheduled_tokens", "token counts"),
+                        ("preempted_ids", "preemptions"), ("kv_blocks_used", "KV blocks in use")):
+        if getattr(recorded, name) != getattr(replayed, name):
+            return Divergence(recorded.step, f"{label} differ", recorded, replayed)
+    return None
+
+
+def _message(record):
+    if isinstance(record, Arrival):
+        params = SamplingParams(n=record.n, max_tokens=record.max_tokens, temperature=0.0,
+                                ignore_eos=True)
+        prompt = [1 + i % 7 for i in range(record.num_prompt_tokens)]
+        return AddRequest(record.request_id, prompt, params, 0, record.arrival_time)
+    if isinstance(record, Stop):
+        return StopRequests(list(record.request_ids), list(record.stop_reasons))
+    if isinstance(record, Fail):
+        return FailRequests(list(record.request_ids), record.error)
+    return AbortRequests(list(record.request_ids))
+
+
+def _cap_outputs(scheduler: Scheduler, arrival: Arrival, finish_lengths: dict[str, int]) -> None:
+    """Each request (or child) that finished on its own stops at the same output length."""
+    ids = [arrival.request_id] if arrival.n == 1 else \
+        [child_request_id(arrival.request_id, i) for i in range(arrival.n)]
+    for request_id in ids:
+        request = scheduler.requests.get(request_id)
+        length = finish_lengths.get(request_id)
+        if request is not None and length:
+            request.sampling_params = msgspec.structs.replace(request.sampling_params,
+                                                              max_tokens=length)
+
+
+def _natural_finish_lengths(records: list[Record]) -> dict[str, int]:
+    """Output length of every request that finished by EOS, a stop token or a length cap
+    (not by a stop string, which replays as its StopRequests)."""
+    lengths = {}
+    for r in records:
+        if isinstance(r, StateChange) and r.event == "finish" and \
+                not isinstance(r.stop_reason, str):
+            lengths[r.request_id] = r.num_output_tokens
+    return lengths
+
+
+def _all_finished(records: list[Record]) -> bool:
+    live = set()
+    for r in records:
+        if isinstance(r, Arrival):
+            live.update([r.request_id] if r.n == 1 else
+                        [child_request_id(r.request_id, i) for i in range(r.n)])
+        elif isinstance(r, StateChange) and r.target == "finished":
+            live.discard(r.request_id)
+    return not live
+
+
+def _describe_step(s: StepSummary) -> str:
+    scheduled = ", ".join(f"{rid}:{n}" for rid, n in zip(s.request_ids, s.num_scheduled_tokens))
+    text = f"[{scheduled}]"
+    if s.preempted_ids:
+        text += f" preempted [{', '.join(s.preempted_ids)}]"
+    return text + f" kv_used={s.kv_blocks_used}"

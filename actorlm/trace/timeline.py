@@ -1,0 +1,169 @@
+"""From records to lanes: each request's life as contiguous state segments.
+
+Both exports (Perfetto, HTML) draw the same picture, so both start here. A request's lane
+starts at its arrival (or at its first transition when the ring buffer lost the arrival) and
+is cut at every transition; a running stretch is further cut where its steps switch between
+prefill and decode. A finished request ends with a zero-length ``finished`` segment carrying
+the reason. A request still live when the trace ends has ``is_open`` set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from actorlm.messages import child_request_id
+from actorlm.trace.records import (Abort, Arrival, Fail, MessageSent, Record, StateChange,
+                                   StepSummary, Stop, TraceConfig)
+
+
+@dataclass
+class Segment:
+    state: str  # waiting | running | preempted | finished
+    t_start: float
+    t_end: float
+    step_start: int
+    step_end: int
+    phase: str | None = None  # running only: prefill | decode (None: no step seen)
+    num_tokens: int = 0  # tokens computed in this segment
+    num_steps: int = 0
+    num_blocks: int = 0  # blocks held when the segment ended (running) or at the finish
+    reason: str | None = None  # finished only
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class Lane:
+    request_id: str
+    arrival: Arrival | None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    segments: list[Segment] = field(default_factory=list)
+    is_open: bool = False  # still live when the trace ends
+
+    @property
+    def t_arrival(self) -> float:
+        return self.segments[0].t_start if self.segments else 0.0
+
+    @property
+    def t_end(self) -> float:
+        return self.segments[-1].t_end if self.segments else 0.0
+
+    @property
+    def was_scheduled(self) -> bool:
+        return any(s.state == "running" for s in self.segments)
+
+
+@dataclass
+class Timeline:
+    config: TraceConfig | None
+    lanes: list[Lane]
+    steps: list[StepSummary]
+    messages: list[MessageSent]
+    controls: list[Abort | Stop | Fail]
+    t_min: float
+    t_max: float
+
+
+def build_timeline(records: list[Record]) -> Timeline:
+    config = records[0] if records and isinstance(records[0], TraceConfig) else None
+    arrivals: dict[str, Arrival] = {}
+    transitions: dict[str, list[StateChange]] = {}
+    step_runs: dict[str, list[tuple[StepSummary, int, bool]]] = {}
+    steps, messages, controls, order = [], [], [], []
+    times = []
+    for record in records:
+        if isinstance(record, Arrival):
+            ids = [record.request_id] if record.n == 1 else \
+                [child_request_id(record.request_id, i) for i in range(record.n)]
+            for rid in ids:
+                arrivals[rid] = record
+                if rid not in transitions:
+                    transitions[rid] = []
+                    order.append(rid)
+            times.append(record.t)
+        elif isinstance(record, StateChange):
+            if record.request_id not in transitions:
+                transitions[record.request_id] = []
+                order.append(record.request_id)
+            transitions[record.request_id].append(record)
+            times.append(record.t)
+        elif isinstance(record, StepSummary):
+            steps.append(record)
+            for rid, n, prefill in zip(record.request_ids, record.num_scheduled_tokens,
+                                       record.is_prefill):
+                step_runs.setdefault(rid, []).append((record, n, prefill))
+            times += (record.t_start, record.t_end)
+        elif isinstance(record, MessageSent):
+            messages.append(record)
+            times.append(record.t)
+        elif isinstance(record, (Abort, Stop, Fail)):
+            controls.append(record)
+            times.append(record.t)
+    t_min = min(times) if times else 0.0
+    t_max = max(times) if times else 0.0
+    last_step = steps[-1].step if steps else 0
+    lanes = [_lane(rid, arrivals.get(rid), transitions[rid], step_runs.get(rid, []), t_max,
+                   last_step) for rid in order]
+    return Timeline(config, lanes, steps, messages, controls, t_min, t_max)
+
+
+def _lane(request_id: str, arrival: Arrival | None, changes: list[StateChange],
+          runs: list[tuple[StepSummary, int, bool]], t_max: float, last_step: int) -> Lane:
+    lane = Lane(request_id, arrival)
+    if arrival is not None:
+        lane.num_prompt_tokens = arrival.num_prompt_tokens
+        state, t, step = "waiting", arrival.t, arrival.step
+    elif changes:
+        first = changes[0]
+        state, t, step = first.source, first.t, first.step
+    else:
+        return lane
+    for change in changes:
+        _close(lane, state, t, change.t, step, change.step, runs, change.num_blocks)
+        lane.num_prompt_tokens = change.num_prompt_tokens
+        lane.num_output_tokens = max(lane.num_output_tokens, change.num_output_tokens)
+        if change.event == "preempt":
+            lane.num_preemptions += 1
+        state, t, step = change.target, change.t, change.step
+        if state == "finished":
+            lane.finish_reason, lane.stop_reason = change.reason, change.stop_reason
+            lane.segments.append(Segment("finished", t, t, step, step,
+                                         num_blocks=change.num_blocks, reason=change.reason,
+                                         stop_reason=change.stop_reason))
+            return lane
+    _close(lane, state, t, t_max, step, last_step, runs, None)
+    lane.is_open = True
+    return lane
+
+
+def _close(lane: Lane, state: str, t_start: float, t_end: float, step_start: int,
+           step_end: int, runs, num_blocks: int | None) -> None:
+    """Append the segment(s) of one stay in ``state``; running stays split by phase."""
+    if state != "running":
+        lane.segments.append(Segment(state, t_start, t_end, step_start, step_end,
+                                     num_blocks=num_blocks or 0))
+        return
+    inside = [(s, n, p) for s, n, p in runs if t_start <= s.t_start <= t_end]
+    if not inside:
+        lane.segments.append(Segment(state, t_start, t_end, step_start, step_end,
+                                     num_blocks=num_blocks or 0))
+        return
+    groups: list[list[tuple[StepSummary, int, bool]]] = []
+    for item in inside:
+        if groups and groups[-1][-1][2] == item[2]:
+            groups[-1].append(item)
+        else:
+            groups.append([item])
+    start = t_start
+    for index, group in enumerate(groups):
+        last = index == len(groups) - 1
+        end = t_end if last else group[-1][0].t_end
+        lane.segments.append(Segment(
+            "running", start, end, group[0][0].step, group[-1][0].step,
+            phase="prefill" if group[0][2] else "decode",
+            num_tokens=sum(n for _, n, _ in group), num_steps=len(group),
+            num_blocks=(num_blocks or 0) if last else 0))
+        start = end

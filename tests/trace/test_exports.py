@@ -1,0 +1,133 @@
+"""The Perfetto export validates as trace-event JSON; the HTML page renders in a real browser."""
+
+import json
+import subprocess
+from collections import Counter, defaultdict
+from html.parser import HTMLParser
+
+from actorlm.api.cli import main
+from actorlm.trace import Arrival, build_timeline, render_html, to_perfetto
+
+_REQUIRED = {"X": {"name", "ts", "dur", "pid", "tid"}, "i": {"name", "ts", "pid", "tid", "s"},
+             "C": {"name", "ts", "pid", "args"}, "M": {"name", "pid", "args"}}
+
+
+def test_perfetto_export_is_valid_trace_event_json(tiny_run, tmp_path):
+    out = tmp_path / "trace.json"
+    assert main(["trace", "perfetto", str(tiny_run.path), "-o", str(out)]) == 0
+    trace = json.loads(out.read_text())
+    assert trace == json.loads(json.dumps(to_perfetto(tiny_run.records)))
+    events = trace["traceEvents"]
+    last_ts: dict[tuple, float] = {}
+    for e in events:
+        assert e["ph"] in _REQUIRED, e
+        assert _REQUIRED[e["ph"]] <= e.keys(), e
+        if e["ph"] == "M":
+            continue
+        assert isinstance(e["ts"], (int, float)) and e["ts"] >= 0
+        track = (e["pid"], e.get("tid", 0), e["ph"] == "C" and e["name"])
+        assert e["ts"] >= last_ts.get(track, 0), f"timestamps go back on track {track}"
+        last_ts[track] = e["ts"]
+        if e["ph"] == "X":
+            assert e["dur"] >= 0
+        if e["ph"] == "i":
+            assert e["s"] in ("g", "p", "t")
+        if e["ph"] == "C":
+            assert e["args"] and all(isinstance(v, (int, float)) for v in e["args"].values())
+
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    request_tracks = [n for n in names.values() if n.startswith("request ")]
+    assert len(request_tracks) == tiny_run.stats["num_finished"]
+    assert {"frontend", "scheduler", "allocator", "executor"} <= set(names.values())
+    span_names = Counter(e["name"] for e in events if e["ph"] == "X")
+    assert span_names["waiting"] and span_names["running"] and span_names["preempted"]
+    assert span_names["prefill"] and span_names["decode"]
+    counters = {e["name"] for e in events if e["ph"] == "C"}
+    assert {"KV blocks", "batch"} <= counters
+    # a request's state spans never overlap: each starts where the previous one ended
+    spans = defaultdict(list)
+    for e in events:
+        if e["ph"] == "X" and e["pid"] == 1 and e["name"] in ("waiting", "running", "preempted"):
+            spans[e["tid"]].append((e["ts"], e["ts"] + e["dur"]))
+    for tid, items in spans.items():
+        for (_, end), (start, _) in zip(items, items[1:]):
+            assert start >= end - 1e-3, f"overlapping state spans on request track {tid}"
+
+
+def test_lanes_are_contiguous_and_end_as_recorded(tiny_run):
+    timeline = build_timeline(tiny_run.records)
+    assert len(timeline.lanes) == tiny_run.stats["num_finished"]
+    for lane in timeline.lanes:
+        segments = lane.segments
+        assert segments[0].state == "waiting" and segments[-1].state == "finished"
+        for a, b in zip(segments, segments[1:]):
+            assert b.t_start == a.t_end and b.t_start >= a.t_start
+        assert lane.finish_reason in ("stop", "length", "abort")
+    reasons = Counter(lane.finish_reason for lane in timeline.lanes)
+    assert reasons["abort"] == 1 and reasons["stop"] >= 1
+
+
+class _Dom(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.root: dict = {}
+        self.lanes: list[str] = []
+        self.states: Counter = Counter()
+        self.phases: Counter = Counter()
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "html":
+            self.root = attrs
+        if "data-request-id" in attrs:
+            self.lanes.append(attrs["data-request-id"])
+        if "data-state" in attrs:
+            self.states[attrs["data-state"]] += 1
+        if "data-phase" in attrs:
+            self.phases[attrs["data-phase"]] += 1
+
+
+def _headless(chromium: str, tmp_path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+         "--no-first-run", "--disable-background-networking", "--disable-component-update",
+         "--disable-sync", "--disable-dev-shm-usage", f"--user-data-dir={tmp_path / 'profile'}",
+         "--enable-logging=stderr", "--v=0", *args],
+        capture_output=True, text=True, timeout=120)
+
+
+def test_html_visualizer_renders_in_headless_chromium(tiny_run, chromium, tmp_path):
+    page = tmp_path / "trace.html"
+    assert main(["trace", "render", str(tiny_run.path), "-o", str(page)]) == 0
+    html = page.read_text()
+    assert "http://" not in html.replace("http://www.w3.org/2000/svg", "")
+    assert "https://" not in html and "<link" not in html and " src=" not in html
+    done = _headless(chromium, tmp_path, "--dump-dom", page.as_uri())
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Uncaught" not in done.stderr, done.stderr[-2000:]
+    dom = _Dom()
+    dom.feed(done.stdout)
+    assert "data-js-errors" not in dom.root, dom.root.get("data-js-errors")
+    assert dom.root.get("data-rendered") == "true"
+    engine_ids = {lane.request_id for lane in build_timeline(tiny_run.records).lanes}
+    assert sorted(dom.lanes) == sorted(engine_ids) and len(dom.lanes) == len(engine_ids)
+    forked = next(r.request_id for r in tiny_run.records if isinstance(r, Arrival) and r.n == 2)
+    assert {"victim", f"0_{forked}", f"1_{forked}"} <= set(dom.lanes)  # aborted; the n = 2 pair
+    assert dom.states["waiting"] and dom.states["running"] and dom.states["preempted"]
+    assert dom.states["finished"] == len(engine_ids)
+    assert dom.phases["prefill"] and dom.phases["decode"]
+
+
+def _page_data(page: str) -> dict:
+    start = page.index('<script id="trace-data" type="application/json">')
+    body = page[page.index(">", start) + 1:page.index("</script>", start)]
+    return json.loads(body)
+
+
+def test_render_html_copes_with_an_empty_or_partial_trace(tiny_run):
+    empty = _page_data(render_html(tiny_run.records[:1]))  # the configuration alone
+    assert empty["lanes"] == [] and empty["steps"] == [] and empty["meta"]["num_kv_blocks"] == 24
+    half = _page_data(render_html(tiny_run.records[: len(tiny_run.records) // 2]))
+    assert half["lanes"] and half["steps"]
+    assert any(lane[6] for lane in half["lanes"])  # requests still live when the trace ends

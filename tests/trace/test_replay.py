@@ -1,0 +1,116 @@
+"""Replay re-drives the real scheduler and allocator and finds the first step that differs."""
+
+import queue
+import random
+import re
+from types import SimpleNamespace
+
+import msgspec
+
+from actorlm.actors.system import EngineSystem, ModelParts
+from actorlm.api.cli import main
+from actorlm.config import EngineConfig
+from actorlm.messages import AbortRequests, SubmitRequest
+from actorlm.sampling_params import SamplingParams
+from actorlm.testing import FakeModelRunner, ToyTokenizer
+from actorlm.trace import (Abort, Arrival, Fail, StateChange, StepSummary, Stop, TraceRecorder,
+                           replay_trace, write_jsonl)
+
+
+def test_replay_of_a_real_run_matches_every_step(tiny_run, capsys):
+    assert main(["trace", "replay", str(tiny_run.path)]) == 0
+    out = capsys.readouterr().out
+    num_steps = sum(isinstance(r, StepSummary) for r in tiny_run.records)
+    assert f"replay matches: {num_steps} steps" in out
+    report = replay_trace(tiny_run.records)
+    assert report.matched and report.num_steps == num_steps
+    replayed = [r for r in report.replayed if isinstance(r, StepSummary)]
+    recorded = [r for r in tiny_run.records if isinstance(r, StepSummary)]
+    assert [(s.request_ids, s.num_scheduled_tokens, s.preempted_ids) for s in replayed] == \
+        [(s.request_ids, s.num_scheduled_tokens, s.preempted_ids) for s in recorded]
+    # the run had what makes a replay hard: preemptions, an abort, a stop string, n = 2
+    assert any(s.preempted_ids for s in recorded)
+    assert any(isinstance(r, Abort) for r in tiny_run.records)
+    assert any(isinstance(r, Stop) for r in tiny_run.records)
+
+
+def test_replay_of_an_edited_recording_reports_the_first_divergent_step(tiny_run, tmp_path,
+                                                                        capsys):
+    records = list(tiny_run.records)
+    steps = [r for r in records if isinstance(r, StepSummary)]
+    arrival = [r for r in records if isinstance(r, Arrival)][-1]  # the last of a burst: it waits
+    first_run = next(s.step for s in steps if arrival.request_id in s.request_ids)
+    later = first_run + 2
+    # move the arrival after step `later`'s result, where the scheduler's next plan is later + 2
+    records.remove(arrival)
+    at = next(i for i, r in enumerate(records) if isinstance(r, StepSummary) and r.step == later)
+    records.insert(at + 1, msgspec.structs.replace(arrival, step=later + 2))
+    edited = tmp_path / "edited.jsonl"
+    write_jsonl(edited, records)
+
+    assert main(["trace", "replay", str(edited)]) == 1
+    out = capsys.readouterr().out
+    match = re.search(r"first divergent step: (\d+)", out)
+    assert match, out
+    step = int(match.group(1))
+    assert arrival.step <= step <= first_run
+    assert "recorded:" in out and "replayed:" in out
+    report = replay_trace(records)
+    assert not report.matched and report.divergence.step == step
+
+
+def _fake_engine(recorder: TraceRecorder, runner: FakeModelRunner, eos: int) -> EngineSystem:
+    flags = dict(num_kv_blocks=24, block_size=4, max_model_len=64, max_num_batched_tokens=32,
+                 max_num_seqs=6)
+    config = EngineConfig.from_flags(None, **flags).resolve(
+        SimpleNamespace(max_position_embeddings=64), kv_bytes_per_block=1)
+    parts = ModelParts("fake", ToyTokenizer(runner.vocab_size, eos), lambda rank: runner,
+                       runner.vocab_size, frozenset({eos}))
+    return EngineSystem(config, parts=parts, trace=recorder)
+
+
+def test_replay_matches_a_fake_model_run_with_every_kind_of_ending():
+    """EOS, stop tokens, stop strings, length caps, n = 2, aborts and runner faults, all in
+    one free-running (threaded) engine; the replay reproduces every step."""
+    eos, rng = 3, random.Random(11)
+    runner = FakeModelRunner(vocab_size=40, block_size=4, num_blocks=24, first_token_id=0)
+    recorder = TraceRecorder()
+    system = _fake_engine(recorder, runner, eos)
+    sink: queue.Queue = queue.Queue()
+    ids = []
+    try:
+        for i in range(24):
+            prompt = [rng.randrange(4, 40) for _ in range(rng.randrange(2, 20))]
+            params = dict(max_tokens=rng.randrange(4, 30), temperature=0.0)
+            if i % 5 == 1:
+                params["stop_token_ids"] = [runner.token_at(prompt, len(prompt) + 3)]
+            if i % 5 == 2:  # the ToyTokenizer writes token t as " t<t>"
+                params["stop"] = [f" t{runner.token_at(prompt, len(prompt) + 2)} "]
+            if i % 7 == 3:
+                params["n"] = 2
+            if i % 6 == 4:
+                params["ignore_eos"] = True
+            request_id = f"q{i}"
+            if i == 9:
+                runner.fail_request("q9")
+            system.frontend.ask(SubmitRequest(request_id, prompt, SamplingParams(**params), sink))
+            ids.append(request_id)
+            if i in (5, 17):
+                system.frontend.tell(AbortRequests([request_id]))
+        finished = {}
+        while len(finished) < len(ids):
+            output = sink.get(timeout=60)
+            finished[output.request_id] = output
+        system.kv_stats(), system.scheduler_stats()  # let the last free reach the trace
+    finally:
+        system.stop()
+    records = recorder.records()
+    reasons = {c.reason for c in records if isinstance(c, StateChange) and c.reason}
+    assert {"stop", "length", "abort", "error"} <= reasons
+    assert any(isinstance(c, StateChange) and isinstance(c.stop_reason, int) for c in records)
+    assert any(isinstance(r, Stop) for r in records)
+    assert any(isinstance(r, StepSummary) and r.failed_ids for r in records)
+    assert any(isinstance(r, StepSummary) and r.preempted_ids for r in records)
+    assert not any(isinstance(r, Fail) for r in records)
+    report = replay_trace(records)
+    assert report.matched, report.describe()
