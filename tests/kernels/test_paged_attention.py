@@ -4,9 +4,8 @@ Every batch mixes prefill chunks with and without cached context and decodes in 
 Tolerances (stated once, used everywhere):
 - fp32: max |diff| <= 1e-4.
 - fp16: |diff| <= 1e-2 and cosine similarity >= 0.9999.
-- bf16: |diff| <= 1e-2 + 1e-2 * |ref| and cosine similarity >= 0.9999. One bf16 ulp is
-  2**-7 * |x| (0.0156 for |x| in [2, 4)), so both sides rounding the same fp32 value to bf16
-  can already differ by more than 1e-2 in absolute terms; the relative term covers that ulp.
+- bf16: |diff| <= 1e-2 and cosine similarity >= 0.9999. One bf16 ulp is 2**-7 * |x|, so the
+  values are drawn at a scale that keeps outputs below 2, where one ulp is below 1e-2.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from actorlm.kernels.reference import paged_attention_ref
 
 FP32_MAX_ABS = 1e-4
 HALF_ATOL = 1e-2
-BF16_RTOL = 1e-2
 MIN_COSINE = 0.9999
 
 
@@ -51,7 +49,10 @@ def _make_batch(lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, se
     for b, n in enumerate(blocks_per_seq):
         block_tables[b, :n] = torch.tensor([physical.pop() for _ in range(n)], dtype=torch.int32)
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    # values of unit scale: attention outputs then stay below 2 in magnitude, where one bf16
+    # ulp (2**-7 * |x|) is below the 1e-2 tolerance
+    v_cache = (0.5 * torch.randn(num_blocks, block_size, num_kv_heads, head_dim,
+                                 generator=gen)).to(dtype)
     query = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=gen).to(dtype)
     query_start_loc = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
     return query, k_cache, v_cache, block_tables, query_start_loc, torch.tensor(seq_lens, dtype=torch.int32)
@@ -64,9 +65,7 @@ def _assert_close(out, ref, dtype):
     if dtype == torch.float32:
         assert diff.max().item() <= FP32_MAX_ABS, diff.max().item()
         return
-    rtol = BF16_RTOL if dtype == torch.bfloat16 else 0.0
-    excess = diff - (HALF_ATOL + rtol * ref.float().abs())
-    assert excess.max().item() <= 0.0, f"max |diff| {diff.max().item()}"
+    assert diff.max().item() <= HALF_ATOL, f"max |diff| {diff.max().item()}"
     cosine = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0)
     assert cosine.item() >= MIN_COSINE, cosine.item()
 
