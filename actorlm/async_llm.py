@@ -31,15 +31,13 @@ import pykka
 
 from actorlm.actors.system import EngineSystem
 from actorlm.config import EngineConfig
+from actorlm.llm import PromptType, prompt_input
 from actorlm.messages import AbortRequests, SubmitRequest
 from actorlm.outputs import RequestOutput
 from actorlm.sampling_params import SamplingParams
 from actorlm.trace import TraceRecorder
 
 log = logging.getLogger(__name__)
-
-PromptType = str | list[int] | dict
-
 
 class EngineDeadError(RuntimeError):
     """The engine can no longer serve requests (an actor died, or it is shutting down)."""
@@ -176,7 +174,7 @@ class AsyncLLM:
         arrival = time.monotonic()
         params = sampling_params or SamplingParams()
         submit = loop.run_in_executor(self._submitter, self._submit, request_id,
-                                      _prompt_input(prompt), params, sink)
+                                      prompt_input(prompt), params, sink)
         try:
             # shielded: a cancelled caller must not leave a submitted request running unseen
             prompt_token_ids = await asyncio.shield(submit)
@@ -294,14 +292,9 @@ class AsyncLLM:
 
     def stats(self) -> dict:
         """Scheduler and KV pool counters (blocking asks: call off the event loop)."""
-        s, kv = self.engine.scheduler_stats(), self.engine.kv_stats()
-        total = kv.num_total_blocks
-        return {"num_running": s.num_running, "num_waiting": s.num_waiting,
-                "num_preemptions": s.num_preemptions, "num_steps": s.num_steps,
-                "num_finished": s.num_finished, "num_free_blocks": kv.num_free_blocks,
-                "num_total_blocks": total,
-                "num_requests_holding_blocks": kv.num_requests_holding_blocks,
-                "kv_cache_usage": (total - kv.num_free_blocks) / total if total else 0.0,
+        stats = self.engine.stats()
+        total, free = stats["num_total_blocks"], stats["num_free_blocks"]
+        return {**stats, "kv_cache_usage": (total - free) / total if total else 0.0,
                 "num_generation_tokens": self.num_generation_tokens}
 
     async def get_stats(self) -> dict:
@@ -324,17 +317,3 @@ class AsyncLLM:
 
     async def __aexit__(self, *exc) -> None:
         await asyncio.to_thread(self.shutdown)
-
-
-def _prompt_input(prompt: PromptType) -> str | list[int]:
-    if isinstance(prompt, dict):
-        if "prompt_token_ids" in prompt:
-            return list(prompt["prompt_token_ids"])
-        if "prompt" in prompt:
-            return prompt["prompt"]
-        raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list):
-        return list(prompt)
-    raise ValueError(f"prompt: expected text, token ids or a dict, got {type(prompt).__name__}")

@@ -62,7 +62,7 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 request_id = str(next(self._ids))
-                self.engine.frontend.ask(SubmitRequest(request_id, _prompt_input(prompt), p, sink))
+                self.engine.frontend.ask(SubmitRequest(request_id, prompt_input(prompt), p, sink))
                 request_ids.append(request_id)
         except Exception:
             self.engine.frontend.tell(AbortRequests(request_ids))
@@ -106,13 +106,7 @@ class LLM:
 
     def stats(self) -> dict:
         """Scheduler and KV pool counters (for tests, metrics and the curious)."""
-        s, kv = self.engine.scheduler_stats(), self.engine.kv_stats()
-        return {"num_running": s.num_running, "num_waiting": s.num_waiting,
-                "num_preemptions": s.num_preemptions, "num_steps": s.num_steps,
-                "num_finished": s.num_finished, "num_scheduled_tokens": s.num_scheduled_tokens,
-                "num_free_blocks": kv.num_free_blocks,
-                "num_total_blocks": kv.num_total_blocks,
-                "num_requests_holding_blocks": kv.num_requests_holding_blocks}
+        return self.engine.stats()
 
     def shutdown(self) -> None:
         self.engine.stop()
@@ -135,7 +129,7 @@ def _as_list(prompts) -> list:
     return prompts
 
 
-def _prompt_input(prompt: PromptType) -> str | list[int]:
+def prompt_input(prompt: PromptType) -> str | list[int]:
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
             return list(prompt["prompt_token_ids"])

@@ -154,6 +154,15 @@ class EngineSystem:
     def kv_stats(self) -> KVStats:
         return self.allocator.ask(GetStats())
 
+    def stats(self) -> dict:
+        """Scheduler and KV pool counters as one dict (blocking asks)."""
+        s, kv = self.scheduler_stats(), self.kv_stats()
+        return {"num_running": s.num_running, "num_waiting": s.num_waiting,
+                "num_preemptions": s.num_preemptions, "num_steps": s.num_steps,
+                "num_finished": s.num_finished, "num_scheduled_tokens": s.num_scheduled_tokens,
+                "num_free_blocks": kv.num_free_blocks, "num_total_blocks": kv.num_total_blocks,
+                "num_requests_holding_blocks": kv.num_requests_holding_blocks}
+
     def stop(self) -> None:
         """Stop every actor this system started, frontend first; waits for their threads."""
         for ref in (self.frontend, self.scheduler, self.executor, self.allocator):
