@@ -97,6 +97,5 @@ def tiny_run(tiny_llama_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def chromium():
     path = shutil.which("chromium") or shutil.which("chromium-browser")
-    if path is None:
-        pytest.skip("chromium is not installed (make install installs it)")
+    assert path is not None, "chromium is not installed: make install installs it"
     return path
