@@ -239,14 +239,7 @@ class AsyncLLM:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **template_kwargs) -> list[int]:
         """The conversation rendered through the model's chat template, as token ids."""
-        if not messages:
-            raise ValueError("messages: the conversation is empty")
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError("this model has no chat template; use /v1/completions")
-        ids = self.tokenizer.apply_chat_template(messages, tokenize=True,
-                                                 add_generation_prompt=add_generation_prompt,
-                                                 **template_kwargs)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return self.engine.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
 
     @property
     def vocab_size(self) -> int:

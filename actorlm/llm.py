@@ -98,11 +98,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt=True) -> list[int]:
-        if not conversation:
-            raise ValueError("messages: the conversation is empty")
-        ids = self.tokenizer.apply_chat_template(conversation, tokenize=True,
-                                                 add_generation_prompt=add_generation_prompt)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return self.engine.apply_chat_template(conversation, add_generation_prompt)
 
     def stats(self) -> dict:
         """Scheduler and KV pool counters (for tests, metrics and the curious)."""

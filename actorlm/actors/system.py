@@ -154,6 +154,18 @@ class EngineSystem:
     def kv_stats(self) -> KVStats:
         return self.allocator.ask(GetStats())
 
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
+                            **template_kwargs) -> list[int]:
+        """The conversation rendered through the model's chat template, as token ids."""
+        if not conversation:
+            raise ValueError("messages: the conversation is empty")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("this model has no chat template; send a plain prompt instead")
+        ids = self.tokenizer.apply_chat_template(conversation, tokenize=True,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 **template_kwargs)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
     def stats(self) -> dict:
         """Scheduler and KV pool counters as one dict (blocking asks)."""
         s, kv = self.scheduler_stats(), self.kv_stats()

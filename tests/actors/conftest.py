@@ -1,18 +1,7 @@
-import pykka
 import pytest
+from actor_hygiene import no_actor_outlives_its_test  # noqa: F401  (autouse)
 
 from actorlm.testing import EngineHarness, ManualClock, TestProbe
-
-
-@pytest.fixture(autouse=True)
-def no_actor_outlives_its_test():
-    """Every actor a test starts is stopped by its teardown (CONVENTIONS.md, rule 10)."""
-    before = set(pykka.ActorRegistry.get_all())
-    yield
-    left = [ref for ref in pykka.ActorRegistry.get_all() if ref not in before]
-    for ref in left:
-        ref.stop(block=True)
-    assert not left, f"actors still running after the test: {left}"
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ import random
 import shutil
 from types import SimpleNamespace
 
-import pykka
 import pytest
+from actor_hygiene import no_actor_outlives_its_test  # noqa: F401  (autouse)
 
 from actorlm import LLM, SamplingParams
 from actorlm.messages import AbortRequests, SubmitRequest
@@ -49,16 +49,6 @@ def pick_stop_string(text: str) -> str:
         if piece.strip() == piece and text.find(piece) == start:
             return piece
     raise AssertionError(f"no usable stop string in {text!r}")
-
-
-@pytest.fixture(autouse=True)
-def no_actor_outlives_its_test():
-    before = set(pykka.ActorRegistry.get_all())
-    yield
-    left = [ref for ref in pykka.ActorRegistry.get_all() if ref not in before]
-    for ref in left:
-        ref.stop(block=True)
-    assert not left, f"actors still running after the test: {left}"
 
 
 @pytest.fixture(scope="session")
