@@ -82,10 +82,6 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
-    @property
-    def max_logprobs_requested(self) -> int:
-        return max(self.logprobs or 0, self.prompt_logprobs or 0)
-
 
 def _check(ok: bool, field: str, message: str) -> None:
     if not ok:

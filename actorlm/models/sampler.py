@@ -18,8 +18,6 @@ import torch
 from actorlm.messages import PositionLogprobs
 from actorlm.sampling_params import SamplingParams
 
-_GREEDY_EPS = 1e-5
-
 
 class SamplingState(Protocol):
     token_ids: list[int]  # prompt + output so far
@@ -37,7 +35,7 @@ def sample(logits: torch.Tensor, states: Sequence[SamplingState], backend,
     wanted = [p.logprobs for p in params]
     raw = logits.clone() if any(k is not None for k in wanted) else None  # logprobs see raw logits
     logits = apply_processors(logits, states, eos_token_ids)
-    if all(p.temperature < _GREEDY_EPS for p in params):
+    if all(p.is_greedy for p in params):
         tokens = logits.argmax(dim=-1)  # skips building per-row parameter tensors
     else:
         def column(values, dtype):
