@@ -14,6 +14,7 @@ import pykka
 from actorlm.actors.base import tell
 from actorlm.actors.worker import WorkerActor
 from actorlm.messages import ScheduleStep, StepResult, WorkerResult
+from actorlm.openmp import on_passing_thread
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +24,8 @@ class ExecutorActor(pykka.ThreadingActor):
                  scheduler: pykka.ActorRef):
         super().__init__()
         self.make_runner, self.scheduler = make_runner, scheduler
-        self.runners = [make_runner(rank) for rank in range(num_workers)]  # load in caller's thread
+        # Built in the caller's call (a load error raises there), off its thread (see openmp).
+        self.runners = [on_passing_thread(make_runner, rank) for rank in range(num_workers)]
         self.workers: list[pykka.ActorRef] = []
         self._step: ScheduleStep | None = None
         self._results: dict[int, StepResult] = {}
@@ -59,5 +61,5 @@ class ExecutorActor(pykka.ThreadingActor):
         log.error("worker %d is dead; failing step %d and restarting it", rank, step.step_id)
         tell(self.scheduler, StepResult(step.step_id, [], [], f"worker {rank} died",
                                         step.request_ids))
-        self.runners[rank] = self.make_runner(rank)
+        self.runners[rank] = on_passing_thread(self.make_runner, rank)
         self.workers[rank] = WorkerActor.start(rank, self.runners[rank], self.actor_ref)

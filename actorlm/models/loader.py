@@ -19,6 +19,7 @@ import tempfile
 import torch
 
 from actorlm.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM
+from actorlm.openmp import on_passing_thread
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ def _cached_hf_dir(gguf: pathlib.Path) -> pathlib.Path:
     logger.info("dequantizing %s into %s (once)", gguf, target)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        _dequantize(gguf, tmp)
+        on_passing_thread(_dequantize, gguf, tmp)  # its OpenMP pool leaves with the thread
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary directory
         try:
             os.replace(tmp, target)  # atomic: readers never see a half-written directory
