@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from actorlm.kernels import KernelBackend
+from actorlm.kernels.cpu_linear import packed_linear
 from actorlm.models.metadata import AttentionMetadata
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -39,8 +40,15 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), False) if bias else None
+        self.packed = None  # x -> linear(x), over a weight laid out for the device's GEMM
+
+    def pack(self) -> None:
+        """Once the weights are loaded: run on a packed copy where the device gains by it."""
+        self.packed = packed_linear(self.weight, self.bias)
 
     def forward(self, x):
+        if self.packed is not None:
+            return self.packed(x)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -237,6 +245,9 @@ class LlamaForCausalLM(nn.Module):
             missing.discard(target if shard is None else f"{target}#{shard}")
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)}")
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
 
     def _shard_range(self, merged_name, shard) -> tuple[int, int]:
         """(first row, rows) of shard ``shard`` inside a merged weight or bias."""

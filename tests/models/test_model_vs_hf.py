@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from actorlm.kernels import select_backend
+from actorlm.models.llama import Linear
 from actorlm.models.loader import load_model
 from actorlm.models.metadata import AttentionMetadata
 
@@ -22,7 +23,8 @@ class PagedContexts:
 
     def __init__(self, model, num_blocks=96, block_size=4, seed=0):
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
-        self.kv_caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(model.num_layers)]
+        self.kv_caches = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+                          for _ in range(model.num_layers)]
         self.block_size = block_size
         # Shuffled so a request's blocks are not contiguous; block 0 is the table padding.
         self.free = (torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1).tolist()
@@ -162,3 +164,21 @@ def test_rope_scaling_matches_hf(rope_parameters):
     hf_cos, hf_sin = LlamaRotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32), positions[None])
     torch.testing.assert_close(cos[:, 0], hf_cos[0], atol=0, rtol=0)
     torch.testing.assert_close(sin[:, 0], hf_sin[0], atol=0, rtol=0)
+
+
+def test_bf16_model_packs_every_linear_and_tracks_transformers(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ours = load_model(tiny_llama_dir, torch.bfloat16, "cpu", select_backend("cpu"))
+    linears = [m for m in ours.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None for m in linears)  # the fast CPU path is on
+    theirs = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    prompts = [tokenizer(p).input_ids for p in PROMPTS]
+    logits = PagedContexts(ours).step(ours, list(enumerate(prompts)))
+    for rows, ids in zip(logits.split([len(p) for p in prompts]), prompts):
+        expected = _hf_logits(theirs, ids)
+        # Logits reach ~10 here, where one bf16 ulp is 0.0625: allow 4 ulps of rounding-order
+        # difference (transformers' own bf16 logits are up to 0.7 from its fp32 ones).
+        torch.testing.assert_close(rows, expected, atol=0.25, rtol=0)
+        assert torch.equal(rows.argmax(-1), expected.argmax(-1))

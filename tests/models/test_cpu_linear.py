@@ -1,0 +1,42 @@
+"""bf16 linear layers over oneDNN-packed weights give F.linear's bits at every batch size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from actorlm.kernels.cpu_linear import packed_linear
+from actorlm.models.llama import Linear
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_bf16_linear_equals_f_linear_bitwise(with_bias):
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 80, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(96, generator=gen).to(torch.bfloat16) if with_bias else None
+    linear = packed_linear(weight, bias)
+    assert linear is not None, "oneDNN bf16 is available on this machine, so packing must apply"
+    with torch.inference_mode():
+        for rows in (0, 1, 5, 64, 65, 300):  # below, at and above the packing hint
+            x = torch.randn(rows, 80, generator=gen).to(torch.bfloat16)
+            assert torch.equal(linear(x), F.linear(x, weight, bias)), rows
+
+
+def test_packing_applies_to_bf16_only():
+    assert packed_linear(torch.randn(8, 4), None) is None  # fp32 stays on MKL through F.linear
+    assert packed_linear(torch.randn(8, 4, dtype=torch.float16), None) is None
+
+
+def test_packed_weight_is_a_copy_taken_at_pack_time():
+    # The model packs once its weights are loaded; later writes to the parameter do not leak in.
+    layer = Linear(4, 8, False, torch.bfloat16, "cpu")
+    with torch.no_grad():
+        layer.weight.copy_(torch.ones(8, 4))
+    layer.pack()
+    x = torch.ones(2, 4, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        expected = layer(x).clone()
+        layer.weight.zero_()
+        assert torch.equal(layer(x), expected)
+
