@@ -16,7 +16,7 @@ def test_packed_bf16_linear_equals_f_linear_bitwise(with_bias):
     weight = torch.randn(96, 80, generator=gen).to(torch.bfloat16)
     bias = torch.randn(96, generator=gen).to(torch.bfloat16) if with_bias else None
     linear = packed_linear(weight, bias)
-    assert linear is not None, "oneDNN bf16 is available on this machine, so packing must apply"
+    assert linear is not None, "no oneDNN bf16 here: bf16 linear layers run unpacked"
     with torch.inference_mode():
         for rows in (0, 1, 5, 64, 65, 300):  # below, at and above the packing hint
             x = torch.randn(rows, 80, generator=gen).to(torch.bfloat16)
@@ -39,4 +39,3 @@ def test_packed_weight_is_a_copy_taken_at_pack_time():
         expected = layer(x).clone()
         layer.weight.zero_()
         assert torch.equal(layer(x), expected)
-
