@@ -16,7 +16,7 @@ from typing import Callable, TypeVar
 T = TypeVar("T")
 
 
-def on_passing_thread(fn: Callable[..., T], *args, name: str = "actorlm-load") -> T:
+def on_passing_thread(fn: Callable[..., T], *args) -> T:
     """``fn(*args)`` on a fresh thread that exits before this returns; its exception re-raised."""
     outcome: dict = {}
 
@@ -26,7 +26,7 @@ def on_passing_thread(fn: Callable[..., T], *args, name: str = "actorlm-load") -
         except BaseException as exc:  # noqa: BLE001 — re-raised in the caller's thread
             outcome["error"] = exc
 
-    thread = threading.Thread(target=run, name=name)
+    thread = threading.Thread(target=run, name="actorlm-load")
     thread.start()
     thread.join()
     if "error" in outcome:

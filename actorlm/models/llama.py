@@ -221,7 +221,8 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the (merged) parameters; raises if any is left unset."""
+        """Copy HF-named tensors into the (merged) parameters, raising if any is left unset, then
+        pack the linear layers where the device gains by it."""
         params = dict(self.named_parameters())  # a tied lm_head appears once, as embed_tokens
         missing = {key for name in params for key in _load_keys(name)}
         for name, tensor in weights:
