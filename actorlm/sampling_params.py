@@ -7,10 +7,20 @@ vocabulary, logprobs above the engine's cap) happen when the request is submitte
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 from msgspec.structs import force_setattr
 
 _GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
+MAX_LOGPROBS = 20  # vLLM's default cap (max_logprobs) on logprobs and prompt_logprobs
+# msgspec's JSON decoder returns ints of any size, but msgpack (the trace, worker processes)
+# and torch tensors hold at most 64 bits: a bigger int would fail deep inside an actor
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
+_INT_LIST_FIELDS = ("stop_token_ids", "allowed_token_ids")
+_FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
+                 "top_p", "min_p")
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -50,6 +60,19 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         self._validate()
 
     def _validate(self) -> None:
+        # representability first, so the range checks below compare plain numbers
+        for name in _INT_FIELDS:
+            _check_int64(name, getattr(self, name))
+        for name in _INT_LIST_FIELDS:
+            for value in getattr(self, name) or ():
+                _check_int64(name, value)
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            _check(_is_finite(value), name, f"must be a finite number, got {_show(value)}")
+        for token_id, bias in (self.logit_bias or {}).items():
+            _check_int64("logit_bias", token_id)
+            _check(_is_finite(bias), "logit_bias",
+                   f"bias for token {token_id} must be a finite number, got {_show(bias)}")
         _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
         _check(0.0 <= self.temperature <= 2.0, "temperature", f"must be in [0, 2], got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -86,3 +109,22 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 def _check(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{field}: {message}")
+
+
+def _check_int64(field: str, value: int | None) -> None:
+    _check(value is None or _INT64_MIN <= value <= _INT64_MAX, field,
+           f"must fit in 64 bits (-2**63 .. 2**63-1), got {_show(value)}")
+
+
+def _is_finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float is not a usable float either
+        return False
+
+
+def _show(value) -> str:
+    # str() of an int past 4300 digits raises (CPython's limit); its size says enough
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f"an integer of {value.bit_length()} bits"
+    return repr(value)

@@ -2,8 +2,9 @@
 
 Requests are decoded strictly by type (a string where a number belongs is a 400 that names the
 field); unknown fields are ignored, as vLLM and OpenAI do. Value ranges are checked by
-``SamplingParams``, whose ValueError names the field. Most request fields accept an explicit
-``null`` as "use the default", since many clients send one.
+``SamplingParams``, whose ValueError names the field; integers it never sees are bounded here
+(``Meta``) or in serving (token ids, max_tokens), since JSON integers come in any size. Most
+request fields accept an explicit ``null`` as "use the default", since many clients send one.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
+from actorlm.sampling_params import MAX_LOGPROBS as MAX_TOP_LOGPROBS
 from actorlm.sampling_params import SamplingParams
 
-MAX_TOP_LOGPROBS = 20  # the engine's cap (vLLM's default max_logprobs)
+MAX_N = 128  # the most choices (n, best_of) one request may ask for
 
 
 class ApiError(Exception):
@@ -83,7 +85,7 @@ class _SamplingRequest(Struct, kw_only=True):
     """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
-    n: Annotated[int, Meta(ge=1, le=128)] | None = 1
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] | None = 1
     temperature: float | None = None
     top_p: float | None = None
     presence_penalty: float | None = 0.0
@@ -157,7 +159,7 @@ class CompletionRequest(_SamplingRequest, kw_only=True):
     logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool | None = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None  # only best_of == n runs
     add_special_tokens: bool | None = True
 
     def prompts(self) -> list[str | list[int]]:

@@ -87,7 +87,7 @@ def max_tokens_for(num_prompt_tokens: int, requested: int | None, max_model_len:
                               f"However, you requested {num_prompt_tokens + requested} tokens "
                               f"({num_prompt_tokens} in the messages, {requested} in the "
                               f"completion). Please reduce the length of the messages or "
-                              f"completion.")
+                              f"completion.", field)
     return requested
 
 
