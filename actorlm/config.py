@@ -28,7 +28,10 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # None: 2048, or max_model_len if larger
     block_size: int = 16
     num_kv_blocks: int | None = None  # exact KV pool size; None: from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int | None = None  # None: 2 GiB on a CPU, 90 % of free memory on a GPU
+    # KV budget in bytes (num_kv_blocks wins over it). None: 2 GiB on a CPU; on a GPU what
+    # gpu_memory_utilization leaves once the weights and the largest step's activations are in
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9  # share of the GPU's total memory this engine may use
     enable_chunked_prefill: bool = True
     seed: int = 0
 
@@ -47,6 +50,10 @@ class EngineConfig:
                 raise ValueError(f"{flag} must be a positive integer, got {value!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
+        utilization = self.gpu_memory_utilization
+        if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or \
+                not 0.0 < utilization <= 1.0:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization!r}")
 
     @classmethod
     def from_flags(cls, model: str | None = None, **flags) -> EngineConfig:
@@ -73,9 +80,13 @@ class EngineConfig:
             declared = DTYPES.get(declared)
         return declared if isinstance(declared, torch.dtype) else torch.float32
 
-    def resolve(self, hf_config, kv_bytes_per_block: int,
-                free_device_bytes: int | None = None) -> EngineConfig:
-        """Fill the model-dependent values and check them against the model."""
+    @property
+    def is_kv_pool_sized_by_user(self) -> bool:
+        """Whether a flag sizes the KV pool; if not, a GPU engine profiles its memory."""
+        return self.num_kv_blocks is not None or self.kv_cache_memory_bytes is not None
+
+    def resolve_lengths(self, hf_config) -> EngineConfig:
+        """Fill max_model_len and max_num_batched_tokens, checked against the model."""
         limit = getattr(hf_config, "max_position_embeddings", None) or 2048
         max_model_len = self.max_model_len or limit
         if max_model_len > limit:
@@ -85,10 +96,20 @@ class EngineConfig:
         if not self.enable_chunked_prefill and max_batched < max_model_len:
             raise ValueError(f"--max-num-batched-tokens ({max_batched}) must be at least "
                              f"--max-model-len ({max_model_len}) when chunked prefill is off")
+        return dataclasses.replace(self, max_model_len=max_model_len,
+                                   max_num_batched_tokens=max_batched)
+
+    def resolve(self, hf_config, kv_bytes_per_block: int,
+                kv_cache_budget_bytes: int | None = None) -> EngineConfig:
+        """Fill the model-dependent values and check them against the model. The KV pool is
+        ``num_kv_blocks``, else ``kv_cache_memory_bytes``, else ``kv_cache_budget_bytes`` (what
+        profiling a GPU left, see ``actorlm.models.profile``), else 2 GiB."""
+        resolved = self.resolve_lengths(hf_config)
+        max_model_len, max_batched = resolved.max_model_len, resolved.max_num_batched_tokens
         num_blocks = self.num_kv_blocks
         if num_blocks is None:
-            budget = self.kv_cache_memory_bytes or (
-                int(free_device_bytes * 0.9) if free_device_bytes else DEFAULT_CPU_KV_CACHE_BYTES)
+            budget = self.kv_cache_memory_bytes or kv_cache_budget_bytes or \
+                DEFAULT_CPU_KV_CACHE_BYTES
             num_blocks = budget // kv_bytes_per_block
         blocks_per_sequence = -(-max_model_len // self.block_size)
         if num_blocks < blocks_per_sequence:

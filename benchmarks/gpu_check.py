@@ -112,6 +112,56 @@ def run_kernel_tests(results: dict) -> None:
                                "summary": (proc.stdout.strip().splitlines() or [""])[-1]}
 
 
+def kv_sizing() -> dict:
+    """The engine on the default model with default flags: the KV pool is sized by profiling
+    (``actorlm.models.profile``). Run in a process of its own (``--kv-sizing``), so that it
+    takes the GPU as a user's engine would and gives it all back."""
+    from actorlm import LLM, SamplingParams
+    from actorlm.actors.system import model_geometry
+
+    gib = 1 << 30
+    start = time.perf_counter()
+    with LLM() as llm:
+        engine, config = llm.engine, llm.config
+        profile = engine.memory_profile
+        free, total = torch.cuda.mem_get_info()
+        layers, kv_heads, head_dim = model_geometry(engine.hf_config)
+        bytes_per_block = 2 * layers * config.block_size * kv_heads * head_dim * \
+            torch.empty((), dtype=engine.dtype).element_size()
+        ready_s = time.perf_counter() - start
+        # a full batch of long prompts: the pool and the activations must both fit
+        prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 10 for j in range(1000)]}
+                   for i in range(config.max_num_seqs)]
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9,
+                                                       logprobs=5, ignore_eos=True),
+                               use_tqdm=False)
+        return {
+            "model": engine.model_path.name, "dtype": str(engine.dtype),
+            "gpu_memory_utilization": config.gpu_memory_utilization,
+            "max_num_batched_tokens": config.max_num_batched_tokens,
+            "max_num_seqs": config.max_num_seqs, "max_model_len": config.max_model_len,
+            "num_kv_blocks": config.num_kv_blocks, "block_size": config.block_size,
+            "kv_cache_gib": round(config.num_kv_blocks * bytes_per_block / gib, 3),
+            "total_gib": round(profile.total_bytes / gib, 3) if profile else None,
+            "used_after_load_gib": round(profile.used_bytes / gib, 3) if profile else None,
+            "peak_activation_gib": round(profile.peak_activation_bytes / gib, 3)
+            if profile else None,
+            "in_use_when_ready_gib": round((total - free) / gib, 3),
+            "share_in_use_when_ready": round((total - free) / total, 4),
+            "peak_in_use_after_generate_gib": round(torch.cuda.max_memory_reserved() / gib, 3),
+            "engine_ready_s": round(ready_s, 1),
+            "generated_ok": all(len(o.outputs[0].token_ids) == 32 for o in outputs),
+        }
+
+
+def run_kv_sizing(results: dict) -> None:
+    proc = subprocess.run([sys.executable, __file__, "--kv-sizing"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+    last = (proc.stdout.strip().splitlines() or ["{}"])[-1]
+    results["kv_sizing"] = json.loads(last) if proc.returncode == 0 else {
+        "returncode": proc.returncode, "stderr_tail": proc.stderr[-2000:]}
+
+
 def run_throughput(results: dict, quick: bool) -> None:
     cmd = [sys.executable, "-m", "actorlm.api.cli", "bench", "throughput", "--num-prompts",
            "64" if quick else "256", "--output-len", "128", "--dtype", "bfloat16", "--json"]
@@ -125,13 +175,18 @@ def run_throughput(results: dict, quick: bool) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--kv-sizing", action="store_true", help="only the KV sizing check")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print(json.dumps({"error": "no CUDA device"}))
         return 1
+    if args.kv_sizing:
+        print(json.dumps(kv_sizing()))
+        return 0
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     start = time.perf_counter()
-    for name, section in [("kernel_tests", run_kernel_tests), ("attention", check_attention),
+    for name, section in [("kernel_tests", run_kernel_tests), ("kv_sizing", run_kv_sizing),
+                          ("attention", check_attention),
                           ("sampling", check_sampling),
                           ("throughput", lambda r: run_throughput(r, args.quick))]:
         try:

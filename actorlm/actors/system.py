@@ -28,7 +28,9 @@ from actorlm.fsm.machine import Listener
 from actorlm.kernels import select_backend
 from actorlm.messages import Connect, GetStats, KVStats, SchedulerStats
 from actorlm.models.loader import load_hf_config, load_model, resolve_model
+from actorlm.models.profile import kv_cache_budget, largest_step, load_and_profile
 from actorlm.models.runner import ModelRunner
+from actorlm.openmp import on_passing_thread
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +126,10 @@ class EngineSystem:
                  config.num_kv_blocks, config.block_size, config.max_model_len)
 
     def _load_model(self, config: EngineConfig) -> ModelParts:
-        """Resolve the model and the config against it; the weights load in ``make_runner``."""
+        """Resolve the model and the config against it; the weights load in ``make_runner``,
+        except on a GPU with no KV pool size given: there they load here, so that the largest
+        step can be profiled and the pool given what is left (see ``actorlm.models.profile``),
+        and that model becomes rank 0's first runner."""
         self.model_path = resolve_model(config.model)
         self.hf_config = load_hf_config(self.model_path)
         device = config.torch_device
@@ -132,18 +137,49 @@ class EngineSystem:
         num_layers, num_kv_heads, head_dim = model_geometry(self.hf_config)
         bytes_per_block = 2 * num_layers * config.block_size * num_kv_heads * head_dim * \
             torch.empty((), dtype=dtype).element_size()
-        free = torch.cuda.mem_get_info()[0] if device.type == "cuda" else None
-        self.config = config = config.resolve(self.hf_config, bytes_per_block, free)
+        profile_gpu = device.type == "cuda" and not config.is_kv_pool_sized_by_user
+        # flags are checked against the model before anything heavy loads
+        resolved = config.resolve_lengths(self.hf_config) if profile_gpu else \
+            config.resolve(self.hf_config, bytes_per_block)
         self.dtype, self.device = dtype, device
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         backend = select_backend(device)
         self.backend_name = backend.name
         eos_ids = eos_token_ids(self.model_path, self.tokenizer)
 
+        block_size = config.block_size
+
+        def build_runner(model, num_blocks: int) -> ModelRunner:
+            return ModelRunner(model, backend, num_blocks, block_size, dtype, device, eos_ids)
+
+        profiled: list[ModelRunner] = []  # the runner whose model was loaded to profile
+        self.memory_profile = None  # a MemoryProfile where the KV pool was sized by profiling
+        if profile_gpu:
+            step = largest_step(resolved.max_num_batched_tokens, resolved.max_num_seqs,
+                                block_size, resolved.max_model_len)
+            runner, profile = on_passing_thread(  # off this thread, as make_runner (see openmp)
+                load_and_profile, lambda: load_model(self.model_path, dtype, device, backend),
+                build_runner, step, device)
+            budget = kv_cache_budget(profile.total_bytes, profile.used_bytes,
+                                     profile.peak_activation_bytes,
+                                     config.gpu_memory_utilization)
+            log.info("GPU memory: %.2f GiB total, %.2f GiB in use after loading the weights, "
+                     "%.2f GiB peak activations; %.2f GiB for the KV cache "
+                     "(--gpu-memory-utilization %s)", profile.total_bytes / 2**30,
+                     profile.used_bytes / 2**30, profile.peak_activation_bytes / 2**30,
+                     budget / 2**30, config.gpu_memory_utilization)
+            profiled.append(runner)
+            self.memory_profile = profile
+            resolved = config.resolve(self.hf_config, bytes_per_block, budget)
+        self.config = config = resolved
+
         def make_runner(rank: int) -> ModelRunner:
+            if rank == 0 and profiled:  # once: a restarted worker loads afresh
+                runner = profiled.pop()
+                runner.allocate_kv_cache(config.num_kv_blocks)
+                return runner
             model = load_model(self.model_path, dtype, device, backend)
-            return ModelRunner(model, backend, config.num_kv_blocks, config.block_size, dtype,
-                               device, eos_ids)
+            return build_runner(model, config.num_kv_blocks)
 
         return ModelParts(f"{self.model_path.name} ({dtype}, {backend.name})", self.tokenizer,
                           make_runner, self.hf_config.vocab_size, eos_ids)

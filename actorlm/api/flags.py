@@ -20,7 +20,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         if hint is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
         else:
-            kind = int if int in typing.get_args(hint) or hint is int else str
+            kinds = {hint, *typing.get_args(hint)}
+            kind = int if int in kinds else float if float in kinds else str
             parser.add_argument(flag, type=kind, default=None)
 
 

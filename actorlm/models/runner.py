@@ -42,18 +42,24 @@ class ModelRunner:
                  dtype: torch.dtype, device: torch.device,
                  eos_token_ids: frozenset[int] = frozenset()):
         self.model, self.backend = model, backend
-        self.block_size, self.device = block_size, device
+        self.block_size, self.dtype, self.device = block_size, dtype, device
         self.eos_token_ids = eos_token_ids
-        shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
-        # one (k, v) pair per layer: [num_blocks, block_size, Hkv, D]
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device))
-                          for _ in range(model.num_layers)]
+        self.allocate_kv_cache(num_blocks)
         self.requests: dict[str, _CachedState] = {}
 
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """A zeroed pool of ``num_blocks`` blocks in place of the current one, which is freed
+        first (so the two never coexist on the device)."""
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        shape = (num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
+        # one (k, v) pair per layer: [num_blocks, block_size, Hkv, D]
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(self.model.num_layers)]
+
     def execute(self, step: ScheduleStep) -> StepResult:
-        """Run one step. A fault raises; the worker fails the step's requests, and the
-        scheduler then has the workers forget them."""
+        """Run one step. A fault raises: the worker is then replaced and the step recomputed
+        (``actors/executor.py``)."""
         for request_id in step.finished_request_ids:
             self.requests.pop(request_id, None)
         for data in step.new_requests:
