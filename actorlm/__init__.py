@@ -6,13 +6,18 @@ from actorlm.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "AsyncLLM", "EngineDeadError", "EngineShutdownError", "EngineConfig",
+           "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+_LAZY = {"LLM": "actorlm.llm", "AsyncLLM": "actorlm.async_llm",
+         "EngineDeadError": "actorlm.actors.supervisor",
+         "EngineShutdownError": "actorlm.actors.supervisor"}
 
 
 def __getattr__(name):
-    # LLM pulls in torch, transformers and the actors: import it only when asked for
-    if name == "LLM":
-        from actorlm.llm import LLM
+    # these pull in torch, transformers and the actors: import them only when asked for
+    if name in _LAZY:
+        import importlib
 
-        return LLM
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'actorlm' has no attribute {name!r}")

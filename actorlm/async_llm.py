@@ -16,6 +16,11 @@ exact.
 A consumer that stops reading (client disconnect: ``CancelledError`` or ``GeneratorExit``)
 aborts its request through the frontend; the scheduler finishes it as ``abort`` and its KV
 blocks are freed.
+
+The engine's supervisor tells this facade the moment an engine actor dies: every live request
+then fails with ``EngineDeadError``, on whichever thread the death is reported (``_live`` is
+guarded by a lock for that reason). Like ``LLM``, it needs no ``shutdown()``: a finalizer
+stops the engine when the object is collected or the process ends.
 """
 
 from __future__ import annotations
@@ -23,12 +28,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable
 
 import pykka
 
+from actorlm.actors.supervisor import EngineDeadError, EngineShutdownError
 from actorlm.actors.system import EngineSystem
 from actorlm.config import EngineConfig
 from actorlm.llm import PromptType, prompt_input
@@ -39,8 +47,8 @@ from actorlm.trace import TraceRecorder
 
 log = logging.getLogger(__name__)
 
-class EngineDeadError(RuntimeError):
-    """The engine can no longer serve requests (an actor died, or it is shutting down)."""
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineShutdownError", "EngineOverloadedError",
+           "RequestStream"]
 
 
 class EngineOverloadedError(RuntimeError):
@@ -101,7 +109,7 @@ class RequestStream:
 
     def _close(self, reason: str, tpot: float | None = None) -> None:
         self.finished = True
-        self.engine._live.pop(self.request_id, None)
+        self.engine._forget(self.request_id)
         if self.engine.stats_listener is not None:
             self.engine.stats_listener.observe_finished(reason, time.monotonic() - self._arrival,
                                                         tpot)
@@ -157,9 +165,15 @@ class AsyncLLM:
         self.num_generation_tokens = 0  # since start, for throughput logs
         self._submitter = ThreadPoolExecutor(1, thread_name_prefix="actorlm-submit")
         self._live: dict[str, RequestStream] = {}
+        self._live_lock = threading.Lock()
         self._ids = itertools.count()
         self._fatal: str | None = None
         self._stopped = False
+        # weakly: the supervisor (held by the engine, held by the finalizer) must not keep
+        # this object alive
+        on_death = weakref.WeakMethod(self._on_engine_death)
+        self.engine.supervisor.watch(lambda error: (m := on_death()) and m(error))
+        self._finalizer = weakref.finalize(self, _stop, self.engine, self.trace, self._submitter)
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -183,11 +197,14 @@ class AsyncLLM:
                 lambda f: f.cancelled() or f.exception() is not None or self.abort(request_id))
             raise
         stream = RequestStream(self, request_id, prompt_token_ids, sink, queue, arrival)
-        self._live[request_id] = stream
+        with self._live_lock:
+            self._live[request_id] = stream
         if self.stats_listener is not None:
             self.stats_listener.on_request_added(len(prompt_token_ids))
-        if self._stopped or self._fatal:  # died while we were submitting
-            stream.fail(EngineDeadError(self._fatal or "the engine is shutting down"))
+        if self._stopped:  # stopped or died while we were submitting
+            stream.fail(EngineShutdownError("the engine is shutting down"))
+        elif self._fatal:
+            stream.fail(EngineDeadError(self._fatal))
         return stream
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
@@ -204,7 +221,7 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Ask the engine to abort a request (non-blocking; unknown ids are ignored)."""
-        self._live.pop(request_id, None)
+        self._forget(request_id)
         try:
             self.engine.frontend.tell(AbortRequests([request_id]))
         except pykka.ActorDeadError:
@@ -220,9 +237,9 @@ class AsyncLLM:
                         f"the server is overloaded: {num_waiting} requests are waiting "
                         f"(--max-num-waiting {self.max_num_waiting}); retry later")
             return self.engine.frontend.ask(SubmitRequest(request_id, prompt, params, sink, True))
-        except pykka.ActorDeadError as exc:
-            self._mark_fatal(f"the engine has stopped ({exc})")
-            raise EngineDeadError(self._fatal or "the engine has stopped") from None
+        except pykka.ActorDeadError:
+            self.engine.supervisor.check()
+            raise EngineShutdownError("the engine has shut down") from None
 
     # --- tokenizer ------------------------------------------------------------------------------
 
@@ -256,32 +273,35 @@ class AsyncLLM:
         return self._fatal
 
     def check_health(self) -> str | None:
-        """None while the engine serves; else why not. Cheap (no asks). A dead actor makes the
-        engine fatal: every live request is failed at once rather than left waiting forever."""
+        """None while the engine serves; else why not. Cheap (no asks)."""
         if self._stopped:
             return "the engine is shutting down"
-        if self._fatal is None:
-            refs = (self.engine.frontend, self.engine.scheduler, self.engine.allocator,
-                    self.engine.executor)
-            dead = [r.actor_class.__name__ for r in refs if not r.is_alive()]
-            if dead:
-                self._mark_fatal(f"engine actor(s) stopped: {', '.join(dead)}")
         return self._fatal
 
-    def _mark_fatal(self, message: str) -> None:
-        if self._fatal is None:
-            self._fatal = message
-            log.error("engine fault: %s; failing %d live request(s)", message, len(self._live))
-            self._fail_live(EngineDeadError(message))
+    def _on_engine_death(self, error: EngineDeadError) -> None:
+        # on the dying actor's thread: every live request fails at once
+        if self._fatal is None and not self._stopped:
+            self._fatal = str(error)
+            self._fail_live(error)
 
     def _fail_live(self, error: BaseException) -> None:
-        for stream in list(self._live.values()):
+        with self._live_lock:
+            streams = list(self._live.values())
+        if streams:
+            log.log(logging.INFO if isinstance(error, EngineShutdownError) else logging.ERROR,
+                    "%s; failing %d live request(s)", error, len(streams))
+        for stream in streams:
             stream.fail(error)
 
+    def _forget(self, request_id: str) -> None:
+        with self._live_lock:
+            self._live.pop(request_id, None)
+
     def _check_alive(self) -> None:
-        problem = self.check_health()
-        if problem is not None:
-            raise EngineDeadError(problem)
+        if self._stopped:
+            raise EngineShutdownError("the engine is shutting down")
+        if self._fatal is not None:
+            raise EngineDeadError(self._fatal)
 
     def stats(self) -> dict:
         """Scheduler and KV pool counters (blocking asks: call off the event loop)."""
@@ -296,17 +316,21 @@ class AsyncLLM:
     # --- lifecycle --------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Fail live requests, then stop the actors (blocking)."""
+        """Fail live requests, then stop the actors (blocking; idempotent)."""
         if self._stopped:
             return
         self._stopped = True
-        self._fail_live(EngineDeadError("the engine is shutting down"))
-        self._submitter.shutdown(wait=False, cancel_futures=True)
-        self.engine.stop()
-        self.trace.close()
+        self._fail_live(EngineShutdownError("the engine is shutting down"))
+        self._finalizer()
 
     async def __aenter__(self) -> AsyncLLM:
         return self
 
     async def __aexit__(self, *exc) -> None:
         await asyncio.to_thread(self.shutdown)
+
+
+def _stop(engine: EngineSystem, trace: TraceRecorder, submitter: ThreadPoolExecutor) -> None:
+    submitter.shutdown(wait=False, cancel_futures=True)
+    engine.stop()
+    trace.close()

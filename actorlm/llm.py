@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import itertools
 import queue
+import weakref
 from typing import Sequence
 
+import pykka
 from tqdm.auto import tqdm
 
+from actorlm.actors.supervisor import EngineDeadError, EngineShutdownError
 from actorlm.actors.system import EngineSystem
 from actorlm.config import EngineConfig
 from actorlm.messages import AbortRequests, SubmitRequest
@@ -24,6 +27,10 @@ class LLM:
     ``max_num_batched_tokens``, ``block_size``, ``seed``, …) plus ``num_kv_blocks``.
     ``trace_file``: record the run (``actorlm.trace``) as JSON lines there; the file is
     complete whenever ``generate`` returns. ``llm.trace`` is the recorder (None when off).
+
+    Like vLLM's, it needs no ``shutdown()``: the engine stops when the object is collected or
+    the process ends (``shutdown()`` and ``with LLM(...) as llm:`` stop it sooner). If the
+    engine dies, ``generate`` raises ``EngineDeadError`` instead of waiting.
     """
 
     def __init__(self, model: str | None = None, *, trace_file: str | None = None,
@@ -43,6 +50,8 @@ class LLM:
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+        # holds the engine, not self: a forgotten LLM is collected, and its engine stopped
+        self._finalizer = weakref.finalize(self, stop_engine, self.engine, self.trace)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -57,25 +66,48 @@ class LLM:
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
-        sink: queue.Queue[RequestOutput] = queue.Queue()
+        sink: queue.Queue[RequestOutput | EngineDeadError] = queue.Queue()
+        request_ids = self._submit(prompts, params, sink)
+        watch = self.engine.supervisor.watch(sink.put)  # a dead engine wakes us with its error
+        by_id: dict[str, RequestOutput] = {}
+        try:
+            with tqdm(total=len(request_ids), desc="Generating", unit="req",
+                      disable=not use_tqdm) as bar:
+                while len(by_id) < len(request_ids):
+                    output = sink.get()
+                    if isinstance(output, EngineDeadError):
+                        raise output
+                    by_id[output.request_id] = output
+                    bar.update(1)
+        except BaseException:  # Ctrl-C in a notebook, say: what is left stops running
+            self._abort([rid for rid in request_ids if rid not in by_id])
+            raise
+        finally:
+            self.engine.supervisor.unwatch(watch)
+        self.flush_trace()
+        return [by_id[rid] for rid in request_ids]
+
+    def _submit(self, prompts: list, params: list[SamplingParams], sink) -> list[str]:
+        """Submit every prompt or, if one is refused, none (the others are aborted)."""
         request_ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params):
                 request_id = str(next(self._ids))
                 self.engine.frontend.ask(SubmitRequest(request_id, prompt_input(prompt), p, sink))
                 request_ids.append(request_id)
+        except pykka.ActorDeadError:
+            self.engine.supervisor.check()
+            raise EngineShutdownError("the engine has shut down") from None
         except Exception:
-            self.engine.frontend.tell(AbortRequests(request_ids))
+            self._abort(request_ids)
             raise
-        by_id: dict[str, RequestOutput] = {}
-        with tqdm(total=len(request_ids), desc="Generating", unit="req",
-                  disable=not use_tqdm) as bar:
-            while len(by_id) < len(request_ids):
-                output = sink.get()
-                by_id[output.request_id] = output
-                bar.update(1)
-        self.flush_trace()
-        return [by_id[rid] for rid in request_ids]
+        return request_ids
+
+    def _abort(self, request_ids: list[str]) -> None:
+        try:
+            self.engine.frontend.tell(AbortRequests(request_ids))
+        except pykka.ActorDeadError:
+            pass  # nothing runs any more
 
     def flush_trace(self) -> None:
         """Write the trace file up to now, including the blocks the last step returned."""
@@ -105,15 +137,20 @@ class LLM:
         return self.engine.stats()
 
     def shutdown(self) -> None:
-        self.engine.stop()
-        if self.trace is not None:
-            self.trace.close()
+        """Stop the engine now (idempotent)."""
+        self._finalizer()
 
     def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def stop_engine(engine: EngineSystem, trace=None) -> None:
+    engine.stop()
+    if trace is not None:
+        trace.close()
 
 
 def _as_list(prompts) -> list:

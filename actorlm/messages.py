@@ -5,7 +5,7 @@ and to worker processes (msgpack-encoded). Per-step messages are ``array_like`` 
 arrays, no field names on the wire) and ``gc=False`` (they hold only scalars, strings and lists
 of those, so they can never take part in a reference cycle).
 
-Commands are imperative (``AddRequest``), events are past tense (``StepCompleted``).
+Commands are imperative (``AddRequest``), events are past tense (``SlotsGranted``).
 This module imports nothing from pykka: it is the contract, not the machinery.
 """
 
@@ -67,13 +67,6 @@ class StopRequests(_Message):
 
     request_ids: list[str]
     stop_reasons: list[str]
-
-
-class FailRequests(_Message):
-    """The engine could not serve these requests (a fault it caused); finish them as errors."""
-
-    request_ids: list[str]
-    error: str
 
 
 class PositionLogprobs(_StepMessage):
@@ -192,8 +185,13 @@ class PromptLogprobs(_StepMessage):
 class StepResult(_StepMessage):
     """Sampled tokens of one step. ``sampled_token_ids[i]`` belongs to ``request_ids[i]``;
     requests still mid-prefill are absent. ``logprobs`` is aligned with them (None where not
-    asked). ``failed_request_ids`` failed in this step (all of them when ``error`` is a fault of
-    the whole step)."""
+    asked). ``failed_request_ids`` failed alone in this step (the runner says why in ``error``);
+    the step's other requests got their tokens.
+
+    ``fault`` says the step did not happen: a worker raised or died and has been replaced, so
+    the workers hold no request any more and everything the scheduler runs is recomputed.
+    ``blame_request_ids`` are the requests the faulted step ran (empty when the worker died
+    between steps): the scheduler counts the fault against them to find a poison request."""
 
     step_id: int
     request_ids: list[str]
@@ -202,6 +200,8 @@ class StepResult(_StepMessage):
     failed_request_ids: list[str] = []
     logprobs: list[PositionLogprobs | None] = []
     prompt_logprobs: list[PromptLogprobs] = []
+    fault: str | None = None
+    blame_request_ids: list[str] = []
 
 
 class WorkerResult(_StepMessage):
@@ -209,6 +209,25 @@ class WorkerResult(_StepMessage):
 
     rank: int
     result: StepResult
+
+
+class WorkerFailed(_Message):
+    """A worker raised in a step or its thread is ending; ``generation`` tells the executor
+    whether it is the worker it still relies on or one it has already replaced."""
+
+    rank: int
+    generation: int
+    error: str
+
+
+class WorkerRestarted(_Message):
+    """In-process only: a replacement runner for ``rank`` has been built (or ``error`` says why
+    it could not be) on a thread of its own, off the executor's."""
+
+    rank: int
+    generation: int
+    runner: Any = None
+    error: str | None = None
 
 
 # --- introspection (API edge and tests) ------------------------------------------------------
@@ -227,6 +246,10 @@ class SchedulerStats(_Message):
     num_total_blocks: int
     num_finished: int
     num_scheduled_tokens: int = 0  # every token computed so far, prefill and decode
+
+
+class ExecutorStats(_Message):
+    num_worker_restarts: int
 
 
 class KVStats(_Message):

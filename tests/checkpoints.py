@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-__all__ = ["tiny_tokenizer_dir", "tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "smollm2_dir"]
+__all__ = ["tiny_tokenizer_dir", "tiny_llama_dir", "tiny_llama_long_dir", "tiny_qwen2_dir",
+           "tiny_qwen3_dir", "smollm2_dir"]
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a
@@ -107,6 +108,21 @@ def tiny_llama_dir(tmp_path_factory, tiny_tokenizer_dir):
 
     config = LlamaConfig(**_common(tiny_tokenizer_dir), tie_word_embeddings=True, rope_theta=10000.0)
     return _save_tiny(tmp_path_factory, tiny_tokenizer_dir, "tiny_llama", config, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_long_dir(tiny_llama_dir, tmp_path_factory):
+    """The tiny Llama with a 4096-token context (RoPE needs no change): long prompts, and
+    requests that certainly outlive a few seconds on any machine."""
+    import json
+    import shutil
+
+    path = tmp_path_factory.mktemp("tiny_llama_long") / "model"
+    shutil.copytree(tiny_llama_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = 4096
+    (path / "config.json").write_text(json.dumps(config))
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -4,34 +4,40 @@ It refuses bad input with a ``ValueError`` before anything is allocated, tokeniz
 request its sampling seed, and turns each step's ``EngineOutputs`` into ``RequestOutput``s
 delivered to the request's sink (a queue the caller reads): after every step when streaming,
 once at the end otherwise. Stop strings are found here, since only the frontend sees text.
+A request whose output cannot be processed (its detokenization raises, say) fails alone.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 
 import pykka
 
-from actorlm.actors.base import tell
+from actorlm.actors.base import EngineActor, tell
 from actorlm.core.output_stream import OutputStream
 from actorlm.messages import AbortRequests, AddRequest, EngineOutputs, StopRequests, SubmitRequest
-from actorlm.sampling_params import SamplingParams
+from actorlm.sampling_params import MAX_LOGPROBS, SamplingParams
+
+log = logging.getLogger(__name__)
 
 _SEED_RANGE = 1 << 63  # seeds travel as int64 to the sampling kernels
-MAX_LOGPROBS = 20  # vLLM's default cap on logprobs and prompt_logprobs
 
 
-class FrontendActor(pykka.ThreadingActor):
+class FrontendActor(EngineActor):
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int,
-                 scheduler: pykka.ActorRef, seed: int = 0, clock=time):
-        super().__init__()
+                 scheduler: pykka.ActorRef, seed: int = 0, clock=time, on_death=None):
+        super().__init__(on_death)
         self.clock = clock  # anything with monotonic(): the time module or a ManualClock
         self.tokenizer, self.scheduler = tokenizer, scheduler
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self._rng = random.Random(seed)  # seeds for requests that bring none
         self._streams: dict[str, OutputStream] = {}
         self._children: dict[str, tuple[OutputStream, int]] = {}  # engine id -> (stream, index)
+
+    def on_start(self):
+        getattr(self.tokenizer, "for_this_thread", None)  # this thread's copy, made now
 
     def on_receive(self, message):
         if isinstance(message, SubmitRequest):
@@ -81,17 +87,25 @@ class FrontendActor(pykka.ThreadingActor):
     def deliver(self, outputs: EngineOutputs) -> None:
         touched: dict[str, OutputStream] = {}
         stops: list[tuple[str, str]] = []
+        to_abort: list[str] = []
         for delta in outputs.deltas:
             entry = self._children.get(delta.request_id)
             if entry is None:
                 continue
             stream, index = entry
-            stop = stream.apply(index, delta)
+            touched[stream.request_id] = stream
+            try:
+                stop = stream.apply(index, delta)
+            except Exception as exc:  # noqa: BLE001 — this request's data: it fails alone
+                log.exception("request %s: its output could not be processed", stream.request_id)
+                to_abort += stream.fail(f"{type(exc).__name__}: {exc}")
+                continue
             if stop is not None and delta.finish_reason is None:
                 stops.append((delta.request_id, stop))
-            touched[stream.request_id] = stream
         if stops:  # the engine is still running them: stop them and free their blocks
             tell(self.scheduler, StopRequests([rid for rid, _ in stops], [s for _, s in stops]))
+        if to_abort:
+            tell(self.scheduler, AbortRequests(to_abort))
         for stream in touched.values():
             if stream.finished:
                 del self._streams[stream.request_id]

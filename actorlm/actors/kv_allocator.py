@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pykka
 
-from actorlm.actors.base import tell
+from actorlm.actors.base import EngineActor, tell
 from actorlm.core.block_pool import BlockPool
 from actorlm.messages import AllocateSlots, GetStats, KVStats
 
 
-class KVAllocatorActor(pykka.ThreadingActor):
-    def __init__(self, num_blocks: int, scheduler: pykka.ActorRef):
-        super().__init__()
+class KVAllocatorActor(EngineActor):
+    def __init__(self, num_blocks: int, scheduler: pykka.ActorRef, on_death=None):
+        super().__init__(on_death)
         self.pool = BlockPool(num_blocks)
         self.scheduler = scheduler  # its only client: every grant goes back there
 

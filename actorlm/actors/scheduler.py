@@ -6,7 +6,7 @@ executor → ``StepResult`` → apply, plan the next step at once, ``EngineOutpu
 frontend. An idle engine sleeps in its mailbox until the next ``AddRequest``.
 
 Aborts that arrive while a step is in flight wait until its result is applied, so a step's
-requests never change under it.
+requests never change under it. A request whose data makes intake raise is refused alone.
 """
 
 from __future__ import annotations
@@ -14,14 +14,12 @@ from __future__ import annotations
 import logging
 from enum import Enum
 
-import pykka
-
-from actorlm.actors.base import tell
+from actorlm.actors.base import EngineActor, tell
 from actorlm.core.scheduler import Scheduler, StepPlan
 from actorlm.fsm import RequestEvent
-from actorlm.messages import (AbortRequests, AddRequest, Connect, EngineOutputs, FailRequests,
-                              GetStats, RequestDelta, SchedulerStats, SlotsGranted, SlotsRefused,
-                              StepResult, StopRequests)
+from actorlm.messages import (AbortRequests, AddRequest, Connect, EngineOutputs, GetStats,
+                              RequestDelta, SchedulerStats, SlotsGranted, SlotsRefused, StepResult,
+                              StopRequests)
 
 log = logging.getLogger(__name__)
 
@@ -32,28 +30,29 @@ class _Phase(Enum):
     RUNNING = "running"  # ScheduleStep sent, waiting for the result
 
 
-class SchedulerActor(pykka.ThreadingActor):
-    def __init__(self, scheduler: Scheduler, trace=None):
-        super().__init__()
+class SchedulerActor(EngineActor):
+    def __init__(self, scheduler: Scheduler, trace=None, on_death=None):
+        super().__init__(on_death)
         self.scheduler = scheduler
         self.trace = trace  # an actorlm.trace.TraceRecorder, or None
         self.frontend = self.allocator = self.executor = None
         self._phase = _Phase.IDLE
         self._plan: StepPlan | None = None
-        self._deferred: list[AbortRequests | FailRequests | StopRequests] = []
+        self._deferred: list[AbortRequests | StopRequests] = []
         self.num_steps = 0
 
     def on_receive(self, message):
         if isinstance(message, AddRequest):
-            if self.trace is not None:
-                self.trace.on_arrival(message)
             try:
+                if self.trace is not None:
+                    self.trace.on_arrival(message)
                 self.scheduler.add_request(message)
-            except ValueError as exc:  # a duplicate id: refuse it alone
+            except Exception as exc:  # noqa: BLE001 — a duplicate id, bad data: refuse it alone
+                log.warning("refused request %s: %s", message.request_id, exc)
                 refusal = RequestDelta(message.request_id, [], "error", None, str(exc))
                 tell(self.frontend, EngineOutputs(-1, [refusal]))
             self._kick()
-        elif isinstance(message, (AbortRequests, FailRequests, StopRequests)):
+        elif isinstance(message, (AbortRequests, StopRequests)):
             if self.trace is not None:
                 self.trace.on_control(message)
             self._deferred.append(message)
@@ -136,9 +135,7 @@ class SchedulerActor(pykka.ThreadingActor):
     def _apply_deferred(self) -> list:
         deltas = []
         for message in self._deferred:
-            if isinstance(message, FailRequests):
-                deltas += self.scheduler.abort(message.request_ids, RequestEvent.FAIL, message.error)
-            elif isinstance(message, StopRequests):
+            if isinstance(message, StopRequests):
                 deltas += self.scheduler.abort(message.request_ids, RequestEvent.FINISH,
                                                stop_reasons=message.stop_reasons)
             else:

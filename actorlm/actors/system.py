@@ -9,6 +9,7 @@ then the workers, then the block pool.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -22,17 +23,21 @@ from actorlm.actors.executor import ExecutorActor
 from actorlm.actors.frontend import FrontendActor
 from actorlm.actors.kv_allocator import KVAllocatorActor
 from actorlm.actors.scheduler import SchedulerActor
+from actorlm.actors.supervisor import Supervisor
 from actorlm.config import EngineConfig
 from actorlm.core.scheduler import Scheduler, SchedulerConfig
 from actorlm.fsm.machine import Listener
 from actorlm.kernels import select_backend
-from actorlm.messages import Connect, GetStats, KVStats, SchedulerStats
+from actorlm.messages import Connect, ExecutorStats, GetStats, KVStats, SchedulerStats
 from actorlm.models.loader import load_hf_config, load_model, resolve_model
 from actorlm.models.profile import kv_cache_budget, largest_step, load_and_profile
 from actorlm.models.runner import ModelRunner
 from actorlm.openmp import on_passing_thread
+from actorlm.tokenizer import PerThreadTokenizer
 
 log = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 5.0  # per actor; a worker mid-step finishes the step first
 
 
 def model_geometry(hf_config) -> tuple[int, int, int]:
@@ -79,18 +84,31 @@ class EngineSystem:
     what the actors read time from, ``listeners`` observe every request's state machine, and
     ``route(name, ref)`` returns what an actor's peers are given in place of actor ``name``'s
     ref (a test harness returns a probe that relays, to control delivery). ``trace`` (an
-    ``actorlm.trace.TraceRecorder``) records every transition, message and step."""
+    ``actorlm.trace.TraceRecorder``) records every transition, message and step.
+    ``wrap_runner(runner)`` returns what the workers run in place of each runner built
+    (``actorlm.testing.FaultInjector`` wraps them to make steps fault).
+
+    ``supervisor`` hears of every core actor's death (see ``actors.supervisor``)."""
 
     def __init__(self, config: EngineConfig, *, parts: ModelParts | None = None, clock=time,
                  listeners: Iterable[Listener] = (),
-                 route: Callable[[str, pykka.ActorRef], Any] = _direct, trace=None):
+                 route: Callable[[str, pykka.ActorRef], Any] = _direct, trace=None,
+                 wrap_runner: Callable[[Any], Any] | None = None):
         self.model_path = self.hf_config = self.dtype = self.device = None
         if parts is None:
             parts = self._load_model(config)
         else:
             self.config = config
-            self.tokenizer = parts.tokenizer
+        self.tokenizer = PerThreadTokenizer(parts.tokenizer)
+        make_runner = parts.make_runner
+        if wrap_runner is not None:
+            make_runner = lambda rank: wrap_runner(parts.make_runner(rank))  # noqa: E731
         config = self.config
+        self.supervisor = supervisor = Supervisor()
+
+        def on_death(name: str):
+            return functools.partial(supervisor.actor_died, name)
+
         policy = Scheduler(SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
@@ -104,17 +122,20 @@ class EngineSystem:
             trace.attach(policy)
             link = trace.wrap  # (ref, sender, receiver) -> a ref that records what it carries
         self.frontend = self.allocator = self.executor = None
-        self.scheduler = SchedulerActor.start(policy, trace)
+        self.scheduler = SchedulerActor.start(policy, trace, on_death("scheduler"))
         to_scheduler = route("scheduler", self.scheduler)
         try:
             self.allocator = KVAllocatorActor.start(
-                config.num_kv_blocks, link(to_scheduler, "allocator", "scheduler"))
-            self.executor = ExecutorActor.start(parts.make_runner, 1,
-                                                link(to_scheduler, "executor", "scheduler"))
+                config.num_kv_blocks, link(to_scheduler, "allocator", "scheduler"),
+                on_death("allocator"))
+            self.executor = ExecutorActor.start(make_runner, 1,
+                                                link(to_scheduler, "executor", "scheduler"),
+                                                on_death("executor"))
             self.frontend = FrontendActor.start(self.tokenizer, config.max_model_len,
                                                 parts.vocab_size,
                                                 link(to_scheduler, "frontend", "scheduler"),
-                                                config.seed, clock=clock)
+                                                config.seed, clock=clock,
+                                                on_death=on_death("frontend"))
         except BaseException:
             self.stop()
             raise
@@ -190,6 +211,9 @@ class EngineSystem:
     def kv_stats(self) -> KVStats:
         return self.allocator.ask(GetStats())
 
+    def executor_stats(self) -> ExecutorStats:
+        return self.executor.ask(GetStats())
+
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
                             **template_kwargs) -> list[int]:
         """The conversation rendered through the model's chat template, as token ids."""
@@ -203,16 +227,22 @@ class EngineSystem:
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def stats(self) -> dict:
-        """Scheduler and KV pool counters as one dict (blocking asks)."""
-        s, kv = self.scheduler_stats(), self.kv_stats()
+        """Scheduler, KV pool and executor counters as one dict (blocking asks)."""
+        s, kv, ex = self.scheduler_stats(), self.kv_stats(), self.executor_stats()
         return {"num_running": s.num_running, "num_waiting": s.num_waiting,
                 "num_preemptions": s.num_preemptions, "num_steps": s.num_steps,
                 "num_finished": s.num_finished, "num_scheduled_tokens": s.num_scheduled_tokens,
                 "num_free_blocks": kv.num_free_blocks, "num_total_blocks": kv.num_total_blocks,
-                "num_requests_holding_blocks": kv.num_requests_holding_blocks}
+                "num_requests_holding_blocks": kv.num_requests_holding_blocks,
+                "num_worker_restarts": ex.num_worker_restarts}
 
     def stop(self) -> None:
-        """Stop every actor this system started, frontend first; waits for their threads."""
+        """Stop every actor this system started, frontend first; waits for their threads (a
+        bounded time each: they are daemons, and a process exiting must not hang on one)."""
+        self.supervisor.shutting_down()
         for ref in (self.frontend, self.scheduler, self.executor, self.allocator):
             if ref is not None and ref.is_alive():
-                ref.stop(block=True)
+                try:
+                    ref.stop(block=True, timeout=STOP_TIMEOUT_S)
+                except pykka.Timeout:
+                    log.warning("%s did not stop within %s s", ref, STOP_TIMEOUT_S)

@@ -6,29 +6,47 @@ import logging
 
 import pykka
 
-from actorlm.actors.base import tell
-from actorlm.messages import ScheduleStep, StepResult, WorkerResult
+from actorlm.actors.base import EngineActor, tell
+from actorlm.messages import ScheduleStep, WorkerFailed, WorkerResult
 
 log = logging.getLogger(__name__)
 
 
-class WorkerActor(pykka.ThreadingActor):
-    """Runs each ``ScheduleStep`` on its model runner and tells the executor the result."""
+class WorkerActor(EngineActor):
+    """Runs each ``ScheduleStep`` on its model runner and tells the executor the result.
 
-    def __init__(self, rank: int, runner, executor: pykka.ActorRef):
-        super().__init__()
-        self.rank, self.runner, self.executor = rank, runner, executor
+    A runner that raises leaves its persistent batch and KV cache half-updated, so the worker
+    does not go on: it reports ``WorkerFailed`` and the executor replaces it. Its death (an
+    escaped exception, a stop) is reported the same way, by the death hook.
+    """
+
+    def __init__(self, rank: int, generation: int, runner, executor: pykka.ActorRef):
+        super().__init__(on_death=self._report_death)
+        self.rank, self.generation, self.runner, self.executor = rank, generation, runner, executor
+        self._reported = False
 
     def on_receive(self, message):
-        if isinstance(message, ScheduleStep):
-            try:
-                result: StepResult = self.runner.execute(message)
-            except Exception as exc:  # noqa: BLE001 — a fault fails this step's requests only
-                result = StepResult(message.step_id, [], [], f"{type(exc).__name__}: {exc}",
-                                    message.request_ids)
-            if result.error:
-                log.error("worker %d: step %d failed for requests %s: %s", self.rank,
-                          result.step_id, result.failed_request_ids, result.error)
-            tell(self.executor, WorkerResult(self.rank, result))
-        else:
+        if not isinstance(message, ScheduleStep):
             raise TypeError(f"WorkerActor cannot handle {type(message).__name__}")
+        if self._reported:
+            return  # failed already: the executor is replacing this worker
+        try:
+            result = self.runner.execute(message)
+        except Exception as exc:  # noqa: BLE001 — the executor recomputes the step elsewhere
+            log.error("worker %d: step %d raised; the worker will be replaced", self.rank,
+                      message.step_id, exc_info=True)
+            self._report(f"{type(exc).__name__}: {exc}")
+            return
+        if result.error:
+            log.error("worker %d: step %d failed requests %s: %s", self.rank, result.step_id,
+                      result.failed_request_ids, result.error)
+        tell(self.executor, WorkerResult(self.rank, result))
+
+    def _report_death(self, reason: str) -> None:
+        self._report(f"its thread {reason}")
+
+    def _report(self, error: str) -> None:
+        if not self._reported:
+            self._reported = True
+            self.runner = None  # the replacement may need its memory (a GPU's KV cache)
+            tell(self.executor, WorkerFailed(self.rank, self.generation, error))

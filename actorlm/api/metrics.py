@@ -1,8 +1,8 @@
 """Prometheus metrics under vLLM's names, on a registry of the app's own (not the global one).
 
-Gauges (running, waiting, KV usage) and the preemption counter are read from the scheduler and
-the allocator at scrape time; latencies and token counts are observed as outputs reach the
-event loop (``AsyncLLM`` calls the ``observe_*`` methods). ``StatsLogger`` writes vLLM's
+Gauges (running, waiting, KV usage) and the preemption and worker-restart counters are read
+from the engine's actors at scrape time; latencies and token counts are observed as outputs
+reach the event loop (``AsyncLLM`` calls the ``observe_*`` methods). ``StatsLogger`` writes vLLM's
 periodic INFO line while the server has work and sleeps on an event while it has none.
 """
 
@@ -37,21 +37,21 @@ class _EngineCollector:
             stats = engine.stats()
         except Exception:  # an actor stopped between the check and the ask
             return
-        labels, values = ["model_name"], [self.model_name]
-        for name, doc, value in (
-                ("vllm:num_requests_running", "Number of requests in model execution batches.",
-                 stats["num_running"]),
-                ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        for family, name, doc, value in (
+                (gauge, "vllm:num_requests_running",
+                 "Number of requests in model execution batches.", stats["num_running"]),
+                (gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
                  stats["num_waiting"]),
-                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                 stats["kv_cache_usage"])):
-            gauge = GaugeMetricFamily(name, doc, labels=labels)
-            gauge.add_metric(values, value)
-            yield gauge
-        preemptions = CounterMetricFamily("vllm:num_preemptions",
-                                          "Cumulative number of preemptions.", labels=labels)
-        preemptions.add_metric(values, stats["num_preemptions"])
-        yield preemptions
+                (gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                 stats["kv_cache_usage"]),
+                (counter, "vllm:num_preemptions", "Cumulative number of preemptions.",
+                 stats["num_preemptions"]),
+                (counter, "actorlm:worker_restarts", "Workers replaced after a fault or a death.",
+                 stats["num_worker_restarts"])):
+            metric = family(name, doc, labels=["model_name"])
+            metric.add_metric([self.model_name], value)
+            yield metric
 
 
 class ServerMetrics:

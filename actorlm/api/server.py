@@ -75,7 +75,6 @@ class ServerState:
             self._tasks.append(asyncio.create_task(self._load()))
         else:
             self._engine_ready()
-        self._tasks.append(asyncio.create_task(self._watch()))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -106,13 +105,6 @@ class ServerState:
         logger = StatsLogger(lambda: self.engine, self.metrics, self.log_stats_interval)
         self._tasks.append(asyncio.create_task(logger.run()))
         log.info("serving %s as %r", self.engine.model_path, self.model_name)
-
-    async def _watch(self) -> None:
-        # a dead actor fails the live requests at once instead of leaving them waiting
-        while True:
-            await asyncio.sleep(1.0)
-            if self.engine is not None:
-                self.engine.check_health()
 
 
 def default_model_name(engine: AsyncLLM | None) -> str:

@@ -26,7 +26,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from actorlm.api import protocol as p
-from actorlm.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestStream
+from actorlm.async_llm import (AsyncLLM, EngineDeadError, EngineOverloadedError,
+                               EngineShutdownError, RequestStream)
 from actorlm.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -44,13 +45,17 @@ def error_response(error: p.ApiError) -> Response:
 
 def as_api_error(exc: BaseException) -> p.ApiError:
     """What the client hears about an exception: 400 for its input, 503 for an engine that
-    cannot take it now, 500 (logged) for anything else."""
+    cannot take it now (overloaded, shutting down), 500 for a request the engine died under
+    (new requests to a dead engine get the 503 of ``ServerState.ready_engine``), 500 (logged)
+    for anything else."""
     if isinstance(exc, p.ApiError):
         return exc
     if isinstance(exc, (ValueError, msgspec.DecodeError)):
         return p.bad_request(exc)
-    if isinstance(exc, (EngineOverloadedError, EngineDeadError)):
+    if isinstance(exc, (EngineOverloadedError, EngineShutdownError)):
         return p.ApiError(503, str(exc))
+    if isinstance(exc, EngineDeadError):
+        return p.ApiError(500, str(exc))
     log.exception("internal error", exc_info=exc)
     return p.ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
 
@@ -365,7 +370,7 @@ def _event(obj) -> bytes:
 
 def _error_event(exc: Exception, request_id: str) -> bytes:
     error = as_api_error(exc)
-    log.log(logging.ERROR if error.status >= 500 else logging.INFO, "%s: stream failed: %s",
+    log.log(logging.ERROR if error.status == 500 else logging.INFO, "%s: stream failed: %s",
             request_id, error.message)
     return _event(error.response())
 

@@ -88,6 +88,14 @@ class OutputStream:
                 seq.text = seq.detokenizer.decode_all(seq.token_ids)
         return None
 
+    def fail(self, error: str) -> list[str]:
+        """End every unfinished child with ``error``; returns the engine ids still running."""
+        self.error = self.error or error
+        for seq in self.sequences:
+            if seq.finish_reason is None:
+                seq.finish_reason = "error"
+        return [rid for rid, seq in zip(self.engine_ids, self.sequences) if not seq.engine_finished]
+
     def output(self) -> RequestOutput:
         finished = self.finished
         completions = []

@@ -10,6 +10,12 @@ its computed tokens reset, and it returns to the front of the waiting queue to b
 later — which yields the same greedy tokens. No waiting request is admitted in a step that
 preempted, since admitting one would only take blocks back from the victims.
 
+A worker fault loses no request: the step did not happen and the workers forgot every request,
+so every running request is preempted and recomputed. To tell a request that makes the worker
+fault (a poison request) from the ones batched with it, a request in ``PROBATION_AFTER``
+faulted steps is put on probation: it runs alone until one step of it succeeds. It fails when
+it faults alone, or after ``MAX_FAULTS`` faulted steps in any company; no other request does.
+
 The policy is pure and thread-free. It plans against ``num_free_blocks`` — the allocator's last
 report plus the blocks this scheduler has released since — so the allocator's grant for the
 step never fails. Aborts are applied only between steps (the actor defers them while a step is
@@ -28,6 +34,10 @@ from actorlm.fsm.machine import Listener
 from actorlm.messages import (AddRequest, AllocateSlots, CachedRequestData, EngineOutputs,
                               NewRequestData, PromptLogprobs, RequestDelta, ScheduleStep,
                               SlotsGranted, StepResult, child_request_id)
+
+
+PROBATION_AFTER = 2  # faulted steps before a request runs alone
+MAX_FAULTS = 4  # faulted steps before a request fails, even if it never faulted alone
 
 
 @dataclass(frozen=True)
@@ -142,6 +152,11 @@ class Scheduler:
         plan = StepPlan(self._next_step_id)
         budget = cfg.max_num_batched_tokens
 
+        suspect = next((r for r in self.waiting if r.on_probation), None)
+        if suspect is not None:
+            self._plan_alone(plan, suspect, budget)
+            budget = 0
+
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -205,6 +220,10 @@ class Scheduler:
 
     def update_from_output(self, plan: StepPlan, result: StepResult) -> EngineOutputs:
         """Apply sampled tokens, finish what is done, and say what happened in one message."""
+        if result.fault is not None:
+            return EngineOutputs(plan.step_id, self._on_fault(result))
+        for request in plan.requests:
+            request.on_probation = False  # its step succeeded
         deltas: list[RequestDelta] = []
         if result.failed_request_ids:
             deltas += self.abort(result.failed_request_ids, RequestEvent.FAIL,
@@ -262,7 +281,7 @@ class Scheduler:
         request.block_ids = []
         request.is_known_to_workers = False
 
-    def _preempt(self, request: Request, plan: StepPlan) -> None:
+    def _preempt(self, request: Request, plan: StepPlan | None = None) -> None:
         self.running.remove(request)
         request.fire(RequestEvent.PREEMPT)
         self._release(request)
@@ -270,7 +289,38 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
-        plan.preempted_ids.append(request.request_id)
+        if plan is not None:
+            plan.preempted_ids.append(request.request_id)
+
+    def _plan_alone(self, plan: StepPlan, request: Request, budget: int) -> None:
+        """A request on probation runs alone, making room by preempting the newest runners."""
+        num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+        num_blocks = self._num_new_blocks(request, num_tokens)
+        while self.running and (num_blocks > self.num_free_blocks or
+                                len(self.running) >= self.config.max_num_seqs):
+            self._preempt(self.running[-1], plan)
+        if num_blocks > self.num_free_blocks:
+            return  # blocks still on their way back; the next plan has them
+        self.waiting.remove(request)
+        request.fire(RequestEvent.SCHEDULE)
+        self.running.append(request)
+        self._add_to_plan(plan, request, num_tokens, num_blocks)
+
+    def _on_fault(self, result: StepResult) -> list[RequestDelta]:
+        """The step did not happen and the workers lost every request: recompute them all,
+        and count the fault against the step's requests."""
+        for request in reversed(list(self.running)):  # newest first: waiting keeps their order
+            self._preempt(request)
+        blamed = [self.requests[rid] for rid in result.blame_request_ids if rid in self.requests]
+        culprits = []
+        for request in blamed:
+            request.num_faults += 1
+            if (len(blamed) == 1 and request.on_probation) or request.num_faults >= MAX_FAULTS:
+                culprits.append(request.request_id)
+            elif request.num_faults >= PROBATION_AFTER:
+                request.on_probation = True
+        return self.abort(culprits, RequestEvent.FAIL,
+                          f"the model runner faults on this request: {result.fault}")
 
     def _finish(self, request: Request, event: RequestEvent, reason: FinishReason) -> RequestDelta:
         request.fire(event)

@@ -16,10 +16,9 @@ in ``violations`` and fails the step (as a fault would), so the engine stays up 
 that reads ``violations`` (``EngineHarness`` does after every step) fails loudly.
 
 Time: each step advances the given clock by ``step_latency`` (seconds, or a function of the
-step), so latency is simulated without sleeping. Faults: ``fail_step(n)`` makes the n-th step
-raise inside its forward pass — handled as ``ModelRunner`` handles it, by failing the step's
-requests — and ``fail_request(id)`` fails one request while the others of the step get their
-tokens.
+step), so latency is simulated without sleeping. ``fail_request(id)`` fails one request while
+the others of the step get their tokens; whole-step faults and dying workers come from wrapping
+any runner in ``actorlm.testing.FaultInjector``.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ from typing import Callable, Sequence
 
 from actorlm.messages import ScheduleStep, StepResult
 
-_GREEDY_EPS = 1e-5
 _MASK = (1 << 64) - 1
 
 TokenFn = Callable[[Sequence[int], int, int], int]
@@ -38,7 +36,7 @@ TokenFn = Callable[[Sequence[int], int, int], int]
 
 
 class InjectedFault(RuntimeError):
-    """The exception ``fail_step`` raises inside the fake forward pass."""
+    """A fault a test asked for (``fail_request``, ``FaultInjector``)."""
 
 
 def _mix(x: int) -> int:
@@ -108,7 +106,6 @@ class FakeModelRunner:
         self.steps: list[FakeStepLog] = []
         self.violations: list[str] = []
         self._kv: dict[int, tuple[int, int]] = {}  # slot -> (token id, position) written there
-        self._step_faults: dict[int, str] = {}
         self._request_faults: dict[str, _RequestFault] = {}
         self._lock = threading.Lock()  # faults are armed from the test thread
 
@@ -138,13 +135,6 @@ class FakeModelRunner:
 
     # --- fault injection ----------------------------------------------------------------------
 
-    def fail_step(self, index: int, error: str = "injected fault") -> None:
-        """Make the ``index``-th executed step (0-based, as ``num_steps`` counts; so
-        ``fail_step(runner.num_steps)`` is the next one) raise inside its forward pass.
-        Like ``ModelRunner``, the fake then forgets and fails every request of that step."""
-        with self._lock:
-            self._step_faults[index] = error
-
     def fail_request(self, request_id: str, error: str = "injected fault",
                      num_times: int = 1) -> None:
         """Fail ``request_id`` in the next ``num_times`` steps that schedule it: it is reported
@@ -166,8 +156,6 @@ class FakeModelRunner:
             latency = self.step_latency(step) if callable(self.step_latency) else self.step_latency
             if latency:
                 self.clock.advance(latency)
-        with self._lock:
-            step_fault = self._step_faults.pop(log.index, None)
         problems: list[str] = []
         for request_id in step.finished_request_ids:
             self._drop(request_id)
@@ -175,9 +163,7 @@ class FakeModelRunner:
             if data.request_id in self.requests:
                 problems.append(f"{data.request_id}: sent in full but the worker still holds it "
                                 f"(missing from finished_request_ids)")
-            params = getattr(data, "sampling_params", None)
-            temperature = getattr(params if params is not None else data, "temperature", 0.0)
-            seed = data.seed if temperature >= _GREEDY_EPS else 0
+            seed = 0 if data.sampling_params.is_greedy else data.seed
             state = _State(data.request_id, list(data.token_ids), data.num_prompt_tokens,
                            list(data.block_ids), data.num_computed_tokens, seed,
                            prompt_digest(data.token_ids[:data.num_prompt_tokens]))
@@ -204,11 +190,9 @@ class FakeModelRunner:
         if len(request_ids) != len(step.num_scheduled_tokens):
             problems.append(f"{len(request_ids)} requests but "
                             f"{len(step.num_scheduled_tokens)} token counts")
-        if problems or step_fault is not None:
-            error = ("; ".join(problems)) if problems else f"{InjectedFault.__name__}: {step_fault}"
-            if problems:
-                self.violations += [f"step {step.step_id}: {p}" for p in problems]
-            return self._fail_all(step, log, request_ids, error)
+        if problems:
+            self.violations += [f"step {step.step_id}: {p}" for p in problems]
+            return self._fail_all(step, log, request_ids, "; ".join(problems))
 
         failed, failure_errors = self._take_request_faults(request_ids)
         result_ids, tokens = [], []

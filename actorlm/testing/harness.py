@@ -42,10 +42,6 @@ from actorlm.testing.records import RequestRecord, StepRecord
 from actorlm.testing.tokenizer import ToyTokenizer
 
 
-# n > 1 requests run as children with engine-side ids of their own
-_child_request_id = getattr(messages, "child_request_id", None)
-
-
 class _Relay(TestProbe):
     """A probe that stands for one real actor: what it receives goes to the harness journal."""
 
@@ -72,7 +68,8 @@ class EngineHarness:
     ``ToyTokenizer``), and the fake runner gets the harness's block geometry so it can check
     the KV bookkeeping. With ``model`` (a path), the real model runs under the same control.
     Keyword flags are ``EngineConfig`` flags; the defaults are small so that chunking and
-    preemption are easy to provoke.
+    preemption are easy to provoke. ``wrap_runner`` wraps each runner the workers get (a
+    ``FaultInjector``'s ``wrap`` makes them fault).
     """
 
     def __init__(self, *, runner: FakeModelRunner | None = None, model: str | None = None,
@@ -80,7 +77,7 @@ class EngineHarness:
                  vocab_size: int = 1000, timeout: float = 60.0, num_kv_blocks: int = 64,
                  block_size: int = 4, max_model_len: int = 64,
                  max_num_batched_tokens: int | None = 32, max_num_seqs: int = 8, trace=None,
-                 **engine_flags):
+                 wrap_runner=None, **engine_flags):
         self.timeout = timeout
         self.max_messages_per_pump = 10_000  # more between two steps is a message storm
         self.clock = clock
@@ -102,7 +99,8 @@ class EngineHarness:
         flags = dict(num_kv_blocks=num_kv_blocks, block_size=block_size,
                      max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                      max_num_seqs=max_num_seqs, **engine_flags)
-        system_kwargs = dict(listeners=[self._on_transition], route=self._route)
+        system_kwargs = dict(listeners=[self._on_transition], route=self._route,
+                             wrap_runner=wrap_runner)
         if clock is not None:
             system_kwargs["clock"] = clock
         if trace is not None:  # an actorlm.trace.TraceRecorder: the run can be rendered
@@ -325,8 +323,8 @@ class EngineHarness:
     def _observe(self, dest: str, message) -> None:
         if dest == "scheduler" and isinstance(message, AddRequest):
             n = message.sampling_params.n
-            engine_ids = [message.request_id] if n == 1 or _child_request_id is None else \
-                [_child_request_id(message.request_id, i) for i in range(n)]
+            engine_ids = [message.request_id] if n == 1 else \
+                [messages.child_request_id(message.request_id, i) for i in range(n)]
             with self._lock:
                 for engine_id in engine_ids:
                     self.requests.setdefault(engine_id, RequestRecord(

@@ -7,14 +7,14 @@ then ``actorlm trace render|perfetto|replay PATH``.
 from actorlm.trace.html import render_html
 from actorlm.trace.perfetto import to_perfetto, write_perfetto
 from actorlm.trace.recorder import TraceRecorder, TracedRef
-from actorlm.trace.records import (Abort, Arrival, Fail, MessageSent, Record, StateChange,
+from actorlm.trace.records import (Abort, Arrival, MessageSent, Record, StateChange,
                                    StepSummary, Stop, TraceConfig, parse_lines, read_jsonl,
                                    write_jsonl)
 from actorlm.trace.timeline import build_timeline
 
 __all__ = ["TraceRecorder", "TracedRef", "render_html", "to_perfetto", "write_perfetto",
            "build_timeline", "read_jsonl", "write_jsonl", "parse_lines", "Record", "TraceConfig",
-           "Arrival", "Abort", "Stop", "Fail", "StateChange", "MessageSent", "StepSummary",
+           "Arrival", "Abort", "Stop", "StateChange", "MessageSent", "StepSummary",
            "replay_trace"]
 
 

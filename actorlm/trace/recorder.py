@@ -16,7 +16,10 @@ therefore holds the whole run, not just the ring buffer's window.
 
 Threads: transitions, steps, arrivals and the scheduler's own messages are recorded on the
 scheduler's thread; other actors record the messages they send on their own threads. Appends
-take one lock.
+take no lock (deque and list appends are atomic); only file writes do.
+
+Recording must never fail the actor it runs in: a message that cannot be encoded is recorded
+with ``num_bytes`` -1 and delivered all the same.
 """
 
 from __future__ import annotations
@@ -30,9 +33,8 @@ from typing import Any, Iterable
 import msgspec
 
 from actorlm.fsm import RequestEvent, RequestState
-from actorlm.messages import (STEP_MESSAGE_TYPES, AbortRequests, AddRequest, FailRequests,
-                              StopRequests)
-from actorlm.trace.records import (Abort, Arrival, Fail, MessageSent, Record, StateChange,
+from actorlm.messages import STEP_MESSAGE_TYPES, AbortRequests, AddRequest, StopRequests
+from actorlm.trace.records import (Abort, Arrival, MessageSent, Record, StateChange,
                                    StepSummary, Stop, TraceConfig, encode_line, encode_lines,
                                    jsonl_lines)
 
@@ -77,18 +79,18 @@ class TracedRef:
         # the hot path of tracing (several messages per step): kept to a few operations
         recorder, cls = self._recorder, message.__class__
         if cls in _STEP_TYPES:
-            step, num_bytes = message.step_id, len(self._encoder.encode(message))
+            step = message.step_id
             if step < 0:
                 step = recorder.step
+            try:
+                num_bytes = len(self._encoder.encode(message))
+            except (OverflowError, TypeError, ValueError):  # not encodable: record, deliver
+                num_bytes = -1
         else:
             step, num_bytes = recorder.step, estimate_size(message)
         recorder._append(MessageSent(recorder._now(), step, cls.__name__, self._sender,
                                      self._receiver, num_bytes))
         self._ref.tell(message)
-
-    def ask(self, message, *args, **kwargs):
-        self._recorder.on_message(self._sender, self._receiver, message, self._encoder)
-        return self._ref.ask(message, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ref, name)
@@ -192,12 +194,10 @@ class TraceRecorder:
                              len(msg.prompt_token_ids), p.n, p.max_tokens, p.min_tokens,
                              p.ignore_eos, list(p.stop_token_ids or ()), msg.arrival_time))
 
-    def on_control(self, msg: AbortRequests | StopRequests | FailRequests) -> None:
+    def on_control(self, msg: AbortRequests | StopRequests) -> None:
         now, step = self._now(), self.next_step_id
         if isinstance(msg, StopRequests):
             record = Stop(now, step, list(msg.request_ids), list(msg.stop_reasons))
-        elif isinstance(msg, FailRequests):
-            record = Fail(now, step, list(msg.request_ids), msg.error)
         else:
             record = Abort(now, step, list(msg.request_ids))
         self._append(record)
@@ -232,7 +232,8 @@ class TraceRecorder:
         self.step = result.step_id
         pending = self._pending
         if pending is not None and pending.plan is plan:
-            self._emit_step(pending, self._now(), list(result.failed_request_ids), result.error)
+            self._emit_step(pending, self._now(), list(result.failed_request_ids), result.error,
+                            result.fault, list(result.blame_request_ids))
 
     def step_refused(self, plan, refused) -> None:
         pending = self._pending
@@ -240,17 +241,6 @@ class TraceRecorder:
             pending.kv_free = refused.num_free_blocks
             self._emit_step(pending, self._now(), [r.request_id for r in plan.requests],
                             f"KV allocation refused: {refused.reason}")
-
-    def on_message(self, sender: str, receiver: str, message, encoder=None) -> None:
-        """One message sent: per-step messages with their exact msgpack size, others with an
-        estimate (``TracedRef.tell`` does the same inline)."""
-        if type(message) in _STEP_TYPES:
-            step = message.step_id if message.step_id >= 0 else self.step
-            num_bytes = len((encoder or msgspec.msgpack).encode(message))
-        else:
-            step, num_bytes = self.step, estimate_size(message)
-        self._append(MessageSent(self._now(), step, type(message).__name__, sender, receiver,
-                                 num_bytes))
 
     # --- export -------------------------------------------------------------------------------
 
@@ -326,7 +316,8 @@ class TraceRecorder:
             max_tokens is not None and len(request.output_token_ids) >= max_tokens)
 
     def _emit_step(self, pending: _PendingStep, t_end: float, failed_ids: list[str],
-                   error: str | None) -> None:
+                   error: str | None, fault: str | None = None,
+                   blamed_ids: list[str] = ()) -> None:
         self._pending = None
         plan = pending.plan
         counts = list(plan.num_scheduled_tokens)
@@ -340,4 +331,5 @@ class TraceRecorder:
             num_decode_tokens=sum(counts) - num_prefill, preempted_ids=list(plan.preempted_ids),
             failed_ids=failed_ids, kv_blocks_used=total - pending.kv_free,
             kv_blocks_free=pending.kv_free, kv_blocks_cached=0,
-            num_running=pending.num_running, num_waiting=pending.num_waiting, error=error))
+            num_running=pending.num_running, num_waiting=pending.num_waiting, error=error,
+            fault=fault, blamed_ids=list(blamed_ids)))

@@ -6,7 +6,7 @@ replay needs to rebuild the scheduler), the others follow in the order they were
 
 Two meanings of ``step``:
 
-- on ``arrival``, ``abort``, ``stop`` and ``fail`` it is the id of the first step the event can
+- on ``arrival``, ``abort`` and ``stop`` it is the id of the first step the event can
   change: the next step the scheduler will plan when it receives the message. That is the key
   a replay feeds the event in at.
 - on ``transition`` and ``message`` it is the step being planned, in flight or applied when
@@ -23,7 +23,6 @@ from typing import Iterable, Iterator, Union
 import msgspec
 
 TRACE_VERSION = 1
-STATES = ("waiting", "running", "preempted", "finished")
 
 
 class _Record(msgspec.Struct, frozen=True, gc=False, tag_field="kind"):
@@ -78,13 +77,6 @@ class Stop(_Record, tag="stop"):
     stop_reasons: list[str]
 
 
-class Fail(_Record, tag="fail"):
-    t: float
-    step: int
-    request_ids: list[str]
-    error: str
-
-
 class StateChange(_Record, tag="transition"):
     """One state-machine transition, with the request's counts at that moment."""
 
@@ -119,6 +111,8 @@ class StepSummary(_Record, tag="step"):
     ``t_start`` is when the plan was made, ``t_end`` when its result was applied (equal for a
     plan that only returned blocks). ``is_prefill[i]`` is False when ``request_ids[i]``
     computed exactly its newest token (a decode); prompt chunks and recomputes are prefill.
+    ``fault`` is set when a worker faulted instead (the step did not happen; ``blamed_ids``
+    ran in it), ``failed_ids`` / ``error`` when the runner failed some requests alone.
     """
 
     step: int
@@ -138,13 +132,15 @@ class StepSummary(_Record, tag="step"):
     num_running: int
     num_waiting: int
     error: str | None = None
+    fault: str | None = None
+    blamed_ids: list[str] = []
 
     @property
     def num_requests(self) -> int:
         return len(self.request_ids)
 
 
-Record = Union[TraceConfig, Arrival, Abort, Stop, Fail, StateChange, MessageSent, StepSummary]
+Record = Union[TraceConfig, Arrival, Abort, Stop, StateChange, MessageSent, StepSummary]
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Record)
@@ -187,8 +183,3 @@ def parse_lines(lines: Iterable[str | bytes]) -> list[Record]:
 def read_jsonl(path) -> list[Record]:
     with open(path, "rb") as f:
         return parse_lines(f)
-
-
-def as_dicts(records: Iterable[Record]) -> list[dict]:
-    """Plain dicts (with ``kind``), e.g. for embedding in a page."""
-    return msgspec.json.decode(_encoder.encode(list(records)))

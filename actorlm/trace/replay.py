@@ -6,7 +6,7 @@
 an outbox the engine routes itself, so the order in which the scheduler handles messages is
 exactly the order the caller chooses.
 
-The recording says what that order was: arrivals, aborts, stops, failures and step summaries
+The recording says what that order was: arrivals, aborts, stops and step summaries
 are all recorded on the scheduler's thread, as it handles them. The replay walks them in
 recorded order — an ``arrival`` becomes an ``AddRequest``, an ``abort`` an ``AbortRequests``,
 a ``stop`` a ``StopRequests``, a ``step`` delivers the held grant (a plan that only freed
@@ -16,7 +16,8 @@ recorded one: which requests, how many tokens each, which preemptions, KV blocks
 Fake tokens are not the recorded ones, so no token may end a request: the replay runs without
 EOS or stop tokens, and a request that finished on its own (EOS, stop token, a length cap)
 is given ``max_tokens`` equal to the output length it finished at. A stop string arrives as
-the recorded ``StopRequests``. Failures the recording saw are injected into the fake runner.
+the recorded ``StopRequests``. Request failures the recording saw are injected into the fake
+runner, and a worker fault is answered as the executor answered it.
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ import msgspec
 from actorlm.actors.scheduler import SchedulerActor
 from actorlm.core.block_pool import BlockPool
 from actorlm.core.scheduler import Scheduler, SchedulerConfig
-from actorlm.messages import (AbortRequests, AddRequest, AllocateSlots, Connect, FailRequests,
-                              ScheduleStep, SlotsGranted, StopRequests, child_request_id)
+from actorlm.messages import (AbortRequests, AddRequest, AllocateSlots, Connect, ScheduleStep,
+                              SlotsGranted, StepResult, StopRequests, child_request_id)
 from actorlm.sampling_params import SamplingParams
 from actorlm.testing import FakeModelRunner
 from actorlm.trace.recorder import TraceRecorder
-from actorlm.trace.records import (TRACE_VERSION, Abort, Arrival, Fail, Record, StateChange,
+from actorlm.trace.records import (TRACE_VERSION, Abort, Arrival, Record, StateChange,
                                    StepSummary, Stop, TraceConfig)
 
 
@@ -96,14 +97,19 @@ class SyncEngine:
         self.actor.on_receive(message)
         self._route()
 
-    def deliver_held(self, fail_request_ids: list[str] = ()) -> None:
-        """Hand the scheduler what it waits for: the held grant, or the step's result (after
-        making the fake runner fail ``fail_request_ids``)."""
+    def deliver_held(self, recorded: StepSummary | None = None) -> None:
+        """Hand the scheduler what it waits for: the held grant, or the step's result — the
+        fault the ``recorded`` step had, else the fake runner's (failing the requests the
+        recording saw fail)."""
         held, self.held = self.held, None
         if isinstance(held, ScheduleStep):
-            for request_id in fail_request_ids:
-                self.runner.fail_request(request_id, "failed in the recording")
-            held = self.runner.execute(held)
+            if recorded is not None and recorded.fault is not None:
+                held = StepResult(held.step_id, [], [], fault=recorded.fault,
+                                  blame_request_ids=list(recorded.blamed_ids))
+            else:
+                for request_id in recorded.failed_ids if recorded is not None else ():
+                    self.runner.fail_request(request_id, "failed in the recording")
+                held = self.runner.execute(held)
         self.send(held)
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> int:
@@ -190,7 +196,7 @@ def replay_trace(records: list[Record], *, check_kv: bool = True) -> ReplayRepor
         if isinstance(record, StepSummary):
             divergence = _replay_step(engine, recorder, record)
             report.num_steps += 1
-        elif isinstance(record, (Arrival, Abort, Stop, Fail)):
+        elif isinstance(record, (Arrival, Abort, Stop)):
             divergence = _check_key(engine, record)
             if divergence is None:
                 if isinstance(record, Arrival):
@@ -233,7 +239,7 @@ def _replay_step(engine: SyncEngine, recorder: TraceRecorder, recorded: StepSumm
         return Divergence(min(held.step_id, recorded.step),
                           f"the recording handles step {recorded.step} next, the replay "
                           f"step {held.step_id}", recorded)
-    engine.deliver_held(recorded.failed_ids)
+    engine.deliver_held(recorded)
     replayed = recorder.latest(StepSummary)
     if replayed is None or replayed.step != recorded.step:
         return Divergence(recorded.step, "the replay produced no summary for this step",
@@ -254,8 +260,6 @@ def _message(record):
         return AddRequest(record.request_id, prompt, params, 0, record.arrival_time)
     if isinstance(record, Stop):
         return StopRequests(list(record.request_ids), list(record.stop_reasons))
-    if isinstance(record, Fail):
-        return FailRequests(list(record.request_ids), record.error)
     return AbortRequests(list(record.request_ids))
 
 

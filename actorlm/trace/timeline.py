@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from actorlm.messages import child_request_id
-from actorlm.trace.records import (Abort, Arrival, Fail, MessageSent, Record, StateChange,
+from actorlm.trace.records import (Abort, Arrival, MessageSent, Record, StateChange,
                                    StepSummary, Stop, TraceConfig)
 
 
@@ -51,10 +51,6 @@ class Lane:
     def t_end(self) -> float:
         return self.segments[-1].t_end if self.segments else 0.0
 
-    @property
-    def was_scheduled(self) -> bool:
-        return any(s.state == "running" for s in self.segments)
-
 
 @dataclass
 class Timeline:
@@ -62,7 +58,7 @@ class Timeline:
     lanes: list[Lane]
     steps: list[StepSummary]
     messages: list[MessageSent]
-    controls: list[Abort | Stop | Fail]
+    controls: list[Abort | Stop]
     t_min: float
     t_max: float
 
@@ -99,7 +95,7 @@ def build_timeline(records: list[Record]) -> Timeline:
         elif isinstance(record, MessageSent):
             messages.append(record)
             times.append(record.t)
-        elif isinstance(record, (Abort, Stop, Fail)):
+        elif isinstance(record, (Abort, Stop)):
             controls.append(record)
             times.append(record.t)
     t_min = min(times) if times else 0.0

@@ -1,23 +1,20 @@
 """FakeModelRunner on its own: the runner contract, determinism, faults, latency, the oracle."""
 
-import msgspec
 import pytest
 
 from actorlm.messages import CachedRequestData, NewRequestData, ScheduleStep
 from actorlm.sampling_params import SamplingParams
-from actorlm.testing import FakeModelRunner, ManualClock
+from actorlm.testing import (FakeModelRunner, FaultInjector, InjectedDeath, InjectedFault,
+                             ManualClock)
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]
 
 
 def new(rid, token_ids, block_ids, num_prompt=None, computed=0, temperature=0.0, seed=0):
-    fields = {f.name for f in msgspec.structs.fields(NewRequestData)}
-    sampling = {"sampling_params": SamplingParams(temperature=temperature)} \
-        if "sampling_params" in fields else \
-        dict(temperature=temperature, top_p=1.0, top_k=0, min_p=0.0)
     return NewRequestData(request_id=rid, token_ids=list(token_ids),
                           num_prompt_tokens=num_prompt or len(token_ids), block_ids=block_ids,
-                          num_computed_tokens=computed, seed=seed, **sampling)
+                          num_computed_tokens=computed, seed=seed,
+                          sampling_params=SamplingParams(temperature=temperature))
 
 
 def step(step_id, new_requests=(), cached=(), counts=(), finished=()):
@@ -79,16 +76,24 @@ def test_step_latency_moves_the_clock():
     assert clock.now() == 0.008
 
 
-def test_a_step_fault_fails_every_request_of_that_step_only():
+def test_the_fault_injector_raises_kills_and_poisons_on_cue_before_the_runner_sees_the_step():
+    faults = FaultInjector()
     runner = FakeModelRunner()
-    runner.fail_step(1, "device lost")
-    runner.execute(step(0, [new("a", PROMPT, [])], counts=[8]))
-    failed = runner.execute(step(1, [new("b", [1, 2], [])], [CachedRequestData("a", [], 8)],
-                                 counts=[2, 1]))
-    assert failed.request_ids == [] and sorted(failed.failed_request_ids) == ["a", "b"]
-    assert "device lost" in failed.error and runner.requests == {}
-    ok = runner.execute(step(2, [new("c", [4, 5], [])], counts=[2]))
-    assert ok.request_ids == ["c"] and ok.error is None
+    wrapped = faults.wrap(runner)
+    faults.raise_at(1, "device lost")
+    faults.kill_at(2)
+    faults.poison("p")
+    assert wrapped.execute(step(0, [new("a", PROMPT, [])], counts=[8])).request_ids == ["a"]
+    with pytest.raises(InjectedFault, match="device lost"):
+        wrapped.execute(step(1, [new("b", [1, 2], [])], counts=[2]))
+    with pytest.raises(InjectedDeath):
+        wrapped.execute(step(2, [new("b", [1, 2], [])], counts=[2]))
+    with pytest.raises(InjectedFault, match="poisoned"):
+        wrapped.execute(step(3, [new("b", [1, 2], []), new("p", [3], [])], counts=[2, 1]))
+    assert set(runner.requests) == {"a"}  # faulted steps never reached the runner
+    assert wrapped.execute(step(4, [new("b", [1, 2], [])], counts=[2])).request_ids == ["b"]
+    assert faults.faulted_steps == [1, 2, 3] and faults.num_steps == 5
+    assert wrapped.steps is runner.steps  # everything else is the wrapped runner's
 
 
 def test_a_request_fault_spares_the_rest_of_the_step():

@@ -232,21 +232,6 @@ def test_a_request_fault_fails_only_that_request(make_harness):
     h.check_invariants()
 
 
-def test_a_step_fault_fails_that_steps_requests_and_the_engine_keeps_serving(make_harness):
-    h = make_harness(max_num_seqs=2)
-    a, b, c = (h.add_request(prompt(5, start=s), max_tokens=4) for s in (1, 30, 60))
-    h.step()
-    h.runner.fail_step(h.runner.num_steps, "device lost")
-    record = h.step()
-    assert sorted(record.result.failed_request_ids) == sorted(record.scheduled) == sorted([a, b])
-    assert record.finished == {a: "error", b: "error"}
-    assert all("device lost" in h.requests[rid].error for rid in (a, b))
-    h.run_until_idle()
-    assert h.requests[c].finish_reason == "length"  # waiting then: untouched
-    assert h.requests[c].output_token_ids == expected(h, c)
-    h.check_invariants()
-
-
 def test_a_failed_request_after_preemption_leaves_no_block_behind(make_harness):
     h = make_harness(num_kv_blocks=6, block_size=4, max_num_batched_tokens=64, max_model_len=24)
     old = h.add_request(prompt(7), max_tokens=12, ignore_eos=True)
@@ -337,23 +322,3 @@ def test_parallel_sampling_children_share_the_prompt_and_free_everything(make_ha
     assert len({tuple(c.token_ids) for c in completions}) == 3  # seeds differ per child
     assert len(h.requests) == 3 and all(r.is_finished for r in h.requests.values())
     h.check_invariants()  # includes the KV oracle: children read the shared prompt blocks
-
-
-def test_a_runner_that_raises_fails_its_step_and_the_worker_lives_on(make_harness):
-    class RaisingRunner(FakeModelRunner):
-        def execute(self, step):
-            if self.num_steps == 1:
-                self.steps.append(None)  # counted, then it blows up outright
-                raise RuntimeError("CUDA error: an illegal memory access")
-            return super().execute(step)
-
-    h = make_harness(runner=RaisingRunner(vocab_size=1000, block_size=4, num_blocks=64),
-                     max_num_seqs=2)
-    a, b, c = (h.add_request(prompt(5, start=s), max_tokens=4) for s in (1, 30, 60))
-    h.step()
-    record = h.step()
-    assert record.finished == {a: "error", b: "error"}
-    assert "illegal memory access" in h.requests[a].error
-    h.run_until_idle()
-    assert h.requests[c].finish_reason == "length"
-    h.check_invariants()

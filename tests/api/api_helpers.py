@@ -1,9 +1,13 @@
-"""Helpers shared by the API tests: ports, readiness, /metrics."""
+"""Helpers shared by the API tests: ports, readiness, servers in a subprocess, SSE, /metrics."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import subprocess
+import sys
+import threading
 import time
 
 import httpx
@@ -29,6 +33,54 @@ def wait_healthy(base_url: str, timeout: float, proc: subprocess.Popen | None = 
             pass
         time.sleep(0.1)
     raise TimeoutError(f"{base_url} not healthy after {timeout} s")
+
+
+@contextlib.contextmanager
+def serving(model_dir, log_path, *flags: str):
+    """(process, base URL) of ``actorlm serve`` on ``model_dir``; the log is printed if the
+    block fails, and the process is killed if it is still running at the end."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "actorlm.api.cli", "serve", "--model", str(model_dir),
+           "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), *flags]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base_url, 120, proc)
+        yield proc, base_url
+    except BaseException:
+        print(log_path.read_text()[-5000:])
+        raise
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def read_events(base_url: str, path: str, body: dict,
+                started: threading.Event | None = None) -> list[str]:
+    """The data of each event of one streaming request; ``started`` is set at the first (or
+    when the request fails, so that nobody waits for it). A dropped connection raises."""
+    events, pending = [], b""
+    try:
+        with httpx.stream("POST", base_url + path, json={**body, "stream": True},
+                          timeout=120) as response:
+            assert response.status_code == 200, response.read()
+            # split on the blank line, not with iter_lines: that also splits at U+2028 and
+            # friends, which the random model emits and JSON leaves unescaped
+            for chunk in response.iter_bytes():
+                *complete, pending = (pending + chunk).split(b"\n\n")
+                for event in complete:
+                    assert event.startswith(b"data: "), event
+                    events.append(event[len(b"data: "):].decode())
+                    if started is not None:
+                        started.set()
+    finally:
+        if started is not None:
+            started.set()
+    assert pending == b"", f"the stream ended inside an event: {pending!r}"
+    return events
 
 
 def scrape(base_url: str) -> dict[str, float]:

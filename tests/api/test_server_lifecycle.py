@@ -65,15 +65,28 @@ def test_503_until_ready_then_fatal_fault(tiny_llama_dir):
         wait_healthy(base, 60)
         engine = app.state.actorlm.engine
         body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 400,
-                "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as response:
+                "ignore_eos": True}
+        answers = []
+        plain = threading.Thread(target=lambda: answers.append(
+            httpx.post(base + "/v1/completions", json=body, timeout=30)))
+        with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True},
+                          timeout=30) as response:
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
-            engine.engine.executor.stop()  # an engine actor dies mid-request
+            plain.start()
+            while not engine.stats()["num_running"] == 2:
+                time.sleep(0.005)
+            killed_at = time.monotonic()
+            engine.engine.scheduler.tell("no handler knows this")  # the scheduler raises
             rest = [line[6:] for line in lines if line.startswith("data: ")]
+            ended_at = time.monotonic()
+        assert ended_at - killed_at < 1.0
         assert rest[-1] == "[DONE]"
-        assert json.loads(rest[-2])["error"]["code"] == 503  # the error event, then [DONE]
-        _error(httpx.get(base + "/health"), 503)
+        error = json.loads(rest[-2])["error"]  # the error event, then [DONE]
+        assert error["code"] == 500 and "scheduler" in error["message"]
+        plain.join(5)
+        assert "scheduler" in _error(answers[0], 500)["message"]
+        assert "scheduler" in _error(httpx.get(base + "/health"), 503)["message"]
         _error(httpx.post(base + "/v1/completions", json={"prompt": "Hi"}), 503)
 
 
