@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import sys
@@ -35,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="seconds between the periodic stats lines while busy")
     srv.add_argument("--trace-file", default=None,
                      help="also write the engine trace there as JSON lines (see /trace)")
+    srv.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",
+                     help="on SIGTERM or SIGINT, let running requests finish for this long, "
+                          "then end them with an error (streams with an error event and [DONE])")
     srv.set_defaults(run=_serve)
 
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
@@ -106,9 +110,15 @@ def _bench_throughput(args) -> int:
 def _serve(args) -> int:
     from actorlm.api.server import serve
 
-    return serve(args.model, engine_flags(args), host=args.host, port=args.port,
-                 served_model_name=args.served_model_name, max_num_waiting=args.max_num_waiting,
-                 log_stats_interval=args.log_stats_interval, trace_file=args.trace_file)
+    status = serve(args.model, engine_flags(args), host=args.host, port=args.port,
+                   served_model_name=args.served_model_name,
+                   max_num_waiting=args.max_num_waiting,
+                   log_stats_interval=args.log_stats_interval, trace_file=args.trace_file,
+                   shutdown_timeout=args.shutdown_timeout)
+    # the process ends now: spare it the interpreter's final collection over torch's and
+    # transformers' objects (over a second), which would stretch a graceful stop
+    gc.freeze()
+    return status
 
 
 def _bench_serve(args) -> int:
