@@ -4,9 +4,12 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test
+.PHONY: install browser serve test
 
 install: $(STAMP)
+
+# only the trace page's tests need a browser: serving does not
+browser:
 	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 
 # torch first, pinned: an unpinned torch would pull a multi-GB CUDA build on a CPU machine
@@ -20,5 +23,5 @@ $(STAMP): pyproject.toml Makefile
 serve: install
 	$(VENV)/bin/actorlm serve --host 127.0.0.1 --port 8000
 
-test: install
+test: install browser
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q
