@@ -191,7 +191,10 @@ class StepResult(_StepMessage):
     ``fault`` says the step did not happen: a worker raised or died and has been replaced, so
     the workers hold no request any more and everything the scheduler runs is recomputed.
     ``blame_request_ids`` are the requests the faulted step ran (empty when the worker died
-    between steps): the scheduler counts the fault against them to find a poison request."""
+    between steps): the scheduler counts the fault against them to find a poison request.
+
+    ``timings`` are the runner's seconds in this step: [input preparation, forward, logits and
+    sampling] (on a GPU the forward is only launched when its clock stops; sampling waits)."""
 
     step_id: int
     request_ids: list[str]
@@ -202,6 +205,7 @@ class StepResult(_StepMessage):
     prompt_logprobs: list[PromptLogprobs] = []
     fault: str | None = None
     blame_request_ids: list[str] = []
+    timings: list[float] = []
 
 
 class WorkerResult(_StepMessage):

@@ -51,7 +51,20 @@ def main(argv: list[str] | None = None) -> int:
     tp.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     tp.add_argument("--trace", action="store_true",
                     help="record a trace (into a temporary file) while measuring")
+    tp.add_argument("--profile", action="store_true",
+                    help="report where the steps' time went (forward, sampling, engine)")
     tp.set_defaults(run=_bench_throughput)
+    lat = bench.add_parser("latency", help="one batch: time to first token, time per token")
+    add_engine_flags(lat)
+    lat.add_argument("--batch-size", type=int, default=1)
+    lat.add_argument("--input-len", type=int, default=32)
+    lat.add_argument("--output-len", type=int, default=128)
+    lat.add_argument("--num-iters", type=int, default=3, help="report medians over this many runs")
+    lat.add_argument("--compare", choices=["hf"], default=None)
+    lat.add_argument("--profile", action="store_true",
+                     help="report where the steps' time went (forward, sampling, engine)")
+    lat.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    lat.set_defaults(run=_bench_latency)
     bs = bench.add_parser("serve", help="online serving benchmark against a running server")
     bs.add_argument("--base-url", default="http://127.0.0.1:8000")
     bs.add_argument("--endpoint", default="/v1/completions",
@@ -98,8 +111,21 @@ def _bench_throughput(args) -> int:
 
     result = run_throughput(args.model, engine_flags(args), args.num_prompts, args.output_len,
                             compare_hf=args.compare == "hf", num_iters=args.num_iters,
-                            trace=args.trace)
-    if args.json:
+                            trace=args.trace, profile=args.profile)
+    return _report(result, args.json)
+
+
+def _bench_latency(args) -> int:
+    from actorlm.benchmark.latency import run_latency
+
+    result = run_latency(args.model, engine_flags(args), args.batch_size, args.input_len,
+                         args.output_len, num_iters=args.num_iters,
+                         compare_hf=args.compare == "hf", profile=args.profile)
+    return _report(result, args.json)
+
+
+def _report(result: dict, as_json: bool) -> int:
+    if as_json:
         print(json.dumps(result))
     else:
         for key, value in result.items():

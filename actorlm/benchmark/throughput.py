@@ -8,8 +8,10 @@ prompt ids in the same process, after the engine has shut down.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
+import tempfile
 import time
 
 import torch
@@ -31,37 +33,54 @@ def bench_prompts(num_prompts: int) -> list[list[dict]]:
     return convs
 
 
-def run_throughput(model: str | None, flags: dict, num_prompts: int, output_len: int,
-                   compare_hf: bool = False, num_iters: int = 1, trace: bool = False) -> dict:
-    """``trace``: record the run into a temporary trace file (to measure tracing's cost)."""
-    import tempfile
+@contextlib.contextmanager
+def profiled(enabled: bool):
+    """A temporary trace file to record into (None when ``enabled`` is false)."""
+    if not enabled:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="actorlm-trace-") as trace_dir:
+        yield os.path.join(trace_dir, "bench.jsonl")
 
+
+def step_breakdown(llm, since: float) -> dict:
+    """Where the engine's steps since ``since`` (monotonic) went (see ``trace.profile``)."""
+    from actorlm.trace.profile import breakdown
+
+    llm.flush_trace()
+    return breakdown(llm.trace.records(), since)
+
+
+def run_throughput(model: str | None, flags: dict, num_prompts: int, output_len: int,
+                   compare_hf: bool = False, num_iters: int = 1, trace: bool = False,
+                   profile: bool = False) -> dict:
+    """``trace``: record the run into a temporary trace file (to measure tracing's cost);
+    ``profile``: record it and report the per-step breakdown."""
     from actorlm.llm import LLM
     from actorlm.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    trace_dir = tempfile.TemporaryDirectory(prefix="actorlm-trace-") if trace else None
-    trace_file = os.path.join(trace_dir.name, "bench.jsonl") if trace_dir else None
-    llm = LLM(model, trace_file=trace_file, **flags)
-    try:
-        prompt_ids = [llm.apply_chat_template(c) for c in bench_prompts(num_prompts)]
-        num_prompt_tokens = sum(map(len, prompt_ids))
-        llm.generate([{"prompt_token_ids": prompt_ids[0]}], SamplingParams(max_tokens=4),
-                     use_tqdm=False)  # warm-up: first-call allocations and thread start-up
-        runs = []
-        for _ in range(num_iters):
-            start = time.perf_counter()
-            outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
-                                   use_tqdm=False)
-            runs.append(time.perf_counter() - start)
-        num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
-        stats = llm.stats()
-        path, dtype = llm.engine.model_path, llm.engine.dtype
-    finally:
-        llm.shutdown()
+    with profiled(trace or profile) as trace_file:
+        llm = LLM(model, trace_file=trace_file, **flags)
+        try:
+            prompt_ids = [llm.apply_chat_template(c) for c in bench_prompts(num_prompts)]
+            num_prompt_tokens = sum(map(len, prompt_ids))
+            llm.generate([{"prompt_token_ids": prompt_ids[0]}], SamplingParams(max_tokens=4),
+                         use_tqdm=False)  # warm-up: first-call allocations and thread start-up
+            since = time.monotonic()
+            runs = []
+            for _ in range(num_iters):
+                start = time.perf_counter()
+                outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
+                                       use_tqdm=False)
+                runs.append(time.perf_counter() - start)
+            num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
+            stats = llm.stats()
+            path, dtype = llm.engine.model_path, llm.engine.dtype
+            breakdown = step_breakdown(llm, since) if profile else None
+        finally:
+            llm.shutdown()
         trace_bytes = os.path.getsize(trace_file) if trace_file else None
-        if trace_dir is not None:
-            trace_dir.cleanup()
     elapsed = statistics.median(runs)
     result = {
         "model": path.name, "dtype": str(dtype).removeprefix("torch."),
@@ -75,6 +94,8 @@ def run_throughput(model: str | None, flags: dict, num_prompts: int, output_len:
     }
     if trace:
         result["trace_file_bytes"] = trace_bytes
+    if breakdown is not None:
+        result["profile"] = breakdown
     if compare_hf:
         hf_elapsed = statistics.median(
             _time_hf(path, dtype, prompt_ids, output_len) for _ in range(num_iters))

@@ -9,6 +9,7 @@ positions of requests that asked for prompt logprobs.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,7 @@ class ModelRunner:
     def execute(self, step: ScheduleStep) -> StepResult:
         """Run one step. A fault raises: the worker is then replaced and the step recomputed
         (``actors/executor.py``)."""
+        t_start = time.perf_counter()
         for request_id in step.finished_request_ids:
             self.requests.pop(request_id, None)
         for data in step.new_requests:
@@ -68,10 +70,11 @@ class ModelRunner:
             state = self.requests[delta.request_id]
             state.block_ids.extend(delta.new_block_ids)
             state.num_computed_tokens = delta.num_computed_tokens
-        return self._run(step.step_id, step.request_ids, step.num_scheduled_tokens)
+        return self._run(step.step_id, step.request_ids, step.num_scheduled_tokens, t_start)
 
     @torch.inference_mode()
-    def _run(self, step_id: int, request_ids: list[str], num_scheduled: list[int]) -> StepResult:
+    def _run(self, step_id: int, request_ids: list[str], num_scheduled: list[int],
+             t_start: float) -> StepResult:
         states = [self.requests[rid] for rid in request_ids]
         input_ids, positions, slots, seq_lens, query_start = [], [], [], [], [0]
         bs = self.block_size
@@ -86,6 +89,7 @@ class ModelRunner:
         block_table = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in states]
 
         dev = self.device
+        t_prepared = time.perf_counter()  # (the tensors below are part of the forward's cost)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             block_tables=torch.tensor(block_table, dtype=torch.int32, device=dev),
@@ -95,20 +99,23 @@ class ModelRunner:
         hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=dev),
                             torch.tensor(positions, dtype=torch.int64, device=dev),
                             self.kv_caches, meta)  # [T, hidden]
+        t_forward = time.perf_counter()
         prompt_logprobs = self._prompt_logprobs(hidden, request_ids, states, num_scheduled,
                                                 query_start)
         # a request whose context is complete after this step samples its next token
         sampling = [i for i, (s, n) in enumerate(zip(states, num_scheduled))
                     if s.num_computed_tokens + n == len(s.token_ids)]
-        if not sampling:
-            return StepResult(step_id, [], [], prompt_logprobs=prompt_logprobs)
-        logits = self.model.compute_logits(hidden[[query_start[i + 1] - 1 for i in sampling]])
-        tokens, logprobs = sample(logits, [states[i] for i in sampling], self.backend,
-                                  self.eos_token_ids)  # logits: [N, V] fp32
-        for i, token in zip(sampling, tokens):
-            states[i].token_ids.append(token)
+        tokens, logprobs = [], []
+        if sampling:
+            logits = self.model.compute_logits(hidden[[query_start[i + 1] - 1 for i in sampling]])
+            tokens, logprobs = sample(logits, [states[i] for i in sampling], self.backend,
+                                      self.eos_token_ids)  # logits: [N, V] fp32
+            for i, token in zip(sampling, tokens):
+                states[i].token_ids.append(token)
+        timings = [t_prepared - t_start, t_forward - t_prepared,
+                   time.perf_counter() - t_forward]
         return StepResult(step_id, [request_ids[i] for i in sampling], tokens,
-                          logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                          logprobs=logprobs, prompt_logprobs=prompt_logprobs, timings=timings)
 
     def _prompt_logprobs(self, hidden, request_ids, states, num_scheduled,
                          query_start) -> list[PromptLogprobs]:

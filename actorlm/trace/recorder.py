@@ -46,6 +46,7 @@ _EVENT_NAMES = {e: e.value for e in RequestEvent}
 _FINISH_REASONS = {RequestEvent.ABORT: "abort", RequestEvent.FAIL: "error"}
 _FINISHED = RequestState.FINISHED
 _STEP_TYPES = frozenset(STEP_MESSAGE_TYPES)
+_TIMINGS = ("prepare_s", "forward_s", "sample_s")  # StepResult.timings, in order
 
 
 def estimate_size(message) -> int:
@@ -233,7 +234,7 @@ class TraceRecorder:
         pending = self._pending
         if pending is not None and pending.plan is plan:
             self._emit_step(pending, self._now(), list(result.failed_request_ids), result.error,
-                            result.fault, list(result.blame_request_ids))
+                            result.fault, list(result.blame_request_ids), result.timings)
 
     def step_refused(self, plan, refused) -> None:
         pending = self._pending
@@ -317,7 +318,7 @@ class TraceRecorder:
 
     def _emit_step(self, pending: _PendingStep, t_end: float, failed_ids: list[str],
                    error: str | None, fault: str | None = None,
-                   blamed_ids: list[str] = ()) -> None:
+                   blamed_ids: list[str] = (), timings: list[float] = ()) -> None:
         self._pending = None
         plan = pending.plan
         counts = list(plan.num_scheduled_tokens)
@@ -332,4 +333,4 @@ class TraceRecorder:
             failed_ids=failed_ids, kv_blocks_used=total - pending.kv_free,
             kv_blocks_free=pending.kv_free, kv_blocks_cached=0,
             num_running=pending.num_running, num_waiting=pending.num_waiting, error=error,
-            fault=fault, blamed_ids=list(blamed_ids)))
+            fault=fault, blamed_ids=list(blamed_ids), **dict(zip(_TIMINGS, timings))))

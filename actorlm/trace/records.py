@@ -113,6 +113,9 @@ class StepSummary(_Record, tag="step"):
     computed exactly its newest token (a decode); prompt chunks and recomputes are prefill.
     ``fault`` is set when a worker faulted instead (the step did not happen; ``blamed_ids``
     ran in it), ``failed_ids`` / ``error`` when the runner failed some requests alone.
+    ``prepare_s``, ``forward_s`` and ``sample_s`` are the runner's own timings of the step
+    (input preparation, the model's forward, logits and sampling); the rest of a step's period
+    is the engine's own work (see ``trace/profile.py``).
     """
 
     step: int
@@ -134,6 +137,9 @@ class StepSummary(_Record, tag="step"):
     error: str | None = None
     fault: str | None = None
     blamed_ids: list[str] = []
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
 
     @property
     def num_requests(self) -> int:

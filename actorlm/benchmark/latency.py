@@ -1,0 +1,118 @@
+"""``actorlm bench latency``: one batch of ``batch_size`` identical-length requests, timed.
+
+Like ``vllm bench latency``, but it also splits the time: the engine streams every request, so
+the time to the first token (the prefill) and the time per output token (a decode step) are
+measured apart. Every request decodes exactly ``output_len`` tokens (greedy, EOS ignored).
+``--compare hf`` runs transformers' ``generate`` on the same prompt ids in the same process,
+after the engine has shut down: its TTFT is a one-token ``generate``, its decode rate the rest of
+a full one. ``--profile`` adds the engine's per-step breakdown (see ``actorlm.trace.profile``).
+"""
+
+from __future__ import annotations
+
+import queue
+import statistics
+import time
+
+import torch
+
+from actorlm.benchmark.throughput import bench_prompts, profiled, step_breakdown
+
+
+def latency_prompts(tokenizer_ids, batch_size: int, input_len: int) -> list[list[int]]:
+    """``batch_size`` distinct prompts of exactly ``input_len`` tokens, cut from chat prompts."""
+    prompts = []
+    for i in range(batch_size):
+        ids: list[int] = []
+        j = i
+        while len(ids) < input_len:
+            ids += tokenizer_ids(bench_prompts(j + 1)[j])
+            j += batch_size
+        prompts.append(ids[:input_len])
+    return prompts
+
+
+def run_latency(model: str | None, flags: dict, batch_size: int, input_len: int,
+                output_len: int, num_iters: int = 3, compare_hf: bool = False,
+                profile: bool = False) -> dict:
+    from actorlm.llm import LLM
+
+    if output_len < 2:
+        raise ValueError(f"--output-len must be at least 2 (a prefill and a decode), got {output_len}")
+    if batch_size < 1 or input_len < 1:
+        raise ValueError("--batch-size and --input-len must be at least 1")
+    with profiled(profile) as trace_file:
+        llm = LLM(model, trace_file=trace_file, **flags)
+        try:
+            prompts = latency_prompts(llm.apply_chat_template, batch_size, input_len)
+            _timed_batch(llm, prompts[:1], 4)  # warm-up: first-call allocations, threads
+            since = time.monotonic()
+            runs = [_timed_batch(llm, prompts, output_len) for _ in range(num_iters)]
+            path, dtype = llm.engine.model_path, llm.engine.dtype
+            breakdown = step_breakdown(llm, since) if profile else None
+        finally:
+            llm.shutdown()
+    ttft = statistics.median(r[0] for r in runs)
+    e2e = statistics.median(r[1] for r in runs)
+    tpot = statistics.median((r[1] - r[0]) / (output_len - 1) for r in runs)
+    result = {
+        "model": path.name, "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(), "batch_size": batch_size, "input_len": input_len,
+        "output_len": output_len, "num_iters": num_iters,
+        "ttft_ms": round(1e3 * ttft, 2), "tpot_ms": round(1e3 * tpot, 2),
+        "decode_tokens_per_s": round(batch_size / tpot, 2), "e2e_s": round(e2e, 3),
+    }
+    if breakdown is not None:
+        result["profile"] = breakdown
+    if compare_hf:
+        hf = [_time_hf(path, dtype, prompts, output_len) for _ in range(num_iters)]
+        hf_ttft = statistics.median(r[0] for r in hf)
+        hf_tpot = statistics.median((r[1] - r[0]) / (output_len - 1) for r in hf)
+        result.update({
+            "hf_ttft_ms": round(1e3 * hf_ttft, 2), "hf_tpot_ms": round(1e3 * hf_tpot, 2),
+            "hf_decode_tokens_per_s": round(batch_size / hf_tpot, 2),
+            "hf_e2e_s": round(statistics.median(r[1] for r in hf), 3),
+            "decode_ratio_vs_hf": round(hf_tpot / tpot, 3),
+            "ttft_ratio_vs_hf": round(ttft / hf_ttft, 3),
+        })
+    return result
+
+
+def _timed_batch(llm, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
+    """(time to the last request's first token, time to the last token) of one batch."""
+    from actorlm.messages import SubmitRequest
+    from actorlm.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    sink: queue.Queue = queue.Queue()
+    start = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        llm.engine.frontend.ask(SubmitRequest(f"latency-{i}-{start}", ids, params, sink, True))
+    first: dict[str, float] = {}
+    done = 0
+    while done < len(prompts):
+        output = sink.get()
+        now = time.perf_counter()
+        if output.outputs[0].token_ids:
+            first.setdefault(output.request_id, now)
+        done += output.finished
+    return max(first.values()) - start, time.perf_counter() - start
+
+
+def _time_hf(path, dtype, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
+    """(seconds for a one-token generate, seconds for an output_len-token generate)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    input_ids = torch.tensor(prompts)  # identical lengths: no padding
+    pad = model.generation_config.pad_token_id
+    kwargs = dict(do_sample=False, pad_token_id=pad if isinstance(pad, int) else 0)
+    with torch.inference_mode():
+        model.generate(input_ids=input_ids[:1], max_new_tokens=4, **kwargs)  # warm-up
+        start = time.perf_counter()
+        model.generate(input_ids=input_ids, max_new_tokens=1, **kwargs)
+        ttft = time.perf_counter() - start
+        start = time.perf_counter()
+        model.generate(input_ids=input_ids, max_new_tokens=output_len,
+                       min_new_tokens=output_len, **kwargs)
+        return ttft, time.perf_counter() - start

@@ -1,0 +1,61 @@
+"""``actorlm bench latency`` and the per-step breakdown behind ``--profile``."""
+
+import json
+
+import pytest
+
+from actorlm.api.cli import main
+from actorlm.trace.profile import breakdown
+from actorlm.trace.records import StepSummary
+
+
+def _step(step, t_start, t_end, num_prefill=0, forward=0.0, sample=0.0, prepare=0.0,
+          fault=None):
+    return StepSummary(step, t_start, t_end, t_end - t_start, ["a", "b"], [1, 1], [False, False],
+                       num_prefill, 2 - num_prefill, [], [], 0, 0, 0, 2, 0, fault=fault,
+                       prepare_s=prepare, forward_s=forward, sample_s=sample)
+
+
+def test_breakdown_splits_each_busy_period_into_forward_sampling_and_the_rest():
+    records = [
+        _step(0, 0.000, 0.009, num_prefill=2, forward=0.006, sample=0.001),
+        _step(1, 0.010, 0.014, forward=0.002, sample=0.001, prepare=0.0005),
+        _step(2, 0.015, 0.018, forward=0.002, sample=0.001),
+        _step(3, 0.019, 0.020, fault="worker 0 died"),  # not a step that ran
+        _step(4, 0.021, 0.025, forward=0.002, sample=0.001),
+        _step(5, 1.000, 1.004, forward=0.002, sample=0.001),  # after an idle second
+        _step(6, 1.005, 1.009, forward=0.002, sample=0.001),
+    ]
+    out = breakdown(records, since=0.005)
+    # periods: 1 -> 2 (5 ms), 2 -> 4 (6 ms), 5 -> 6 (5 ms); 4 -> 5 is idle, 6 is the last
+    assert out["num_steps"] == 3 and "prefill" not in out
+    decode = out["decode"]
+    assert decode["step_ms"] == 5.0 and decode["forward_ms"] == 2.0
+    assert decode["sample_ms"] == 1.0 and decode["engine_overhead_ms"] == 2.0
+    assert breakdown(records)["prefill"]["step_ms"] == 10.0
+
+
+@pytest.mark.slow
+def test_bench_latency_reports_the_engine_transformers_and_the_breakdown(tiny_llama_dir, capsys):
+    rc = main(["bench", "latency", "--model", str(tiny_llama_dir), "--dtype", "float32",
+               "--num-kv-blocks", "256", "--batch-size", "3", "--input-len", "24",
+               "--output-len", "12", "--num-iters", "2", "--compare", "hf", "--profile",
+               "--json"])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["batch_size"] == 3 and result["input_len"] == 24
+    assert 0 < result["ttft_ms"] and 0 < result["tpot_ms"] < 1e3 * result["e2e_s"]
+    assert result["decode_tokens_per_s"] == pytest.approx(3e3 / result["tpot_ms"], rel=0.01)
+    assert result["hf_ttft_ms"] > 0 and result["hf_decode_tokens_per_s"] > 0
+    assert result["decode_ratio_vs_hf"] == pytest.approx(
+        result["hf_tpot_ms"] / result["tpot_ms"], rel=0.01)
+    decode = result["profile"]["decode"]
+    assert decode["num_requests"] == 3 and decode["num_steps"] >= 2 * 8
+    assert decode["forward_ms"] > 0 and decode["sample_ms"] > 0
+    assert decode["step_ms"] >= decode["forward_ms"] + decode["sample_ms"]
+    assert decode["engine_overhead_ms"] >= decode["prepare_ms"] >= 0
+
+
+def test_bench_latency_refuses_an_output_too_short_to_decode(tiny_llama_dir, capsys):
+    assert main(["bench", "latency", "--model", str(tiny_llama_dir), "--output-len", "1"]) == 2
+    assert "--output-len" in capsys.readouterr().err
