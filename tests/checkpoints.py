@@ -112,7 +112,7 @@ def tiny_llama_dir(tmp_path_factory, tiny_tokenizer_dir):
 
 @pytest.fixture(scope="session")
 def tiny_llama_long_dir(tiny_llama_dir, tmp_path_factory):
-    """The tiny Llama with a 4096-token context (RoPE needs no change): long prompts, and
+    """The tiny Llama with an 8192-token context (RoPE needs no change): long prompts, and
     requests that certainly outlive a few seconds on any machine."""
     import json
     import shutil
@@ -120,7 +120,7 @@ def tiny_llama_long_dir(tiny_llama_dir, tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_llama_long") / "model"
     shutil.copytree(tiny_llama_dir, path)
     config = json.loads((path / "config.json").read_text())
-    config["max_position_embeddings"] = 4096
+    config["max_position_embeddings"] = 8192
     (path / "config.json").write_text(json.dumps(config))
     return path
 

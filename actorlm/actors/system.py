@@ -155,6 +155,10 @@ class EngineSystem:
         self.hf_config = load_hf_config(self.model_path)
         device = config.torch_device
         dtype = config.torch_dtype(self.hf_config)
+        if config.dtype == "auto":
+            log.info("--dtype auto: %s on this %s", str(dtype).removeprefix("torch."),
+                     "CPU (native bf16)" if device.type == "cpu" and dtype == torch.bfloat16
+                     else device.type.upper())
         num_layers, num_kv_heads, head_dim = model_geometry(self.hf_config)
         bytes_per_block = 2 * num_layers * config.block_size * num_kv_heads * head_dim * \
             torch.empty((), dtype=dtype).element_size()

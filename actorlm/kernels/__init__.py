@@ -1,8 +1,14 @@
 """Kernel backend selection.
 
 On CUDA the workers run the Triton kernels; on a CPU they run the torch twins in
-``reference.py``. ``ACTORLM_ATTENTION_BACKEND=triton|torch`` overrides the choice (Triton on
-a CPU works only under ``TRITON_INTERPRET=1``, which is how the kernels are tested here).
+``reference.py`` (attention through its planned form, ``cpu_attention.py``).
+``ACTORLM_ATTENTION_BACKEND=triton|torch`` overrides the choice (Triton on a CPU works only under
+``TRITON_INTERPRET=1``, which is how the kernels are tested here).
+
+A backend is what a model layer and the runner need: ``plan(q_lens, seq_lens, block_ids,
+block_size, device)`` is called once per step by the runner (from Python lists) and its result
+rides in ``AttentionMetadata.plan``; ``attention(q, k, v, k_cache, v_cache, meta, scale)`` writes
+a layer's new K/V into the paged cache and attends; ``sample`` is the sampling kernel.
 """
 
 from __future__ import annotations
@@ -15,8 +21,8 @@ import torch
 
 class KernelBackend(NamedTuple):
     name: str
-    write_kv: Callable
-    paged_attention: Callable
+    plan: Callable
+    attention: Callable
     sample: Callable
 
 
@@ -31,10 +37,23 @@ def select_backend(device: torch.device | str) -> KernelBackend:
     if choice == "triton":
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("the Triton backend on a CPU needs TRITON_INTERPRET=1")
-        from actorlm.kernels.paged_attention import paged_attention, write_kv
         from actorlm.kernels.sampling import sample
 
-        return KernelBackend("triton", write_kv, paged_attention, sample)
-    from actorlm.kernels.reference import paged_attention_ref, sample_ref, write_kv_ref
+        return KernelBackend("triton", _no_plan, _triton_attention, sample)
+    from actorlm.kernels.cpu_attention import plan_attention, write_and_attend
+    from actorlm.kernels.reference import sample_ref
 
-    return KernelBackend("torch", write_kv_ref, paged_attention_ref, sample_ref)
+    return KernelBackend("torch", plan_attention, write_and_attend, sample_ref)
+
+
+def _no_plan(*args) -> None:
+    return None
+
+
+def _triton_attention(q, k, v, k_cache, v_cache, meta, scale):
+    from actorlm.kernels.paged_attention import paged_attention, write_kv
+
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                           meta.seq_lens, scale, max_query_len=meta.max_query_len,
+                           max_seq_len=meta.max_seq_len)

@@ -2,13 +2,15 @@
 
 Each ``foo_ref`` has exactly the signature of the Triton launcher ``foo`` and states the
 semantics the kernel must reproduce. Performance still matters here, because on a CPU these
-functions *are* the engine: attention is batched over requests (no per-request loop per layer).
+functions *are* the engine: attention is planned once per step and batched over requests
+(``cpu_attention``); the engine calls the planned form directly, tests call this one.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from actorlm.kernels.cpu_attention import attend, plan_attention
 
 _GREEDY_TEMPERATURE = 1e-5
 # top-p without top-k first looks at this many most likely tokens (a topk is far cheaper than
@@ -54,96 +56,18 @@ def paged_attention_ref(
     block_tables: [B, max_blocks] int32; query_start_loc: [B + 1] int32; seq_lens: [B] int32.
     Request b's queries are the last q_len_b positions of its seq_lens[b]-token context, whose
     K/V are already in the cache; the query at position p sees kv positions 0..p.
-    Returns [T, Hq, D] in query's dtype; scores, softmax and sums are fp32.
+    Returns [T, Hq, D] in query's dtype; scores, softmax and sums are fp32. ``max_query_len``
+    and ``max_seq_len`` are the launcher's host-side hints; the plan knows them anyway.
     """
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
-    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    num_heads, head_dim = query.shape[1:]
+    assert num_heads % k_cache.shape[2] == 0, (num_heads, k_cache.shape[2])
     assert k_cache.shape[-1] == head_dim, (k_cache.shape, query.shape)
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [B]
-    if max_query_len is None:
-        max_query_len = int(q_lens.max()) if q_lens.numel() else 0
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max()) if seq_lens.numel() else 0
-    out = torch.empty_like(query)
-    if num_tokens == 0:
-        return out
-    if max_query_len == 1 and num_tokens == seq_lens.shape[0]:
-        # Pure decode step: one query per request, no padding needed.
-        out.copy_(_attend_decodes(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len))
-        return out
-
-    # Mixed step: decodes take the cheap path; prefill chunks are padded to their longest.
-    is_decode = q_lens == 1
-    decode_ids = is_decode.nonzero().flatten()
-    if decode_ids.numel():
-        rows = query_start_loc[decode_ids].long()
-        d_seq_lens = seq_lens[decode_ids]
-        out[rows] = _attend_decodes(
-            query[rows], k_cache, v_cache, block_tables[decode_ids], d_seq_lens, scale, int(d_seq_lens.max())
-        )
-    prefill_ids = (~is_decode & (q_lens > 0)).nonzero().flatten()
-    if prefill_ids.numel():
-        p_q_lens = q_lens[prefill_ids]
-        p_seq_lens = seq_lens[prefill_ids]
-        _attend_prefills(
-            query, out, k_cache, v_cache, block_tables[prefill_ids], query_start_loc[prefill_ids],
-            p_q_lens, p_seq_lens, scale, int(p_q_lens.max()), int(p_seq_lens.max()),
-        )  # fmt: skip
-    return out
-
-
-def _gather_kv(k_cache, v_cache, block_tables, max_seq_len):
-    """Each request's context as a dense [B, Hkv, S, D] view, S = blocks needed * block_size."""
-    num_rows = block_tables.shape[0]
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    num_blocks = max(1, -(-max_seq_len // block_size))
-    table = block_tables[:, :num_blocks].flatten().long()  # [B * nb]
-    # index_select copies whole blocks at memcpy speed (advanced indexing is ~1.5x slower).
-    k = k_cache.index_select(0, table).view(num_rows, num_blocks * block_size, num_kv_heads, head_dim)
-    v = v_cache.index_select(0, table).view(num_rows, num_blocks * block_size, num_kv_heads, head_dim)
-    return k.transpose(1, 2), v.transpose(1, 2)  # [B, S, Hkv, D] -> [B, Hkv, S, D]
-
-
-def _sdpa(q, k, v, mask, scale):
-    """q: [B, Hq, Lq, D]; k, v: [B, Hkv, S, D]; mask: [B, 1, Lq, S] bool -> [B, Hq, Lq, D]."""
-    # In fp16/bf16, the CPU kernel (flash attention with a mask) keeps scores, softmax and
-    # sums in fp32 and rounds the probabilities to the input dtype only for P @ V, as the
-    # Triton kernel does; upcasting K/V here instead cost a third of a bf16 decode step.
-    # The GQA group shares one K/V head; SDPA broadcasts it (checked on CPU with a mask).
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-
-
-def _attend_decodes(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len):
-    """query: [B, Hq, D], one token per request at position seq_len - 1 -> [B, Hq, D]."""
-    num_rows, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
-    k, v = _gather_kv(k_cache, v_cache, block_tables, max_seq_len)
-    kv_pos = torch.arange(k.shape[2], device=query.device)
-    # The last token of a request sees its whole context and nothing past it.
-    mask = (kv_pos[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
-    # Query head i reads K/V head i // G, so the G heads of a group become G query rows of
-    # that K/V head: plain attention, cheaper on CPU than SDPA's enable_gqa.
-    q = query.reshape(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
-    return _sdpa(q, k, v, mask, scale).reshape(num_rows, num_heads, head_dim)
-
-
-def _attend_prefills(query, out, k_cache, v_cache, block_tables, starts, q_lens, seq_lens, scale, max_q, max_s):
-    """Writes attention for requests with q_len > 1 into ``out`` (rows starts[b]..+q_lens[b])."""
-    device = query.device
-    offsets = torch.arange(max_q, device=device)  # [Lq]
-    is_real = offsets[None, :] < q_lens[:, None]  # [B, Lq]
-    # Padded rows read a real row (any will do) so the gather stays in bounds.
-    rows = (starts.long()[:, None] + offsets[None, :]).clamp_(max=query.shape[0] - 1)  # [B, Lq]
-    q = query[rows].transpose(1, 2)  # [B, Hq, Lq, D]
-    k, v = _gather_kv(k_cache, v_cache, block_tables, max_s)
-    q_pos = (seq_lens - q_lens)[:, None] + offsets[None, :]  # [B, Lq] absolute positions
-    kv_pos = torch.arange(k.shape[2], device=device)  # [S]
-    # A padded row's q_pos is >= seq_len, so it sees the whole context: never an empty
-    # softmax, hence no NaN, and its output is dropped below.
-    mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < seq_lens[:, None, None])
-    o = _sdpa(q, k, v, mask[:, None], scale).transpose(1, 2)  # [B, Lq, Hq, D]
-    out[rows[is_real]] = o[is_real]
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    q_lens = [end - start for start, end in zip(starts, starts[1:])]
+    block_size = k_cache.shape[1]
+    tables = [row[:-(-n // block_size)] for row, n in zip(block_tables.tolist(), lens)]
+    plan = plan_attention(q_lens, lens, tables, block_size, query.device)
+    return attend(query, k_cache, v_cache, plan, scale)
 
 
 def sample_ref(logits, temperature, top_k, top_p, min_p, seeds, positions) -> torch.Tensor:

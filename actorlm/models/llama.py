@@ -59,6 +59,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), False)
 
     def forward(self, x):
+        if x.dtype == torch.float32:  # one fused op, the same bits as the steps below
+            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # As HF does: normalise in fp32, cast back, then scale (the order changes bf16 results).
         dtype = x.dtype
         x = x.float()
@@ -91,9 +93,11 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def apply_rope(x, cos, sin_signed):
+    """x: [T, H, D]; cos, sin_signed: [T, 1, D]. HF's ``x * cos + rotate_half(x) * sin`` with
+    the negation of rotate_half moved into the table (``sin_signed`` is sin with its first half
+    negated): the same bits in four ops instead of seven."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
 class Attention(nn.Module):
@@ -119,23 +123,22 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
-        # x: [T, hidden]; cos, sin: [T, 1, D]
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        # x: [T, hidden]; cos, sin: [T, 1, D] (sin with its first half negated, see apply_rope)
+        num_tokens, d = x.shape[0], self.head_dim
+        qkv = self.qkv_proj(x)  # [T, Hq*D + 2*Hkv*D]
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, d)
+        if self.q_norm is None:  # q and k rotate as one tensor: [T, Hq + Hkv, D]
+            qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, -1, d)
+            qk = apply_rope(qk, cos, sin)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        else:
+            q = self.q_norm(qkv[:, :self.q_size].view(num_tokens, self.num_heads, d))
+            k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size]
+                            .view(num_tokens, self.num_kv_heads, d))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = kv_cache
-        self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = self.backend.paged_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, self.scale,
-            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-        )  # fmt: skip
-        return self.o_proj(o.reshape(num_tokens, self.q_size))  # o: [T, Hq, D]
+        o = self.backend.attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(o.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
@@ -197,16 +200,21 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        inv_freq, self.attention_scaling = rope_inv_freq(config, device)
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        # cos and sin of every position, computed once as HF computes them per step (fp32
+        # angles, then the model dtype): [max_positions, D] each, sin's first half negated
+        inv_freq, scaling = rope_inv_freq(config, device)
+        max_positions = getattr(config, "max_position_embeddings", None) or 2048
+        freqs = torch.arange(max_positions, device=device).float()[:, None] * inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        half = emb.shape[-1] // 2
+        sign = torch.cat((-torch.ones(half, device=device), torch.ones(half, device=device)))
+        self.register_buffer("rope_cos", (emb.cos() * scaling).to(dtype), persistent=False)
+        self.register_buffer("rope_sin", (emb.sin() * scaling).to(dtype) * sign.to(dtype),
+                             persistent=False)
 
     def rope(self, positions):
-        """cos, sin: [T, 1, D], computed as HF does (fp32 angles, then cast to the model dtype)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.attention_scaling).to(self.dtype)
-        sin = (emb.sin() * self.attention_scaling).to(self.dtype)
-        return cos[:, None, :], sin[:, None, :]
+        """cos, sin_signed: [T, 1, D] for ``apply_rope``."""
+        return self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] int64; kv_caches: per layer (k_cache, v_cache) -> [T, hidden]."""

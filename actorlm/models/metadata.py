@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,3 +22,24 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32
     max_query_len: int
     max_seq_len: int
+    plan: Any = None  # the backend's per-step attention plan (``KernelBackend.plan``)
+
+    @classmethod
+    def build(cls, backend, q_lens: list[int], seq_lens: list[int],
+              block_ids: list[list[int]], block_size: int, device) -> AttentionMetadata:
+        """From the step's Python lists: request b computes the last ``q_lens[b]`` positions of
+        its ``seq_lens[b]``-token context, stored in the blocks ``block_ids[b]``."""
+        slots, starts = [], [0]
+        for q_len, seq_len, blocks in zip(q_lens, seq_lens, block_ids):
+            slots += [blocks[p // block_size] * block_size + p % block_size
+                      for p in range(seq_len - q_len, seq_len)]
+            starts.append(starts[-1] + q_len)
+        width = max(map(len, block_ids))
+        table = [list(blocks) + [0] * (width - len(blocks)) for blocks in block_ids]
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            block_tables=torch.tensor(table, dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+            plan=backend.plan(q_lens, seq_lens, block_ids, block_size, device))

@@ -76,29 +76,20 @@ class ModelRunner:
     def _run(self, step_id: int, request_ids: list[str], num_scheduled: list[int],
              t_start: float) -> StepResult:
         states = [self.requests[rid] for rid in request_ids]
-        input_ids, positions, slots, seq_lens, query_start = [], [], [], [], [0]
-        bs = self.block_size
+        input_ids, positions, seq_lens, query_start = [], [], [], [0]
         for state, n in zip(states, num_scheduled):
             start, end = state.num_computed_tokens, state.num_computed_tokens + n
             input_ids += state.token_ids[start:end]
             positions += range(start, end)
-            slots += [state.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
             seq_lens.append(end)
             query_start.append(query_start[-1] + n)
-        max_blocks = max(len(s.block_ids) for s in states)
-        block_table = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in states]
-
         dev = self.device
-        t_prepared = time.perf_counter()  # (the tensors below are part of the forward's cost)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(block_table, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            max_query_len=max(num_scheduled), max_seq_len=max(seq_lens))
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                            torch.tensor(positions, dtype=torch.int64, device=dev),
-                            self.kv_caches, meta)  # [T, hidden]
+        meta = AttentionMetadata.build(self.backend, num_scheduled, seq_lens,
+                                       [s.block_ids for s in states], self.block_size, dev)
+        input_ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        positions = torch.tensor(positions, dtype=torch.int64, device=dev)
+        t_prepared = time.perf_counter()
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
         t_forward = time.perf_counter()
         prompt_logprobs = self._prompt_logprobs(hidden, request_ids, states, num_scheduled,
                                                 query_start)

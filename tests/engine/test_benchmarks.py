@@ -59,3 +59,11 @@ def test_bench_latency_reports_the_engine_transformers_and_the_breakdown(tiny_ll
 def test_bench_latency_refuses_an_output_too_short_to_decode(tiny_llama_dir, capsys):
     assert main(["bench", "latency", "--model", str(tiny_llama_dir), "--output-len", "1"]) == 2
     assert "--output-len" in capsys.readouterr().err
+
+
+def test_one_long_request_costs_a_decode_step_about_its_own_context(tiny_llama_long_dir):
+    from actorlm.benchmark.mixed_lengths import step_costs
+
+    result = step_costs(tiny_llama_long_dir, num_short=63, short_len=100, long_len=7000)
+    # padded to the longest context this was ~10x; the bound is generous so it cannot flake
+    assert result["ratio"] < 4, result

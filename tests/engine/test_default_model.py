@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from engine_helpers import hf_greedy
+from engine_helpers import TOP, check_logprobs_close, engine_greedy, hf_greedy
 
 from actorlm import SamplingParams
 from actorlm.benchmark.throughput import bench_prompts
@@ -18,9 +18,10 @@ def test_sixteen_prompts_together_match_transformers_greedy(smollm2_dir, make_ll
     llm = make_llm(None)
     prompts = [llm.apply_chat_template(c) for c in bench_prompts(16)]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True),
-                           use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(smollm2_dir, prompts, 64)
+                           SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True,
+                                          logprobs=TOP), use_tqdm=False)
+    num_equal = check_logprobs_close(engine_greedy(outputs), hf_greedy(smollm2_dir, prompts, 64))
+    assert num_equal >= 12  # most match to the last token; the rest part at a near-tie
 
 
 def test_cli_answers_the_capital_of_france(smollm2_dir):

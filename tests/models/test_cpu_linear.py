@@ -1,4 +1,5 @@
-"""bf16 linear layers over oneDNN-packed weights give F.linear's bits at every batch size."""
+"""Linear layers over oneDNN-packed weights: bf16 gives F.linear's bits at every batch size,
+fp32 at one or two rows (and F.linear's values within fp32 rounding beyond)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,23 @@ def test_packed_bf16_linear_equals_f_linear_bitwise(with_bias):
             assert torch.equal(linear(x), F.linear(x, weight, bias)), rows
 
 
-def test_packing_applies_to_bf16_only():
-    assert packed_linear(torch.randn(8, 4), None) is None  # fp32 stays on MKL through F.linear
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_fp32_linear_is_f_linear_at_one_or_two_rows_and_close_beyond(with_bias):
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 80, generator=gen)
+    bias = torch.randn(96, generator=gen) if with_bias else None
+    linear = packed_linear(weight, bias)
+    assert linear is not None, "no oneDNN here: fp32 linear layers run on MKL alone"
+    with torch.inference_mode():
+        for rows in (0, 1, 2):  # a GEMV: MKL's, bit for bit
+            x = torch.randn(rows, 80, generator=gen)
+            assert torch.equal(linear(x), F.linear(x, weight, bias)), rows
+        for rows in (3, 16, 65, 300):  # oneDNN's packed GEMM: the last bits may move
+            x = torch.randn(rows, 80, generator=gen)
+            torch.testing.assert_close(linear(x), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+
+
+def test_packing_applies_to_bf16_and_fp32_only():
     assert packed_linear(torch.randn(8, 4, dtype=torch.float16), None) is None
 
 

@@ -33,32 +33,21 @@ class PagedContexts:
 
     def step(self, model, chunks: list[tuple[int, list[int]]]) -> torch.Tensor:
         """Run one flattened step of (request id, new token ids) chunks; returns logits [T, V]."""
-        ids, positions, slots, starts, seq_lens = [], [], [], [0], []
+        ids, positions, q_lens, seq_lens = [], [], [], []
         for rid, tokens in chunks:
             start = self.lens.get(rid, 0)
             end = start + len(tokens)
             blocks = self.blocks.setdefault(rid, [])
             while len(blocks) * self.block_size < end:
                 blocks.append(self.free.pop())
-            for pos in range(start, end):
-                slots.append(blocks[pos // self.block_size] * self.block_size + pos % self.block_size)
             ids += tokens
             positions += range(start, end)
-            starts.append(starts[-1] + len(tokens))
+            q_lens.append(len(tokens))
             seq_lens.append(end)
             self.lens[rid] = end
-        width = max(len(self.blocks[rid]) for rid, _ in chunks)
-        table = torch.zeros(len(chunks), width, dtype=torch.int32)
-        for b, (rid, _) in enumerate(chunks):
-            table[b, : len(self.blocks[rid])] = torch.tensor(self.blocks[rid], dtype=torch.int32)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=table,
-            query_start_loc=torch.tensor(starts, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            max_query_len=max(len(t) for _, t in chunks),
-            max_seq_len=max(seq_lens),
-        )
+        meta = AttentionMetadata.build(model.model.layers[0].self_attn.backend, q_lens, seq_lens,
+                                       [self.blocks[rid] for rid, _ in chunks], self.block_size,
+                                       "cpu")
         with torch.inference_mode():
             hidden = model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, meta)
             return model.compute_logits(hidden)
@@ -158,12 +147,20 @@ def test_rope_scaling_matches_hf(rope_parameters):
         hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=32, max_position_embeddings=512, rope_parameters=dict(rope_parameters),
     )  # fmt: skip
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from actorlm.models.llama import apply_rope
+
     model = LlamaForCausalLM(config, select_backend("cpu"))
     positions = torch.arange(0, 500, 7)
     cos, sin = model.rope(positions)  # [T, 1, D]
     hf_cos, hf_sin = LlamaRotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32), positions[None])
     torch.testing.assert_close(cos[:, 0], hf_cos[0], atol=0, rtol=0)
-    torch.testing.assert_close(sin[:, 0], hf_sin[0], atol=0, rtol=0)
+    q, k = torch.randn(2, len(positions), 4, 16).unbind()  # [T, H, D]
+    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                      hf_cos, hf_sin)  # [1, H, T, D]
+    torch.testing.assert_close(apply_rope(q, cos, sin), hf_q[0].transpose(0, 1), atol=0, rtol=0)
+    torch.testing.assert_close(apply_rope(k, cos, sin), hf_k[0].transpose(0, 1), atol=0, rtol=0)
 
 
 def test_bf16_model_packs_every_linear_and_tracks_transformers(tiny_llama_dir):

@@ -1,0 +1,32 @@
+"""--dtype auto picks what the hardware computes fastest, whatever the checkpoint declares."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from actorlm import config
+from actorlm.config import EngineConfig
+
+
+@pytest.mark.parametrize("native_bf16,expected", [(True, torch.bfloat16), (False, torch.float32)])
+@pytest.mark.parametrize("declared", ["float32", "bfloat16", "float16", None])
+def test_auto_on_a_cpu_follows_native_bf16(monkeypatch, native_bf16, expected, declared):
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: native_bf16)
+    hf_config = SimpleNamespace(dtype=declared)
+    assert EngineConfig(device="cpu").torch_dtype(hf_config) is expected
+
+
+@pytest.mark.parametrize("declared,expected", [("float16", torch.float16), ("float32", torch.bfloat16),
+                                               (torch.bfloat16, torch.bfloat16), (None, torch.bfloat16)])
+def test_auto_on_a_gpu_keeps_a_half_precision_checkpoint(declared, expected):
+    assert EngineConfig(device="cuda").torch_dtype(SimpleNamespace(dtype=declared)) is expected
+
+
+def test_an_explicit_dtype_wins(monkeypatch):
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: True)
+    assert EngineConfig(device="cpu", dtype="fp32").torch_dtype() is torch.float32
+
+
+def test_native_bf16_detection_answers_a_bool():
+    assert isinstance(config.cpu_has_native_bf16(), bool)
