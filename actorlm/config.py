@@ -25,7 +25,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: 2048, or max_model_len if larger
+    max_num_batched_tokens: int | None = None  # None: 2048
     block_size: int = 16
     num_kv_blocks: int | None = None  # exact KV pool size; None: from kv_cache_memory_bytes
     # KV budget in bytes (num_kv_blocks wins over it). None: 2 GiB on a CPU; on a GPU what

@@ -117,7 +117,7 @@ def kv_sizing() -> dict:
     (``actorlm.models.profile``). Run in a process of its own (``--kv-sizing``), so that it
     takes the GPU as a user's engine would and gives it all back."""
     from actorlm import LLM, SamplingParams
-    from actorlm.actors.system import model_geometry
+    from actorlm.models.parts import model_geometry
 
     gib = 1 << 30
     start = time.perf_counter()

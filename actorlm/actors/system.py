@@ -1,4 +1,5 @@
-"""EngineSystem: resolves the model and config, starts the actors in order, stops them cleanly.
+"""EngineSystem: loads the model's parts (``models/parts.py``), starts the actors in order,
+stops them cleanly.
 
 Start order follows the replies: the scheduler first (everyone reports to it), then the
 allocator and the executor (whose constructor loads the weights, so a bad model fails here,
@@ -12,12 +13,9 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import pykka
-import torch
-from transformers import AutoTokenizer, GenerationConfig
 
 from actorlm.actors.executor import ExecutorActor
 from actorlm.actors.frontend import FrontendActor
@@ -27,47 +25,13 @@ from actorlm.actors.supervisor import Supervisor
 from actorlm.config import EngineConfig
 from actorlm.core.scheduler import Scheduler, SchedulerConfig
 from actorlm.fsm.machine import Listener
-from actorlm.kernels import select_backend
 from actorlm.messages import Connect, ExecutorStats, GetStats, KVStats, SchedulerStats
-from actorlm.models.loader import load_hf_config, load_model, resolve_model
-from actorlm.models.profile import kv_cache_budget, largest_step, load_and_profile
-from actorlm.models.runner import ModelRunner
-from actorlm.openmp import on_passing_thread
+from actorlm.models.parts import ModelParts, load_model_parts
 from actorlm.tokenizer import PerThreadTokenizer
 
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 5.0  # per actor; a worker mid-step finishes the step first
-
-
-def model_geometry(hf_config) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) as the KV cache sees them."""
-    num_heads = hf_config.num_attention_heads
-    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-    return hf_config.num_hidden_layers, num_kv_heads, head_dim
-
-
-def eos_token_ids(path, tokenizer) -> frozenset[int]:
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    try:
-        eos = GenerationConfig.from_pretrained(path).eos_token_id
-    except OSError:
-        eos = None
-    ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    return frozenset(ids)
-
-
-@dataclass(frozen=True)
-class ModelParts:
-    """A model as the actors see it. ``EngineSystem`` loads one from ``config.model``; tests and
-    tools may pass their own (``actorlm.testing`` brings a fake runner and a toy tokenizer)."""
-
-    name: str
-    tokenizer: Any
-    make_runner: Callable[[int], Any]  # rank -> an object with execute(ScheduleStep) -> StepResult
-    vocab_size: int
-    eos_token_ids: frozenset[int] = frozenset()
 
 
 def _direct(name: str, ref: pykka.ActorRef) -> pykka.ActorRef:
@@ -94,7 +58,7 @@ class EngineSystem:
                  listeners: Iterable[Listener] = (),
                  route: Callable[[str, pykka.ActorRef], Any] = _direct, trace=None,
                  wrap_runner: Callable[[Any], Any] | None = None):
-        self.model_path = self.hf_config = self.dtype = self.device = None
+        self.model_path = self.hf_config = self.dtype = self.device = self.memory_profile = None
         if parts is None:
             parts = self._load_model(config)
         else:
@@ -147,67 +111,11 @@ class EngineSystem:
                  config.num_kv_blocks, config.block_size, config.max_model_len)
 
     def _load_model(self, config: EngineConfig) -> ModelParts:
-        """Resolve the model and the config against it; the weights load in ``make_runner``,
-        except on a GPU with no KV pool size given: there they load here, so that the largest
-        step can be profiled and the pool given what is left (see ``actorlm.models.profile``),
-        and that model becomes rank 0's first runner."""
-        self.model_path = resolve_model(config.model)
-        self.hf_config = load_hf_config(self.model_path)
-        device = config.torch_device
-        dtype = config.torch_dtype(self.hf_config)
-        if config.dtype == "auto":
-            log.info("--dtype auto: %s on this %s", str(dtype).removeprefix("torch."),
-                     "CPU (native bf16)" if device.type == "cpu" and dtype == torch.bfloat16
-                     else device.type.upper())
-        num_layers, num_kv_heads, head_dim = model_geometry(self.hf_config)
-        bytes_per_block = 2 * num_layers * config.block_size * num_kv_heads * head_dim * \
-            torch.empty((), dtype=dtype).element_size()
-        profile_gpu = device.type == "cuda" and not config.is_kv_pool_sized_by_user
-        # flags are checked against the model before anything heavy loads
-        resolved = config.resolve_lengths(self.hf_config) if profile_gpu else \
-            config.resolve(self.hf_config, bytes_per_block)
-        self.dtype, self.device = dtype, device
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        backend = select_backend(device)
-        self.backend_name = backend.name
-        eos_ids = eos_token_ids(self.model_path, self.tokenizer)
-
-        block_size = config.block_size
-
-        def build_runner(model, num_blocks: int) -> ModelRunner:
-            return ModelRunner(model, backend, num_blocks, block_size, dtype, device, eos_ids)
-
-        profiled: list[ModelRunner] = []  # the runner whose model was loaded to profile
-        self.memory_profile = None  # a MemoryProfile where the KV pool was sized by profiling
-        if profile_gpu:
-            step = largest_step(resolved.max_num_batched_tokens, resolved.max_num_seqs,
-                                block_size, resolved.max_model_len)
-            runner, profile = on_passing_thread(  # off this thread, as make_runner (see openmp)
-                load_and_profile, lambda: load_model(self.model_path, dtype, device, backend),
-                build_runner, step, device)
-            budget = kv_cache_budget(profile.total_bytes, profile.used_bytes,
-                                     profile.peak_activation_bytes,
-                                     config.gpu_memory_utilization)
-            log.info("GPU memory: %.2f GiB total, %.2f GiB in use after loading the weights, "
-                     "%.2f GiB peak activations; %.2f GiB for the KV cache "
-                     "(--gpu-memory-utilization %s)", profile.total_bytes / 2**30,
-                     profile.used_bytes / 2**30, profile.peak_activation_bytes / 2**30,
-                     budget / 2**30, config.gpu_memory_utilization)
-            profiled.append(runner)
-            self.memory_profile = profile
-            resolved = config.resolve(self.hf_config, bytes_per_block, budget)
-        self.config = config = resolved
-
-        def make_runner(rank: int) -> ModelRunner:
-            if rank == 0 and profiled:  # once: a restarted worker loads afresh
-                runner = profiled.pop()
-                runner.allocate_kv_cache(config.num_kv_blocks)
-                return runner
-            model = load_model(self.model_path, dtype, device, backend)
-            return build_runner(model, config.num_kv_blocks)
-
-        return ModelParts(f"{self.model_path.name} ({dtype}, {backend.name})", self.tokenizer,
-                          make_runner, self.hf_config.vocab_size, eos_ids)
+        loaded = load_model_parts(config)
+        self.config, self.model_path, self.hf_config = loaded.config, loaded.path, loaded.hf_config
+        self.dtype, self.device, self.backend_name = loaded.dtype, loaded.device, loaded.backend_name
+        self.memory_profile = loaded.memory_profile
+        return loaded.parts
 
     def scheduler_stats(self) -> SchedulerStats:
         return self.scheduler.ask(GetStats())

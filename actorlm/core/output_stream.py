@@ -107,7 +107,10 @@ class OutputStream:
                 list(seq.logprobs) if seq.logprobs is not None else None,
                 seq.finish_reason, seq.stop_reason))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions,
-                             finished, prompt_logprobs=self.prompt_logprobs, error=self.error)
+                             finished, error=self.error,
+                             # a copy: this list grows with later chunks, the caller's must not
+                             prompt_logprobs=None if self.prompt_logprobs is None
+                             else list(self.prompt_logprobs))
 
     def _logprob_dict(self, position: PositionLogprobs) -> dict[int, Logprob]:
         ranks = [position.rank] + list(range(1, len(position.token_ids)))

@@ -28,12 +28,13 @@ from typing import Any, Iterable
 import pykka
 
 from actorlm import messages
-from actorlm.actors.system import EngineSystem, ModelParts
+from actorlm.actors.system import EngineSystem
 from actorlm.config import EngineConfig
 from actorlm.fsm import RequestEvent, RequestState
 from actorlm.fsm.machine import Machine, Transition
 from actorlm.messages import (AbortRequests, AddRequest, EngineOutputs, GetStats, KVStats,
                               ScheduleStep, SchedulerStats, StepResult, SubmitRequest)
+from actorlm.models.parts import ModelParts
 from actorlm.outputs import RequestOutput
 from actorlm.sampling_params import SamplingParams
 from actorlm.testing.fake_runner import FakeModelRunner

@@ -1,5 +1,7 @@
 """The scheduling policy driven by hand, with a block pool in-process and fake model outputs."""
 
+import random
+
 import pytest
 
 from actorlm.core.block_pool import BlockPool
@@ -22,7 +24,8 @@ class Driver:
         self.plans, self.outputs, self.running_before = [], {}, []
 
     def add(self, request_id, prompt_len, max_tokens=8, **params):
-        prompt = [(hash((request_id, i)) % 90) + 5 for i in range(prompt_len)]
+        rng = random.Random(request_id)  # the same prompt in every process (hash() is salted)
+        prompt = [rng.randrange(5, 95) for _ in range(prompt_len)]
         self.scheduler.add_request(AddRequest(request_id, prompt, SamplingParams(
             max_tokens=max_tokens, temperature=0, **params), 0, 0.0))
 

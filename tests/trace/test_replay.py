@@ -7,10 +7,11 @@ from types import SimpleNamespace
 
 import msgspec
 
-from actorlm.actors.system import EngineSystem, ModelParts
+from actorlm.actors.system import EngineSystem
 from actorlm.api.cli import main
 from actorlm.config import EngineConfig
 from actorlm.messages import AbortRequests, SubmitRequest
+from actorlm.models.parts import ModelParts
 from actorlm.sampling_params import SamplingParams
 from actorlm.testing import FakeModelRunner, ToyTokenizer
 from actorlm.trace import (Abort, Arrival, StateChange, StepSummary, Stop, TraceRecorder,

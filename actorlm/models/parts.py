@@ -1,0 +1,127 @@
+"""A model as the engine's actors see it, and loading one from ``config.model``.
+
+``load_model_parts`` resolves the model and the configuration against it (context length, KV
+pool size) and returns ``ModelParts``: the tokenizer, the vocabulary, the EOS ids, and
+``make_runner(rank)``, which builds a worker's model runner (weights and KV cache). The weights
+load in ``make_runner`` — on a thread that exits, see ``actorlm.openmp`` — except on a GPU with
+no KV pool size given: there they load first, so that the largest step can be profiled and the
+pool given what is left (``actorlm.models.profile``), and that model becomes rank 0's first
+runner. A worker restarted later loads afresh.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+from actorlm.config import EngineConfig
+from actorlm.kernels import select_backend
+from actorlm.models.loader import load_hf_config, load_model, resolve_model
+from actorlm.models.profile import MemoryProfile, kv_cache_budget, largest_step, load_and_profile
+from actorlm.models.runner import ModelRunner
+from actorlm.openmp import on_passing_thread
+
+log = logging.getLogger(__name__)
+
+
+def model_geometry(hf_config) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) as the KV cache sees them."""
+    num_heads = hf_config.num_attention_heads
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    return hf_config.num_hidden_layers, num_kv_heads, head_dim
+
+
+def eos_token_ids(path, tokenizer) -> frozenset[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        eos = None
+    ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(ids)
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """A model as the actors see it. ``EngineSystem`` loads one from ``config.model``; tests and
+    tools may pass their own (``actorlm.testing`` brings a fake runner and a toy tokenizer)."""
+
+    name: str
+    tokenizer: Any
+    make_runner: Callable[[int], Any]  # rank -> an object with execute(ScheduleStep) -> StepResult
+    vocab_size: int
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """What ``load_model_parts`` found out besides the parts themselves."""
+
+    parts: ModelParts
+    config: EngineConfig  # resolved against the model
+    path: Any  # the model's directory
+    hf_config: Any
+    dtype: torch.dtype
+    device: torch.device
+    backend_name: str
+    memory_profile: MemoryProfile | None  # where a GPU's KV pool was sized by profiling
+
+
+def load_model_parts(config: EngineConfig) -> LoadedModel:
+    """Resolve ``config.model`` and the config against it; see the module's docstring."""
+    path = resolve_model(config.model)
+    hf_config = load_hf_config(path)
+    device, dtype = config.torch_device, config.torch_dtype(hf_config)
+    if config.dtype == "auto":
+        log.info("--dtype auto: %s on this %s", str(dtype).removeprefix("torch."),
+                 "CPU (native bf16)" if device.type == "cpu" and dtype == torch.bfloat16
+                 else device.type.upper())
+    num_layers, num_kv_heads, head_dim = model_geometry(hf_config)
+    bytes_per_block = 2 * num_layers * config.block_size * num_kv_heads * head_dim * \
+        torch.empty((), dtype=dtype).element_size()
+    profile_gpu = device.type == "cuda" and not config.is_kv_pool_sized_by_user
+    # flags are checked against the model before anything heavy loads
+    resolved = config.resolve_lengths(hf_config) if profile_gpu else \
+        config.resolve(hf_config, bytes_per_block)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    backend = select_backend(device)
+    eos_ids = eos_token_ids(path, tokenizer)
+    block_size = config.block_size
+
+    def build_runner(model, num_blocks: int) -> ModelRunner:
+        return ModelRunner(model, backend, num_blocks, block_size, dtype, device, eos_ids)
+
+    profiled: list[ModelRunner] = []  # the runner whose model was loaded to profile
+    profile = None
+    if profile_gpu:
+        step = largest_step(resolved.max_num_batched_tokens, resolved.max_num_seqs,
+                            block_size, resolved.max_model_len)
+        runner, profile = on_passing_thread(  # off this thread, as make_runner (see openmp)
+            load_and_profile, lambda: load_model(path, dtype, device, backend),
+            build_runner, step, device)
+        budget = kv_cache_budget(profile.total_bytes, profile.used_bytes,
+                                 profile.peak_activation_bytes, config.gpu_memory_utilization)
+        log.info("GPU memory: %.2f GiB total, %.2f GiB in use after loading the weights, "
+                 "%.2f GiB peak activations; %.2f GiB for the KV cache "
+                 "(--gpu-memory-utilization %s)", profile.total_bytes / 2**30,
+                 profile.used_bytes / 2**30, profile.peak_activation_bytes / 2**30,
+                 budget / 2**30, config.gpu_memory_utilization)
+        profiled.append(runner)
+        resolved = config.resolve(hf_config, bytes_per_block, budget)
+    num_kv_blocks = resolved.num_kv_blocks
+
+    def make_runner(rank: int) -> ModelRunner:
+        if rank == 0 and profiled:  # once: a restarted worker loads afresh
+            runner = profiled.pop()
+            runner.allocate_kv_cache(num_kv_blocks)
+            return runner
+        return build_runner(load_model(path, dtype, device, backend), num_kv_blocks)
+
+    parts = ModelParts(f"{path.name} ({dtype}, {backend.name})", tokenizer, make_runner,
+                       hf_config.vocab_size, eos_ids)
+    return LoadedModel(parts, resolved, path, hf_config, dtype, device, backend.name, profile)
