@@ -126,7 +126,8 @@ class ExecutorActor(EngineActor):
             try:
                 runner = self.make_runner(rank)
             except Exception as exc:  # noqa: BLE001 — reported to the executor, which fails
-                tell(executor, WorkerRestarted(rank, generation, error=f"{type(exc).__name__}: {exc}"))
+                error = f"{type(exc).__name__}: {exc}"
+                tell(executor, WorkerRestarted(rank, generation, error=error))
             else:
                 tell(executor, WorkerRestarted(rank, generation, runner))
 

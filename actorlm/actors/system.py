@@ -113,7 +113,8 @@ class EngineSystem:
     def _load_model(self, config: EngineConfig) -> ModelParts:
         loaded = load_model_parts(config)
         self.config, self.model_path, self.hf_config = loaded.config, loaded.path, loaded.hf_config
-        self.dtype, self.device, self.backend_name = loaded.dtype, loaded.device, loaded.backend_name
+        self.dtype, self.device = loaded.dtype, loaded.device
+        self.backend_name = loaded.backend_name
         self.memory_profile = loaded.memory_profile
         return loaded.parts
 

@@ -38,7 +38,8 @@ def run_latency(model: str | None, flags: dict, batch_size: int, input_len: int,
     from actorlm.llm import LLM
 
     if output_len < 2:
-        raise ValueError(f"--output-len must be at least 2 (a prefill and a decode), got {output_len}")
+        raise ValueError(f"--output-len must be at least 2 (a prefill and a decode), "
+                         f"got {output_len}")
     if batch_size < 1 or input_len < 1:
         raise ValueError("--batch-size and --input-len must be at least 1")
     with profiled(profile) as trace_file:

@@ -70,7 +70,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     result = step_costs(args.model, args.dtype)
-    print(json.dumps(result) if args.json else "\n".join(f"{k:>22}: {v}" for k, v in result.items()))
+    lines = [f"{key:>22}: {value}" for key, value in result.items()]
+    print(json.dumps(result) if args.json else "\n".join(lines))
 
 
 if __name__ == "__main__":

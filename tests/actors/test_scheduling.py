@@ -6,7 +6,6 @@ No model, no sleeps: the harness delivers every message itself and time is a Man
 import pytest
 
 from actorlm.fsm import RequestEvent, RequestState
-from actorlm.testing import FakeModelRunner
 
 
 def prompt(n, start=3):

@@ -149,3 +149,30 @@ def test_max_num_waiting_refuses_when_the_queue_is_full(tiny_llama_dir):
 
     with pytest.raises(ValueError, match="--max-num-waiting"):
         AsyncLLM(str(tiny_llama_dir), max_num_waiting=0)
+
+
+def test_a_dead_worker_is_replaced_and_counted_and_its_stream_completes(tiny_llama_dir):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from actorlm.api.metrics import ServerMetrics
+
+    engine = AsyncLLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=64)
+    metrics = ServerMetrics("tiny", lambda: engine)
+    try:
+        async def main():
+            stream = await engine.add_request("survivor", "Once upon a time", LONG)
+            first = await stream.__anext__()
+            engine.engine.executor.proxy().workers.get()[0].stop()  # the worker's thread ends
+            async for last in stream:
+                pass
+            return first, last
+
+        first, last = asyncio.run(main())
+        assert len(first.outputs[0].token_ids) >= 1 and last.finished and not last.error
+        assert last.outputs[0].finish_reason == "length" and len(last.outputs[0].token_ids) == 400
+        assert engine.is_ready and engine.stats()["num_worker_restarts"] == 1
+        samples = {s.name: s.value for family in text_string_to_metric_families(
+            metrics.render().decode()) for s in family.samples}
+        assert samples["actorlm:worker_restarts_total"] == 1
+    finally:
+        engine.shutdown()
