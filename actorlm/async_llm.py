@@ -167,7 +167,6 @@ class AsyncLLM:
         self._live: dict[str, RequestStream] = {}
         self._live_lock = threading.Lock()
         self._ids = itertools.count()
-        self._fatal: str | None = None
         self._stopped = False
         # weakly: the supervisor (held by the engine, held by the finalizer) must not keep
         # this object alive
@@ -201,10 +200,8 @@ class AsyncLLM:
             self._live[request_id] = stream
         if self.stats_listener is not None:
             self.stats_listener.on_request_added(len(prompt_token_ids))
-        if self._stopped:  # stopped or died while we were submitting
-            stream.fail(EngineShutdownError("the engine is shutting down"))
-        elif self._fatal:
-            stream.fail(EngineDeadError(self._fatal))
+        if self._stopped or self.engine.supervisor.error is not None:  # while we submitted
+            stream.fail(self._dead_error())
         return stream
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
@@ -238,8 +235,7 @@ class AsyncLLM:
                         f"(--max-num-waiting {self.max_num_waiting}); retry later")
             return self.engine.frontend.ask(SubmitRequest(request_id, prompt, params, sink, True))
         except pykka.ActorDeadError:
-            self.engine.supervisor.check()
-            raise EngineShutdownError("the engine has shut down") from None
+            raise self.engine.supervisor.dead_error() from None
 
     # --- tokenizer ------------------------------------------------------------------------------
 
@@ -268,20 +264,16 @@ class AsyncLLM:
     def is_ready(self) -> bool:
         return self.check_health() is None
 
-    @property
-    def fatal_error(self) -> str | None:
-        return self._fatal
-
     def check_health(self) -> str | None:
         """None while the engine serves; else why not. Cheap (no asks)."""
         if self._stopped:
             return "the engine is shutting down"
-        return self._fatal
+        error = self.engine.supervisor.error
+        return None if error is None else str(error)
 
     def _on_engine_death(self, error: EngineDeadError) -> None:
         # on the dying actor's thread: every live request fails at once
-        if self._fatal is None and not self._stopped:
-            self._fatal = str(error)
+        if not self._stopped:
             self._fail_live(error)
 
     def _fail_live(self, error: BaseException) -> None:
@@ -298,10 +290,13 @@ class AsyncLLM:
             self._live.pop(request_id, None)
 
     def _check_alive(self) -> None:
+        if self._stopped or self.engine.supervisor.error is not None:
+            raise self._dead_error()
+
+    def _dead_error(self) -> EngineDeadError:
         if self._stopped:
-            raise EngineShutdownError("the engine is shutting down")
-        if self._fatal is not None:
-            raise EngineDeadError(self._fatal)
+            return EngineShutdownError("the engine is shutting down")
+        return self.engine.supervisor.dead_error()
 
     def stats(self) -> dict:
         """Scheduler and KV pool counters (blocking asks: call off the event loop)."""

@@ -10,7 +10,7 @@ from typing import Sequence
 import pykka
 from tqdm.auto import tqdm
 
-from actorlm.actors.supervisor import EngineDeadError, EngineShutdownError
+from actorlm.actors.supervisor import EngineDeadError
 from actorlm.actors.system import EngineSystem
 from actorlm.config import EngineConfig
 from actorlm.messages import AbortRequests, SubmitRequest
@@ -96,8 +96,7 @@ class LLM:
                 self.engine.frontend.ask(SubmitRequest(request_id, prompt_input(prompt), p, sink))
                 request_ids.append(request_id)
         except pykka.ActorDeadError:
-            self.engine.supervisor.check()
-            raise EngineShutdownError("the engine has shut down") from None
+            raise self.engine.supervisor.dead_error() from None
         except Exception:
             self._abort(request_ids)
             raise

@@ -43,9 +43,12 @@ class Supervisor:
         """Why the engine is dead, or None while it serves."""
         return self._error
 
-    def check(self) -> None:
-        if self._error is not None:
-            raise self._error
+    def dead_error(self) -> EngineDeadError:
+        """A fresh error to raise for an engine found dead (an actor ref that has stopped
+        may be seen an instant before its death is reported here)."""
+        error = self._error
+        return EngineDeadError("an engine actor has stopped") if error is None else \
+            type(error)(str(error))
 
     def actor_died(self, name: str, reason: str) -> None:
         """A core actor failed or stopped on its own: the engine is dead."""
