@@ -13,7 +13,7 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params", "seed",
                  "arrival_time", "num_computed_tokens", "block_ids", "fsm", "finish_reason",
                  "stop_reason", "error", "num_preemptions", "is_known_to_workers",
-                 "bad_words_token_ids", "num_prompt_logprobs_sent", "num_faults", "on_probation")
+                 "bad_words_token_ids", "num_prompt_logprobs_sent", "num_faults")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  seed: int, arrival_time: float, listeners: Iterable[Listener] = (),
@@ -35,7 +35,6 @@ class Request:
         self.bad_words_token_ids = bad_words_token_ids or []
         self.num_prompt_logprobs_sent = 0  # prompt tokens 1..this have had their logprobs sent
         self.num_faults = 0  # faulted steps this request was part of
-        self.on_probation = False  # runs alone until one step of its succeeds
 
     @property
     def state(self) -> RequestState:

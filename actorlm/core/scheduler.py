@@ -91,6 +91,7 @@ class Scheduler:
         # the allocator's reference counts stay the truth)
         self._num_holders: dict[int, int] = {}
         self._dropped_by_workers: list[str] = []  # finished or preempted since the last step
+        self._on_probation: set[str] = set()  # run alone until one step of theirs succeeds
         self._next_step_id = 0
         self.num_preemptions = 0
         self.num_finished = 0
@@ -152,10 +153,11 @@ class Scheduler:
         plan = StepPlan(self._next_step_id)
         budget = cfg.max_num_batched_tokens
 
-        suspect = next((r for r in self.waiting if r.on_probation), None)
-        if suspect is not None:
-            self._plan_alone(plan, suspect, budget)
-            budget = 0
+        if self._on_probation:  # (empty unless a worker has faulted)
+            suspect = next((r for r in self.waiting if r.request_id in self._on_probation), None)
+            if suspect is not None:
+                self._plan_alone(plan, suspect, budget)
+                budget = 0
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -222,8 +224,8 @@ class Scheduler:
         """Apply sampled tokens, finish what is done, and say what happened in one message."""
         if result.fault is not None:
             return EngineOutputs(plan.step_id, self._on_fault(result))
-        for request in plan.requests:
-            request.on_probation = False  # its step succeeded
+        if self._on_probation:
+            self._on_probation.difference_update(r.request_id for r in plan.requests)  # passed
         deltas: list[RequestDelta] = []
         if result.failed_request_ids:
             deltas += self.abort(result.failed_request_ids, RequestEvent.FAIL,
@@ -315,10 +317,11 @@ class Scheduler:
         culprits = []
         for request in blamed:
             request.num_faults += 1
-            if (len(blamed) == 1 and request.on_probation) or request.num_faults >= MAX_FAULTS:
+            alone_on_probation = len(blamed) == 1 and request.request_id in self._on_probation
+            if alone_on_probation or request.num_faults >= MAX_FAULTS:
                 culprits.append(request.request_id)
             elif request.num_faults >= PROBATION_AFTER:
-                request.on_probation = True
+                self._on_probation.add(request.request_id)
         return self.abort(culprits, RequestEvent.FAIL,
                           f"the model runner faults on this request: {result.fault}")
 
@@ -327,6 +330,7 @@ class Scheduler:
         request.finish_reason = reason
         self._release(request)
         del self.requests[request.request_id]
+        self._on_probation.discard(request.request_id)
         self.num_finished += 1
         return RequestDelta(request.request_id, [], reason.value, request.stop_reason,
                             request.error)
