@@ -10,6 +10,7 @@ a full one. ``--profile`` adds the engine's per-step breakdown (see ``actorlm.tr
 
 from __future__ import annotations
 
+import itertools
 import queue
 import statistics
 import time
@@ -19,15 +20,19 @@ import torch
 from actorlm.benchmark.throughput import bench_prompts, profiled, step_breakdown
 
 
-def latency_prompts(tokenizer_ids, batch_size: int, input_len: int) -> list[list[int]]:
-    """``batch_size`` distinct prompts of exactly ``input_len`` tokens, cut from chat prompts."""
+def latency_prompts(tokenize, batch_size: int, input_len: int) -> list[list[int]]:
+    """``batch_size`` distinct prompts of exactly ``input_len`` tokens: prompt i is chat prompts
+    i, i + batch_size, ... run together, cut to length."""
+    conversations = bench_prompts(4 * batch_size)
     prompts = []
     for i in range(batch_size):
         ids: list[int] = []
-        j = i
-        while len(ids) < input_len:
-            ids += tokenizer_ids(bench_prompts(j + 1)[j])
-            j += batch_size
+        for j in itertools.count(i, batch_size):
+            if len(ids) >= input_len:
+                break
+            if j >= len(conversations):
+                conversations = bench_prompts(2 * j)
+            ids += tokenize(conversations[j])
         prompts.append(ids[:input_len])
     return prompts
 

@@ -116,26 +116,27 @@ def _group(members, is_decode, q_lens, seq_lens, starts, block_ids, block_size, 
         table = [list(block_ids[b][:num_blocks]) for b in members]
         blocks = torch.tensor([i for row in table for i in row + [0] * (num_blocks - len(row))],
                               dtype=torch.int64, device=device)
+    seq_lens_t = torch.tensor([seq_lens[b] for b in members], device=device)
+    kv_pos = torch.arange(longest, device=device)
+    if is_decode:  # one query per request, at the last position: it sees its whole context
+        q_rows = torch.tensor([[starts[b]] for b in members], device=device)
+        mask = None if all(seq_lens[b] == longest for b in members) else \
+            (kv_pos[None, :] < seq_lens_t[:, None])[:, None, None, :]
+        return _Group(q_rows, None, blocks, num_blocks, longest, mask, True)
     max_q = max(q_lens[b] for b in members)
     offsets = torch.arange(max_q, device=device)
     q_lens_t = torch.tensor([q_lens[b] for b in members], device=device)
-    seq_lens_t = torch.tensor([seq_lens[b] for b in members], device=device)
     starts_t = torch.tensor([starts[b] for b in members], device=device)
     real = offsets[None, :] < q_lens_t[:, None]  # [B, Lq]
     # padded rows read a real row of their request, so the gather stays in bounds
     q_rows = starts_t[:, None] + torch.minimum(offsets[None, :], q_lens_t[:, None] - 1)
-    kv_pos = torch.arange(longest, device=device)
     q_pos = (seq_lens_t - q_lens_t)[:, None] + offsets[None, :]  # [B, Lq] absolute positions
     # a padded row's q_pos is past its context: it sees the whole of it (never an empty
     # softmax, hence no NaN), and its output is dropped
     mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & \
         (kv_pos[None, None, :] < seq_lens_t[:, None, None])  # [B, Lq, S]
-    if is_decode and all(seq_lens[b] == longest for b in members):
-        mask = None  # every request sees all of the `longest` positions read
-    else:
-        mask = mask[:, None]
-    return _Group(q_rows, None if bool(real.all()) else real, blocks, num_blocks, longest, mask,
-                  is_decode)
+    return _Group(q_rows, None if bool(real.all()) else real, blocks, num_blocks, longest,
+                  mask[:, None], False)
 
 
 def _gather(cache: torch.Tensor, group: _Group) -> torch.Tensor:
