@@ -28,7 +28,7 @@ import actorlm
 from actorlm.api import protocol as p
 from actorlm.api import serving
 from actorlm.api.metrics import ServerMetrics, StatsLogger
-from actorlm.api.serving import as_api_error, error_response, json_response
+from actorlm.api.responses import as_api_error, error_response, json_response
 from actorlm.async_llm import AsyncLLM
 from actorlm.trace import render_html
 

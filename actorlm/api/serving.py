@@ -13,51 +13,22 @@ aborts its requests at once (the engine finishes them as ``abort`` and frees the
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
 from typing import AsyncIterator, Callable
 
-import anyio
 import jinja2
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
 from actorlm.api import protocol as p
-from actorlm.async_llm import (AsyncLLM, EngineDeadError, EngineOverloadedError,
-                               EngineShutdownError, RequestStream)
+from actorlm.api.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
+from actorlm.api.responses import DONE, EventStream, error_event, event, json_response
+from actorlm.async_llm import AsyncLLM, RequestStream
 from actorlm.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
-_json = msgspec.json.Encoder()
-_DONE = b"data: [DONE]\n\n"
-
-
-def json_response(obj, status: int = 200) -> Response:
-    return Response(_json.encode(obj), status, media_type="application/json")
-
-
-def error_response(error: p.ApiError) -> Response:
-    return json_response(error.response(), error.status)
-
-
-def as_api_error(exc: BaseException) -> p.ApiError:
-    """What the client hears about an exception: 400 for its input, 503 for an engine that
-    cannot take it now (overloaded, shutting down), 500 for a request the engine died under
-    (new requests to a dead engine get the 503 of ``ServerState.ready_engine``), 500 (logged)
-    for anything else."""
-    if isinstance(exc, p.ApiError):
-        return exc
-    if isinstance(exc, (ValueError, msgspec.DecodeError)):
-        return p.bad_request(exc)
-    if isinstance(exc, (EngineOverloadedError, EngineShutdownError)):
-        return p.ApiError(503, str(exc))
-    if isinstance(exc, EngineDeadError):
-        return p.ApiError(500, str(exc))
-    log.exception("internal error", exc_info=exc)
-    return p.ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
 def check_token_ids(engine: AsyncLLM, token_ids: list[int], field: str) -> None:
@@ -259,11 +230,11 @@ class _Generation:
             for c in final.outputs:
                 lp = None
                 if self.req.logprobs is not None and c.logprobs is not None:
-                    lp = p.completion_logprobs(c.token_ids, c.logprobs, self.req.logprobs,
-                                               self.engine.decode, len(prefix))
+                    lp = completion_logprobs(c.token_ids, c.logprobs, self.req.logprobs,
+                                             self.engine.decode, len(prefix))
                 choices.append(p.CompletionChoice(i * self.n + c.index, prefix + c.text, lp,
                                                   c.finish_reason, c.stop_reason,
-                                                  p.prompt_logprobs(final.prompt_logprobs)))
+                                                  prompt_logprobs(final.prompt_logprobs)))
         return p.CompletionResponse(self.request_id, "text_completion", self.created,
                                     self.model_name, choices, self.usage(finals))
 
@@ -284,9 +255,9 @@ class _Generation:
                         text, prog.text_offset = echo[i] + text, len(echo[i])
                     lp = None
                     if self.req.logprobs is not None and c.logprobs is not None:
-                        lp = p.completion_logprobs(c.token_ids[start:end], c.logprobs[start:end],
-                                                   self.req.logprobs, self.engine.decode,
-                                                   prog.text_offset)
+                        lp = completion_logprobs(c.token_ids[start:end], c.logprobs[start:end],
+                                                 self.req.logprobs, self.engine.decode,
+                                                 prog.text_offset)
                         if lp.tokens:
                             prog.text_offset = lp.text_offset[-1] + len(lp.tokens[-1])
                     done = prog.finished
@@ -294,16 +265,16 @@ class _Generation:
                                                       c.finish_reason if done else None,
                                                       c.stop_reason if done else None)
                     usage = self.usage([f for f in finals if f]) if continuous else None
-                    yield _event(p.CompletionStreamResponse(
+                    yield event(p.CompletionStreamResponse(
                         self.request_id, "text_completion", self.created, self.model_name,
                         [choice], usage))
             if self.req.include_usage:
-                yield _event(p.CompletionStreamResponse(
+                yield event(p.CompletionStreamResponse(
                     self.request_id, "text_completion", self.created, self.model_name, [],
                     self.usage(finals)))
         except Exception as exc:
-            yield _error_event(exc, self.request_id)
-        yield _DONE
+            yield error_event(exc, self.request_id)
+        yield DONE
 
     # --- chat ----------------------------------------------------------------------------------
 
@@ -316,17 +287,17 @@ class _Generation:
                                         c.finish_reason, c.stop_reason))
         return p.ChatCompletionResponse(self.request_id, "chat.completion", self.created,
                                         self.model_name, choices, self.usage(finals),
-                                        p.prompt_logprobs(final.prompt_logprobs))
+                                        prompt_logprobs(final.prompt_logprobs))
 
     def _chat_logprobs(self, c, start: int, end: int) -> p.ChatLogprobs | None:
         num_top = self.req.num_logprobs
         if num_top is None or c.logprobs is None:
             return None
-        return p.chat_logprobs(c.token_ids[start:end], c.logprobs[start:end], num_top,
-                               self.engine.decode)
+        return chat_logprobs(c.token_ids[start:end], c.logprobs[start:end], num_top,
+                             self.engine.decode)
 
     def _chunk(self, choices: list, usage=None) -> bytes:
-        return _event(p.ChatCompletionChunk(self.request_id, "chat.completion.chunk",
+        return event(p.ChatCompletionChunk(self.request_id, "chat.completion.chunk",
                                             self.created, self.model_name, choices, usage))
 
     async def chat_events(self) -> AsyncIterator[bytes]:
@@ -354,8 +325,8 @@ class _Generation:
             if self.req.include_usage:
                 yield self._chunk([], self.usage([final]))
         except Exception as exc:
-            yield _error_event(exc, self.request_id)
-        yield _DONE
+            yield error_event(exc, self.request_id)
+        yield DONE
 
 
 def _checked(out: RequestOutput) -> RequestOutput:
@@ -364,56 +335,7 @@ def _checked(out: RequestOutput) -> RequestOutput:
     return out
 
 
-def _event(obj) -> bytes:
-    return b"data: " + _json.encode(obj) + b"\n\n"
-
-
-def _error_event(exc: Exception, request_id: str) -> bytes:
-    error = as_api_error(exc)
-    log.log(logging.ERROR if error.status == 500 else logging.INFO, "%s: stream failed: %s",
-            request_id, error.message)
-    return _event(error.response())
-
-
 async def _wait_for_disconnect(request: Request) -> None:
     # the body has been read: the next message on the channel is the disconnect
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-class EventStream(Response):
-    """Server-Sent Events from an async iterator of encoded events. It listens for the client
-    hanging up while it streams; either way it closes the iterator and calls ``on_close``."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None]):
-        self.events, self.on_close = events, on_close
-        self.status_code, self.background = 200, None
-        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def __call__(self, scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-
-        async def stream() -> None:
-            async for chunk in self.events:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        async def listen() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
-        try:
-            async with anyio.create_task_group() as group:
-                async def run_then_cancel(fn) -> None:
-                    with contextlib.suppress(OSError):  # the client left mid-send
-                        await fn()
-                    group.cancel_scope.cancel()
-
-                group.start_soon(run_then_cancel, stream)
-                group.start_soon(run_then_cancel, listen)
-        finally:
-            with contextlib.suppress(Exception):
-                await self.events.aclose()
-            self.on_close()

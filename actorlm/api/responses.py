@@ -1,0 +1,96 @@
+"""What the API answers with: JSON bodies, OpenAI-shaped errors, and Server-Sent Events.
+
+``as_api_error`` is the one place that decides what a client hears about an exception;
+``EventStream`` streams encoded events and aborts the request when the client hangs up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import AsyncIterator, Callable
+
+import anyio
+import msgspec
+from starlette.responses import Response
+
+from actorlm.api import protocol as p
+from actorlm.async_llm import EngineDeadError, EngineOverloadedError, EngineShutdownError
+
+log = logging.getLogger(__name__)
+_json = msgspec.json.Encoder()
+DONE = b"data: [DONE]\n\n"
+
+
+def json_response(obj, status: int = 200) -> Response:
+    return Response(_json.encode(obj), status, media_type="application/json")
+
+
+def error_response(error: p.ApiError) -> Response:
+    return json_response(error.response(), error.status)
+
+
+def as_api_error(exc: BaseException) -> p.ApiError:
+    """What the client hears about an exception: 400 for its input, 503 for an engine that
+    cannot take it now (overloaded, shutting down), 500 for a request the engine died under
+    (new requests to a dead engine get the 503 of ``ServerState.ready_engine``), 500 (logged)
+    for anything else."""
+    if isinstance(exc, p.ApiError):
+        return exc
+    if isinstance(exc, (ValueError, msgspec.DecodeError)):
+        return p.bad_request(exc)
+    if isinstance(exc, (EngineOverloadedError, EngineShutdownError)):
+        return p.ApiError(503, str(exc))
+    if isinstance(exc, EngineDeadError):
+        return p.ApiError(500, str(exc))
+    log.exception("internal error", exc_info=exc)
+    return p.ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def event(obj) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+def error_event(exc: Exception, request_id: str) -> bytes:
+    error = as_api_error(exc)
+    log.log(logging.ERROR if error.status == 500 else logging.INFO, "%s: stream failed: %s",
+            request_id, error.message)
+    return event(error.response())
+
+
+class EventStream(Response):
+    """Server-Sent Events from an async iterator of encoded events. It listens for the client
+    hanging up while it streams; either way it closes the iterator and calls ``on_close``."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None]):
+        self.events, self.on_close = events, on_close
+        self.status_code, self.background = 200, None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+
+        async def stream() -> None:
+            async for chunk in self.events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        async def listen() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        try:
+            async with anyio.create_task_group() as group:
+                async def run_then_cancel(fn) -> None:
+                    with contextlib.suppress(OSError):  # the client left mid-send
+                        await fn()
+                    group.cancel_scope.cancel()
+
+                group.start_soon(run_then_cancel, stream)
+                group.start_soon(run_then_cancel, listen)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.events.aclose()
+            self.on_close()
