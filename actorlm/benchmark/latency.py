@@ -45,8 +45,8 @@ def run_latency(model: str | None, flags: dict, batch_size: int, input_len: int,
     if output_len < 2:
         raise ValueError(f"--output-len must be at least 2 (a prefill and a decode), "
                          f"got {output_len}")
-    if batch_size < 1 or input_len < 1:
-        raise ValueError("--batch-size and --input-len must be at least 1")
+    if min(batch_size, input_len, num_iters) < 1:
+        raise ValueError("--batch-size, --input-len and --num-iters must be at least 1")
     with profiled(profile) as trace_file:
         llm = LLM(model, trace_file=trace_file, **flags)
         try:

@@ -59,6 +59,8 @@ def run_throughput(model: str | None, flags: dict, num_prompts: int, output_len:
     from actorlm.llm import LLM
     from actorlm.sampling_params import SamplingParams
 
+    if min(num_prompts, output_len, num_iters) < 1:
+        raise ValueError("--num-prompts, --output-len and --num-iters must be at least 1")
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     with profiled(trace or profile) as trace_file:
         llm = LLM(model, trace_file=trace_file, **flags)

@@ -67,3 +67,10 @@ def test_one_long_request_costs_a_decode_step_about_its_own_context(tiny_llama_l
     result = step_costs(tiny_llama_long_dir, num_short=63, short_len=100, long_len=7000)
     # padded to the longest context this was ~10x; the bound is generous so it cannot flake
     assert result["ratio"] < 4, result
+
+
+@pytest.mark.parametrize("argv", [["latency", "--num-iters", "0"], ["latency", "--batch-size", "0"],
+                                  ["throughput", "--num-prompts", "0", "--output-len", "2"]])
+def test_benches_refuse_counts_below_one_before_loading_anything(argv, capsys):
+    assert main(["bench", *argv]) == 2
+    assert "must be at least 1" in capsys.readouterr().err
