@@ -308,6 +308,10 @@ class AsyncLLM:
     async def get_stats(self) -> dict:
         return await asyncio.to_thread(self.stats)
 
+    async def reset_prefix_cache(self) -> bool:
+        self._check_alive()
+        return await asyncio.to_thread(self.engine.reset_prefix_cache)
+
     # --- lifecycle --------------------------------------------------------------------------------
 
     def shutdown(self) -> None:

@@ -33,6 +33,8 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9  # share of the GPU's total memory this engine may use
     enable_chunked_prefill: bool = True
+    # reuse the KV of prompt prefixes already computed (vLLM's automatic prefix caching)
+    enable_prefix_caching: bool = True
     seed: int = 0
 
     def __post_init__(self):

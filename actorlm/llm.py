@@ -135,6 +135,10 @@ class LLM:
         """Scheduler and KV pool counters (for tests, metrics and the curious)."""
         return self.engine.stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (vLLM's ``LLM.reset_prefix_cache``)."""
+        return self.engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Stop the engine now (idempotent)."""
         self._finalizer()

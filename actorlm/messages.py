@@ -101,35 +101,69 @@ class EngineOutputs(_StepMessage):
 # --- scheduler <-> allocator -----------------------------------------------------------------
 
 
-class AllocateSlots(_StepMessage):
-    """One step's block traffic, applied in this order: requests take references on blocks
-    they share (``n > 1`` children on their parent's prompt), finished or preempted requests
-    release theirs, then the step's new blocks are granted.
+class ComputedBlocks(_StepMessage):
+    """Blocks of ``request_id`` whose KV the last step completed: table positions
+    ``first_block, first_block + 1, …`` hold the blocks with these content hashes."""
 
-    The scheduler plans against the free count the allocator last reported, so the grant
-    never fails; the allocator still checks and refuses the whole step if it would.
+    request_id: str
+    first_block: int
+    block_hashes: list[int]
+
+
+class Candidate(_StepMessage):
+    """A waiting request the scheduler would admit. ``block_hashes`` are its full blocks that
+    a prefix-cache hit may cover (never the block of its last token, which must be computed);
+    it may compute up to ``max_new_tokens`` of its ``num_tokens`` tokens in this step."""
+
+    request_id: str
+    num_tokens: int
+    max_new_tokens: int
+    block_hashes: list[int] = []
+
+
+class AllocateSlots(_StepMessage):
+    """One step's block traffic, proposed by the scheduler and decided by the allocator, in
+    this order: blocks completed by the last step enter the prefix cache; finished requests
+    release theirs; with ``reset_prefix_cache`` every cached prefix is forgotten; each running
+    request (``request_ids``, in priority order) grows to hold ``num_tokens[i]`` tokens, and
+    when blocks run short the last ones in that order are preempted (their blocks released)
+    to make room; then, only if nobody was preempted, the candidates are admitted in order
+    while blocks last, each starting at its prefix-cache hit.
+
+    The allocator decides with its own counts, so the grant never fails: it may only preempt
+    from the tail and admit fewer candidates than proposed.
     """
 
     step_id: int
     free_request_ids: list[str]
     request_ids: list[str]
-    num_new_blocks: list[int]
-    share_request_ids: list[str] = []
-    shared_block_ids: list[list[int]] = []
+    num_tokens: list[int]
+    candidates: list[Candidate] = []
+    computed_blocks: list[ComputedBlocks] = []
+    reset_prefix_cache: bool = False
+
+
+class Admitted(_StepMessage):
+    """A candidate that got its blocks: ``block_ids`` is its whole table; it has
+    ``num_cached_tokens`` computed already (the hit) and computes ``num_new_tokens`` now."""
+
+    request_id: str
+    block_ids: list[int]
+    num_cached_tokens: int
+    num_new_tokens: int
 
 
 class SlotsGranted(_StepMessage):
+    """``new_block_ids[i]`` extends the table of the step's running request ``i``; the
+    running requests past ``len(new_block_ids)`` were preempted (``preempted_ids``, newest
+    first)."""
+
     step_id: int
-    request_ids: list[str]
     new_block_ids: list[list[int]]
+    preempted_ids: list[str]
+    admitted: list[Admitted]
     num_free_blocks: int
-    num_total_blocks: int
-
-
-class SlotsRefused(_StepMessage):
-    step_id: int
-    reason: str
-    num_free_blocks: int
+    num_cached_blocks: int
 
 
 # --- scheduler -> executor -> workers --------------------------------------------------------
@@ -246,10 +280,9 @@ class SchedulerStats(_Message):
     num_waiting: int
     num_preemptions: int
     num_steps: int
-    num_free_blocks: int
-    num_total_blocks: int
     num_finished: int
     num_scheduled_tokens: int = 0  # every token computed so far, prefill and decode
+    num_prefill_tokens: int = 0  # of those, at prompt (or recomputed) positions
 
 
 class ExecutorStats(_Message):
@@ -257,9 +290,16 @@ class ExecutorStats(_Message):
 
 
 class KVStats(_Message):
-    num_free_blocks: int
+    num_free_blocks: int  # held by no request (cached ones included: they are evictable)
     num_total_blocks: int
     num_requests_holding_blocks: int
+    num_cached_blocks: int = 0  # free blocks whose KV is still a cached prefix
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int = 0  # of those, tokens found
+
+
+class ResetPrefixCache(_Message):
+    """Forget every cached prefix (blocks in use stay with their requests); replies True."""
 
 
 class Connect(_Message):
@@ -275,5 +315,10 @@ def child_request_id(request_id: str, index: int) -> str:
     return f"{index}_{request_id}"
 
 
-STEP_MESSAGE_TYPES = (AllocateSlots, SlotsGranted, SlotsRefused, ScheduleStep, StepResult,
+def engine_request_ids(request_id: str, n: int) -> list[str]:
+    """The ids the engine runs for one request: itself, or its ``n`` children when n > 1."""
+    return [request_id] if n == 1 else [child_request_id(request_id, i) for i in range(n)]
+
+
+STEP_MESSAGE_TYPES = (AllocateSlots, SlotsGranted, ScheduleStep, StepResult,
                       WorkerResult, EngineOutputs)

@@ -18,7 +18,7 @@ from actorlm.actors.base import EngineActor, tell
 from actorlm.core.scheduler import Scheduler, StepPlan
 from actorlm.fsm import RequestEvent
 from actorlm.messages import (AbortRequests, AddRequest, Connect, EngineOutputs, GetStats,
-                              RequestDelta, SchedulerStats, SlotsGranted, SlotsRefused, StepResult,
+                              RequestDelta, SchedulerStats, SlotsGranted, StepResult,
                               StopRequests)
 
 log = logging.getLogger(__name__)
@@ -64,8 +64,6 @@ class SchedulerActor(EngineActor):
             self._on_granted(message)
         elif isinstance(message, StepResult):
             self._on_result(message)
-        elif isinstance(message, SlotsRefused):
-            self._on_refused(message)
         elif isinstance(message, GetStats):
             return self.stats()
         elif isinstance(message, Connect):
@@ -74,11 +72,15 @@ class SchedulerActor(EngineActor):
         else:
             raise TypeError(f"SchedulerActor cannot handle {type(message).__name__}")
 
+    @property
+    def plan(self) -> StepPlan | None:
+        """The step being allocated or run (None when idle)."""
+        return self._plan
+
     def stats(self) -> SchedulerStats:
         s = self.scheduler
         return SchedulerStats(len(s.running), len(s.waiting), s.num_preemptions, self.num_steps,
-                              s.num_free_blocks, s.num_total_blocks, s.num_finished,
-                              s.num_scheduled_tokens)
+                              s.num_finished, s.num_scheduled_tokens, s.num_prefill_tokens)
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -94,12 +96,12 @@ class SchedulerActor(EngineActor):
         if self.trace is not None:
             self.trace.planned(plan)
         self._plan, self._phase = plan, _Phase.ALLOCATING
-        tell(self.allocator, plan.allocate_message())
+        tell(self.allocator, plan.allocate_message(self.scheduler.config.block_size))
 
     def _on_granted(self, granted: SlotsGranted) -> None:
         step = self.scheduler.on_slots_granted(self._plan, granted)
         if self.trace is not None:
-            self.trace.granted(self._plan, ran=step is not None)
+            self.trace.granted(self._plan, granted, ran=step is not None)
         if step is None:  # the plan only returned blocks
             self._phase, self._plan = _Phase.IDLE, None
             self._kick()
@@ -118,19 +120,6 @@ class SchedulerActor(EngineActor):
         # so a caller woken by its last output never sees its blocks still held
         self._kick()
         self._send(EngineOutputs(outputs.step_id, deltas))
-
-    def _on_refused(self, refused: SlotsRefused) -> None:
-        # the plan counted blocks the allocator did not have: a bookkeeping fault. Fail the
-        # plan's requests alone and resynchronise with the allocator's count.
-        log.error("step %d refused by the allocator (%s)", refused.step_id, refused.reason)
-        plan, self._plan, self._phase = self._plan, None, _Phase.IDLE
-        if self.trace is not None:
-            self.trace.step_refused(plan, refused)
-        ids = [r.request_id for r in plan.requests]
-        deltas = self.scheduler.abort(ids, RequestEvent.FAIL, f"KV allocation refused: {refused.reason}")
-        self.scheduler.num_free_blocks = refused.num_free_blocks
-        self._kick()
-        self._send(EngineOutputs(refused.step_id, deltas))
 
     def _apply_deferred(self) -> list:
         deltas = []

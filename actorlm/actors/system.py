@@ -20,12 +20,14 @@ import pykka
 from actorlm.actors.executor import ExecutorActor
 from actorlm.actors.frontend import FrontendActor
 from actorlm.actors.kv_allocator import KVAllocatorActor
+from actorlm.core.block_pool import BlockPool
 from actorlm.actors.scheduler import SchedulerActor
 from actorlm.actors.supervisor import Supervisor
 from actorlm.config import EngineConfig
 from actorlm.core.scheduler import Scheduler, SchedulerConfig
 from actorlm.fsm.machine import Listener
-from actorlm.messages import Connect, ExecutorStats, GetStats, KVStats, SchedulerStats
+from actorlm.messages import (Connect, ExecutorStats, GetStats, KVStats, ResetPrefixCache,
+                              SchedulerStats)
 from actorlm.models.parts import ModelParts, load_model_parts
 from actorlm.tokenizer import PerThreadTokenizer
 
@@ -77,7 +79,8 @@ class EngineSystem:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
             block_size=config.block_size, enable_chunked_prefill=config.enable_chunked_prefill,
-            eos_token_ids=parts.eos_token_ids), num_total_blocks=config.num_kv_blocks,
+            eos_token_ids=parts.eos_token_ids,
+            enable_prefix_caching=config.enable_prefix_caching),
             listeners=[*listeners, trace.on_transition] if trace else listeners)
         self.trace = trace
         link = _direct_link
@@ -89,8 +92,10 @@ class EngineSystem:
         self.scheduler = SchedulerActor.start(policy, trace, on_death("scheduler"))
         to_scheduler = route("scheduler", self.scheduler)
         try:
+            pool = BlockPool(config.num_kv_blocks, config.block_size,
+                             config.enable_prefix_caching)
             self.allocator = KVAllocatorActor.start(
-                config.num_kv_blocks, link(to_scheduler, "allocator", "scheduler"),
+                pool, link(to_scheduler, "allocator", "scheduler"),
                 on_death("allocator"))
             self.executor = ExecutorActor.start(make_runner, 1,
                                                 link(to_scheduler, "executor", "scheduler"),
@@ -124,6 +129,10 @@ class EngineSystem:
     def kv_stats(self) -> KVStats:
         return self.allocator.ask(GetStats())
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (requests in flight keep their blocks)."""
+        return self.allocator.ask(ResetPrefixCache())
+
     def executor_stats(self) -> ExecutorStats:
         return self.executor.ask(GetStats())
 
@@ -145,8 +154,12 @@ class EngineSystem:
         return {"num_running": s.num_running, "num_waiting": s.num_waiting,
                 "num_preemptions": s.num_preemptions, "num_steps": s.num_steps,
                 "num_finished": s.num_finished, "num_scheduled_tokens": s.num_scheduled_tokens,
+                "num_prefill_tokens": s.num_prefill_tokens,
                 "num_free_blocks": kv.num_free_blocks, "num_total_blocks": kv.num_total_blocks,
+                "num_cached_blocks": kv.num_cached_blocks,
                 "num_requests_holding_blocks": kv.num_requests_holding_blocks,
+                "prefix_cache_queries": kv.prefix_cache_queries,
+                "prefix_cache_hits": kv.prefix_cache_hits,
                 "num_worker_restarts": ex.num_worker_restarts}
 
     def stop(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from actorlm.core.detokenizer import IncrementalDetokenizer, find_stop_string
-from actorlm.messages import PositionLogprobs, RequestDelta, child_request_id
+from actorlm.messages import PositionLogprobs, RequestDelta, engine_request_ids
 from actorlm.outputs import CompletionOutput, Logprob, RequestOutput
 from actorlm.sampling_params import SamplingParams
 
@@ -33,8 +33,7 @@ class OutputStream:
                  params: SamplingParams, tokenizer, sink, stream: bool):
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
         self.params, self.tokenizer, self.sink, self.stream = params, tokenizer, sink, stream
-        self.engine_ids = [request_id] if params.n == 1 else [
-            child_request_id(request_id, i) for i in range(params.n)]
+        self.engine_ids = engine_request_ids(request_id, params.n)
         wants_logprobs = params.logprobs is not None
         self.sequences = [_Sequence(
             IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens,
@@ -43,6 +42,7 @@ class OutputStream:
             cumulative_logprob=0.0 if wants_logprobs else None) for _ in range(params.n)]
         self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
         self.error: str | None = None
+        self.num_cached_tokens = 0  # prompt tokens the first child found in the prefix cache
         # text is needed token by token only to stream it or to find stop strings; otherwise
         # one decode at the end gives the same text for a fraction of the work
         self._incremental = stream or bool(params.stop)
@@ -62,6 +62,8 @@ class OutputStream:
         seq.engine_finished |= delta.finish_reason is not None
         if seq.finish_reason is not None:
             return None  # stopped here already; the engine's last words are moot
+        if index == 0 and delta.new_token_ids:
+            self.num_cached_tokens = delta.num_cached_tokens
         if delta.prompt_logprobs and index == 0 and self.prompt_logprobs is not None:
             self.prompt_logprobs += [self._logprob_dict(p) for p in delta.prompt_logprobs]
         new_logprobs = delta.new_logprobs or [None] * len(delta.new_token_ids)
@@ -107,7 +109,7 @@ class OutputStream:
                 list(seq.logprobs) if seq.logprobs is not None else None,
                 seq.finish_reason, seq.stop_reason))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions,
-                             finished, error=self.error,
+                             finished, error=self.error, num_cached_tokens=self.num_cached_tokens,
                              # a copy: this list grows with later chunks, the caller's must not
                              prompt_logprobs=None if self.prompt_logprobs is None
                              else list(self.prompt_logprobs))

@@ -11,9 +11,10 @@ from actorlm.sampling_params import SamplingParams
 
 class Request:
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params", "seed",
-                 "arrival_time", "num_computed_tokens", "block_ids", "fsm", "finish_reason",
+                 "arrival_time", "num_computed_tokens", "num_blocks", "fsm", "finish_reason",
                  "stop_reason", "error", "num_preemptions", "is_known_to_workers",
-                 "bad_words_token_ids", "num_prompt_logprobs_sent", "num_faults")
+                 "bad_words_token_ids", "num_prompt_logprobs_sent", "num_faults",
+                 "block_hashes", "num_cached_blocks", "num_cached_tokens")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  seed: int, arrival_time: float, listeners: Iterable[Listener] = (),
@@ -25,7 +26,7 @@ class Request:
         self.seed = seed
         self.arrival_time = arrival_time
         self.num_computed_tokens = 0
-        self.block_ids: list[int] = []  # granted by the allocator, in logical order
+        self.num_blocks = 0  # KV blocks the allocator has granted it (their ids travel on)
         self.fsm = Machine(REQUEST_LIFECYCLE, name=request_id, listeners=listeners)
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
@@ -35,6 +36,9 @@ class Request:
         self.bad_words_token_ids = bad_words_token_ids or []
         self.num_prompt_logprobs_sent = 0  # prompt tokens 1..this have had their logprobs sent
         self.num_faults = 0  # faulted steps this request was part of
+        self.block_hashes: list[int] = []  # of its full blocks, extended as tokens arrive
+        self.num_cached_blocks = 0  # blocks the allocator has been told are computed
+        self.num_cached_tokens: int | None = None  # prefix-cache hit at its first admission
 
     @property
     def state(self) -> RequestState:
@@ -65,4 +69,4 @@ class Request:
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.state.name}, computed={self.num_computed_tokens}/"
-                f"{self.num_tokens}, blocks={len(self.block_ids)})")
+                f"{self.num_tokens}, blocks={self.num_blocks})")

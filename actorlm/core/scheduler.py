@@ -16,10 +16,15 @@ fault (a poison request) from the ones batched with it, a request in ``PROBATION
 faulted steps is put on probation: it runs alone until one step of it succeeds. It fails when
 it faults alone, or after ``MAX_FAULTS`` faulted steps in any company; no other request does.
 
-The policy is pure and thread-free. It plans against ``num_free_blocks`` — the allocator's last
-report plus the blocks this scheduler has released since — so the allocator's grant for the
-step never fails. Aborts are applied only between steps (the actor defers them while a step is
-in flight), so a step's requests never change under it.
+Blocks are the allocator's alone (``core/block_pool.py``): the scheduler knows tokens, not
+blocks. A plan is a proposal — every running request in priority order with the tokens it
+would compute, and the waiting requests that fit the token budget and ``max_num_seqs`` — and
+the allocator's grant decides it with the real counts: who is preempted when blocks run short
+(the newest first), which candidates are admitted, and where each admitted one starts (its
+prefix-cache hit). So a step costs one round trip and the grant never fails.
+
+The policy is pure and thread-free. Aborts are applied only between steps (the actor defers
+them while a step is in flight), so a step's requests never change under it.
 """
 
 from __future__ import annotations
@@ -31,9 +36,11 @@ from typing import Iterable
 from actorlm.core.request import Request
 from actorlm.fsm import FinishReason, RequestEvent, RequestState
 from actorlm.fsm.machine import Listener
-from actorlm.messages import (AddRequest, AllocateSlots, CachedRequestData, EngineOutputs,
-                              NewRequestData, PromptLogprobs, RequestDelta, ScheduleStep,
-                              SlotsGranted, StepResult, child_request_id)
+from actorlm.core.block_hash import extend_block_hashes
+from actorlm.messages import (AddRequest, Admitted, AllocateSlots, CachedRequestData, Candidate,
+                              ComputedBlocks, EngineOutputs, NewRequestData, PromptLogprobs,
+                              RequestDelta, ScheduleStep, SlotsGranted, StepResult,
+                              engine_request_ids)
 
 
 PROBATION_AFTER = 2  # faulted steps before a request runs alone
@@ -48,62 +55,77 @@ class SchedulerConfig:
     block_size: int
     enable_chunked_prefill: bool = True
     eos_token_ids: frozenset[int] = frozenset()
+    enable_prefix_caching: bool = True
 
 
 @dataclass
 class StepPlan:
-    """What ``schedule()`` decided; becomes one AllocateSlots, then one ScheduleStep."""
+    """What ``schedule()`` proposes (one AllocateSlots) and, once granted, what the step runs."""
 
     step_id: int
+    running: list[Request] = field(default_factory=list)  # priority order: preempted from the end
+    running_tokens: list[int] = field(default_factory=list)  # 0: past the token budget
+    candidates: list[tuple[Request, int]] = field(default_factory=list)  # (request, max tokens)
+    free_request_ids: list[str] = field(default_factory=list)
+    computed_blocks: list[ComputedBlocks] = field(default_factory=list)
+    reset_prefix_cache: bool = False
+    # set when granted
     requests: list[Request] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
-    num_new_blocks: list[int] = field(default_factory=list)
+    is_prefill: list[bool] = field(default_factory=list)  # False: computes just its newest token
     preempted_ids: list[str] = field(default_factory=list)
-    free_request_ids: list[str] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prefix-cache hits of the requests admitted
 
     @property
     def num_tokens(self) -> int:
         return sum(self.num_scheduled_tokens)
 
-    shares: list[tuple[str, list[int]]] = field(default_factory=list)
+    def runs_with(self, granted: SlotsGranted) -> bool:
+        """Whether the step runs any request once ``granted`` decides it."""
+        return bool(granted.admitted) or any(self.running_tokens[:len(granted.new_block_ids)])
 
-    def allocate_message(self) -> AllocateSlots:
+    @property
+    def is_empty(self) -> bool:
+        return not (any(self.running_tokens) or self.candidates or self.free_request_ids
+                    or self.computed_blocks or self.reset_prefix_cache)
+
+    def allocate_message(self, block_size: int) -> AllocateSlots:
+        lengths = [r.num_computed_tokens + n for r, n in zip(self.running, self.running_tokens)]
+        candidates = [Candidate(r.request_id, r.num_tokens, n,
+                                r.block_hashes[:(r.num_tokens - 1) // block_size])
+                      for r, n in self.candidates]
         return AllocateSlots(self.step_id, self.free_request_ids,
-                             [r.request_id for r in self.requests], self.num_new_blocks,
-                             [rid for rid, _ in self.shares], [ids for _, ids in self.shares])
+                             [r.request_id for r in self.running], lengths, candidates,
+                             self.computed_blocks, self.reset_prefix_cache)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, num_total_blocks: int,
-                 listeners: Iterable[Listener] = ()):
+    def __init__(self, config: SchedulerConfig, listeners: Iterable[Listener] = ()):
         self.config = config
         self.listeners = list(listeners)
         self.requests: dict[str, Request] = {}  # every live (unfinished) request
         self.waiting: deque[Request] = deque()  # WAITING and PREEMPTED, front first
         self.running: list[Request] = []  # admission order: the last is preempted first
-        self.num_total_blocks = num_total_blocks
-        self.num_free_blocks = num_total_blocks
         self._to_free: list[str] = []  # released since the last AllocateSlots
-        self._to_share: list[tuple[str, list[int]]] = []  # forked since the last AllocateSlots
-        # n > 1: children wait here until their leader (child 0) has prefilled the prompt
+        self._computed_blocks: list[ComputedBlocks] = []  # completed since the last one
+        self._reset_prefix_cache = False
+        # n > 1: children wait here until their leader (child 0) has prefilled the prompt,
+        # then find it in the prefix cache
         self._pending_forks: dict[str, list[Request]] = {}
-        # blocks held by two or more live requests -> number of holders (the planning view;
-        # the allocator's reference counts stay the truth)
-        self._num_holders: dict[int, int] = {}
         self._dropped_by_workers: list[str] = []  # finished or preempted since the last step
         self._on_probation: set[str] = set()  # run alone until one step of theirs succeeds
         self._next_step_id = 0
         self.num_preemptions = 0
         self.num_finished = 0
         self.num_scheduled_tokens = 0
+        self.num_prefill_tokens = 0  # computed at prompt (or recomputed) positions
 
     # --- intake -------------------------------------------------------------------------------
 
     def add_request(self, msg: AddRequest) -> None:
-        """Queue a validated request (FCFS); ``n > 1`` queues its first child, the others
-        follow once it has prefilled the prompt they share."""
-        n = msg.sampling_params.n
-        ids = [msg.request_id] if n == 1 else [child_request_id(msg.request_id, i) for i in range(n)]
+        """Queue a validated request (FCFS). With ``n > 1`` and prefix caching, only its first
+        child is queued: the others follow once it has prefilled the prompt they share."""
+        ids = engine_request_ids(msg.request_id, msg.sampling_params.n)
         if taken := [rid for rid in ids if rid in self.requests]:
             raise ValueError(f"request id {taken[0]!r} is already in use")
         children = [Request(rid, msg.prompt_token_ids, msg.sampling_params,
@@ -111,9 +133,11 @@ class Scheduler:
                             msg.bad_words_token_ids) for i, rid in enumerate(ids)]
         for request in children:
             self.requests[request.request_id] = request
-        self.waiting.append(children[0])
-        if n > 1:
+        if len(children) > 1 and self.config.enable_prefix_caching:
+            self.waiting.append(children[0])
             self._pending_forks[children[0].request_id] = children[1:]
+        else:
+            self.waiting.extend(children)
 
     def abort(self, request_ids: Iterable[str], event=RequestEvent.ABORT,
               error: str | None = None, stop_reasons: Iterable[str] | None = None
@@ -148,76 +172,64 @@ class Scheduler:
     # --- one step -----------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
-        """Plan the next step; None when there is nothing to compute and nothing to free."""
+        """Propose the next step; None when there is nothing to compute and nothing to tell
+        the allocator."""
         cfg = self.config
         plan = StepPlan(self._next_step_id)
         budget = cfg.max_num_batched_tokens
-
-        if self._on_probation:  # (empty unless a worker has faulted)
-            suspect = next((r for r in self.waiting if r.request_id in self._on_probation), None)
-            if suspect is not None:
-                self._plan_alone(plan, suspect, budget)
-                budget = 0
-
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            num_blocks = self._num_new_blocks(request, num_tokens)
-            while num_blocks > self.num_free_blocks and request in self.running:
-                self._preempt(self.running[-1], plan)
-            if request not in self.running:
-                break  # it was the newest and had to go itself
-            self._add_to_plan(plan, request, num_tokens, num_blocks)
-            budget -= num_tokens
-            index += 1
-
-        while (self.waiting and not plan.preempted_ids and budget > 0
-               and len(self.running) < cfg.max_num_seqs):
-            request = self.waiting[0]
-            num_tokens = request.num_tokens - request.num_computed_tokens
-            if num_tokens > budget and not cfg.enable_chunked_prefill:
-                break
-            num_tokens = min(num_tokens, budget)
-            num_blocks = self._num_new_blocks(request, num_tokens)
-            if num_blocks > self.num_free_blocks:
-                break
-            self.waiting.popleft()
-            request.fire(RequestEvent.SCHEDULE)
-            self.running.append(request)
-            self._add_to_plan(plan, request, num_tokens, num_blocks)
-            budget -= num_tokens
-
+        suspect = next((r for r in self.waiting if r.request_id in self._on_probation), None) \
+            if self._on_probation else None  # (empty unless a worker has faulted)
+        if suspect is not None:  # it runs alone: the others make room
+            for request in reversed(list(self.running)):
+                self._preempt(request, plan)
+            self._propose(plan, suspect, budget)
+        else:
+            for request in self.running:
+                num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+                plan.running.append(request)
+                plan.running_tokens.append(num_tokens)
+                budget -= num_tokens
+            num_seqs = len(self.running)
+            for request in self.waiting:
+                num_tokens = request.num_tokens - request.num_computed_tokens
+                if budget <= 0 or num_seqs >= cfg.max_num_seqs or (
+                        num_tokens > budget and not cfg.enable_chunked_prefill):
+                    break
+                budget -= self._propose(plan, request, budget)
+                num_seqs += 1
         plan.free_request_ids, self._to_free = self._to_free, []
-        plan.shares, self._to_share = self._to_share, []
-        if not plan.requests and not plan.free_request_ids and not plan.shares:
+        plan.computed_blocks, self._computed_blocks = self._computed_blocks, []
+        plan.reset_prefix_cache, self._reset_prefix_cache = self._reset_prefix_cache, False
+        if plan.is_empty:
             return None
         self._next_step_id += 1
         return plan
 
     def on_slots_granted(self, plan: StepPlan, granted: SlotsGranted) -> ScheduleStep | None:
-        """Turn a granted plan into the step message (None for a plan that only freed blocks)."""
-        # nothing is released between a plan and its grant, so the allocator's count is ours
-        self.num_free_blocks = granted.num_free_blocks
+        """Apply the allocator's decision; the step message (None when nothing runs)."""
+        for request_id in granted.preempted_ids:  # their blocks are already released
+            self._preempt(self.requests[request_id], plan, release=False)
         new, cached = [], []
-        for request, num_tokens, block_ids in zip(plan.requests, plan.num_scheduled_tokens,
+        for request, num_tokens, block_ids in zip(plan.running, plan.running_tokens,
                                                   granted.new_block_ids):
-            request.block_ids.extend(block_ids)
-            if request.is_known_to_workers:
+            request.num_blocks += len(block_ids)
+            if num_tokens:
                 cached.append(CachedRequestData(request.request_id, block_ids,
                                                 request.num_computed_tokens))
-            else:
-                new.append(self._new_request_data(request))
-                request.is_known_to_workers = True
-            request.num_computed_tokens += num_tokens
-            self.num_scheduled_tokens += num_tokens
+                self._add_to_step(plan, request, num_tokens)
+        for admitted in granted.admitted:
+            request = self.requests[admitted.request_id]
+            self._admit(request, admitted)
+            new.append(self._new_request_data(request, admitted.block_ids))
+            request.is_known_to_workers = True
+            self._add_to_step(plan, request, admitted.num_new_tokens)
+            plan.num_cached_tokens += admitted.num_cached_tokens
         dropped, self._dropped_by_workers = self._dropped_by_workers, []
         if not plan.requests:
             self._dropped_by_workers = dropped  # nothing runs: tell the workers next time
             return None
-        # new requests first, then cached: num_scheduled_tokens follows that order
-        order = {r.request_id: n for r, n in zip(plan.requests, plan.num_scheduled_tokens)}
-        counts = [order[d.request_id] for d in new] + [order[d.request_id] for d in cached]
+        # cached requests were added first, new ones after: the step lists new ones first
+        counts = plan.num_scheduled_tokens[len(cached):] + plan.num_scheduled_tokens[:len(cached)]
         return ScheduleStep(plan.step_id, new, cached, counts, dropped)
 
     def update_from_output(self, plan: StepPlan, result: StepResult) -> EngineOutputs:
@@ -226,6 +238,11 @@ class Scheduler:
             return EngineOutputs(plan.step_id, self._on_fault(result))
         if self._on_probation:
             self._on_probation.difference_update(r.request_id for r in plan.requests)  # passed
+        if self.config.enable_prefix_caching:
+            failed = set(result.failed_request_ids)
+            for request in plan.requests:
+                if request.request_id not in failed:
+                    self._note_computed_blocks(request)
         deltas: list[RequestDelta] = []
         if result.failed_request_ids:
             deltas += self.abort(result.failed_request_ids, RequestEvent.FAIL,
@@ -249,7 +266,7 @@ class Scheduler:
                 finish = self._finish(request, RequestEvent.FINISH, reason).finish_reason
                 stop = request.stop_reason
             deltas.append(RequestDelta(request_id, [token_id], finish, stop, None,
-                                       0, new_logprobs, positions))
+                                       request.num_cached_tokens or 0, new_logprobs, positions))
         for request_id, chunk in prompt_logprobs.items():  # mid-prefill chunks
             request = self.requests.get(request_id)
             if request is not None and (positions := self._new_prompt_logprobs(request, chunk)):
@@ -258,35 +275,67 @@ class Scheduler:
 
     # --- internals ----------------------------------------------------------------------------
 
-    def _num_new_blocks(self, request: Request, num_tokens: int) -> int:
-        needed = -(-(request.num_computed_tokens + num_tokens) // self.config.block_size)
-        return max(0, needed - len(request.block_ids))
+    def _propose(self, plan: StepPlan, request: Request, budget: int) -> int:
+        """Offer a waiting request to the allocator; returns the tokens it may compute."""
+        num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+        if self.config.enable_prefix_caching:
+            extend_block_hashes(request.block_hashes, request.all_token_ids,
+                                self.config.block_size)
+        plan.candidates.append((request, num_tokens))
+        return num_tokens
 
-    def _add_to_plan(self, plan: StepPlan, request: Request, num_tokens: int, num_blocks: int):
+    def _admit(self, request: Request, admitted: Admitted) -> None:
+        self.waiting.remove(request)
+        # computed from the hit on: the transition's record shows where it starts
+        request.num_computed_tokens = admitted.num_cached_tokens
+        request.num_cached_blocks = admitted.num_cached_tokens // self.config.block_size
+        request.num_blocks = len(admitted.block_ids)
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = admitted.num_cached_tokens
+        request.fire(RequestEvent.SCHEDULE)
+        self.running.append(request)
+
+    def _add_to_step(self, plan: StepPlan, request: Request, num_tokens: int) -> None:
         plan.requests.append(request)
         plan.num_scheduled_tokens.append(num_tokens)
-        plan.num_new_blocks.append(num_blocks)
-        self.num_free_blocks -= num_blocks
+        request.num_computed_tokens += num_tokens
+        self.num_scheduled_tokens += num_tokens
+        is_decode = num_tokens == 1 and bool(request.output_token_ids) and \
+            request.num_computed_tokens == request.num_tokens
+        plan.is_prefill.append(not is_decode)
+        self.num_prefill_tokens += num_tokens - is_decode
+
+    def _note_computed_blocks(self, request: Request) -> None:
+        """Blocks whose KV the step completed go to the prefix cache with the next message."""
+        num_full = request.num_computed_tokens // self.config.block_size
+        if num_full > request.num_cached_blocks:
+            hashes = extend_block_hashes(request.block_hashes, request.all_token_ids,
+                                         self.config.block_size)
+            self._computed_blocks.append(ComputedBlocks(
+                request.request_id, request.num_cached_blocks,
+                hashes[request.num_cached_blocks:num_full]))
+            request.num_cached_blocks = num_full
 
     def _release(self, request: Request) -> None:
-        for block_id in request.block_ids:
-            holders = self._num_holders.get(block_id)
-            if holders is None:
-                self.num_free_blocks += 1
-            elif holders > 2:
-                self._num_holders[block_id] = holders - 1
-            else:
-                del self._num_holders[block_id]  # one holder left: no longer shared
         self._to_free.append(request.request_id)
+        self._forget_on_workers(request)
+
+    def _forget_on_workers(self, request: Request) -> None:
         if request.is_known_to_workers:
             self._dropped_by_workers.append(request.request_id)
-        request.block_ids = []
         request.is_known_to_workers = False
+        request.num_blocks = request.num_cached_blocks = 0
 
-    def _preempt(self, request: Request, plan: StepPlan | None = None) -> None:
+    def _preempt(self, request: Request, plan: StepPlan | None = None,
+                 release: bool = True) -> None:
+        """Back to the front of the waiting queue, to be recomputed. ``release``: False when
+        the allocator preempted it and has released its blocks already."""
         self.running.remove(request)
         request.fire(RequestEvent.PREEMPT)
-        self._release(request)
+        if release:
+            self._release(request)
+        else:
+            self._forget_on_workers(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -294,25 +343,13 @@ class Scheduler:
         if plan is not None:
             plan.preempted_ids.append(request.request_id)
 
-    def _plan_alone(self, plan: StepPlan, request: Request, budget: int) -> None:
-        """A request on probation runs alone, making room by preempting the newest runners."""
-        num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-        num_blocks = self._num_new_blocks(request, num_tokens)
-        while self.running and (num_blocks > self.num_free_blocks or
-                                len(self.running) >= self.config.max_num_seqs):
-            self._preempt(self.running[-1], plan)
-        if num_blocks > self.num_free_blocks:
-            return  # blocks still on their way back; the next plan has them
-        self.waiting.remove(request)
-        request.fire(RequestEvent.SCHEDULE)
-        self.running.append(request)
-        self._add_to_plan(plan, request, num_tokens, num_blocks)
-
     def _on_fault(self, result: StepResult) -> list[RequestDelta]:
         """The step did not happen and the workers lost every request: recompute them all,
         and count the fault against the step's requests."""
         for request in reversed(list(self.running)):  # newest first: waiting keeps their order
             self._preempt(request)
+        # the replacement workers start with empty KV: nothing cached is there any more
+        self._computed_blocks, self._reset_prefix_cache = [], True
         blamed = [self.requests[rid] for rid in result.blame_request_ids if rid in self.requests]
         culprits = []
         for request in blamed:
@@ -326,8 +363,8 @@ class Scheduler:
                           f"the model runner faults on this request: {result.fault}")
 
     def _finish(self, request: Request, event: RequestEvent, reason: FinishReason) -> RequestDelta:
+        request.finish_reason = reason  # part of the transition: its listeners read it
         request.fire(event)
-        request.finish_reason = reason
         self._release(request)
         del self.requests[request.request_id]
         self._on_probation.discard(request.request_id)
@@ -352,19 +389,10 @@ class Scheduler:
         return None
 
     def _fork(self, leader: Request) -> None:
-        """The leader has prefilled the prompt: its siblings share the prompt's full blocks and
-        recompute only the partial last block (fewer than block_size tokens each)."""
-        num_shared = (leader.num_prompt_tokens - 1) // self.config.block_size
-        shared = leader.block_ids[:num_shared]
-        children = self._pending_forks.pop(leader.request_id)
-        for child in reversed(children):
-            child.block_ids = list(shared)
-            child.num_computed_tokens = num_shared * self.config.block_size
+        """The leader has prefilled the prompt: its siblings queue at the front and find the
+        prompt's full blocks in the prefix cache (they compute only the partial last one)."""
+        for child in reversed(self._pending_forks.pop(leader.request_id)):
             self.waiting.appendleft(child)
-            if shared:
-                self._to_share.append((child.request_id, shared))
-        for block_id in shared:
-            self._num_holders[block_id] = self._num_holders.get(block_id, 1) + len(children)
 
     def _release_pending_forks(self, leader: Request) -> None:
         """A leader that ends before its prefill leaves its siblings to prefill on their own."""
@@ -380,7 +408,7 @@ class Scheduler:
                                                chunk.start + len(chunk.positions) - 1)
         return fresh or None
 
-    def _new_request_data(self, request: Request) -> NewRequestData:
+    def _new_request_data(self, request: Request, block_ids: list[int]) -> NewRequestData:
         return NewRequestData(request.request_id, request.all_token_ids, request.num_prompt_tokens,
-                              list(request.block_ids), request.num_computed_tokens,
-                              request.sampling_params, request.seed, request.bad_words_token_ids)
+                              block_ids, request.num_computed_tokens, request.sampling_params,
+                              request.seed, request.bad_words_token_ids)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 
 from actorlm.messages import ScheduleStep, StepResult
-from actorlm.testing.fake_runner import InjectedFault
+from actorlm.core.fake_runner import InjectedFault
 
 
 class InjectedDeath(BaseException):

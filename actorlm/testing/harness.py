@@ -37,7 +37,7 @@ from actorlm.messages import (AbortRequests, AddRequest, EngineOutputs, GetStats
 from actorlm.models.parts import ModelParts
 from actorlm.outputs import RequestOutput
 from actorlm.sampling_params import SamplingParams
-from actorlm.testing.fake_runner import FakeModelRunner
+from actorlm.core.fake_runner import FakeModelRunner
 from actorlm.testing.probe import TestProbe
 from actorlm.testing.records import RequestRecord, StepRecord
 from actorlm.testing.tokenizer import ToyTokenizer
@@ -124,7 +124,7 @@ class EngineHarness:
                     runner.clock = clock
                 self.runner = runner
                 tokenizer = tokenizer or ToyTokenizer(vocab_size, min(eos) if eos else None)
-                parts = ModelParts("FakeModelRunner", tokenizer, lambda rank: runner,
+                parts = ModelParts("FakeModelRunner", tokenizer, lambda rank: runner.fresh(),
                                    vocab_size, eos)
                 self.system = EngineSystem(config, parts=parts, **system_kwargs)
             self.config = self.system.config
@@ -323,9 +323,8 @@ class EngineHarness:
 
     def _observe(self, dest: str, message) -> None:
         if dest == "scheduler" and isinstance(message, AddRequest):
-            n = message.sampling_params.n
-            engine_ids = [message.request_id] if n == 1 else \
-                [messages.child_request_id(message.request_id, i) for i in range(n)]
+            engine_ids = messages.engine_request_ids(message.request_id,
+                                                     message.sampling_params.n)
             with self._lock:
                 for engine_id in engine_ids:
                     self.requests.setdefault(engine_id, RequestRecord(

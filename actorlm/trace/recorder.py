@@ -43,8 +43,7 @@ _WRITE_BATCH = 4096  # records buffered for the file before a write
 
 _STATE_NAMES = {s: s.name.lower() for s in RequestState}
 _EVENT_NAMES = {e: e.value for e in RequestEvent}
-_FINISH_REASONS = {RequestEvent.ABORT: "abort", RequestEvent.FAIL: "error"}
-_FINISHED = RequestState.FINISHED
+_FINISHED, _RUNNING = RequestState.FINISHED, RequestState.RUNNING
 _STEP_TYPES = frozenset(STEP_MESSAGE_TYPES)
 _TIMINGS = ("prepare_s", "forward_s", "sample_s")  # StepResult.timings, in order
 
@@ -101,14 +100,12 @@ class TracedRef:
 
 
 class _PendingStep:
-    __slots__ = ("plan", "t_start", "request_ids", "is_prefill", "num_running", "num_waiting",
-                 "kv_free")
+    __slots__ = ("plan", "t_start", "num_running", "num_waiting", "granted")
 
-    def __init__(self, plan, t_start, request_ids, is_prefill, num_running, num_waiting):
+    def __init__(self, plan, t_start, num_running, num_waiting):
         self.plan, self.t_start = plan, t_start
-        self.request_ids, self.is_prefill = request_ids, is_prefill
         self.num_running, self.num_waiting = num_running, num_waiting
-        self.kv_free = 0
+        self.granted = None  # the allocator's SlotsGranted
 
 
 class TraceRecorder:
@@ -138,7 +135,6 @@ class TraceRecorder:
         self.next_step_id = 0  # the next step the scheduler will plan
         self._scheduler = None
         self._requests: dict = {}
-        self._max_model_len = 1 << 62
         self._pending: _PendingStep | None = None
         self._file = open(path, "wb") if path is not None else None
         self._unwritten: list[Record] = []
@@ -152,7 +148,8 @@ class TraceRecorder:
             max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
             block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
             enable_chunked_prefill=config.enable_chunked_prefill,
-            eos_token_ids=sorted(eos_token_ids), model=model, t0=self._now(),
+            eos_token_ids=sorted(eos_token_ids),
+            enable_prefix_caching=config.enable_prefix_caching, model=model, t0=self._now(),
             wall_time=self._wall(), capacity=self.capacity)
         if self._file is not None:
             with self._write_lock:
@@ -163,7 +160,6 @@ class TraceRecorder:
         """Read request counts and queue lengths from this ``core.scheduler.Scheduler``."""
         self._scheduler = scheduler
         self._requests = scheduler.requests
-        self._max_model_len = scheduler.config.max_model_len
 
     def wrap(self, ref, sender: str, receiver: str) -> TracedRef:
         return TracedRef(ref, self, sender, receiver)
@@ -173,21 +169,22 @@ class TraceRecorder:
     def on_transition(self, machine, move) -> None:
         """A ``Machine`` listener: one ``StateChange`` per transition."""
         request = self._requests.get(machine.name)
-        reason = stop_reason = None
-        if move.target is _FINISHED:
-            reason = _FINISH_REASONS.get(move.event)
-            if reason is None and request is not None:
-                reason = "length" if self._at_length_cap(request) else "stop"
-                stop_reason = request.stop_reason
         if request is None:
-            counts = (0, 0, 0, 0)
-        else:
-            counts = (len(request.prompt_token_ids), len(request.output_token_ids),
-                      request.num_computed_tokens, len(request.block_ids))
-        self._append(StateChange(self._now(), self.step, machine.name,
-                                 _STATE_NAMES[move.source], _STATE_NAMES[move.target],
-                                 _EVENT_NAMES[move.event], reason, *counts,
-                                 stop_reason=stop_reason))
+            self._append(StateChange(self._now(), self.step, machine.name,
+                                     _STATE_NAMES[move.source], _STATE_NAMES[move.target],
+                                     _EVENT_NAMES[move.event], None, 0, 0, 0, 0))
+            return
+        finished, admitted = move.target is _FINISHED, move.target is _RUNNING
+        # an admission starts computing at its prefix-cache hit
+        cached = request.num_computed_tokens if admitted else 0
+        hashes = list(request.block_hashes) if finished or admitted else []
+        self._append(StateChange(
+            self._now(), self.step, machine.name, _STATE_NAMES[move.source],
+            _STATE_NAMES[move.target], _EVENT_NAMES[move.event],
+            request.finish_reason.value if finished else None, len(request.prompt_token_ids),
+            len(request.output_token_ids), request.num_computed_tokens, request.num_blocks,
+            stop_reason=request.stop_reason if finished else None, num_cached_tokens=cached,
+            block_hashes=hashes))
 
     def on_arrival(self, msg: AddRequest) -> None:
         p = msg.sampling_params
@@ -207,24 +204,18 @@ class TraceRecorder:
         self.step = self.next_step_id
 
     def planned(self, plan) -> None:
-        """``Scheduler.schedule()`` returned ``plan`` (counts are still the pre-step ones)."""
+        """``Scheduler.schedule()`` proposed ``plan`` (queue lengths are still the pre-step ones)."""
         self.next_step_id = plan.step_id + 1
-        requests = plan.requests
-        request_ids = [r.request_id for r in requests]
-        # a decode computes exactly the newest token; anything else is prefill or recompute
-        is_prefill = [n != 1 or len(r.prompt_token_ids) + len(r.output_token_ids)
-                      - r.num_computed_tokens != 1
-                      for r, n in zip(requests, plan.num_scheduled_tokens)]
         s = self._scheduler
-        self._pending = _PendingStep(plan, self._now(), request_ids, is_prefill,
-                                     len(s.running) if s else 0, len(s.waiting) if s else 0)
+        self._pending = _PendingStep(plan, self._now(), len(s.running) if s else 0,
+                                     len(s.waiting) if s else 0)
 
-    def granted(self, plan, ran: bool) -> None:
-        """The allocator granted ``plan``; ``ran`` is False for a plan that only freed blocks."""
+    def granted(self, plan, granted, ran: bool) -> None:
+        """The allocator granted ``plan``; ``ran`` is False when the step runs nothing."""
         pending = self._pending
         if pending is None or pending.plan is not plan:
             return
-        pending.kv_free = self._scheduler.num_free_blocks if self._scheduler else 0
+        pending.granted = granted
         if not ran:
             self._emit_step(pending, self._now(), [], None)
 
@@ -235,13 +226,6 @@ class TraceRecorder:
         if pending is not None and pending.plan is plan:
             self._emit_step(pending, self._now(), list(result.failed_request_ids), result.error,
                             result.fault, list(result.blame_request_ids), result.timings)
-
-    def step_refused(self, plan, refused) -> None:
-        pending = self._pending
-        if pending is not None and pending.plan is plan:
-            pending.kv_free = refused.num_free_blocks
-            self._emit_step(pending, self._now(), [r.request_id for r in plan.requests],
-                            f"KV allocation refused: {refused.reason}")
 
     # --- export -------------------------------------------------------------------------------
 
@@ -311,26 +295,23 @@ class TraceRecorder:
             self._file.write(encode_lines(self._unwritten[:count]))
             del self._unwritten[:count]
 
-    def _at_length_cap(self, request) -> bool:
-        max_tokens = request.sampling_params.max_tokens
-        return request.num_tokens >= self._max_model_len or (
-            max_tokens is not None and len(request.output_token_ids) >= max_tokens)
-
     def _emit_step(self, pending: _PendingStep, t_end: float, failed_ids: list[str],
                    error: str | None, fault: str | None = None,
                    blamed_ids: list[str] = (), timings: list[float] = ()) -> None:
         self._pending = None
-        plan = pending.plan
+        plan, granted = pending.plan, pending.granted
         counts = list(plan.num_scheduled_tokens)
-        num_prefill = sum([n for n, p in zip(counts, pending.is_prefill) if p])
-        total = self._scheduler.num_total_blocks if self._scheduler else 0
+        num_prefill = sum([n for n, p in zip(counts, plan.is_prefill) if p])
+        total = self.config.num_kv_blocks if self.config else 0
+        free = granted.num_free_blocks if granted is not None else 0
         self._append(StepSummary(
             step=plan.step_id, t_start=pending.t_start, t_end=t_end,
             duration_s=t_end - pending.t_start,
-            request_ids=pending.request_ids, num_scheduled_tokens=counts,
-            is_prefill=pending.is_prefill, num_prefill_tokens=num_prefill,
+            request_ids=[r.request_id for r in plan.requests], num_scheduled_tokens=counts,
+            is_prefill=list(plan.is_prefill), num_prefill_tokens=num_prefill,
             num_decode_tokens=sum(counts) - num_prefill, preempted_ids=list(plan.preempted_ids),
-            failed_ids=failed_ids, kv_blocks_used=total - pending.kv_free,
-            kv_blocks_free=pending.kv_free, kv_blocks_cached=0,
+            failed_ids=failed_ids, kv_blocks_used=total - free, kv_blocks_free=free,
+            kv_blocks_cached=granted.num_cached_blocks if granted is not None else 0,
             num_running=pending.num_running, num_waiting=pending.num_waiting, error=error,
-            fault=fault, blamed_ids=list(blamed_ids), **dict(zip(_TIMINGS, timings))))
+            fault=fault, blamed_ids=list(blamed_ids), num_cached_tokens=plan.num_cached_tokens,
+            **dict(zip(_TIMINGS, timings))))

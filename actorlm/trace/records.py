@@ -22,7 +22,7 @@ from typing import Iterable, Iterator, Union
 
 import msgspec
 
-TRACE_VERSION = 1
+TRACE_VERSION = 2
 
 
 class _Record(msgspec.Struct, frozen=True, gc=False, tag_field="kind"):
@@ -39,6 +39,7 @@ class TraceConfig(_Record, tag="config"):
     num_kv_blocks: int
     enable_chunked_prefill: bool
     eos_token_ids: list[int]
+    enable_prefix_caching: bool = False
     model: str = ""
     t0: float = 0.0
     wall_time: float = 0.0
@@ -92,6 +93,10 @@ class StateChange(_Record, tag="transition"):
     num_computed_tokens: int
     num_blocks: int
     stop_reason: int | str | None = None  # stop token id, or stop string (StopRequests)
+    num_cached_tokens: int = 0  # into running: tokens this admission found in the prefix cache
+    # into running or finished, with prefix caching: the content hashes of the request's full
+    # blocks so far (what a replay needs to reproduce its cache hits)
+    block_hashes: list[int] = []
 
 
 class MessageSent(_Record, tag="message"):
@@ -140,6 +145,7 @@ class StepSummary(_Record, tag="step"):
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
+    num_cached_tokens: int = 0  # found in the prefix cache by the requests admitted here
 
     @property
     def num_requests(self) -> int:

@@ -2,7 +2,7 @@
 
 ``SyncEngine`` is the engine's scheduling half run in one thread: the real ``SchedulerActor``
 (its ``on_receive``, not its thread), the real ``Scheduler`` and ``BlockPool``, and
-``actorlm.testing.FakeModelRunner`` for the model. Every message the scheduler sends lands in
+``core.fake_runner.FakeModelRunner`` for the model. Every message the scheduler sends lands in
 an outbox the engine routes itself, so the order in which the scheduler handles messages is
 exactly the order the caller chooses.
 
@@ -15,7 +15,10 @@ recorded one: which requests, how many tokens each, which preemptions, KV blocks
 
 Fake tokens are not the recorded ones, so no token may end a request: the replay runs without
 EOS or stop tokens, and a request that finished on its own (EOS, stop token, a length cap)
-is given ``max_tokens`` equal to the output length it finished at. A stop string arrives as
+is given ``max_tokens`` equal to the output length it finished at. Prefix-cache hits follow
+the recorded block hashes: a request gets the hash chain its transitions recorded, and its fake
+tokens (prompt and output) are drawn from that chain, so two requests hold equal fake tokens
+exactly where the recording had them share a prefix. A stop string arrives as
 the recorded ``StopRequests``. Request failures the recording saw are injected into the fake
 runner, and a worker fault is answered as the executor answered it.
 """
@@ -29,12 +32,13 @@ from types import SimpleNamespace
 import msgspec
 
 from actorlm.actors.scheduler import SchedulerActor
+from actorlm.core.block_hash import hash_block
 from actorlm.core.block_pool import BlockPool
+from actorlm.core.fake_runner import FakeModelRunner
 from actorlm.core.scheduler import Scheduler, SchedulerConfig
-from actorlm.messages import (AbortRequests, AddRequest, AllocateSlots, Connect, ScheduleStep,
-                              SlotsGranted, StepResult, StopRequests, child_request_id)
+from actorlm.messages import (AbortRequests, AddRequest, Connect, ScheduleStep, SlotsGranted,
+                              StepResult, StopRequests, engine_request_ids)
 from actorlm.sampling_params import SamplingParams
-from actorlm.testing import FakeModelRunner
 from actorlm.trace.recorder import TraceRecorder
 from actorlm.trace.records import (TRACE_VERSION, Abort, Arrival, Record, StateChange,
                                    StepSummary, Stop, TraceConfig)
@@ -70,17 +74,19 @@ class SyncEngine:
             num_kv_blocks = config.num_kv_blocks
             config = SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
                                      config.max_model_len, config.block_size,
-                                     config.enable_chunked_prefill, frozenset(config.eos_token_ids))
+                                     config.enable_chunked_prefill, frozenset(config.eos_token_ids),
+                                     config.enable_prefix_caching)
         self.recorder = recorder
         listeners = [recorder.on_transition] if recorder is not None else []
-        self.scheduler = Scheduler(config, num_kv_blocks, listeners=listeners)
+        self.scheduler = Scheduler(config, listeners=listeners)
         if recorder is not None:
             recorder.configure(SimpleNamespace(num_kv_blocks=num_kv_blocks, **{
                 name: getattr(config, name) for name in (
                     "max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
-                    "enable_chunked_prefill")}), config.eos_token_ids, "replay")
+                    "enable_chunked_prefill", "enable_prefix_caching")}),
+                config.eos_token_ids, "replay")
             recorder.attach(self.scheduler)
-        self.pool = BlockPool(num_kv_blocks)
+        self.pool = BlockPool(num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = runner or FakeModelRunner(
             block_size=config.block_size if check_kv else None,
             num_blocks=num_kv_blocks if check_kv else None)
@@ -104,6 +110,7 @@ class SyncEngine:
         held, self.held = self.held, None
         if isinstance(held, ScheduleStep):
             if recorded is not None and recorded.fault is not None:
+                self.runner.fresh()  # the worker was replaced: it holds nothing any more
                 held = StepResult(held.step_id, [], [], fault=recorded.fault,
                                   blame_request_ids=list(recorded.blamed_ids))
             else:
@@ -126,11 +133,10 @@ class SyncEngine:
             if dest == "allocator":
                 self.next_step_id = message.step_id + 1
                 granted = self.pool.grant(message)
-                if isinstance(message, AllocateSlots) and message.request_ids and \
-                        isinstance(granted, SlotsGranted):
+                if self.actor.plan.runs_with(granted):
                     self.actor.on_receive(granted)  # the step's requests run: no choice here
                 else:
-                    self._hold(granted)
+                    self._hold(granted)  # the next plan follows it at once: keep the order
             elif dest == "executor":
                 self._hold(message)
             else:
@@ -188,9 +194,11 @@ def replay_trace(records: list[Record], *, check_kv: bool = True) -> ReplayRepor
         raise TraceIncomplete(f"the ring buffer dropped {config.num_dropped} records before "
                               f"this export; replay needs a complete trace (use a trace file)")
     finish_lengths = _natural_finish_lengths(records)
+    chains = _hash_chains(records)
     recorder = TraceRecorder(capacity=2 * len(records) + 64)
+    runner = _ChainRunner(chains, config.block_size, check_kv and config.num_kv_blocks)
     engine = SyncEngine(msgspec.structs.replace(config, eos_token_ids=[]), recorder=recorder,
-                        check_kv=check_kv)
+                        runner=runner)
     report = ReplayReport(0, 0)
     for record in records[1:]:
         if isinstance(record, StepSummary):
@@ -201,9 +209,9 @@ def replay_trace(records: list[Record], *, check_kv: bool = True) -> ReplayRepor
             if divergence is None:
                 if isinstance(record, Arrival):
                     report.num_requests += 1
-                engine.send(_message(record))
+                engine.send(_message(record, chains, config.block_size))
                 if isinstance(record, Arrival):
-                    _cap_outputs(engine.scheduler, record, finish_lengths)
+                    _follow_recording(engine.scheduler, record, finish_lengths, chains)
         else:
             continue
         if divergence is None and engine.runner.violations:
@@ -252,27 +260,63 @@ def _replay_step(engine: SyncEngine, recorder: TraceRecorder, recorded: StepSumm
     return None
 
 
-def _message(record):
+def _message(record, chains: dict[str, list[int]], block_size: int):
     if isinstance(record, Arrival):
         params = SamplingParams(n=record.n, max_tokens=record.max_tokens, temperature=0.0,
                                 ignore_eos=True)
-        prompt = [1 + i % 7 for i in range(record.num_prompt_tokens)]
+        chain = chains.get(engine_request_ids(record.request_id, record.n)[0], [])
+        prompt = [_token_at(chain, p, block_size) or 1 + p % 7
+                  for p in range(record.num_prompt_tokens)]
         return AddRequest(record.request_id, prompt, params, 0, record.arrival_time)
     if isinstance(record, Stop):
         return StopRequests(list(record.request_ids), list(record.stop_reasons))
     return AbortRequests(list(record.request_ids))
 
 
-def _cap_outputs(scheduler: Scheduler, arrival: Arrival, finish_lengths: dict[str, int]) -> None:
-    """Each request (or child) that finished on its own stops at the same output length."""
-    ids = [arrival.request_id] if arrival.n == 1 else \
-        [child_request_id(arrival.request_id, i) for i in range(arrival.n)]
-    for request_id in ids:
+def _follow_recording(scheduler: Scheduler, arrival: Arrival, finish_lengths: dict[str, int],
+                      chains: dict[str, list[int]]) -> None:
+    """Each request (or child) that finished on its own stops at the same output length, and
+    its blocks hash as they did in the recording."""
+    for request_id in engine_request_ids(arrival.request_id, arrival.n):
         request = scheduler.requests.get(request_id)
+        if request is None:
+            continue
+        request.block_hashes = list(chains.get(request_id, ()))
         length = finish_lengths.get(request_id)
-        if request is not None and length:
+        if length:
             request.sampling_params = msgspec.structs.replace(request.sampling_params,
                                                               max_tokens=length)
+
+
+def _hash_chains(records: list[Record]) -> dict[str, list[int]]:
+    """Each request's longest recorded chain of block hashes (empty without prefix caching)."""
+    chains: dict[str, list[int]] = {}
+    for r in records:
+        if isinstance(r, StateChange) and len(r.block_hashes) > len(chains.get(r.request_id, ())):
+            chains[r.request_id] = r.block_hashes
+    return chains
+
+
+def _token_at(chain: list[int], position: int, block_size: int) -> int | None:
+    """A fake token for ``position`` drawn from the recorded hash of its block (None past the
+    chain): equal hashes give equal tokens, so the fake KV agrees wherever the recording's did."""
+    index = position // block_size
+    if index >= len(chain):
+        return None
+    return 10 + hash_block(chain[index], (position % block_size,)) % 990
+
+
+class _ChainRunner(FakeModelRunner):
+    """Samples, inside each request's recorded chain, the tokens the chain says were there."""
+
+    def __init__(self, chains: dict[str, list[int]], block_size: int, num_blocks: int | None):
+        super().__init__(block_size=block_size if num_blocks else None,
+                         num_blocks=num_blocks or None)
+        self.chains, self.chain_block_size = chains, block_size
+
+    def _sample(self, state, position: int) -> int:
+        token = _token_at(self.chains.get(state.request_id, ()), position, self.chain_block_size)
+        return super()._sample(state, position) if token is None else token
 
 
 def _natural_finish_lengths(records: list[Record]) -> dict[str, int]:
@@ -290,8 +334,7 @@ def _all_finished(records: list[Record]) -> bool:
     live = set()
     for r in records:
         if isinstance(r, Arrival):
-            live.update([r.request_id] if r.n == 1 else
-                        [child_request_id(r.request_id, i) for i in range(r.n)])
+            live.update(engine_request_ids(r.request_id, r.n))
         elif isinstance(r, StateChange) and r.target == "finished":
             live.discard(r.request_id)
     return not live

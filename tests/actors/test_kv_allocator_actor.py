@@ -1,28 +1,37 @@
 """The KVAllocatorActor alone, with a TestProbe as its scheduler."""
 
 from actorlm.actors.kv_allocator import KVAllocatorActor
-from actorlm.messages import AllocateSlots, GetStats, KVStats, SlotsGranted, SlotsRefused
+from actorlm.core.block_hash import extend_block_hashes
+from actorlm.core.block_pool import BlockPool
+from actorlm.messages import (Admitted, AllocateSlots, Candidate, ComputedBlocks, GetStats,
+                              KVStats, ResetPrefixCache, SlotsGranted)
 
 
-def test_allocator_grants_refuses_and_frees_one_step_at_a_time(make_probe):
+def test_allocator_decides_each_step_in_one_reply(make_probe):
     scheduler = make_probe("scheduler")
-    allocator = KVAllocatorActor.start(8, scheduler.ref)
+    allocator = KVAllocatorActor.start(BlockPool(8, block_size=4), scheduler.ref)
+    prompt = list(range(10))
+    hashes = extend_block_hashes([], prompt, 4)
     try:
-        allocator.tell(AllocateSlots(0, [], ["a", "b"], [2, 3]))
-        assert scheduler.expect_message(SlotsGranted) == SlotsGranted(0, ["a", "b"],
-                                                                       [[0, 1], [2, 3, 4]], 3, 8)
-        # a step that asks for more than is free is refused whole: nothing changes
-        allocator.tell(AllocateSlots(1, [], ["a", "c"], [1, 3]))
-        refused = scheduler.expect_message(SlotsRefused)
-        assert (refused.step_id, refused.num_free_blocks) == (1, 3)
-        assert allocator.ask(GetStats()) == KVStats(3, 8, 2)
-        # frees come first, so the same step can reuse them
-        allocator.tell(AllocateSlots(2, ["b"], ["a"], [4]))
+        allocator.tell(AllocateSlots(0, [], [], [], [Candidate("a", 10, 10, hashes),
+                                                    Candidate("b", 9, 9)]))
+        assert scheduler.expect_message(SlotsGranted) == SlotsGranted(
+            0, [], [], [Admitted("a", [0, 1, 2], 0, 10), Admitted("b", [3, 4, 5], 0, 9)], 2, 0)
+        # a grows by 5 blocks: b, the lowest priority, is preempted to make room; no admission
+        allocator.tell(AllocateSlots(1, [], ["a", "b"], [30, 10], [Candidate("c", 2, 2)],
+                                     [ComputedBlocks("a", 0, hashes)]))
         granted = scheduler.expect_message(SlotsGranted)
-        assert granted.new_block_ids == [[5, 6, 7, 2]] and granted.num_free_blocks == 2
-        allocator.tell(AllocateSlots(3, ["a"], [], []))
-        assert scheduler.expect_message(SlotsGranted).num_free_blocks == 8
-        assert allocator.ask(GetStats()) == KVStats(8, 8, 0)  # a barrier as well
+        assert (granted.new_block_ids, granted.preempted_ids, granted.admitted) == \
+            ([[3, 4, 5, 6, 7]], ["b"], [])
+        assert allocator.ask(GetStats()) == KVStats(0, 8, 1, 0, 19, 0)
+        # a finishes: its computed blocks stay cached, and a repeat of its prompt hits them
+        allocator.tell(AllocateSlots(2, ["a"], [], [], [Candidate("a2", 10, 10, hashes)]))
+        [admitted] = scheduler.expect_message(SlotsGranted).admitted
+        assert (admitted.block_ids[:2], admitted.num_cached_tokens) == ([0, 1], 8)
+        assert allocator.ask(GetStats()) == KVStats(5, 8, 1, 0, 29, 8)
+        assert allocator.ask(ResetPrefixCache()) is True
+        allocator.tell(AllocateSlots(3, ["a2"], [], [], [Candidate("a3", 10, 10, hashes)]))
+        assert scheduler.expect_message(SlotsGranted).admitted[0].num_cached_tokens == 0
         scheduler.expect_no_message(0)
     finally:
         allocator.stop()

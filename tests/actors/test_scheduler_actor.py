@@ -5,8 +5,8 @@ import pytest
 
 from actorlm.actors.scheduler import SchedulerActor
 from actorlm.core.scheduler import Scheduler, SchedulerConfig
-from actorlm.messages import (AbortRequests, AddRequest, AllocateSlots, Connect, EngineOutputs,
-                              GetStats, ScheduleStep, SlotsGranted, SlotsRefused, StepResult)
+from actorlm.messages import (AbortRequests, AddRequest, Admitted, AllocateSlots, Connect,
+                              EngineOutputs, GetStats, ScheduleStep, SlotsGranted, StepResult)
 from actorlm.sampling_params import SamplingParams
 
 
@@ -15,7 +15,7 @@ def wired(make_probe):
     frontend, allocator, executor = make_probe("frontend"), make_probe("allocator"), \
         make_probe("executor")
     policy = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4,
-                                       max_model_len=32, block_size=4), num_total_blocks=8)
+                                       max_model_len=32, block_size=4))
     scheduler = SchedulerActor.start(policy)
     scheduler.tell(Connect(frontend.ref, allocator.ref, executor.ref))
     yield scheduler, frontend, allocator, executor
@@ -38,11 +38,13 @@ def test_one_request_end_to_end_message_by_message(wired):
     scheduler, frontend, allocator, executor = wired
     scheduler.tell(add("a", 6, max_tokens=2))
     ask = allocator.expect_message(AllocateSlots)
-    assert (ask.step_id, ask.free_request_ids, ask.request_ids, ask.num_new_blocks) == \
-        (0, [], ["a"], [2])
+    assert (ask.step_id, ask.free_request_ids, ask.request_ids) == (0, [], [])
+    [candidate] = ask.candidates
+    assert (candidate.request_id, candidate.num_tokens, candidate.max_new_tokens) == ("a", 6, 6)
+    assert len(candidate.block_hashes) == 1  # the block of the last token is never a hit
     quiet(scheduler, frontend, executor)  # nothing runs before the grant
 
-    scheduler.tell(SlotsGranted(0, ["a"], [[5, 6]], 6, 8))
+    scheduler.tell(SlotsGranted(0, [], [], [Admitted("a", [5, 6], 0, 6)], 6, 0))
     step = executor.expect_message(ScheduleStep)
     assert step.step_id == 0 and step.num_scheduled_tokens == [6]
     [new] = step.new_requests
@@ -51,12 +53,15 @@ def test_one_request_end_to_end_message_by_message(wired):
     scheduler.tell(StepResult(0, ["a"], [42]))
     # the next plan is sent before the outputs (blocks before callers), one message each
     ask = allocator.expect_message(AllocateSlots)
-    assert (ask.step_id, ask.request_ids, ask.num_new_blocks) == (1, ["a"], [0])
+    assert (ask.step_id, ask.request_ids, ask.num_tokens) == (1, ["a"], [7])
+    # the step completed a's first block: it enters the prefix cache
+    assert [(c.request_id, c.first_block, len(c.block_hashes)) for c in ask.computed_blocks] \
+        == [("a", 0, 1)]
     out = frontend.expect_message(EngineOutputs)
     assert [(d.request_id, d.new_token_ids, d.finish_reason) for d in out.deltas] == \
         [("a", [42], None)]
 
-    scheduler.tell(SlotsGranted(1, ["a"], [[]], 6, 8))
+    scheduler.tell(SlotsGranted(1, [[]], [], [], 6, 0))
     step = executor.expect_message(ScheduleStep)
     assert step.new_requests == [] and step.num_scheduled_tokens == [1]
     assert [(c.request_id, c.num_computed_tokens) for c in step.cached_requests] == [("a", 6)]
@@ -67,7 +72,7 @@ def test_one_request_end_to_end_message_by_message(wired):
     out = frontend.expect_message(EngineOutputs)
     assert [(d.request_id, d.new_token_ids, d.finish_reason) for d in out.deltas] == \
         [("a", [43], "length")]
-    scheduler.tell(SlotsGranted(2, [], [], 8, 8))
+    scheduler.tell(SlotsGranted(2, [], [], [], 8, 1))
     quiet(scheduler, frontend, allocator, executor)  # idle: no more steps, no polling
 
 
@@ -75,7 +80,7 @@ def test_an_abort_during_a_step_waits_for_its_result(wired):
     scheduler, frontend, allocator, executor = wired
     scheduler.tell(add("a", 5, max_tokens=8))
     allocator.expect_message(AllocateSlots)
-    scheduler.tell(SlotsGranted(0, ["a"], [[0, 1]], 6, 8))
+    scheduler.tell(SlotsGranted(0, [], [], [Admitted("a", [0, 1], 0, 5)], 6, 0))
     executor.expect_message(ScheduleStep)
 
     scheduler.tell(AbortRequests(["a"]))
@@ -87,21 +92,29 @@ def test_an_abort_during_a_step_waits_for_its_result(wired):
     out = frontend.expect_message(EngineOutputs)
     assert [(d.request_id, d.new_token_ids, d.finish_reason) for d in out.deltas] == \
         [("a", [7], None), ("a", [], "abort")]
-    scheduler.tell(SlotsGranted(1, [], [], 8, 8))
+    scheduler.tell(SlotsGranted(1, [], [], [], 8, 1))
     quiet(scheduler, frontend, allocator, executor)
 
 
-def test_a_refused_grant_fails_only_the_plan_and_resynchronises(wired):
+def test_the_allocators_preemption_and_admission_decide_the_step(wired):
     scheduler, frontend, allocator, executor = wired
-    scheduler.tell(add("a", 5))
+    scheduler.tell(add("a", 4, max_tokens=8))
     allocator.expect_message(AllocateSlots)
-    scheduler.tell(SlotsRefused(0, "2 blocks asked, 0 free", 0))
-    out = frontend.expect_message(EngineOutputs)
-    [delta] = out.deltas
-    assert (delta.request_id, delta.finish_reason) == ("a", "error")
-    assert "KV allocation refused" in delta.error
-    ask = allocator.expect_message(AllocateSlots)  # the failed request's (empty) blocks
-    assert ask.free_request_ids == ["a"]
+    scheduler.tell(SlotsGranted(0, [], [], [Admitted("a", [0], 0, 4)], 7, 0))
+    executor.expect_message(ScheduleStep)
+    scheduler.tell(add("b", 4, max_tokens=8))
+    scheduler.tell(StepResult(0, ["a"], [9]))
+    ask = allocator.expect_message(AllocateSlots)
+    assert ask.request_ids == ["a"] and [c.request_id for c in ask.candidates] == ["b"]
+    # the allocator preempts a (it had no room) and so admits no one: nothing runs
+    scheduler.tell(SlotsGranted(1, [], ["a"], [], 8, 1))
+    ask = allocator.expect_message(AllocateSlots)  # at once: the next proposal
+    assert ask.request_ids == [] and [c.request_id for c in ask.candidates] == ["a", "b"]
     stats = scheduler.ask(GetStats())
-    assert (stats.num_running, stats.num_waiting, stats.num_free_blocks) == (0, 0, 0)
-    executor.expect_no_message(0)
+    assert (stats.num_running, stats.num_waiting, stats.num_preemptions) == (0, 2, 1)
+    # a comes back at its cache hit: only its newest token is computed
+    scheduler.tell(SlotsGranted(2, [], [], [Admitted("a", [3, 4], 4, 1)], 6, 0))
+    step = executor.expect_message(ScheduleStep)
+    [new] = step.new_requests
+    assert (new.request_id, new.token_ids, new.num_computed_tokens, step.num_scheduled_tokens) \
+        == ("a", [3, 4, 5, 6, 9], 4, [1])

@@ -7,7 +7,7 @@ import pytest
 from actorlm.core.block_pool import BlockPool
 from actorlm.core.scheduler import Scheduler, SchedulerConfig
 from actorlm.fsm import RequestState
-from actorlm.messages import AddRequest, SlotsGranted, StepResult
+from actorlm.messages import AddRequest, StepResult
 from actorlm.sampling_params import SamplingParams
 
 
@@ -18,9 +18,11 @@ def fake_token(token_ids: list[int]) -> int:
 
 class Driver:
     def __init__(self, num_blocks=64, block_size=4, budget=32, max_seqs=8, max_model_len=64,
-                 chunked=True, eos=2):
-        cfg = SchedulerConfig(budget, max_seqs, max_model_len, block_size, chunked, frozenset({eos}))
-        self.scheduler, self.pool = Scheduler(cfg, num_blocks), BlockPool(num_blocks)
+                 chunked=True, eos=2, caching=True):
+        cfg = SchedulerConfig(budget, max_seqs, max_model_len, block_size, chunked,
+                              frozenset({eos}), caching)
+        self.scheduler = Scheduler(cfg)
+        self.pool = BlockPool(num_blocks, block_size, caching)
         self.plans, self.outputs, self.running_before = [], {}, []
 
     def add(self, request_id, prompt_len, max_tokens=8, **params):
@@ -34,8 +36,7 @@ class Driver:
         plan = self.scheduler.schedule()
         if plan is None:
             return None
-        granted = self.pool.grant(plan.allocate_message())
-        assert isinstance(granted, SlotsGranted)
+        granted = self.pool.grant(plan.allocate_message(self.scheduler.config.block_size))
         self.scheduler.on_slots_granted(plan, granted)
         sampled = [r for r in plan.requests if r.num_computed_tokens == r.num_tokens]
         result = StepResult(plan.step_id, [r.request_id for r in sampled],
@@ -150,3 +151,45 @@ def test_abort_in_each_state_frees_every_block(when):
     d.run()
     d.scheduler.schedule()
     assert d.pool.num_free_blocks == 6
+
+
+def _multi_turn(d: Driver, turns=3, conversations=3, output_len=6):
+    """Each turn re-sends the conversation so far plus a new user message."""
+    history = {c: [5 + c] * 9 for c in range(conversations)}
+    for turn in range(turns):
+        for c, tokens in history.items():
+            d.scheduler.add_request(AddRequest(f"c{c}t{turn}", list(tokens), SamplingParams(
+                max_tokens=output_len, temperature=0, ignore_eos=True), 0, 0.0))
+        d.run()
+        for c in history:
+            history[c] += d.outputs[f"c{c}t{turn}"][0] + [40 + turn] * 3
+    return d
+
+
+@pytest.mark.parametrize("num_blocks", [64, 12])
+def test_prefix_caching_computes_less_and_changes_no_token(num_blocks):
+    on = _multi_turn(Driver(num_blocks=num_blocks, max_model_len=128))
+    off = _multi_turn(Driver(num_blocks=num_blocks, max_model_len=128, caching=False))
+    assert on.outputs == off.outputs
+    computed_on = on.scheduler.num_prefill_tokens
+    assert computed_on < off.scheduler.num_prefill_tokens
+    if num_blocks == 64:
+        # each turn finds the previous turn's computed full blocks: its prompt and all but
+        # the last output token (9 + 5 = 14 tokens -> 3 blocks; 18 + 5 = 23 -> 5 blocks)
+        cached = {r.request_id: r.num_cached_tokens for p in on.plans for r in p.requests}
+        assert (cached["c0t0"], cached["c0t1"], cached["c0t2"]) == (0, 12, 20)
+        assert on.scheduler.num_preemptions == 0
+    else:
+        assert on.scheduler.num_preemptions > 0  # recompute after preemption hits the cache too
+    on.scheduler.schedule()
+    assert on.pool.num_requests_holding_blocks == 0 and on.pool.num_free_blocks == num_blocks
+
+
+def test_n_children_find_their_leaders_prompt_in_the_cache():
+    d = Driver(num_blocks=64, block_size=4, max_model_len=64)
+    d.scheduler.add_request(AddRequest("r", list(range(10, 23)), SamplingParams(
+        n=3, max_tokens=4, temperature=0, ignore_eos=True), 0, 0.0))
+    d.run()
+    cached = {r.request_id: r.num_cached_tokens for p in d.plans for r in p.requests}
+    assert cached == {"0_r": 0, "1_r": 12, "2_r": 12}
+    assert len({tuple(d.outputs[f"{i}_r"][0]) for i in range(3)}) == 1  # greedy: one answer

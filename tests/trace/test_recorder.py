@@ -50,7 +50,7 @@ def test_every_request_step_and_message_is_recorded(tiny_run):
         stats["num_scheduled_tokens"]
     assert {rid for s in steps for rid in s.preempted_ids}
     for s in ran:
-        assert s.kv_blocks_used + s.kv_blocks_free == 24 and s.kv_blocks_cached == 0
+        assert s.kv_blocks_used + s.kv_blocks_free == 24 and s.kv_blocks_cached <= s.kv_blocks_free
         assert s.t_end >= s.t_start and s.duration_s == pytest.approx(s.t_end - s.t_start)
         assert sum(s.num_scheduled_tokens) <= 48 and len(s.request_ids) <= 6
 

@@ -71,8 +71,8 @@ def _fake_engine(recorder: TraceRecorder, runner: FakeModelRunner, eos: int) -> 
 
 
 def test_replay_matches_a_fake_model_run_with_every_kind_of_ending():
-    """EOS, stop tokens, stop strings, length caps, n = 2, aborts and runner faults, all in
-    one free-running (threaded) engine; the replay reproduces every step."""
+    """EOS, stop tokens, stop strings, length caps, n = 2, aborts, runner faults and prefix-cache
+    hits, all in one free-running (threaded) engine; the replay reproduces every step."""
     eos, rng = 3, random.Random(11)
     runner = FakeModelRunner(vocab_size=40, block_size=4, num_blocks=24, first_token_id=0)
     recorder = TraceRecorder()
@@ -80,8 +80,10 @@ def test_replay_matches_a_fake_model_run_with_every_kind_of_ending():
     sink: queue.Queue = queue.Queue()
     ids = []
     try:
+        system_prompt = [rng.randrange(4, 40) for _ in range(9)]  # shared by half of them
         for i in range(24):
-            prompt = [rng.randrange(4, 40) for _ in range(rng.randrange(2, 20))]
+            prompt = (system_prompt if i % 2 else []) + \
+                [rng.randrange(4, 40) for _ in range(rng.randrange(2, 20))]
             params = dict(max_tokens=rng.randrange(4, 30), temperature=0.0)
             if i % 5 == 1:
                 params["stop_token_ids"] = [runner.token_at(prompt, len(prompt) + 3)]
@@ -112,5 +114,6 @@ def test_replay_matches_a_fake_model_run_with_every_kind_of_ending():
     assert any(isinstance(r, Stop) for r in records)
     assert any(isinstance(r, StepSummary) and r.failed_ids for r in records)
     assert any(isinstance(r, StepSummary) and r.preempted_ids for r in records)
+    assert sum(r.num_cached_tokens for r in records if isinstance(r, StepSummary)) >= 8 * 5
     report = replay_trace(records)
     assert report.matched, report.describe()

@@ -142,6 +142,13 @@ class FakeModelRunner:
         with self._lock:
             self._request_faults[request_id] = _RequestFault(error, num_times)
 
+    def fresh(self) -> FakeModelRunner:
+        """This fake as a newly built worker gets it: no request and nothing in the KV cache,
+        as after a worker is replaced (its step log and ``violations`` carry on)."""
+        self.requests.clear()
+        self._kv.clear()
+        return self
+
     @property
     def num_steps(self) -> int:
         return len(self.steps)

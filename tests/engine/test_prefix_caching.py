@@ -1,0 +1,80 @@
+"""Prefix caching changes how much is computed, never the answer: a multi-turn workload (each
+turn re-sends the conversation so far) with caching on, against caching off and transformers,
+on the tiny models and on SmolLM2 — roomy, under preemption and with chunked prefill."""
+
+import random
+
+import pytest
+from engine_helpers import TOP, check_logprobs_close, engine_greedy, hf_greedy
+
+from actorlm import SamplingParams
+
+NUM_TOKENS = 12
+
+
+def multi_turn(on, off, model_dir, first_prompts, follow_ups, num_tokens=NUM_TOKENS):
+    """Drive the turns through both engines; returns the share of prefill computed with caching
+    on versus off. Each turn's prompts are the previous turn's prompts, the answers caching on
+    gave and a follow-up, so both engines (and transformers) see the same prompts."""
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True,
+                            logprobs=TOP)
+    prompts, answers = first_prompts, []
+    for follow_up in [None] + follow_ups:
+        if follow_up is not None:
+            prompts = [p + o[0] + f for p, o, f in zip(prompts, answers, follow_up)]
+        inputs = [{"prompt_token_ids": p} for p in prompts]
+        answers = engine_greedy(on.generate(inputs, params, use_tqdm=False))
+        without = engine_greedy(off.generate(inputs, params, use_tqdm=False))
+        # the same answers with and without the cache, and transformers' answers
+        assert [a[0] for a in answers] == [w[0] for w in without]
+        check_logprobs_close(answers, hf_greedy(model_dir, prompts, num_tokens))
+    return on.stats()["num_prefill_tokens"] / off.stats()["num_prefill_tokens"]
+
+
+def _conversations(vocab_size, num=3, first_len=20, follow_len=5, turns=3, seed=7):
+    rng = random.Random(seed)
+    system = [rng.randrange(3, vocab_size) for _ in range(first_len // 2)]
+    first = [system + [rng.randrange(3, vocab_size) for _ in range(first_len // 2 + i)]
+             for i in range(num)]
+    follow = [[[rng.randrange(3, vocab_size) for _ in range(follow_len)] for _ in range(num)]
+              for _ in range(turns - 1)]
+    return first, follow
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("setting", ["roomy", "preemption", "chunked"])
+def test_multi_turn_with_and_without_the_cache(arch, setting, make_llm, tiny_llama_dir,
+                                               tiny_qwen2_dir, tiny_qwen3_dir):
+    path = str({"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir, "qwen3": tiny_qwen3_dir}[arch])
+    flags = {"roomy": dict(block_size=4),
+             # three conversations of up to ~90 tokens in 40 blocks of 4: preemption
+             "preemption": dict(block_size=4, num_kv_blocks=40, max_model_len=128),
+             "chunked": dict(block_size=4, max_num_batched_tokens=16)}[setting]
+    on = make_llm(path, **flags)
+    off = make_llm(path, enable_prefix_caching=False, **flags)
+    from transformers import AutoConfig
+
+    first, follow = _conversations(AutoConfig.from_pretrained(path).vocab_size)
+    ratio = multi_turn(on, off, path, first, follow)
+    assert ratio < 0.75, ratio
+    stats = on.stats()
+    assert stats["prefix_cache_hits"] > 0 and off.stats()["prefix_cache_queries"] == 0
+    if setting == "preemption":
+        assert stats["num_preemptions"] > 0
+
+
+@pytest.mark.slow
+def test_multi_turn_chat_on_smollm2(smollm2_dir, make_llm):
+    on, off = make_llm(str(smollm2_dir)), make_llm(str(smollm2_dir), enable_prefix_caching=False)
+    system = {"role": "system", "content": "You are a concise assistant for a bakery in Lyon."}
+    questions = [["What bread do you bake?", "Which one is best with cheese?",
+                  "How long does it keep?"],
+                 ["Do you open on Sundays?", "And on public holidays?", "Can I order ahead?"]]
+    conversations = [[system, {"role": "user", "content": q[0]}] for q in questions]
+    first = [on.apply_chat_template(c) for c in conversations]
+    # later turns: the answer so far is in the prompt, then the next question
+    follow = [[on.tokenizer.encode(f"<|im_end|>\n<|im_start|>user\n{q[t]}<|im_end|>\n"
+                                          f"<|im_start|>assistant\n", add_special_tokens=False)
+               for q in questions] for t in (1, 2)]
+    ratio = multi_turn(on, off, smollm2_dir, first, follow, num_tokens=16)
+    assert ratio < 0.5, ratio
