@@ -47,6 +47,10 @@ class _EngineCollector:
                  stats["kv_cache_usage"]),
                 (counter, "vllm:num_preemptions", "Cumulative number of preemptions.",
                  stats["num_preemptions"]),
+                (counter, "vllm:prefix_cache_queries",
+                 "Prompt tokens looked up in the prefix cache.", stats["prefix_cache_queries"]),
+                (counter, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                 stats["prefix_cache_hits"]),
                 (counter, "actorlm:worker_restarts", "Workers replaced after a fault or a death.",
                  stats["num_worker_restarts"])):
             metric = family(name, doc, labels=["model_name"])

@@ -178,6 +178,12 @@ async def detokenize(request: Request) -> Response:
     return json_response(p.DetokenizeResponse(text))
 
 
+async def reset_prefix_cache(request: Request) -> Response:
+    """Forget every cached prompt prefix (vLLM's route), e.g. after swapping weights."""
+    await _state(request).ready_engine().reset_prefix_cache()
+    return Response(status_code=200)
+
+
 async def trace_page(request: Request) -> Response:
     """The live visualizer over what the ring buffer holds now (rendered off the loop)."""
     engine = _state(request).ready_engine()
@@ -239,6 +245,7 @@ def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: 
         Route("/v1/models", _endpoint(models), methods=["GET"]),
         Route("/tokenize", _endpoint(tokenize), methods=["POST"]),
         Route("/detokenize", _endpoint(detokenize), methods=["POST"]),
+        Route("/reset_prefix_cache", _endpoint(reset_prefix_cache), methods=["POST"]),
         Route("/trace", _endpoint(trace_page), methods=["GET"]),
         Route("/trace.json", _endpoint(trace_json), methods=["GET"]),
         Route("/v1/completions", _endpoint(_generation(serving.create_completion)),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 from api_helpers import SERVED_NAME
@@ -90,10 +92,28 @@ def test_include_usage(client):
         assert last.choices == [] and last.usage is not None
         assert 1 <= last.usage.completion_tokens <= 8
         assert last.usage.total_tokens == last.usage.prompt_tokens + last.usage.completion_tokens
-        assert last.usage.prompt_tokens_details.cached_tokens >= 0
-    assert full.usage.prompt_tokens_details.cached_tokens >= 0
+        assert 0 <= last.usage.prompt_tokens_details.cached_tokens < last.usage.prompt_tokens
+    assert 0 <= full.usage.prompt_tokens_details.cached_tokens < full.usage.prompt_tokens
     # without the option there is no usage chunk
     assert all(c.usage is None for c in _chat(client, max_tokens=4, stream=True))
+
+
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(client, server):
+    prompt = " ".join(PROMPTS) + " -- a tail only this test sends"
+    assert httpx.post(server + "/reset_prefix_cache").status_code == 200
+    first = _complete(client, prompt=prompt, max_tokens=4)
+    second = _complete(client, prompt=prompt, max_tokens=4)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # whole blocks of 16 tokens, never the last prompt token
+    assert 0 < cached < second.usage.prompt_tokens and cached % 16 == 0
+    assert second.choices[0].text == first.choices[0].text
+    metrics = httpx.get(server + "/metrics").text
+    hits = re.search(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)$", metrics, re.M)
+    assert hits and float(hits.group(1)) >= cached
+    assert httpx.post(server + "/reset_prefix_cache").status_code == 200
+    third = _complete(client, prompt=prompt, max_tokens=4)
+    assert third.usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_n_completions(client):
