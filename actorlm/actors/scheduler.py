@@ -1,137 +1,29 @@
-"""SchedulerActor: drives the engine loop. Owns every live Request through its Scheduler.
-
-One step is a chain of messages, never a blocking ask:
-plan → ``AllocateSlots`` to the allocator → ``SlotsGranted`` → ``ScheduleStep`` to the
-executor → ``StepResult`` → apply, plan the next step at once, ``EngineOutputs`` to the
-frontend. An idle engine sleeps in its mailbox until the next ``AddRequest``.
-
-Aborts that arrive while a step is in flight wait until its result is applied, so a step's
-requests never change under it. A request whose data makes intake raise is refused alone.
-"""
+"""SchedulerActor: drives the engine loop. A thin shell: the loop is ``core/step_loop.py``
+(``StepLoop``) and the policy ``core/scheduler.py``; the actor only wires the loop's
+``send(peer, message)`` to its peers' refs and answers ``GetStats``."""
 
 from __future__ import annotations
 
-import logging
-from enum import Enum
-
 from actorlm.actors.base import EngineActor, tell
-from actorlm.core.scheduler import Scheduler, StepPlan
-from actorlm.fsm import RequestEvent
-from actorlm.messages import (AbortRequests, AddRequest, Connect, EngineOutputs, GetStats,
-                              RequestDelta, SchedulerStats, SlotsGranted, StepResult,
-                              StopRequests)
-
-log = logging.getLogger(__name__)
-
-
-class _Phase(Enum):
-    IDLE = "idle"
-    ALLOCATING = "allocating"  # AllocateSlots sent, waiting for the grant
-    RUNNING = "running"  # ScheduleStep sent, waiting for the result
+from actorlm.core.scheduler import Scheduler
+from actorlm.core.step_loop import StepLoop
+from actorlm.messages import Connect, GetStats
 
 
 class SchedulerActor(EngineActor):
     def __init__(self, scheduler: Scheduler, trace=None, on_death=None):
         super().__init__(on_death)
-        self.scheduler = scheduler
-        self.trace = trace  # an actorlm.trace.TraceRecorder, or None
-        self.frontend = self.allocator = self.executor = None
-        self._phase = _Phase.IDLE
-        self._plan: StepPlan | None = None
-        self._deferred: list[AbortRequests | StopRequests] = []
-        self.num_steps = 0
+        self.loop = StepLoop(scheduler, self._send, trace)
+        self._peers: dict = {}
 
     def on_receive(self, message):
-        if isinstance(message, AddRequest):
-            try:
-                if self.trace is not None:
-                    self.trace.on_arrival(message)
-                self.scheduler.add_request(message)
-            except Exception as exc:  # noqa: BLE001 — a duplicate id, bad data: refuse it alone
-                log.warning("refused request %s: %s", message.request_id, exc)
-                refusal = RequestDelta(message.request_id, [], "error", None, str(exc))
-                tell(self.frontend, EngineOutputs(-1, [refusal]))
-            self._kick()
-        elif isinstance(message, (AbortRequests, StopRequests)):
-            if self.trace is not None:
-                self.trace.on_control(message)
-            self._deferred.append(message)
-            if self._phase is _Phase.IDLE:
-                deltas = self._apply_deferred()
-                self._kick()  # frees travel before the news, as after a step
-                self._send(EngineOutputs(-1, deltas))
-        elif isinstance(message, SlotsGranted):
-            self._on_granted(message)
-        elif isinstance(message, StepResult):
-            self._on_result(message)
-        elif isinstance(message, GetStats):
-            return self.stats()
-        elif isinstance(message, Connect):
-            self.frontend, self.allocator = message.frontend, message.allocator
-            self.executor = message.executor
-        else:
-            raise TypeError(f"SchedulerActor cannot handle {type(message).__name__}")
+        if isinstance(message, GetStats):
+            return self.loop.stats()
+        if isinstance(message, Connect):
+            self._peers = {"frontend": message.frontend, "allocator": message.allocator,
+                           "executor": message.executor}
+            return None
+        self.loop.handle(message)
 
-    @property
-    def plan(self) -> StepPlan | None:
-        """The step being allocated or run (None when idle)."""
-        return self._plan
-
-    def stats(self) -> SchedulerStats:
-        s = self.scheduler
-        return SchedulerStats(len(s.running), len(s.waiting), s.num_preemptions, self.num_steps,
-                              s.num_finished, s.num_scheduled_tokens, s.num_prefill_tokens)
-
-    # --- the loop -----------------------------------------------------------------------------
-
-    def _kick(self) -> None:
-        """Start the next step if none is in flight and there is work."""
-        if self._phase is not _Phase.IDLE:
-            return
-        if self.trace is not None:
-            self.trace.before_plan()
-        plan = self.scheduler.schedule()
-        if plan is None:
-            return
-        if self.trace is not None:
-            self.trace.planned(plan)
-        self._plan, self._phase = plan, _Phase.ALLOCATING
-        tell(self.allocator, plan.allocate_message(self.scheduler.config.block_size))
-
-    def _on_granted(self, granted: SlotsGranted) -> None:
-        step = self.scheduler.on_slots_granted(self._plan, granted)
-        if self.trace is not None:
-            self.trace.granted(self._plan, granted, ran=step is not None)
-        if step is None:  # the plan only returned blocks
-            self._phase, self._plan = _Phase.IDLE, None
-            self._kick()
-            return
-        self._phase = _Phase.RUNNING
-        self.num_steps += 1
-        tell(self.executor, step)
-
-    def _on_result(self, result: StepResult) -> None:
-        if self.trace is not None:
-            self.trace.step_result(self._plan, result)
-        outputs = self.scheduler.update_from_output(self._plan, result)
-        deltas = outputs.deltas + self._apply_deferred()
-        self._phase, self._plan = _Phase.IDLE, None
-        # free blocks (the next plan carries them) before the frontend hears of the finish,
-        # so a caller woken by its last output never sees its blocks still held
-        self._kick()
-        self._send(EngineOutputs(outputs.step_id, deltas))
-
-    def _apply_deferred(self) -> list:
-        deltas = []
-        for message in self._deferred:
-            if isinstance(message, StopRequests):
-                deltas += self.scheduler.abort(message.request_ids, RequestEvent.FINISH,
-                                               stop_reasons=message.stop_reasons)
-            else:
-                deltas += self.scheduler.abort(message.request_ids)
-        self._deferred = []
-        return deltas
-
-    def _send(self, outputs: EngineOutputs) -> None:
-        if outputs.deltas:
-            tell(self.frontend, outputs)
+    def _send(self, peer: str, message) -> None:
+        tell(self._peers[peer], message)

@@ -285,7 +285,10 @@ class Scheduler:
         return num_tokens
 
     def _admit(self, request: Request, admitted: Admitted) -> None:
-        self.waiting.remove(request)
+        if self.waiting[0] is request:  # candidates are proposed from the front
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(request)
         # computed from the hit on: the transition's record shows where it starts
         request.num_computed_tokens = admitted.num_cached_tokens
         request.num_cached_blocks = admitted.num_cached_tokens // self.config.block_size

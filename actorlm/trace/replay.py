@@ -1,9 +1,9 @@
 """Replay a recorded trace through the real scheduler and allocator, and compare every step.
 
-``SyncEngine`` is the engine's scheduling half run in one thread: the real ``SchedulerActor``
-(its ``on_receive``, not its thread), the real ``Scheduler`` and ``BlockPool``, and
-``core.fake_runner.FakeModelRunner`` for the model. Every message the scheduler sends lands in
-an outbox the engine routes itself, so the order in which the scheduler handles messages is
+``SyncEngine`` is the engine's scheduling half run in one thread: the scheduler actor's own
+loop (``core.step_loop.StepLoop``), the real ``Scheduler`` and ``BlockPool``, and
+``core.fake_runner.FakeModelRunner`` for the model. Every message the loop sends lands in an
+outbox the engine routes itself, so the order in which the scheduler handles messages is
 exactly the order the caller chooses.
 
 The recording says what that order was: arrivals, aborts, stops and step summaries
@@ -31,13 +31,13 @@ from types import SimpleNamespace
 
 import msgspec
 
-from actorlm.actors.scheduler import SchedulerActor
 from actorlm.core.block_hash import hash_block
 from actorlm.core.block_pool import BlockPool
 from actorlm.core.fake_runner import FakeModelRunner
 from actorlm.core.scheduler import Scheduler, SchedulerConfig
-from actorlm.messages import (AbortRequests, AddRequest, Connect, ScheduleStep, SlotsGranted,
-                              StepResult, StopRequests, engine_request_ids)
+from actorlm.core.step_loop import StepLoop
+from actorlm.messages import (AbortRequests, AddRequest, ScheduleStep, SlotsGranted, StepResult,
+                              StopRequests, engine_request_ids)
 from actorlm.sampling_params import SamplingParams
 from actorlm.trace.recorder import TraceRecorder
 from actorlm.trace.records import (TRACE_VERSION, Abort, Arrival, Record, StateChange,
@@ -48,18 +48,8 @@ class TraceIncomplete(ValueError):
     """The trace cannot be replayed: no configuration, or the ring buffer dropped records."""
 
 
-class _Outbox:
-    """Stands for a peer actor: what the scheduler tells it is queued for the engine."""
-
-    def __init__(self, name: str, queue: deque):
-        self.name, self._queue = name, queue
-
-    def tell(self, message) -> None:
-        self._queue.append((self.name, message))
-
-
 class SyncEngine:
-    """The real scheduler actor, allocator pool and a fake model runner, in one thread.
+    """The real scheduler loop, allocator pool and a fake model runner, in one thread.
 
     ``send(message)`` hands the scheduler one message and routes what it sends: allocation
     asks are granted at once; a grant for a plan that runs requests is handed back at once;
@@ -90,17 +80,15 @@ class SyncEngine:
         self.runner = runner or FakeModelRunner(
             block_size=config.block_size if check_kv else None,
             num_blocks=num_kv_blocks if check_kv else None)
-        self.actor = SchedulerActor(self.scheduler, recorder)  # driven here, never started
         self._outbox: deque = deque()
+        self.loop = StepLoop(self.scheduler, lambda peer, message:
+                             self._outbox.append((peer, message)), recorder)
         self.next_step_id = 0  # the next step the scheduler will plan
         self.held: SlotsGranted | ScheduleStep | None = None
         self.outputs: list = []  # EngineOutputs the scheduler sent, in order
-        self.actor.on_receive(Connect(_Outbox("frontend", self._outbox),
-                                      _Outbox("allocator", self._outbox),
-                                      _Outbox("executor", self._outbox)))
 
     def send(self, message) -> None:
-        self.actor.on_receive(message)
+        self.loop.handle(message)
         self._route()
 
     def deliver_held(self, recorded: StepSummary | None = None) -> None:
@@ -133,8 +121,8 @@ class SyncEngine:
             if dest == "allocator":
                 self.next_step_id = message.step_id + 1
                 granted = self.pool.grant(message)
-                if self.actor.plan.runs_with(granted):
-                    self.actor.on_receive(granted)  # the step's requests run: no choice here
+                if self.loop.plan.runs_with(granted):
+                    self.loop.handle(granted)  # the step's requests run: no choice here
                 else:
                     self._hold(granted)  # the next plan follows it at once: keep the order
             elif dest == "executor":

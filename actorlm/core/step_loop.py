@@ -1,0 +1,140 @@
+"""The engine loop the SchedulerActor runs, as a plain class: it reacts to one message at a time
+and says what to send, through ``send(peer, message)`` with peer "frontend", "allocator" or
+"executor". The actor wires ``send`` to its peers' refs; a trace replay wires it to a queue it
+routes itself, so both run exactly this code.
+
+One step is a chain of messages, never a blocking ask:
+propose → ``AllocateSlots`` to the allocator → ``SlotsGranted`` → ``ScheduleStep`` to the
+executor → ``StepResult`` → apply, propose the next step at once, ``EngineOutputs`` to the
+frontend. An idle engine sleeps until the next ``AddRequest``.
+
+Aborts and stops that arrive while a step is in flight wait until its result is applied, so a
+step's requests never change under it. A request whose data makes intake raise is refused
+alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from enum import Enum
+from typing import Callable
+
+from actorlm.core.scheduler import Scheduler, StepPlan
+from actorlm.fsm import RequestEvent
+from actorlm.messages import (AbortRequests, AddRequest, EngineOutputs, RequestDelta,
+                              SchedulerStats, SlotsGranted, StepResult, StopRequests)
+
+log = logging.getLogger(__name__)
+
+
+class _Phase(Enum):
+    IDLE = "idle"
+    ALLOCATING = "allocating"  # AllocateSlots sent, waiting for the grant
+    RUNNING = "running"  # ScheduleStep sent, waiting for the result
+
+
+class StepLoop:
+    def __init__(self, scheduler: Scheduler, send: Callable[[str, object], None], trace=None):
+        self.scheduler = scheduler
+        self.send = send
+        self.trace = trace  # an actorlm.trace.TraceRecorder, or None
+        self._phase = _Phase.IDLE
+        self._plan: StepPlan | None = None
+        self._deferred: list[AbortRequests | StopRequests] = []
+        self.num_steps = 0
+
+    @property
+    def plan(self) -> StepPlan | None:
+        """The step being allocated or run (None when idle)."""
+        return self._plan
+
+    def handle(self, message) -> None:
+        if isinstance(message, AddRequest):
+            self._on_add(message)
+        elif isinstance(message, (AbortRequests, StopRequests)):
+            self._on_control(message)
+        elif isinstance(message, SlotsGranted):
+            self._on_granted(message)
+        elif isinstance(message, StepResult):
+            self._on_result(message)
+        else:
+            raise TypeError(f"the step loop cannot handle {type(message).__name__}")
+
+    def stats(self) -> SchedulerStats:
+        s = self.scheduler
+        return SchedulerStats(len(s.running), len(s.waiting), s.num_preemptions, self.num_steps,
+                              s.num_finished, s.num_scheduled_tokens, s.num_prefill_tokens)
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def _on_add(self, message: AddRequest) -> None:
+        try:
+            if self.trace is not None:
+                self.trace.on_arrival(message)
+            self.scheduler.add_request(message)
+        except Exception as exc:  # noqa: BLE001 — a duplicate id, bad data: refuse it alone
+            log.warning("refused request %s: %s", message.request_id, exc)
+            refusal = RequestDelta(message.request_id, [], "error", None, str(exc))
+            self.send("frontend", EngineOutputs(-1, [refusal]))
+        self._kick()
+
+    def _on_control(self, message: AbortRequests | StopRequests) -> None:
+        if self.trace is not None:
+            self.trace.on_control(message)
+        self._deferred.append(message)
+        if self._phase is _Phase.IDLE:
+            deltas = self._apply_deferred()
+            self._kick()  # frees travel before the news, as after a step
+            self._send_outputs(EngineOutputs(-1, deltas))
+
+    def _kick(self) -> None:
+        """Start the next step if none is in flight and there is work."""
+        if self._phase is not _Phase.IDLE:
+            return
+        if self.trace is not None:
+            self.trace.before_plan()
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return
+        if self.trace is not None:
+            self.trace.planned(plan)
+        self._plan, self._phase = plan, _Phase.ALLOCATING
+        self.send("allocator", plan.allocate_message(self.scheduler.config.block_size))
+
+    def _on_granted(self, granted: SlotsGranted) -> None:
+        step = self.scheduler.on_slots_granted(self._plan, granted)
+        if self.trace is not None:
+            self.trace.granted(self._plan, granted, ran=step is not None)
+        if step is None:  # nothing runs: the grant only moved blocks
+            self._phase, self._plan = _Phase.IDLE, None
+            self._kick()
+            return
+        self._phase = _Phase.RUNNING
+        self.num_steps += 1
+        self.send("executor", step)
+
+    def _on_result(self, result: StepResult) -> None:
+        if self.trace is not None:
+            self.trace.step_result(self._plan, result)
+        outputs = self.scheduler.update_from_output(self._plan, result)
+        deltas = outputs.deltas + self._apply_deferred()
+        self._phase, self._plan = _Phase.IDLE, None
+        # free blocks (the next proposal carries them) before the frontend hears of the
+        # finish, so a caller woken by its last output never sees its blocks still held
+        self._kick()
+        self._send_outputs(EngineOutputs(outputs.step_id, deltas))
+
+    def _apply_deferred(self) -> list:
+        deltas = []
+        for message in self._deferred:
+            if isinstance(message, StopRequests):
+                deltas += self.scheduler.abort(message.request_ids, RequestEvent.FINISH,
+                                               stop_reasons=message.stop_reasons)
+            else:
+                deltas += self.scheduler.abort(message.request_ids)
+        self._deferred = []
+        return deltas
+
+    def _send_outputs(self, outputs: EngineOutputs) -> None:
+        if outputs.deltas:
+            self.send("frontend", outputs)
