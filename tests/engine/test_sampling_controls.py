@@ -186,6 +186,7 @@ def test_same_seed_same_tokens_alone_or_in_a_batch_of_32(llm):
 
 def test_n4_returns_four_distinct_completions_and_prefills_once(llm):
     prompt = prompts(lengths=(30,))[0]
+    llm.reset_prefix_cache()  # earlier tests computed this prompt: forget it
     before = llm.stats()["num_scheduled_tokens"]
     out = run(llm, [prompt], SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=5,
                                             ignore_eos=True))[0]
@@ -193,7 +194,8 @@ def test_n4_returns_four_distinct_completions_and_prefills_once(llm):
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
     assert len({tuple(c.token_ids) for c in out.outputs}) == 4
     assert all(len(c.token_ids) == 8 for c in out.outputs)
-    # one prefill; each sibling recomputes only the prompt's partial last block (block_size 4)
+    # one prefill; each sibling finds the prompt's full blocks cached and computes only the
+    # partial last block (block_size 4)
     tail = len(prompt) - (len(prompt) - 1) // 4 * 4
     assert scheduled == len(prompt) + 3 * tail + 4 * 7
 
