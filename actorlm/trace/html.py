@@ -1,18 +1,21 @@
 """The self-contained HTML visualizer: one page, inline CSS and JS, no network.
 
 ``render_html(records)`` returns the page for a trace: one lane per request coloured by state
-(waiting, running — prefill or decode —, preempted, finished with its reason), the steps with
-their batch composition, the KV cache's use over time, filters, zoom, and hover details.
-The data travels inside the page as JSON; the script builds the DOM from it. Every lane
-carries ``data-request-id``, every state segment ``data-state`` (plus ``data-phase`` for
-running, ``data-reason`` for finished), and the page root gets ``data-rendered="true"`` once
-built, or ``data-js-errors`` if a script failed — so tests and tools can check the page.
+(waiting, running — prefill or decode —, preempted, finished with its reason) and labelled
+with its prefix-cache hit, the steps with their batch composition, the KV cache's use over
+time, summary figures (the cache-hit rate among them), filters, zoom, and hover details.
+The data travels inside the page as JSON, its figures computed here; the script only lays
+them out. Every lane carries ``data-request-id`` and ``data-cached-tokens``, every state
+segment ``data-state`` (plus ``data-phase`` for running, ``data-reason`` for finished), each
+summary figure ``data-figure``, and the page root gets ``data-rendered="true"`` once built,
+or ``data-js-errors`` if a script failed — so tests and tools can check the page.
 """
 
 from __future__ import annotations
 
 import html
 import json
+from collections import Counter
 
 from actorlm.trace.records import Record
 from actorlm.trace.timeline import Timeline, build_timeline
@@ -45,14 +48,40 @@ def page_data(timeline: Timeline, title: str) -> dict:
     lanes = []
     for lane in timeline.lanes:
         segments = [[s.state, ms(s.t_start), ms(s.t_end), s.step_start, s.step_end, s.phase,
-                     s.num_tokens, s.num_steps, s.num_blocks] for s in lane.segments]
+                     s.num_tokens, s.num_steps, s.num_blocks, s.num_cached_tokens]
+                    for s in lane.segments]
         stop = lane.stop_reason if isinstance(lane.stop_reason, (int, str)) else None
         lanes.append([lane.request_id, lane.num_prompt_tokens, lane.num_output_tokens,
-                      lane.finish_reason, stop, lane.num_preemptions, lane.is_open, segments])
+                      lane.finish_reason, stop, lane.num_preemptions, lane.is_open, segments,
+                      lane.num_cached_tokens])
     steps = [[s.step, ms(s.t_start), ms(s.t_end), s.num_prefill_tokens, s.num_decode_tokens,
               s.kv_blocks_used, s.kv_blocks_free, s.num_running, s.num_waiting, s.request_ids,
-              s.num_scheduled_tokens, s.preempted_ids, s.failed_ids] for s in timeline.steps]
-    return {"meta": meta, "lanes": lanes, "steps": steps}
+              s.num_scheduled_tokens, s.preempted_ids, s.failed_ids, s.num_cached_tokens,
+              s.kv_blocks_cached] for s in timeline.steps]
+    return {"meta": meta, "summary": summary_figures(timeline), "lanes": lanes, "steps": steps}
+
+
+def summary_figures(timeline: Timeline) -> dict:
+    """The figures atop the page; the cache-hit rate is a percentage (None: none admitted)."""
+    lanes, steps = timeline.lanes, timeline.steps
+    ran = [s for s in steps if s.request_ids]  # a plan that only returned blocks ran nothing
+    rate = timeline.cache_hit_rate
+    return {
+        "by_reason": dict(Counter(lane.finish_reason for lane in lanes if lane.finish_reason)),
+        "num_open": sum(lane.is_open for lane in lanes),
+        "num_preempted": sum(lane.num_preemptions > 0 for lane in lanes),
+        "num_preemptions": sum(lane.num_preemptions for lane in lanes),
+        "num_prefill_tokens": sum(s.num_prefill_tokens for s in steps),
+        "num_decode_tokens": sum(s.num_decode_tokens for s in steps),
+        "max_step_tokens": max((s.num_prefill_tokens + s.num_decode_tokens for s in steps),
+                               default=0),
+        "peak_kv_blocks": max((s.kv_blocks_used for s in steps), default=0),
+        "mean_step_ms": round(1e3 * sum(s.t_end - s.t_start for s in ran) / len(ran), 3)
+        if ran else None,
+        "cache_hit_rate": None if rate is None else round(100 * rate, 1),
+        "num_cached_tokens": timeline.num_cached_tokens,
+        "num_admitted_tokens": timeline.num_admitted_tokens,
+    }
 
 
 _PAGE = """<!DOCTYPE html>

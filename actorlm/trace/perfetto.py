@@ -41,6 +41,8 @@ def to_perfetto(records: list[Record]) -> dict:
     other = {"producer": "actorlm"}
     if timeline.config is not None:
         other.update({k: v for k, v in _config_items(timeline.config)})
+    if timeline.cache_hit_rate is not None:  # the share of admitted tokens found cached
+        other["cache_hit_rate"] = round(timeline.cache_hit_rate, 4)
     return {"traceEvents": meta + events, "displayTimeUnit": "ms", "otherData": other}
 
 
@@ -85,7 +87,8 @@ def _requests(timeline: Timeline, us, meta: list, events: list) -> None:
             if seg.state == "running":
                 args.update(num_tokens=sum(s.num_tokens for s in stay),
                             num_steps=sum(s.num_steps for s in stay),
-                            num_blocks=stay[-1].num_blocks)
+                            num_blocks=stay[-1].num_blocks,
+                            num_cached_tokens=seg.num_cached_tokens)
             events.append(_span(seg.state, "request", us(seg.t_start), us(stay[-1].t_end),
                                 _REQUESTS, tid, args))
             for part in stay:
@@ -127,6 +130,7 @@ def _engine(timeline: Timeline, us, meta: list, events: list) -> None:
             "num_prefill_tokens": s.num_prefill_tokens, "num_decode_tokens": s.num_decode_tokens,
             "preempted_ids": s.preempted_ids, "failed_ids": s.failed_ids,
             "kv_blocks_used": s.kv_blocks_used, "kv_blocks_free": s.kv_blocks_free,
+            "kv_blocks_cached": s.kv_blocks_cached, "num_cached_tokens": s.num_cached_tokens,
             "scheduled": dict(zip(s.request_ids, s.num_scheduled_tokens))}))
         ts = us(s.t_start)
         kv = {"used": s.kv_blocks_used, "free": s.kv_blocks_free, "cached": s.kv_blocks_cached}

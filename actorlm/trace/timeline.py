@@ -5,13 +5,18 @@ starts at its arrival (or at its first transition when the ring buffer lost the 
 is cut at every transition; a running stretch is further cut where its steps switch between
 prefill and decode. A finished request ends with a zero-length ``finished`` segment carrying
 the reason. A request still live when the trace ends has ``is_open`` set.
+
+Prefix-cache hits come from the transitions into ``running``: each carries the tokens its
+admission found cached. A lane shows its first admission's (later ones re-admit a preempted
+request, whose hit is mostly its own earlier work); the cache-hit rate counts every admission,
+as the share of the tokens to admit that the cache already held.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from actorlm.messages import child_request_id
+from actorlm.messages import engine_request_ids
 from actorlm.trace.records import (Abort, Arrival, MessageSent, Record, StateChange,
                                    StepSummary, Stop, TraceConfig)
 
@@ -29,6 +34,7 @@ class Segment:
     num_blocks: int = 0  # blocks held when the segment ended (running) or at the finish
     reason: str | None = None  # finished only
     stop_reason: int | str | None = None
+    num_cached_tokens: int = 0  # first running segment of a stay: the admission's cache hit
 
 
 @dataclass
@@ -38,6 +44,7 @@ class Lane:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # found in the prefix cache at its first admission
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     segments: list[Segment] = field(default_factory=list)
@@ -61,6 +68,14 @@ class Timeline:
     controls: list[Abort | Stop]
     t_min: float
     t_max: float
+    num_cached_tokens: int = 0  # over every admission (transition into running)
+    num_admitted_tokens: int = 0  # prompt + output tokens at those admissions
+
+    @property
+    def cache_hit_rate(self) -> float | None:
+        """Share of the admitted tokens found in the prefix cache (None: nothing admitted)."""
+        return self.num_cached_tokens / self.num_admitted_tokens if self.num_admitted_tokens \
+            else None
 
 
 def build_timeline(records: list[Record]) -> Timeline:
@@ -70,11 +85,10 @@ def build_timeline(records: list[Record]) -> Timeline:
     step_runs: dict[str, list[tuple[StepSummary, int, bool]]] = {}
     steps, messages, controls, order = [], [], [], []
     times = []
+    num_cached = num_admitted = 0
     for record in records:
         if isinstance(record, Arrival):
-            ids = [record.request_id] if record.n == 1 else \
-                [child_request_id(record.request_id, i) for i in range(record.n)]
-            for rid in ids:
+            for rid in engine_request_ids(record.request_id, record.n):
                 arrivals[rid] = record
                 if rid not in transitions:
                     transitions[rid] = []
@@ -86,6 +100,9 @@ def build_timeline(records: list[Record]) -> Timeline:
                 order.append(record.request_id)
             transitions[record.request_id].append(record)
             times.append(record.t)
+            if record.target == "running":
+                num_cached += record.num_cached_tokens
+                num_admitted += record.num_prompt_tokens + record.num_output_tokens
         elif isinstance(record, StepSummary):
             steps.append(record)
             for rid, n, prefill in zip(record.request_ids, record.num_scheduled_tokens,
@@ -103,7 +120,8 @@ def build_timeline(records: list[Record]) -> Timeline:
     last_step = steps[-1].step if steps else 0
     lanes = [_lane(rid, arrivals.get(rid), transitions[rid], step_runs.get(rid, []), t_max,
                    last_step) for rid in order]
-    return Timeline(config, lanes, steps, messages, controls, t_min, t_max)
+    return Timeline(config, lanes, steps, messages, controls, t_min, t_max, num_cached,
+                    num_admitted)
 
 
 def _lane(request_id: str, arrival: Arrival | None, changes: list[StateChange],
@@ -117,12 +135,17 @@ def _lane(request_id: str, arrival: Arrival | None, changes: list[StateChange],
         state, t, step = first.source, first.t, first.step
     else:
         return lane
+    cached, admitted = 0, False  # the hit of the admission that began this running stay
     for change in changes:
-        _close(lane, state, t, change.t, step, change.step, runs, change.num_blocks)
+        _close(lane, state, t, change.t, step, change.step, runs, change.num_blocks, cached)
         lane.num_prompt_tokens = change.num_prompt_tokens
         lane.num_output_tokens = max(lane.num_output_tokens, change.num_output_tokens)
         if change.event == "preempt":
             lane.num_preemptions += 1
+        if change.target == "running":
+            cached = change.num_cached_tokens
+            if not admitted:
+                lane.num_cached_tokens, admitted = cached, True
         state, t, step = change.target, change.t, change.step
         if state == "finished":
             lane.finish_reason, lane.stop_reason = change.reason, change.stop_reason
@@ -130,13 +153,13 @@ def _lane(request_id: str, arrival: Arrival | None, changes: list[StateChange],
                                          num_blocks=change.num_blocks, reason=change.reason,
                                          stop_reason=change.stop_reason))
             return lane
-    _close(lane, state, t, t_max, step, last_step, runs, None)
+    _close(lane, state, t, t_max, step, last_step, runs, None, cached)
     lane.is_open = True
     return lane
 
 
 def _close(lane: Lane, state: str, t_start: float, t_end: float, step_start: int,
-           step_end: int, runs, num_blocks: int | None) -> None:
+           step_end: int, runs, num_blocks: int | None, num_cached: int) -> None:
     """Append the segment(s) of one stay in ``state``; running stays split by phase."""
     if state != "running":
         lane.segments.append(Segment(state, t_start, t_end, step_start, step_end,
@@ -145,7 +168,7 @@ def _close(lane: Lane, state: str, t_start: float, t_end: float, step_start: int
     inside = [(s, n, p) for s, n, p in runs if t_start <= s.t_start <= t_end]
     if not inside:
         lane.segments.append(Segment(state, t_start, t_end, step_start, step_end,
-                                     num_blocks=num_blocks or 0))
+                                     num_blocks=num_blocks or 0, num_cached_tokens=num_cached))
         return
     groups: list[list[tuple[StepSummary, int, bool]]] = []
     for item in inside:
@@ -161,5 +184,6 @@ def _close(lane: Lane, state: str, t_start: float, t_end: float, step_start: int
             "running", start, end, group[0][0].step, group[-1][0].step,
             phase="prefill" if group[0][2] else "decode",
             num_tokens=sum(n for _, n, _ in group), num_steps=len(group),
-            num_blocks=(num_blocks or 0) if last else 0))
+            num_blocks=(num_blocks or 0) if last else 0,
+            num_cached_tokens=num_cached if index == 0 else 0))
         start = end

@@ -121,23 +121,10 @@ SCRIPT = r"""
     });
   }
 
-  // ---- numbers for the header ------------------------------------------------------------
-  var byReason = {stop: 0, length: 0, abort: 0, error: 0};
-  var numOpen = 0, numPreempted = 0, numPreemptions = 0;
-  LANES.forEach(function (l) {
-    if (l[3] && byReason[l[3]] !== undefined) byReason[l[3]] += 1;
-    if (l[6]) numOpen += 1;
-    if (l[5] > 0) { numPreempted += 1; numPreemptions += l[5]; }
-  });
-  var prefillTokens = 0, decodeTokens = 0, peakKv = 0, stepTime = 0, ranSteps = 0, maxTokens = 1;
-  STEPS.forEach(function (s) {
-    prefillTokens += s[3]; decodeTokens += s[4];
-    peakKv = Math.max(peakKv, s[5]);
-    if (s[9].length) { stepTime += s[2] - s[1]; ranSteps += 1; }
-    maxTokens = Math.max(maxTokens, s[3] + s[4]);
-  });
-  var totalKv = META.num_kv_blocks || Math.max(1, peakKv);
-  var tokenScale = Math.max(maxTokens, META.max_num_batched_tokens || 0);
+  // ---- the summary's figures, computed by actorlm.trace.html -------------------------------
+  var SUM = DATA.summary;
+  var totalKv = META.num_kv_blocks || Math.max(1, SUM.peak_kv_blocks);
+  var tokenScale = Math.max(SUM.max_step_tokens, META.max_num_batched_tokens || 0, 1);
 
   // ---- the x axis: time, or steps (each step one unit wide) ---------------------------------
   var knotT = [], knotX = [];
@@ -174,22 +161,32 @@ SCRIPT = r"""
   el('span', 'sub', header, conf.join(' \u00b7 '));
 
   var chips = el('div', 'chips', app);
-  function chip(value, label, color) {
+  function chip(figure, value, label, color) {
     var c = el('div', 'chip', chips);
+    c.setAttribute('data-figure', figure);
     var b = el('b', '', c, value);
     if (color) b.style.color = color;
     el('span', '', c, label);
+    return c;
   }
-  chip(fmtInt(LANES.length), 'requests');
-  chip(fmtInt(STEPS.length), 'steps');
-  chip(fmtMs(META.duration_ms || 0), 'duration');
-  chip(ranSteps ? fmtMs(stepTime / ranSteps) : '\u2013', 'mean step');
-  chip(fmtInt(prefillTokens), 'prefill tokens', 'var(--prefill)');
-  chip(fmtInt(decodeTokens), 'decode tokens', 'var(--decode)');
-  chip(numPreempted + ' / ' + numPreemptions, 'preempted reqs / times', 'var(--preempted)');
-  chip(Math.round(100 * peakKv / totalKv) + '%', 'peak KV use');
-  REASONS.forEach(function (r) { if (byReason[r]) chip(fmtInt(byReason[r]), 'finished: ' + r, 'var(--' + r + ')'); });
-  if (numOpen) chip(fmtInt(numOpen), 'still live');
+  chip('requests', fmtInt(LANES.length), 'requests');
+  chip('steps', fmtInt(STEPS.length), 'steps');
+  chip('duration', fmtMs(META.duration_ms || 0), 'duration');
+  chip('mean-step', SUM.mean_step_ms === null ? '\u2013' : fmtMs(SUM.mean_step_ms), 'mean step');
+  chip('prefill-tokens', fmtInt(SUM.num_prefill_tokens), 'prefill tokens', 'var(--prefill)');
+  chip('decode-tokens', fmtInt(SUM.num_decode_tokens), 'decode tokens', 'var(--decode)');
+  chip('preemptions', SUM.num_preempted + ' / ' + SUM.num_preemptions, 'preempted reqs / times',
+       'var(--preempted)');
+  chip('peak-kv', Math.round(100 * SUM.peak_kv_blocks / totalKv) + '%', 'peak KV use');
+  if (SUM.cache_hit_rate !== null) {
+    chip('cache-hit-rate', SUM.cache_hit_rate + '%', 'cache hit rate').title =
+      fmtInt(SUM.num_cached_tokens) + ' of ' + fmtInt(SUM.num_admitted_tokens) +
+      ' tokens at admission found in the prefix cache';
+  }
+  REASONS.forEach(function (r) {
+    if (SUM.by_reason[r]) chip('finished-' + r, fmtInt(SUM.by_reason[r]), 'finished: ' + r, 'var(--' + r + ')');
+  });
+  if (SUM.num_open) chip('still-live', fmtInt(SUM.num_open), 'still live');
 
   var bar = el('div', 'toolbar', app);
   var legend = el('span', 'group', bar);
@@ -275,9 +272,11 @@ SCRIPT = r"""
     var row = el('div', 'row lane', lanesBox);
     row.setAttribute('data-request-id', lane[0]);
     row.setAttribute('data-lane', i);
+    row.setAttribute('data-cached-tokens', lane[8]);
     var label = el('div', 'label', row, lane[0]);
     label.setAttribute('data-lane', i);
-    el('small', '', label, lane[1] + '\u2192' + lane[2] + (lane[5] ? ' \u21bb' + lane[5] : ''));
+    el('small', '', label, lane[1] + '\u2192' + lane[2] + (lane[8] ? ' \u00b7 ' + lane[8] + ' cached' : '') +
+      (lane[5] ? ' \u21bb' + lane[5] : ''));
     var track = el('div', 'track', row);
     lane[7].forEach(function (seg, j) {
       var cls = seg[0] === 'running' ? 's-' + (seg[5] || 'running')
@@ -406,6 +405,7 @@ SCRIPT = r"""
   function laneTip(l) {
     var s = l[7], lines = ['<b>' + esc(l[0]) + '</b>'];
     lines.push(kv('prompt', l[1]) + ' &nbsp; ' + kv('output', l[2]) + ' tokens');
+    if (l[8]) lines.push(kv('prefix cache', l[8] + ' tokens found at admission'));
     if (s.length) lines.push(kv('arrived', fmtMs(s[0][1])) + ' &nbsp; ' + kv('end', fmtMs(s[s.length - 1][2])) +
       ' &nbsp; ' + kv('latency', fmtMs(s[s.length - 1][2] - s[0][1])));
     var run = s.filter(function (x) { return x[0] === 'running'; });
@@ -427,6 +427,7 @@ SCRIPT = r"""
       lines.push(kv('from', fmtMs(seg[1])) + ' ' + kv('to', fmtMs(seg[2])) + ' &nbsp; ' + kv('for', fmtMs(seg[2] - seg[1])));
       lines.push(kv('steps', seg[3] + '\u2013' + seg[4]));
       if (seg[0] === 'running') lines.push(kv('tokens computed', seg[6]) + ' in ' + seg[7] + ' step' + (seg[7] === 1 ? '' : 's'));
+      if (seg[9]) lines.push(kv('from the prefix cache', seg[9] + ' tokens'));
       if (seg[8]) lines.push(kv('blocks held', seg[8]));
     }
     lines.push(kv('prompt', l[1]) + ' &nbsp; ' + kv('preemptions', l[5]));
@@ -435,7 +436,9 @@ SCRIPT = r"""
   function stepTip(s) {
     var lines = ['<b>step ' + s[0] + '</b> \u2014 ' + fmtMs(s[2] - s[1])];
     lines.push(kv('requests', s[9].length) + ' &nbsp; ' + kv('prefill', s[3]) + ' &nbsp; ' + kv('decode', s[4]) + ' tokens');
-    lines.push(kv('KV blocks', s[5] + ' used / ' + s[6] + ' free') + ' &nbsp; ' + kv('waiting', s[8]));
+    lines.push(kv('KV blocks', s[5] + ' used / ' + s[6] + ' free' + (s[14] ? ' (' + s[14] + ' cached)' : '')) +
+      ' &nbsp; ' + kv('waiting', s[8]));
+    if (s[13]) lines.push(kv('cache hits', s[13] + ' tokens'));
     if (s[11].length) lines.push(kv('preempted', esc(s[11].join(', '))));
     if (s[12].length) lines.push(kv('failed', esc(s[12].join(', '))));
     if (s[9].length) {

@@ -7,6 +7,8 @@ from html.parser import HTMLParser
 
 from actorlm.api.cli import main
 from actorlm.trace import Arrival, build_timeline, render_html, to_perfetto
+from actorlm.trace.html import summary_figures
+from actorlm.trace.records import StateChange, StepSummary, TraceConfig
 
 _REQUIRED = {"X": {"name", "ts", "dur", "pid", "tid"}, "i": {"name", "ts", "pid", "tid", "s"},
              "C": {"name", "ts", "pid", "args"}, "M": {"name", "pid", "args"}}
@@ -69,23 +71,44 @@ def test_lanes_are_contiguous_and_end_as_recorded(tiny_run):
 
 
 class _Dom(HTMLParser):
+    _VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta",
+             "source", "track", "wbr"}
+
     def __init__(self):
         super().__init__()
         self.root: dict = {}
         self.lanes: list[str] = []
         self.states: Counter = Counter()
         self.phases: Counter = Counter()
+        self.cached: dict[str, str] = {}  # request id -> its lane's data-cached-tokens
+        self.text: defaultdict[str, str] = defaultdict(str)  # "lane:<id>" / "figure:<name>"
+        self._owners: list[str | None] = []  # per open element: whose text it holds
 
     def handle_starttag(self, tag, attrs):
         attrs = dict(attrs)
         if tag == "html":
             self.root = attrs
+        owner = self._owners[-1] if self._owners else None
         if "data-request-id" in attrs:
             self.lanes.append(attrs["data-request-id"])
+            self.cached[attrs["data-request-id"]] = attrs.get("data-cached-tokens")
+            owner = "lane:" + attrs["data-request-id"]
+        if "data-figure" in attrs:
+            owner = "figure:" + attrs["data-figure"]
         if "data-state" in attrs:
             self.states[attrs["data-state"]] += 1
         if "data-phase" in attrs:
             self.phases[attrs["data-phase"]] += 1
+        if tag not in self._VOID:
+            self._owners.append(owner)
+
+    def handle_endtag(self, tag):
+        if tag not in self._VOID and self._owners:
+            self._owners.pop()
+
+    def handle_data(self, data):
+        if self._owners and self._owners[-1] is not None:
+            self.text[self._owners[-1]] += data
 
 
 def _headless(chromium: str, tmp_path, *args: str) -> subprocess.CompletedProcess:
@@ -117,6 +140,7 @@ def test_html_visualizer_renders_in_headless_chromium(tiny_run, chromium, tmp_pa
     assert dom.states["waiting"] and dom.states["running"] and dom.states["preempted"]
     assert dom.states["finished"] == len(engine_ids)
     assert dom.phases["prefill"] and dom.phases["decode"]
+    assert dom.text["figure:cache-hit-rate"].endswith("%cache hit rate")
 
 
 def _page_data(page: str) -> dict:
@@ -131,3 +155,69 @@ def test_render_html_copes_with_an_empty_or_partial_trace(tiny_run):
     half = _page_data(render_html(tiny_run.records[: len(tiny_run.records) // 2]))
     assert half["lanes"] and half["steps"]
     assert any(lane[6] for lane in half["lanes"])  # requests still live when the trace ends
+
+
+def _cache_hit_trace() -> list:
+    """Three requests: "a" finds 96 of its 128 prompt tokens cached, "b" nothing, "c" nothing
+    at first, then 32 of its 40 tokens when re-admitted after a preemption. Hit rate:
+    (96 + 32) / (128 + 64 + 32 + 40) = 48.5 %."""
+    config = TraceConfig(128, 4, 256, 16, 32, True, [2], model="synthetic")
+    prompts = {"a": 128, "b": 64, "c": 32}
+    records = [config, *(Arrival(0.0, 0, rid, n, 1, 16, 0, True, []) for rid, n in prompts.items())]
+
+    def change(t, step, rid, source, target, event, out=0, cached=0, reason=None):
+        return StateChange(t, step, rid, source, target, event, reason, prompts[rid], out,
+                           cached, 0, num_cached_tokens=cached)
+
+    def step(k, ids, tokens, prefill, cached=0, preempted=()):
+        return StepSummary(k, 0.01 * k + 0.01, 0.01 * k + 0.018, 0.008, ids, tokens, prefill,
+                           sum(n for n, p in zip(tokens, prefill) if p),
+                           sum(n for n, p in zip(tokens, prefill) if not p), list(preempted),
+                           [], 8, 24, 2, len(ids), 0, num_cached_tokens=cached)
+
+    records += [change(0.01, 0, "a", "waiting", "running", "schedule", cached=96),
+                change(0.01, 0, "b", "waiting", "running", "schedule"),
+                change(0.01, 0, "c", "waiting", "running", "schedule"),
+                step(0, ["a", "b", "c"], [32, 64, 32], [True] * 3, cached=96),
+                step(1, ["a", "b", "c"], [1, 1, 1], [False] * 3),
+                change(0.029, 2, "c", "running", "preempted", "preempt", out=8),
+                step(2, ["a", "b"], [1, 1], [False] * 2, preempted=["c"]),
+                change(0.039, 3, "c", "preempted", "running", "schedule", out=8, cached=32),
+                step(3, ["a", "b", "c"], [1, 1, 8], [False, False, True], cached=32)]
+    records += [change(0.05, 4, rid, "running", "finished", "finish", out=16, reason="length")
+                for rid in "abc"]
+    return records
+
+
+def test_cache_hits_reach_lanes_summary_and_perfetto():
+    records = _cache_hit_trace()
+    timeline = build_timeline(records)
+    lanes = {lane.request_id: lane for lane in timeline.lanes}
+    # a lane shows its first admission's hit; the re-admission's stays on its own segment
+    assert {rid: lane.num_cached_tokens for rid, lane in lanes.items()} == {"a": 96, "b": 0, "c": 0}
+    assert [s.num_cached_tokens for s in lanes["c"].segments if s.state == "running"][-1] == 32
+    assert (timeline.num_cached_tokens, timeline.num_admitted_tokens) == (128, 264)
+    assert summary_figures(timeline)["cache_hit_rate"] == 48.5
+    trace = to_perfetto(records)
+    assert trace["otherData"]["cache_hit_rate"] == round(128 / 264, 4)
+    running = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"] == "running"]
+    assert sorted(e["args"]["num_cached_tokens"] for e in running) == [0, 0, 32, 96]
+    steps = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "step"]
+    assert [e["args"]["num_cached_tokens"] for e in steps] == [96, 0, 0, 32]
+    assert summary_figures(build_timeline(records[:1]))["cache_hit_rate"] is None
+
+
+def test_html_labels_lanes_with_their_cache_hits_and_shows_the_hit_rate(chromium, tmp_path):
+    page = tmp_path / "cache.html"
+    page.write_text(render_html(_cache_hit_trace()))
+    done = _headless(chromium, tmp_path, "--dump-dom", page.as_uri())
+    assert done.returncode == 0, done.stderr[-2000:]
+    dom = _Dom()
+    dom.feed(done.stdout)
+    assert "data-js-errors" not in dom.root, dom.root.get("data-js-errors")
+    assert dom.root.get("data-rendered") == "true"
+    assert dom.cached == {"a": "96", "b": "0", "c": "0"}
+    assert "128\u219216 \u00b7 96 cached" in dom.text["lane:a"]
+    assert "cached" not in dom.text["lane:b"] and "cached" not in dom.text["lane:c"]
+    assert dom.text["figure:cache-hit-rate"] == "48.5%cache hit rate"
+    assert dom.text["figure:preemptions"] == "1 / 1preempted reqs / times"
