@@ -13,6 +13,8 @@ from actorlm.trace.cli import add_trace_commands
 
 
 def main(argv: list[str] | None = None) -> int:
+    from actorlm.benchmark.prefix import add_prefix_arguments, bench_prefix
+
     parser = argparse.ArgumentParser(prog="actorlm", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -65,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
                      help="report where the steps' time went (forward, sampling, engine)")
     lat.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     lat.set_defaults(run=_bench_latency)
+    pf = bench.add_parser("prefix", help="prefix caching on against off: multi-turn chat and "
+                          "a shared system prompt")
+    add_prefix_arguments(pf)
+    pf.set_defaults(run=bench_prefix)
     bs = bench.add_parser("serve", help="online serving benchmark against a running server")
     bs.add_argument("--base-url", default="http://127.0.0.1:8000")
     bs.add_argument("--endpoint", default="/v1/completions",
