@@ -193,19 +193,32 @@ class CachedRequestData(_StepMessage):
 class ScheduleStep(_StepMessage):
     """One engine step. ``num_scheduled_tokens`` is keyed by position in
     ``new_requests + cached_requests``; ``finished_request_ids`` are dropped by the workers
-    before the step runs (finished, aborted or preempted since the previous step)."""
+    before the step runs (finished, aborted or preempted since the previous step).
+
+    ``structured_request_ids`` sample under a grammar: the workers run the forward, then wait
+    for the step's ``GrammarBitmask`` (filled by the scheduler meanwhile) before sampling."""
 
     step_id: int
     new_requests: list[NewRequestData]
     cached_requests: list[CachedRequestData]
     num_scheduled_tokens: list[int]
     finished_request_ids: list[str]
+    structured_request_ids: list[str] = []
 
     @property
     def request_ids(self) -> list[str]:
         """Every scheduled request, in ``num_scheduled_tokens`` order."""
         return [d.request_id for d in self.new_requests] + \
             [d.request_id for d in self.cached_requests]
+
+
+class GrammarBitmask(_StepMessage):
+    """The allowed next tokens of a step's ``structured_request_ids``, in that order: per
+    request a row of little-endian int32 words, bit ``t`` set when token ``t`` is allowed."""
+
+    step_id: int
+    request_ids: list[str]
+    bitmask: bytes
 
 
 class PromptLogprobs(_StepMessage):
@@ -256,6 +269,15 @@ class WorkerFailed(_Message):
     rank: int
     generation: int
     error: str
+
+
+class GrammarCompiled(_Message):
+    """In-process only: a request's grammar is compiled (``grammar``) or could not be
+    (``error``); sent to the scheduler from the compiler's thread."""
+
+    request_id: str
+    grammar: Any = None
+    error: str | None = None
 
 
 class WorkerRestarted(_Message):
@@ -320,5 +342,5 @@ def engine_request_ids(request_id: str, n: int) -> list[str]:
     return [request_id] if n == 1 else [child_request_id(request_id, i) for i in range(n)]
 
 
-STEP_MESSAGE_TYPES = (AllocateSlots, SlotsGranted, ScheduleStep, StepResult,
+STEP_MESSAGE_TYPES = (AllocateSlots, SlotsGranted, ScheduleStep, GrammarBitmask, StepResult,
                       WorkerResult, EngineOutputs)

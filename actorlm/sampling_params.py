@@ -23,6 +23,49 @@ _FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", 
                  "top_p", "min_p")
 
 
+class StructuredOutputsParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Constrain the output (vLLM's ``StructuredOutputsParams``); exactly one field is set.
+
+    ``json``: a JSON Schema (an object, or its JSON text); ``json_object``: any JSON object;
+    ``regex``: a regular expression; ``choice``: one of these strings; ``grammar``: an EBNF
+    (GBNF) grammar whose start rule is ``root``.
+    """
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            force_setattr(self, "json", _json_text(self.json))
+        kinds = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None] + (["json_object"] if self.json_object else [])
+        _check(len(kinds) == 1, "structured_outputs",
+               f"set exactly one of json, json_object, regex, choice, grammar; got {kinds or 'none'}")
+        if self.json is not None:
+            try:
+                schema = msgspec.json.decode(self.json)
+            except msgspec.DecodeError as exc:
+                raise ValueError(f"structured_outputs.json: not valid JSON: {exc}") from None
+            _check(isinstance(schema, (dict, bool)), "structured_outputs.json",
+                   "must be a JSON Schema (an object)")
+        _check(self.choice is None or (len(self.choice) > 0 and all(self.choice)),
+               "structured_outputs.choice", "must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar"):
+            _check(getattr(self, name) != "", f"structured_outputs.{name}", "must not be empty")
+
+    @property
+    def key(self) -> tuple:
+        """What identifies the compiled grammar (equal keys compile once)."""
+        return (self.json, self.json_object, self.regex, tuple(self.choice or ()), self.grammar)
+
+
+def _json_text(value) -> str:
+    return msgspec.json.encode(value).decode()
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """How to sample one request (see vLLM's ``SamplingParams`` for each field's meaning)."""
 
@@ -48,8 +91,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # the older name: moved on
 
     def __post_init__(self) -> None:
+        if self.guided_decoding is not None:
+            _check(self.structured_outputs is None, "guided_decoding",
+                   "give structured_outputs or its older name guided_decoding, not both")
+            force_setattr(self, "structured_outputs", self.guided_decoding)
+            force_setattr(self, "guided_decoding", None)
         # normalise: stop is always a list, absent lists are empty
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         force_setattr(self, "stop", stop)

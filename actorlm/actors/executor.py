@@ -20,8 +20,8 @@ import pykka
 
 from actorlm.actors.base import EngineActor, tell
 from actorlm.actors.worker import WorkerActor
-from actorlm.messages import (ExecutorStats, GetStats, ScheduleStep, StepResult, WorkerFailed,
-                              WorkerRestarted, WorkerResult)
+from actorlm.messages import (ExecutorStats, GetStats, GrammarBitmask, ScheduleStep, StepResult,
+                              WorkerFailed, WorkerRestarted, WorkerResult)
 from actorlm.openmp import on_passing_thread
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,7 @@ class ExecutorActor(EngineActor):
         self.num_restarts = 0
         self._step: ScheduleStep | None = None  # with the workers
         self._held: ScheduleStep | None = None  # waiting for a replacement worker
+        self._held_bitmask: GrammarBitmask | None = None  # the held step's
         self._results: dict[int, StepResult] = {}
         self._state_lost = False  # a worker was replaced between steps
 
@@ -58,6 +59,8 @@ class ExecutorActor(EngineActor):
     def on_receive(self, message):
         if isinstance(message, ScheduleStep):
             self._on_step(message)
+        elif isinstance(message, GrammarBitmask):
+            self._on_bitmask(message)
         elif isinstance(message, WorkerResult):
             self._on_worker_result(message)
         elif isinstance(message, WorkerFailed):
@@ -84,6 +87,14 @@ class ExecutorActor(EngineActor):
         self._step, self._results = step, {}
         for worker in self.workers:
             tell(worker, step)  # a worker that is gone reports itself: WorkerFailed
+
+    def _on_bitmask(self, bitmask: GrammarBitmask) -> None:
+        if self._step is not None and bitmask.step_id == self._step.step_id:
+            for worker in self.workers:
+                tell(worker, bitmask)
+        elif self._held is not None and bitmask.step_id == self._held.step_id:
+            self._held_bitmask = bitmask
+        # else: the step faulted already, and will be planned again with a bitmask of its own
 
     def _on_worker_result(self, message: WorkerResult) -> None:
         if self._step is None or message.result.step_id != self._step.step_id:
@@ -142,7 +153,10 @@ class ExecutorActor(EngineActor):
         self._start_worker(message.rank, message.runner)
         if self._held is not None and None not in self.workers:
             step, self._held = self._held, None
+            bitmask, self._held_bitmask = self._held_bitmask, None
             self._dispatch(step)
+            if bitmask is not None:
+                self._on_bitmask(bitmask)
 
     def _start_worker(self, rank: int, runner) -> None:
         self.workers[rank] = WorkerActor.start(rank, self.generations[rank], runner,

@@ -21,6 +21,7 @@ from actorlm.actors.executor import ExecutorActor
 from actorlm.actors.frontend import FrontendActor
 from actorlm.actors.kv_allocator import KVAllocatorActor
 from actorlm.core.block_pool import BlockPool
+from actorlm.core.structured_output import GrammarCompiler
 from actorlm.actors.scheduler import SchedulerActor
 from actorlm.actors.supervisor import Supervisor
 from actorlm.config import EngineConfig
@@ -89,7 +90,8 @@ class EngineSystem:
             trace.attach(policy)
             link = trace.wrap  # (ref, sender, receiver) -> a ref that records what it carries
         self.frontend = self.allocator = self.executor = None
-        self.scheduler = SchedulerActor.start(policy, trace, on_death("scheduler"))
+        grammars = GrammarCompiler(parts.tokenizer, parts.vocab_size)
+        self.scheduler = SchedulerActor.start(policy, trace, on_death("scheduler"), grammars)
         to_scheduler = route("scheduler", self.scheduler)
         try:
             pool = BlockPool(config.num_kv_blocks, config.block_size,

@@ -7,7 +7,7 @@ import logging
 import pykka
 
 from actorlm.actors.base import EngineActor, tell
-from actorlm.messages import ScheduleStep, WorkerFailed, WorkerResult
+from actorlm.messages import GrammarBitmask, ScheduleStep, WorkerFailed, WorkerResult
 
 log = logging.getLogger(__name__)
 
@@ -26,17 +26,23 @@ class WorkerActor(EngineActor):
         self._reported = False
 
     def on_receive(self, message):
-        if not isinstance(message, ScheduleStep):
+        if isinstance(message, ScheduleStep):
+            run = self.runner.execute
+        elif isinstance(message, GrammarBitmask):
+            run = self.runner.sample_tokens  # the step's forward ran; now it samples
+        else:
             raise TypeError(f"WorkerActor cannot handle {type(message).__name__}")
         if self._reported:
             return  # failed already: the executor is replacing this worker
         try:
-            result = self.runner.execute(message)
+            result = run(message)
         except Exception as exc:  # noqa: BLE001 — the executor recomputes the step elsewhere
             log.error("worker %d: step %d raised; the worker will be replaced", self.rank,
                       message.step_id, exc_info=True)
             self._report(f"{type(exc).__name__}: {exc}")
             return
+        if result is None:
+            return  # it waits for the step's GrammarBitmask
         if result.error:
             log.error("worker %d: step %d failed requests %s: %s", self.rank, result.step_id,
                       result.failed_request_ids, result.error)

@@ -14,7 +14,8 @@ class Request:
                  "arrival_time", "num_computed_tokens", "num_blocks", "fsm", "finish_reason",
                  "stop_reason", "error", "num_preemptions", "is_known_to_workers",
                  "bad_words_token_ids", "num_prompt_logprobs_sent", "num_faults",
-                 "block_hashes", "num_cached_blocks", "num_cached_tokens")
+                 "block_hashes", "num_cached_blocks", "num_cached_tokens", "grammar",
+                 "awaiting_grammar")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  seed: int, arrival_time: float, listeners: Iterable[Listener] = (),
@@ -39,6 +40,8 @@ class Request:
         self.block_hashes: list[int] = []  # of its full blocks, extended as tokens arrive
         self.num_cached_blocks = 0  # blocks the allocator has been told are computed
         self.num_cached_tokens: int | None = None  # prefix-cache hit at its first admission
+        self.grammar = None  # structured outputs: its xgrammar matcher, once compiled
+        self.awaiting_grammar = sampling_params.structured_outputs is not None
 
     @property
     def state(self) -> RequestState:

@@ -37,6 +37,7 @@ from actorlm.core.request import Request
 from actorlm.fsm import FinishReason, RequestEvent, RequestState
 from actorlm.fsm.machine import Listener
 from actorlm.core.block_hash import extend_block_hashes
+from actorlm.core.structured_output import new_matcher
 from actorlm.messages import (AddRequest, Admitted, AllocateSlots, CachedRequestData, Candidate,
                               ComputedBlocks, EngineOutputs, NewRequestData, PromptLogprobs,
                               RequestDelta, ScheduleStep, SlotsGranted, StepResult,
@@ -191,6 +192,8 @@ class Scheduler:
                 budget -= num_tokens
             num_seqs = len(self.running)
             for request in self.waiting:
+                if request.awaiting_grammar:
+                    continue  # still compiling: the ones behind it need not wait
                 num_tokens = request.num_tokens - request.num_computed_tokens
                 if budget <= 0 or num_seqs >= cfg.max_num_seqs or (
                         num_tokens > budget and not cfg.enable_chunked_prefill):
@@ -230,7 +233,9 @@ class Scheduler:
             return None
         # cached requests were added first, new ones after: the step lists new ones first
         counts = plan.num_scheduled_tokens[len(cached):] + plan.num_scheduled_tokens[:len(cached)]
-        return ScheduleStep(plan.step_id, new, cached, counts, dropped)
+        constrained = [r.request_id for r in plan.requests
+                       if r.grammar is not None and r.num_computed_tokens == r.num_tokens]
+        return ScheduleStep(plan.step_id, new, cached, counts, dropped, constrained)
 
     def update_from_output(self, plan: StepPlan, result: StepResult) -> EngineOutputs:
         """Apply sampled tokens, finish what is done, and say what happened in one message."""
@@ -249,12 +254,15 @@ class Scheduler:
                                  result.error or "the model runner failed")
         prompt_logprobs = {p.request_id: p for p in result.prompt_logprobs}
         logprobs = result.logprobs or [None] * len(result.request_ids)
+        off_grammar = []
         for request_id, token_id, token_logprobs in zip(result.request_ids,
                                                         result.sampled_token_ids, logprobs):
             request = self.requests.get(request_id)
             if request is None:
                 continue
             request.output_token_ids.append(token_id)
+            if request.grammar is not None and not request.grammar.accept_token(token_id):
+                off_grammar.append(request_id)
             if request_id in self._pending_forks:
                 self._fork(request)
             new_logprobs = [token_logprobs] if token_logprobs is not None else None
@@ -267,6 +275,9 @@ class Scheduler:
                 stop = request.stop_reason
             deltas.append(RequestDelta(request_id, [token_id], finish, stop, None,
                                        request.num_cached_tokens or 0, new_logprobs, positions))
+        if off_grammar:  # (a runner that ignored the bitmask)
+            deltas += self.abort(off_grammar, RequestEvent.FAIL,
+                                 "the sampled token does not fit the request's grammar")
         for request_id, chunk in prompt_logprobs.items():  # mid-prefill chunks
             request = self.requests.get(request_id)
             if request is not None and (positions := self._new_prompt_logprobs(request, chunk)):
@@ -376,11 +387,14 @@ class Scheduler:
                             request.error)
 
     def _check_stop(self, request: Request) -> FinishReason | None:
-        """vLLM's order: length caps, then (past min_tokens) EOS, then stop token ids."""
+        """vLLM's order: length caps, a grammar that is complete, then (past min_tokens) EOS,
+        then stop token ids."""
         params, num_output = request.sampling_params, len(request.output_token_ids)
         if request.num_tokens >= self.config.max_model_len or (
                 params.max_tokens is not None and num_output >= params.max_tokens):
             return FinishReason.LENGTH
+        if request.grammar is not None and request.grammar.is_terminated():
+            return FinishReason.STOP  # the grammar allows nothing more
         if num_output < params.min_tokens:
             return None
         token_id = request.output_token_ids[-1]
@@ -396,6 +410,16 @@ class Scheduler:
         prompt's full blocks in the prefix cache (they compute only the partial last one)."""
         for child in reversed(self._pending_forks.pop(leader.request_id)):
             self.waiting.appendleft(child)
+
+    def on_grammar(self, request_id: str, grammar, error: str | None) -> list[RequestDelta]:
+        """A request's grammar is compiled (it may now be admitted) or failed (so does it)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return []  # finished while it compiled
+        if error is not None:
+            return self.abort([request_id], RequestEvent.FAIL, error)
+        request.grammar, request.awaiting_grammar = new_matcher(grammar), False
+        return []
 
     def _release_pending_forks(self, leader: Request) -> None:
         """A leader that ends before its prefill leaves its siblings to prefill on their own."""

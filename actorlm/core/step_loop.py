@@ -11,6 +11,11 @@ frontend. An idle engine sleeps until the next ``AddRequest``.
 Aborts and stops that arrive while a step is in flight wait until its result is applied, so a
 step's requests never change under it. A request whose data makes intake raise is refused
 alone.
+
+Structured outputs: a constrained request's grammar compiles on the compiler's thread
+(``GrammarCompiled`` comes back here); until then it waits and the others run. In a step where
+constrained requests sample, the loop fills their ``GrammarBitmask`` right after sending the
+``ScheduleStep``, while the workers run the forward; they sample once it arrives.
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ from enum import Enum
 from typing import Callable
 
 from actorlm.core.scheduler import Scheduler, StepPlan
+from actorlm.core.structured_output import GrammarCompiler, fill_bitmask
 from actorlm.fsm import RequestEvent
-from actorlm.messages import (AbortRequests, AddRequest, EngineOutputs, RequestDelta,
-                              SchedulerStats, SlotsGranted, StepResult, StopRequests)
+from actorlm.messages import (AbortRequests, AddRequest, EngineOutputs, GrammarBitmask,
+                              GrammarCompiled, RequestDelta, SchedulerStats, SlotsGranted,
+                              StepResult, StopRequests, engine_request_ids)
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +41,12 @@ class _Phase(Enum):
 
 
 class StepLoop:
-    def __init__(self, scheduler: Scheduler, send: Callable[[str, object], None], trace=None):
+    def __init__(self, scheduler: Scheduler, send: Callable[[str, object], None], trace=None,
+                 grammars: GrammarCompiler | None = None):
         self.scheduler = scheduler
         self.send = send
         self.trace = trace  # an actorlm.trace.TraceRecorder, or None
+        self.grammars = grammars  # None: structured outputs are refused
         self._phase = _Phase.IDLE
         self._plan: StepPlan | None = None
         self._deferred: list[AbortRequests | StopRequests] = []
@@ -57,6 +66,10 @@ class StepLoop:
             self._on_granted(message)
         elif isinstance(message, StepResult):
             self._on_result(message)
+        elif isinstance(message, GrammarCompiled):
+            deltas = self.scheduler.on_grammar(message.request_id, message.grammar, message.error)
+            self._kick()
+            self._send_outputs(EngineOutputs(-1, deltas))
         else:
             raise TypeError(f"the step loop cannot handle {type(message).__name__}")
 
@@ -71,7 +84,15 @@ class StepLoop:
         try:
             if self.trace is not None:
                 self.trace.on_arrival(message)
+            constraint = message.sampling_params.structured_outputs
+            if constraint is not None and self.grammars is None:
+                raise ValueError("structured_outputs: this engine has no tokenizer to compile "
+                                 "grammars with")
             self.scheduler.add_request(message)
+            if constraint is not None:
+                for request_id in engine_request_ids(message.request_id,
+                                                     message.sampling_params.n):
+                    self.grammars.submit(request_id, constraint)
         except Exception as exc:  # noqa: BLE001 — a duplicate id, bad data: refuse it alone
             log.warning("refused request %s: %s", message.request_id, exc)
             refusal = RequestDelta(message.request_id, [], "error", None, str(exc))
@@ -112,6 +133,11 @@ class StepLoop:
         self._phase = _Phase.RUNNING
         self.num_steps += 1
         self.send("executor", step)
+        if step.structured_request_ids:  # filled while the workers run the forward
+            matchers = [self.scheduler.requests[rid].grammar
+                        for rid in step.structured_request_ids]
+            self.send("executor", GrammarBitmask(step.step_id, step.structured_request_ids,
+                                                 fill_bitmask(matchers, self.grammars.vocab_size)))
 
     def _on_result(self, result: StepResult) -> None:
         if self.trace is not None:

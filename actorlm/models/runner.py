@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from actorlm.kernels import KernelBackend
-from actorlm.messages import NewRequestData, PromptLogprobs, ScheduleStep, StepResult
+from actorlm.messages import (GrammarBitmask, NewRequestData, PromptLogprobs, ScheduleStep,
+                              StepResult)
 from actorlm.models.metadata import AttentionMetadata
 from actorlm.models.sampler import sample, token_logprobs
 from actorlm.sampling_params import SamplingParams
@@ -38,6 +39,29 @@ class _CachedState:
                    data.bad_words_token_ids)
 
 
+@dataclass
+class _Sampling:
+    """A step between its forward and its sampling: ``rows[j]`` (an index into
+    ``request_ids``) owns row ``j`` of ``logits``."""
+
+    step_id: int
+    request_ids: list[str]
+    states: list[_CachedState]
+    rows: list[int]
+    logits: torch.Tensor | None
+    prompt_logprobs: list[PromptLogprobs]
+    timings: list[float]  # input preparation, forward
+    logits_s: float  # logits and prompt logprobs so far
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: bytes) -> None:
+    """Disallow (-inf) every token whose bit is clear in its row's words (``GrammarBitmask``)."""
+    words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32).view(len(rows), -1)
+    bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # [N, W, 32]
+    allowed = bits.view(len(rows), -1)[:, :logits.shape[-1]].bool().to(logits.device)
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
 class ModelRunner:
     def __init__(self, model, backend: KernelBackend, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device,
@@ -58,9 +82,10 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(self.model.num_layers)]
 
-    def execute(self, step: ScheduleStep) -> StepResult:
+    def execute(self, step: ScheduleStep) -> StepResult | None:
         """Run one step. A fault raises: the worker is then replaced and the step recomputed
-        (``actors/executor.py``)."""
+        (``actors/executor.py``). None: constrained requests sample once the step's
+        ``GrammarBitmask`` reaches ``sample_tokens``."""
         t_start = time.perf_counter()
         for request_id in step.finished_request_ids:
             self.requests.pop(request_id, None)
@@ -70,11 +95,36 @@ class ModelRunner:
             state = self.requests[delta.request_id]
             state.block_ids.extend(delta.new_block_ids)
             state.num_computed_tokens = delta.num_computed_tokens
-        return self._run(step.step_id, step.request_ids, step.num_scheduled_tokens, t_start)
+        self._sampling = self._forward(step, t_start)
+        if step.structured_request_ids:
+            return None
+        return self.sample_tokens()
 
     @torch.inference_mode()
-    def _run(self, step_id: int, request_ids: list[str], num_scheduled: list[int],
-             t_start: float) -> StepResult:
+    def sample_tokens(self, bitmask: GrammarBitmask | None = None) -> StepResult:
+        """Sample the step whose forward ran last, constrained by ``bitmask`` if given."""
+        s, self._sampling = self._sampling, None
+        if s is None or (bitmask is not None and bitmask.step_id != s.step_id):
+            raise RuntimeError("a grammar bitmask for a step this runner is not sampling")
+        t_sample = time.perf_counter()
+        sampled_ids = [s.request_ids[i] for i in s.rows]
+        tokens, logprobs = [], []
+        if s.rows:
+            if bitmask is not None:
+                row_of = {rid: row for row, rid in enumerate(sampled_ids)}
+                apply_token_bitmask(s.logits, [row_of[rid] for rid in bitmask.request_ids],
+                                    bitmask.bitmask)
+            states = [s.states[i] for i in s.rows]
+            tokens, logprobs = sample(s.logits, states, self.backend, self.eos_token_ids)
+            for state, token in zip(states, tokens):
+                state.token_ids.append(token)
+        timings = [*s.timings, s.logits_s + time.perf_counter() - t_sample]
+        return StepResult(s.step_id, sampled_ids, tokens, logprobs=logprobs,
+                          prompt_logprobs=s.prompt_logprobs, timings=timings)
+
+    @torch.inference_mode()
+    def _forward(self, step: ScheduleStep, t_start: float) -> _Sampling:
+        request_ids, num_scheduled = step.request_ids, step.num_scheduled_tokens
         states = [self.requests[rid] for rid in request_ids]
         input_ids, positions, seq_lens, query_start = [], [], [], [0]
         for state, n in zip(states, num_scheduled):
@@ -94,19 +144,13 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(hidden, request_ids, states, num_scheduled,
                                                 query_start)
         # a request whose context is complete after this step samples its next token
-        sampling = [i for i, (s, n) in enumerate(zip(states, num_scheduled))
-                    if s.num_computed_tokens + n == len(s.token_ids)]
-        tokens, logprobs = [], []
-        if sampling:
-            logits = self.model.compute_logits(hidden[[query_start[i + 1] - 1 for i in sampling]])
-            tokens, logprobs = sample(logits, [states[i] for i in sampling], self.backend,
-                                      self.eos_token_ids)  # logits: [N, V] fp32
-            for i, token in zip(sampling, tokens):
-                states[i].token_ids.append(token)
-        timings = [t_prepared - t_start, t_forward - t_prepared,
-                   time.perf_counter() - t_forward]
-        return StepResult(step_id, [request_ids[i] for i in sampling], tokens,
-                          logprobs=logprobs, prompt_logprobs=prompt_logprobs, timings=timings)
+        rows = [i for i, (s, n) in enumerate(zip(states, num_scheduled))
+                if s.num_computed_tokens + n == len(s.token_ids)]
+        logits = self.model.compute_logits(hidden[[query_start[i + 1] - 1 for i in rows]]) \
+            if rows else None  # [N, V] fp32
+        return _Sampling(step.step_id, request_ids, states, rows, logits, prompt_logprobs,
+                         [t_prepared - t_start, t_forward - t_prepared],
+                         time.perf_counter() - t_forward)
 
     def _prompt_logprobs(self, hidden, request_ids, states, num_scheduled,
                          query_start) -> list[PromptLogprobs]:

@@ -1,0 +1,152 @@
+"""Structured outputs through ``LLM.generate``: every constrained answer parses and validates,
+on a tiny random model (which never writes valid JSON by chance) and on SmolLM2."""
+
+import json
+import re
+import threading
+import time
+
+import jsonschema
+import pytest
+from engine_helpers import assert_idle_and_nothing_leaked
+
+from actorlm import LLM, SamplingParams
+from actorlm.core.structured_output import GrammarCompiler
+from actorlm.sampling_params import StructuredOutputsParams
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z]{1,10}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pet": {"enum": ["cat", "dog", "none"]},
+        "address": {"type": "object",
+                    "properties": {"city": {"type": "string", "pattern": "^[a-z ]{1,12}$"},
+                                   "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"], "additionalProperties": False},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "pet", "address", "tags"],
+    "additionalProperties": False,
+}
+
+
+def constrained(seed, **constraint):
+    return SamplingParams(max_tokens=160, temperature=1.0, seed=seed,
+                          structured_outputs=StructuredOutputsParams(**constraint))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir):
+    with LLM(str(tiny_llama_dir), dtype="float32") as llm:
+        yield llm
+
+
+def test_fifty_json_schema_answers_all_validate(tiny):
+    outputs = tiny.generate([f"Person {i}:" for i in range(50)],
+                            [constrained(i, json=PERSON) for i in range(50)], use_tqdm=False)
+    for output in outputs:
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop", completion
+        jsonschema.validate(json.loads(completion.text), PERSON)
+    assert len({o.outputs[0].text for o in outputs}) > 40  # sampled, not one canned answer
+    assert_idle_and_nothing_leaked(tiny)
+
+
+def test_regex_choice_and_grammar(tiny):
+    cases = [(dict(regex=r"[0-9]{3}-[a-z]{2,4}"),
+              lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", t)),
+             (dict(choice=["left", "right", "up"]), lambda t: t in ("left", "right", "up")),
+             (dict(grammar='root ::= "(" [a-c]+ ")"'), lambda t: re.fullmatch(r"\([a-c]+\)", t))]
+    for constraint, valid in cases:
+        outputs = tiny.generate(["Answer:"] * 10, [constrained(i, **constraint) for i in range(10)],
+                                use_tqdm=False)
+        for output in outputs:
+            assert valid(output.outputs[0].text), (constraint, output.outputs[0].text)
+
+
+@pytest.mark.slow
+def test_smollm2_answers_validate(smollm2_dir):
+    """A real model, chatting: schemas, any JSON object, a regex and a choice."""
+    schema = {**PERSON, "properties": {**PERSON["properties"],
+                                       "name": {"type": "string", "maxLength": 20}}}
+    people = [[{"role": "user", "content": f"Invent person number {i} as JSON."}]
+              for i in range(50)]
+    with LLM(str(smollm2_dir)) as llm:
+        outputs = llm.chat(people, [constrained(i, json=schema) for i in range(50)],
+                           use_tqdm=False)
+        for output in outputs:
+            jsonschema.validate(json.loads(output.outputs[0].text), schema)
+        cities = [[{"role": "user", "content": f"{city} as a JSON object with its country."}]
+                  for city in ("Paris", "Lyon", "Rome", "Oslo", "Lima")]
+        anything = llm.chat(cities, SamplingParams(
+            max_tokens=200, temperature=0.0,
+            structured_outputs=StructuredOutputsParams(json_object=True)), use_tqdm=False)
+        # any object is allowed, so a small model may run on past max_tokens (it did for
+        # Lyon); every one it finishes is a JSON object
+        finished = [o.outputs[0].text for o in anything if o.outputs[0].finish_reason == "stop"]
+        assert len(finished) >= 3 and all(isinstance(json.loads(t), dict) for t in finished)
+        question = [[{"role": "user", "content": "Is Paris in France? Answer yes or no."}]]
+        [choice] = llm.chat(question, constrained(0, choice=["yes", "no"]), use_tqdm=False)
+        assert choice.outputs[0].text in ("yes", "no")
+        [date] = llm.chat([[{"role": "user", "content": "When did the Bastille fall?"}]],
+                          constrained(0, regex=r"[0-9]{4}-[0-9]{2}-[0-9]{2}"), use_tqdm=False)
+        assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", date.outputs[0].text)
+
+
+def test_unconstrained_neighbours_are_unchanged(tiny):
+    plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = ["The first", "A second one", "And a third"]
+    alone = [o.outputs[0].token_ids for o in tiny.generate(prompts, plain, use_tqdm=False)]
+    mixed = tiny.generate(prompts + ["Person:"] * 3,
+                          [plain] * 3 + [constrained(i, json=PERSON) for i in range(3)],
+                          use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[:3]] == alone
+    for output in mixed[3:]:
+        jsonschema.validate(json.loads(output.outputs[0].text), PERSON)
+
+
+def test_a_bad_constraint_fails_its_request_alone(tiny):
+    with pytest.raises(ValueError, match="structured_outputs"):
+        StructuredOutputsParams(json="{not json")
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["b"])
+    bad, good = tiny.generate(["x", "y"], [constrained(0, grammar="root ::= undefined_rule"),
+                                          SamplingParams(max_tokens=4)], use_tqdm=False)
+    assert bad.outputs[0].finish_reason == "error" and "structured_outputs" in bad.error
+    assert good.outputs[0].finish_reason == "length"
+    assert_idle_and_nothing_leaked(tiny)
+
+
+def test_a_slow_grammar_compiles_while_others_keep_running(tiny, tiny_llama_dir):
+    """A schema that takes a while to compile holds back only its own request."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    slow = StructuredOutputsParams(json={"type": "object", "properties": {
+        f"field_{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1}}}x{i}$"}
+        for i in range(1000)}})
+    # how long it takes alone, with a compiler of its own (nothing cached)
+    compiler = GrammarCompiler(AutoTokenizer.from_pretrained(tiny_llama_dir),
+                               AutoConfig.from_pretrained(tiny_llama_dir).vocab_size)
+    start = time.monotonic()
+    compiler.compile(slow)
+    compile_s = time.monotonic() - start
+    compiler.shutdown()
+    assert compile_s > 0.5, compile_s  # slow enough to see
+
+    def run(params):
+        threading.Thread(target=tiny.generate, args=(["Go on"], params),
+                         kwargs={"use_tqdm": False}, daemon=True).start()
+
+    run(SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True))
+    while tiny.stats()["num_running"] == 0:
+        time.sleep(0.01)
+    run(SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=slow))
+    before = tiny.stats()
+    time.sleep(compile_s / 2)
+    during = tiny.stats()
+    # the constrained request waits for its grammar while the other one keeps decoding
+    assert (during["num_running"], during["num_waiting"]) == (1, 1), during
+    assert during["num_scheduled_tokens"] - before["num_scheduled_tokens"] >= 10
+    while tiny.stats()["num_running"] + tiny.stats()["num_waiting"]:
+        time.sleep(0.05)
