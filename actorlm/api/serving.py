@@ -1,14 +1,15 @@
 """Completions and chat completions: from a decoded request to a JSON answer or an SSE stream.
 
 A request's path: validate (fields actorlm does not implement are refused), refuse text that
-cannot fit the context before tokenizing it, tokenize (the chat template for chat), truncate
-if asked and check prompt + max_tokens against the context like vLLM, build SamplingParams (their ValueError is a 400), submit one
-engine request per prompt, then either collect the final outputs or stream Server-Sent Events:
-chunks carry the text (and logprobs) added since the previous chunk, ``finish_reason`` rides on
-a choice's last chunk, a usage chunk with empty ``choices`` follows when asked, and
-``data: [DONE]`` ends the stream. An error after the stream has started is sent as an error
-event before ``[DONE]``. Both kinds of answer watch the connection: a client that hangs up
-aborts its requests at once (the engine finishes them as ``abort`` and frees their blocks).
+cannot fit the context before tokenizing it, tokenize (the chat template for chat), truncate if
+asked and check prompt + max_tokens against the context like vLLM, build SamplingParams (their
+ValueError is a 400), submit one engine request per prompt, then either collect the final
+outputs or stream Server-Sent Events: chunks carry the text (and logprobs) added since the
+previous chunk, ``finish_reason`` rides on a choice's last chunk, a usage chunk with empty
+``choices`` follows when asked, and ``data: [DONE]`` ends the stream. An error after the stream
+has started is sent as an error event before ``[DONE]``. Both kinds of answer watch the
+connection: a client that hangs up aborts its requests at once (the engine finishes them as
+``abort`` and frees their blocks).
 """
 
 from __future__ import annotations

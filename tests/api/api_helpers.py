@@ -113,15 +113,3 @@ def read_events(base_url: str, path: str, body: dict,
             started.set()
     assert pending == b"", f"the stream ended inside an event: {pending!r}"
     return events
-
-
-def scrape(base_url: str) -> dict[str, float]:
-    """/metrics as {sample name (labels dropped, summed): value}."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(base_url + "/metrics", timeout=10).text
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            values[sample.name] = values.get(sample.name, 0.0) + sample.value
-    return values

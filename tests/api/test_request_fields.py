@@ -27,8 +27,8 @@ def _ok(response: httpx.Response) -> dict:
 
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens(http):
-    ids = _ok(http.post("/tokenize", json={"prompt": "The quick brown fox jumps over the lazy "
-                                                     "dog. A journey of a thousand miles"}))["tokens"]
+    prompt = "The quick brown fox jumps over the lazy dog. A journey of a thousand miles"
+    ids = _ok(http.post("/tokenize", json={"prompt": prompt}))["tokens"]
     assert len(ids) > 12
     truncated = _ok(http.post("/v1/completions",
                               json={**GREEDY, "prompt": ids, "truncate_prompt_tokens": 7}))
