@@ -9,6 +9,7 @@ import logging
 import sys
 
 from actorlm.api.flags import add_engine_flags, engine_flags
+from actorlm.api.options import ServerOptions, add_server_flags
 from actorlm.trace.cli import add_trace_commands
 
 
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",
                      help="on SIGTERM or SIGINT, let running requests finish for this long, "
                           "then end them with an error (streams with an error event and [DONE])")
+    add_server_flags(srv)
     srv.set_defaults(run=_serve)
 
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
@@ -140,13 +142,13 @@ def _report(result: dict, as_json: bool) -> int:
 
 
 def _serve(args) -> int:
-    from actorlm.api.server import serve
+    from actorlm.api.launcher import serve
 
     status = serve(args.model, engine_flags(args), host=args.host, port=args.port,
                    served_model_name=args.served_model_name,
                    max_num_waiting=args.max_num_waiting,
                    log_stats_interval=args.log_stats_interval, trace_file=args.trace_file,
-                   shutdown_timeout=args.shutdown_timeout)
+                   shutdown_timeout=args.shutdown_timeout, options=ServerOptions.from_args(args))
     # the process ends now: spare it the interpreter's final collection over torch's and
     # transformers' objects (over a second), which would stretch a graceful stop
     gc.freeze()

@@ -1,9 +1,10 @@
 """Prometheus metrics under vLLM's names, on a registry of the app's own (not the global one).
 
 Gauges (running, waiting, KV usage) and the preemption and worker-restart counters are read
-from the engine's actors at scrape time; latencies and token counts are observed as outputs
-reach the event loop (``AsyncLLM`` calls the ``observe_*`` methods). ``StatsLogger`` writes vLLM's
-periodic INFO line while the server has work and sleeps on an event while it has none.
+from the engine's actors at scrape time, the process's memory and CPU from /proc; latencies and
+token counts are observed as outputs reach the event loop (``AsyncLLM`` calls the ``observe_*``
+methods). ``StatsLogger`` writes vLLM's periodic INFO line while the server has work and sleeps
+on an event while it has none.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import asyncio
 import logging
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Histogram, ProcessCollector,
+                               generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,7 @@ class ServerMetrics:
         self.activity = asyncio.Event()  # set while there is work: wakes the stats logger
         r, labels = self.registry, ["model_name"]
         self.registry.register(_EngineCollector(get_engine, model_name))
+        ProcessCollector(registry=r)  # process_resident_memory_bytes and friends, as vLLM has
         self.ttft = Histogram("vllm:time_to_first_token_seconds",
                               "Histogram of time to first token in seconds.", labels,
                               buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)

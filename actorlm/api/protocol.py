@@ -1,7 +1,8 @@
 """OpenAI-compatible request and response schemas (msgspec), with vLLM's extra sampling fields.
 
 Requests are decoded strictly by type (a string where a number belongs is a 400 that names the
-field); unknown fields are ignored, as vLLM and OpenAI do. Value ranges are checked by
+field); fields vLLM defines but actorlm does not implement are refused (``refused``), unknown
+ones ignored and logged once (``decoding``), as vLLM does. Value ranges are checked by
 ``SamplingParams``, whose ValueError names the field; integers it never sees are bounded here
 (``Meta``) or in serving (token ids, max_tokens), since JSON integers come in any size. Most
 request fields accept an explicit ``null`` as "use the default", since many clients send one.
@@ -9,68 +10,16 @@ request fields accept an explicit ``null`` as "use the default", since many clie
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any
 
-import msgspec
 from msgspec import Meta, Struct
 
+from actorlm.api.errors import ApiError
+from actorlm.api.refused import CHAT_FIELDS, RefusedFields
 from actorlm.sampling_params import MAX_LOGPROBS as MAX_TOP_LOGPROBS
 from actorlm.sampling_params import SamplingParams
 
 MAX_N = 128  # the most choices (n, best_of) one request may ask for
-
-
-class ApiError(Exception):
-    """An error the client caused or must hear about, with its HTTP status."""
-
-    TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed",
-             413: "RequestTooLarge", 500: "InternalServerError", 503: "ServiceUnavailableError"}
-
-    def __init__(self, status: int, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-    def response(self) -> ErrorResponse:
-        return ErrorResponse(ErrorInfo(self.message, self.TYPES.get(self.status, "Error"),
-                                       self.param, self.status))
-
-
-_PATH = re.compile(r"at `\$\.?([^`]*)`|missing required field `([^`]*)`$")
-_FIELD = re.compile(r"^([a-z_]+): ")
-
-
-def bad_request(exc: Exception) -> ApiError:
-    """A 400 from a decoding error or a ValueError, with the offending field as ``param``."""
-    message = str(exc)
-    if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
-        return ApiError(400, f"Invalid JSON body: {message}")
-    match = _PATH.search(message) or _FIELD.search(message)
-    param = match and next((g for g in match.groups() if g), None)
-    return ApiError(400, message, param or None)
-
-
-def decode(body: bytes, type_: type):
-    if not body.strip():
-        raise ApiError(400, "The request body is empty; expected a JSON object")
-    try:
-        return msgspec.json.decode(body, type=type_)
-    except msgspec.DecodeError as exc:
-        raise bad_request(exc) from None
-
-
-# --- errors ------------------------------------------------------------------------------------
-
-
-class ErrorInfo(Struct):
-    message: str
-    type: str
-    param: str | None
-    code: int
-
-
-class ErrorResponse(Struct):
-    error: ErrorInfo
 
 
 # --- requests ------------------------------------------------------------------------------------
@@ -81,7 +30,7 @@ class StreamOptions(Struct):
     continuous_usage_stats: bool | None = False
 
 
-class _SamplingRequest(Struct, kw_only=True):
+class _SamplingRequest(RefusedFields, kw_only=True):
     """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
@@ -109,6 +58,8 @@ class _SamplingRequest(Struct, kw_only=True):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
+    # keep only the prompt's last k tokens (-1: as many as the context holds), as vLLM does
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -180,6 +131,7 @@ class CompletionRequest(_SamplingRequest, kw_only=True):
 
     def check_supported(self) -> None:
         self.check_stream_options()
+        self.check_refused()
         if self.suffix:
             raise ApiError(400, "suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != or_default(self.n, 1):
@@ -223,9 +175,17 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     add_generation_prompt: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # only with --trust-request-chat-template
+    # tools and documents: refused (``refused.CHAT_FIELDS``)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
 
     def check_supported(self) -> None:
         self.check_stream_options()
+        self.check_refused(CHAT_FIELDS)
         if not self.messages:
             raise ApiError(400, "messages: the conversation is empty", "messages")
         if self.top_logprobs is not None and not self.logprobs:

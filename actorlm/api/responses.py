@@ -12,35 +12,43 @@ from typing import AsyncIterator, Callable
 
 import anyio
 import msgspec
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from actorlm.api import protocol as p
+from actorlm.api.errors import bad_request
 from actorlm.async_llm import EngineDeadError, EngineOverloadedError, EngineShutdownError
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
+# a waiting request takes about a second to be scheduled under load: worth a retry by then
+RETRY_AFTER_S = 1
 
 
-def json_response(obj, status: int = 200) -> Response:
-    return Response(_json.encode(obj), status, media_type="application/json")
+def json_response(obj, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_json.encode(obj), status, headers, media_type="application/json")
 
 
 def error_response(error: p.ApiError) -> Response:
-    return json_response(error.response(), error.status)
+    return json_response(error.response(), error.status, error.headers)
 
 
 def as_api_error(exc: BaseException) -> p.ApiError:
     """What the client hears about an exception: 400 for its input, 503 for an engine that
-    cannot take it now (overloaded, shutting down), 500 for a request the engine died under
-    (new requests to a dead engine get the 503 of ``ServerState.ready_engine``), 500 (logged)
-    for anything else."""
+    cannot take it now (overloaded, with ``Retry-After``; shutting down), 500 for a request the
+    engine died under (new requests to a dead engine get the 503 of
+    ``ServerState.ready_engine``), 500 (logged) for anything else."""
     if isinstance(exc, p.ApiError):
         return exc
     if isinstance(exc, (ValueError, msgspec.DecodeError)):
-        return p.bad_request(exc)
-    if isinstance(exc, (EngineOverloadedError, EngineShutdownError)):
+        return bad_request(exc)
+    if isinstance(exc, EngineOverloadedError):
+        return p.ApiError(503, str(exc), headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, EngineShutdownError):
         return p.ApiError(503, str(exc))
+    if isinstance(exc, ClientDisconnect):  # nobody is left to read the answer
+        return p.ApiError(499, "the client disconnected")
     if isinstance(exc, EngineDeadError):
         return p.ApiError(500, str(exc))
     log.exception("internal error", exc_info=exc)

@@ -1,10 +1,13 @@
 """The OpenAI-compatible HTTP server: a Starlette app over AsyncLLM, served by uvicorn.
 
 Routes: ``/v1/completions`` and ``/v1/chat/completions`` (see ``serving``), ``/v1/models``,
-``/health``, ``/metrics``, ``/version``, ``/tokenize`` and ``/detokenize``. Errors have OpenAI's
-shape ``{"error": {"message", "type", "param", "code"}}``. The engine loads in the background,
-so the port answers at once and ``/health`` says 503 until the engine is ready (and after a
-fatal fault).
+``/health``, ``/metrics``, ``/version``, ``/tokenize``, ``/detokenize``,
+``/reset_prefix_cache``, ``/openapi.json`` and the trace. Errors have OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}``. Before a route sees a request it passes
+``security.RequestGuard`` (Host, API key, content type, body size) and, when the operator
+allows origins, CORS; uvicorn's connections get the deadlines of ``connection``. The engine
+loads in the background, so the port answers at once and ``/health`` says 503 until the engine
+is ready (and after a fatal fault).
 """
 
 from __future__ import annotations
@@ -19,16 +22,22 @@ from typing import Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
-import uvicorn
 
 import actorlm
 from actorlm.api import protocol as p
 from actorlm.api import serving
+from actorlm.api.chat_template import apply_chat_template
+from actorlm.api.decoding import RequestDecoder
 from actorlm.api.metrics import ServerMetrics, StatsLogger
+from actorlm.api.openapi import openapi_document
+from actorlm.api.options import ServerOptions
 from actorlm.api.responses import as_api_error, error_response, json_response
+from actorlm.api.security import RequestGuard
 from actorlm.async_llm import AsyncLLM
 from actorlm.trace import render_html
 
@@ -39,10 +48,16 @@ log = logging.getLogger(__name__)
 
 
 class ServerState:
-    """The app's engine (built in the background when given a factory), name and metrics."""
+    """The app's engine (built in the background when given a factory), name, metrics, options
+    and request decoder."""
 
     def __init__(self, engine: AsyncLLM | Callable[[], AsyncLLM], served_model_name: str | None,
-                 log_stats_interval: float, on_load_error: Callable[[str], None] | None):
+                 log_stats_interval: float, on_load_error: Callable[[str], None] | None,
+                 options: ServerOptions):
+        self.options = options
+        self.decoder = RequestDecoder()
+        self.openapi = openapi_document(bool(options.api_keys))
+        self.max_token_chars = 0  # the longest text one token stands for; set when ready
         self.factory = None if isinstance(engine, AsyncLLM) else engine
         self.engine: AsyncLLM | None = engine if isinstance(engine, AsyncLLM) else None
         self.served_model_name = served_model_name
@@ -75,6 +90,7 @@ class ServerState:
         if self.engine is None:
             self._tasks.append(asyncio.create_task(self._load()))
         else:
+            self.max_token_chars = await asyncio.to_thread(max_token_chars, self.engine)
             self._engine_ready()
 
     async def stop(self) -> None:
@@ -84,11 +100,15 @@ class ServerState:
             await asyncio.to_thread(self.engine.shutdown)
 
     async def _load(self) -> None:
-        future = asyncio.get_running_loop().run_in_executor(None, self.factory)
+        def build() -> tuple[AsyncLLM, int]:
+            engine = self.factory()
+            return engine, max_token_chars(engine)
+
+        future = asyncio.get_running_loop().run_in_executor(None, build)
         try:
-            engine = await asyncio.shield(future)
+            engine, self.max_token_chars = await asyncio.shield(future)
         except asyncio.CancelledError:  # shut down while loading: stop it once it is built
-            future.add_done_callback(lambda f: f.exception() or f.result().shutdown())
+            future.add_done_callback(lambda f: f.exception() or f.result()[0].shutdown())
             raise
         except Exception as exc:
             self.load_error = str(exc)
@@ -117,6 +137,13 @@ def default_model_name(engine: AsyncLLM | None) -> str:
         return path.stem if path.suffix == ".gguf" else path.name
     # the embedded default lives in a cache directory named "<gguf stem>-<file size>"
     return re.sub(r"-\d+$", "", engine.model_path.name)
+
+
+def max_token_chars(engine: AsyncLLM) -> int:
+    """The most characters one token can stand for: no more than its vocabulary entry has (a
+    byte-level entry has one character per byte, a SentencePiece one one per character or a
+    byte's ``<0xNN>``). Blocking: call it off the event loop."""
+    return max(map(len, engine.tokenizer.get_vocab()))
 
 
 def _state(request: Request) -> ServerState:
@@ -154,12 +181,12 @@ async def metrics(request: Request) -> Response:
 async def tokenize(request: Request) -> Response:
     state = _state(request)
     engine = state.ready_engine()
-    req = p.decode(await request.body(), p.TokenizeRequest)
+    req = state.decoder.decode(await request.body(), p.TokenizeRequest)
     state.check_model(req.model)
     if req.messages is not None:
         conversation = [m.as_dict(i) for i, m in enumerate(req.messages)]
-        ids = await serving.apply_chat_template(engine, conversation,
-                                                p.or_default(req.add_generation_prompt, True))
+        ids = await apply_chat_template(engine, conversation,
+                                        p.or_default(req.add_generation_prompt, True))
     elif req.prompt is not None:
         ids = await engine.run_blocking(engine.encode, req.prompt,
                                         p.or_default(req.add_special_tokens, True))
@@ -171,7 +198,7 @@ async def tokenize(request: Request) -> Response:
 async def detokenize(request: Request) -> Response:
     state = _state(request)
     engine = state.ready_engine()
-    req = p.decode(await request.body(), p.DetokenizeRequest)
+    req = state.decoder.decode(await request.body(), p.DetokenizeRequest)
     state.check_model(req.model)
     serving.check_token_ids(engine, req.tokens, "tokens")
     text = await engine.run_blocking(engine.decode, req.tokens)
@@ -182,6 +209,10 @@ async def reset_prefix_cache(request: Request) -> Response:
     """Forget every cached prompt prefix (vLLM's route), e.g. after swapping weights."""
     await _state(request).ready_engine().reset_prefix_cache()
     return Response(status_code=200)
+
+
+async def openapi(request: Request) -> Response:
+    return json_response(_state(request).openapi)
 
 
 async def trace_page(request: Request) -> Response:
@@ -220,15 +251,17 @@ def _generation(fn):
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
-    return error_response(p.ApiError(exc.status_code, str(exc.detail)))
+    return error_response(p.ApiError(exc.status_code, str(exc.detail), headers=exc.headers))
 
 
 def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str | None = None,
                log_stats_interval: float = 10.0,
-               on_load_error: Callable[[str], None] | None = None) -> Starlette:
+               on_load_error: Callable[[str], None] | None = None,
+               options: ServerOptions | None = None) -> Starlette:
     """The app over ``engine``: an AsyncLLM (the caller owns it) or a factory that builds one
     in the background at start-up (the app owns it and shuts it down)."""
-    state = ServerState(engine, served_model_name, log_stats_interval, on_load_error)
+    options = options or ServerOptions()
+    state = ServerState(engine, served_model_name, log_stats_interval, on_load_error, options)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -248,83 +281,20 @@ def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: 
         Route("/reset_prefix_cache", _endpoint(reset_prefix_cache), methods=["POST"]),
         Route("/trace", _endpoint(trace_page), methods=["GET"]),
         Route("/trace.json", _endpoint(trace_json), methods=["GET"]),
+        Route("/openapi.json", _endpoint(openapi), methods=["GET"]),
         Route("/v1/completions", _endpoint(_generation(serving.create_completion)),
               methods=["POST"]),
         Route("/v1/chat/completions", _endpoint(_generation(serving.create_chat_completion)),
               methods=["POST"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan,
+    # CORS outermost: a preflight carries no API key, and a refusal must reach the page
+    middleware = [Middleware(RequestGuard, options=options)]
+    if options.allowed_origins:
+        middleware.insert(0, Middleware(
+            CORSMiddleware, allow_origins=list(options.allowed_origins),
+            allow_methods=list(options.allowed_methods),
+            allow_headers=list(options.allowed_headers), expose_headers=["X-Request-Id"]))
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={HTTPException: _http_error})
     app.state.actorlm = state
     return app
-
-
-def serve(model: str | None, engine_flags: dict, *, host: str = "127.0.0.1", port: int = 8000,
-          served_model_name: str | None = None, max_num_waiting: int | None = None,
-          log_stats_interval: float = 10.0, trace_file: str | None = None,
-          shutdown_timeout: float = 5.0) -> int:
-    """Run the server until SIGTERM or SIGINT, then stop gracefully (see ``_GracefulServer``)
-    and return 0; the engine loads while the port already answers."""
-    from actorlm.config import EngineConfig
-
-    EngineConfig.from_flags(model, **engine_flags)  # bad flags fail now, not in the background
-    if max_num_waiting is not None and max_num_waiting < 1:
-        raise ValueError(f"--max-num-waiting must be at least 1, got {max_num_waiting}")
-    if not shutdown_timeout >= 0:  # also refuses nan
-        raise ValueError(f"--shutdown-timeout must be at least 0 seconds, got {shutdown_timeout}")
-    failed: list[str] = []
-    server: uvicorn.Server | None = None
-
-    def on_load_error(message: str) -> None:
-        failed.append(message)
-        server.should_exit = True
-
-    app = create_app(lambda: AsyncLLM(model, max_num_waiting=max_num_waiting,
-                                      trace_file=trace_file, **engine_flags),
-                     served_model_name=served_model_name, log_stats_interval=log_stats_interval,
-                     on_load_error=on_load_error)
-    config = uvicorn.Config(app, host=host, port=port, log_level="info")
-    server = _GracefulServer(config, lambda: app.state.actorlm.engine, shutdown_timeout)
-    try:
-        server.run()
-    except KeyboardInterrupt:  # Ctrl-C before uvicorn installed its handlers (or after)
-        pass
-    return 1 if failed else 0
-
-
-class _GracefulServer(uvicorn.Server):
-    """uvicorn that, on SIGTERM or SIGINT, stops accepting, gives in-flight requests
-    ``shutdown_timeout`` seconds, then shuts the engine down: that fails the requests still
-    running, so each stream ends with an error event and ``[DONE]`` and each non-streaming
-    request with an error response, where uvicorn alone would cancel them mid-response (a
-    dropped connection). Exits 0 either way."""
-
-    # time for the failed requests to send their ending before uvicorn's own timeout cancels
-    # whatever is left (a dropped connection)
-    STREAM_END_MARGIN = 1.0
-
-    def __init__(self, config: uvicorn.Config, engine: Callable[[], AsyncLLM | None],
-                 shutdown_timeout: float):
-        config.timeout_graceful_shutdown = shutdown_timeout + self.STREAM_END_MARGIN
-        super().__init__(config)
-        self.engine, self.shutdown_timeout = engine, shutdown_timeout
-
-    def handle_exit(self, sig, frame) -> None:
-        super().handle_exit(sig, frame)
-        # uvicorn re-raises a captured signal after its clean shutdown, so SIGTERM would kill
-        # the process after all (status -15); a requested stop is a success
-        self._captured_signals.clear()
-
-    async def shutdown(self, sockets=None) -> None:
-        # uvicorn closes the listeners and idle connections, then waits for the busy ones
-        timer = asyncio.create_task(self._end_grace_period())
-        try:
-            await super().shutdown(sockets)
-        finally:
-            timer.cancel()
-
-    async def _end_grace_period(self) -> None:
-        await asyncio.sleep(self.shutdown_timeout)
-        if (engine := self.engine()) is not None:
-            log.info("shutdown: failing the requests still running")
-            await asyncio.to_thread(engine.shutdown)

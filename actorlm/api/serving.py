@@ -1,13 +1,15 @@
 """Completions and chat completions: from a decoded request to a JSON answer or an SSE stream.
 
-A request's path: validate, tokenize (the chat template for chat) and check prompt + max_tokens
-against the context like vLLM, build SamplingParams (their ValueError is a 400), submit one
-engine request per prompt, then either collect the final outputs or stream Server-Sent Events:
-chunks carry the text (and logprobs) added since the previous chunk, ``finish_reason`` rides on
-a choice's last chunk, a usage chunk with empty ``choices`` follows when asked, and
-``data: [DONE]`` ends the stream. An error after the stream has started is sent as an error
-event before ``[DONE]``. Both kinds of answer watch the connection: a client that hangs up
-aborts its requests at once (the engine finishes them as ``abort`` and frees their blocks).
+A request's path: validate (fields actorlm does not implement are refused), refuse text that
+cannot fit the context before tokenizing it, tokenize (the chat template for chat), truncate if
+asked and check prompt + max_tokens against the context like vLLM, build SamplingParams (their
+ValueError is a 400), submit one engine request per prompt, then either collect the final
+outputs or stream Server-Sent Events: chunks carry the text (and logprobs) added since the
+previous chunk, ``finish_reason`` rides on a choice's last chunk, a usage chunk with empty
+``choices`` follows when asked, and ``data: [DONE]`` ends the stream. An error after the stream
+has started is sent as an error event before ``[DONE]``. Both kinds of answer watch the
+connection: a client that hangs up aborts its requests at once (the engine finishes them as
+``abort`` and frees their blocks).
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ import time
 import uuid
 from typing import AsyncIterator, Callable
 
-import jinja2
 from starlette.requests import Request
 from starlette.responses import Response
 
 from actorlm.api import protocol as p
+from actorlm.api.chat_template import apply_chat_template, template_arguments
 from actorlm.api.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from actorlm.api.responses import DONE, EventStream, error_event, event, json_response
 from actorlm.async_llm import AsyncLLM, RequestStream
@@ -36,15 +38,6 @@ def check_token_ids(engine: AsyncLLM, token_ids: list[int], field: str) -> None:
     if bad:
         raise p.ApiError(400, f"{field}: token id {bad[0]} is outside the vocabulary "
                               f"[0, {engine.vocab_size})", field)
-
-
-async def apply_chat_template(engine: AsyncLLM, conversation: list[dict],
-                               add_generation_prompt: bool, **kwargs) -> list[int]:
-    try:
-        return await engine.run_blocking(
-            lambda: engine.apply_chat_template(conversation, add_generation_prompt, **kwargs))
-    except (jinja2.TemplateError, TypeError, KeyError) as exc:  # the template refused it
-        raise p.ApiError(400, f"messages: the chat template failed: {exc}", "messages") from None
 
 
 def max_tokens_for(num_prompt_tokens: int, requested: int | None, max_model_len: int,
@@ -67,27 +60,54 @@ def max_tokens_for(num_prompt_tokens: int, requested: int | None, max_model_len:
     return requested
 
 
+def truncated(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: the context's
+    worth); None keeps it whole."""
+    if keep is None:
+        return ids
+    if keep == 0 or keep > max_model_len:
+        raise p.ApiError(400, f"truncate_prompt_tokens: must be -1 or between 1 and the "
+                              f"context length {max_model_len}, got {keep}",
+                         "truncate_prompt_tokens")
+    return ids[-(max_model_len if keep == -1 else keep):]
+
+
+def check_text_length(state, num_chars: int, req) -> None:
+    """Refuse, before tokenizing it (seconds of the one submit thread), text that cannot fit:
+    no token spells more than ``state.max_token_chars`` characters."""
+    limit = state.engine.max_model_len * state.max_token_chars
+    if req.truncate_prompt_tokens is None and num_chars > limit:
+        raise p.ApiError(400, f"This model's maximum context length is "
+                              f"{state.engine.max_model_len} tokens, and the prompt's "
+                              f"{num_chars} characters cannot fit in it. Please reduce the "
+                              f"length of the messages.")
+
+
 async def create_completion(state, request: Request) -> Response:
     engine = state.ready_engine()
-    req = p.decode(await request.body(), p.CompletionRequest)
+    req = state.decoder.decode(await request.body(), p.CompletionRequest)
     state.check_model(req.model)
     req.check_supported()
     prompts = req.prompts()
     add_special = p.or_default(req.add_special_tokens, True)
     for prompt in prompts:
-        if not isinstance(prompt, str):
+        if isinstance(prompt, str):
+            check_text_length(state, len(prompt), req)
+        else:
             check_token_ids(engine, prompt, "prompt")
     prompt_ids = await engine.run_blocking(
         lambda: [engine.encode(x, add_special) if isinstance(x, str) else x for x in prompts])
     if any(not ids for ids in prompt_ids):
         raise p.ApiError(400, "prompt: the prompt is empty", "prompt")
+    prompt_ids = [truncated(ids, req.truncate_prompt_tokens, engine.max_model_len)
+                  for ids in prompt_ids]
     params = [req.sampling_params(max_tokens_for(len(ids), req.max_tokens, engine.max_model_len),
                                   req.logprobs) for ids in prompt_ids]
     echo = None
     if req.echo:
         echo = await engine.run_blocking(
             lambda: [x if isinstance(x, str) else engine.decode(x) for x in prompts])
-    gen = _Generation(engine, state.model_name, f"cmpl-{uuid.uuid4().hex}", req)
+    gen = _Generation(engine, state.model_name, "cmpl", request, req)
     await gen.start(prompt_ids, params)
     if req.stream:
         return EventStream(gen.completion_events(echo), gen.abort)
@@ -96,16 +116,20 @@ async def create_completion(state, request: Request) -> Response:
 
 async def create_chat_completion(state, request: Request) -> Response:
     engine = state.ready_engine()
-    req = p.decode(await request.body(), p.ChatCompletionRequest)
+    req = state.decoder.decode(await request.body(), p.ChatCompletionRequest)
     state.check_model(req.model)
     req.check_supported()
-    ids = await apply_chat_template(engine, req.conversation(),
-                                     p.or_default(req.add_generation_prompt, True),
-                                     **(req.chat_template_kwargs or {}))
+    kwargs = template_arguments(req.chat_template_kwargs, req.chat_template,
+                                state.options.trust_request_chat_template)
+    conversation = req.conversation()
+    check_text_length(state, sum(len(m["content"]) for m in conversation), req)
+    ids = await apply_chat_template(engine, conversation,
+                                    p.or_default(req.add_generation_prompt, True), **kwargs)
+    ids = truncated(ids, req.truncate_prompt_tokens, engine.max_model_len)
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = max_tokens_for(len(ids), req.requested_max_tokens, engine.max_model_len, field)
     params = req.sampling_params(max_tokens, req.num_logprobs)
-    gen = _Generation(engine, state.model_name, f"chatcmpl-{uuid.uuid4().hex}", req)
+    gen = _Generation(engine, state.model_name, "chatcmpl", request, req)
     await gen.start([ids], [params])
     if req.stream:
         return EventStream(gen.chat_events(), gen.abort)
@@ -140,9 +164,14 @@ class _Progress:
 class _Generation:
     """One API request's engine requests (one per prompt) and how to answer with them."""
 
-    def __init__(self, engine: AsyncLLM, model_name: str, request_id: str, req):
-        self.engine, self.model_name, self.request_id = engine, model_name, request_id
-        self.req = req
+    def __init__(self, engine: AsyncLLM, model_name: str, kind: str, request: Request, req):
+        self.engine, self.model_name, self.req = engine, model_name, req
+        # the API id carries the X-Request-Id; the engine's must be unique whatever clients
+        # send, so a client's id gets a random suffix there
+        self.request_id = f"{kind}-{request.state.request_id}"
+        self.engine_id = self.request_id
+        if request.state.request_id_from_client:
+            self.engine_id += f"-{uuid.uuid4().hex[:8]}"
         self.created = int(time.time())
         self.n = p.or_default(req.n, 1)
         self.streams: list[RequestStream] = []
@@ -150,7 +179,7 @@ class _Generation:
     async def start(self, prompt_ids: list[list[int]], params: list) -> None:
         try:
             for i, (ids, sp) in enumerate(zip(prompt_ids, params)):
-                rid = self.request_id if len(prompt_ids) == 1 else f"{self.request_id}-{i}"
+                rid = self.engine_id if len(prompt_ids) == 1 else f"{self.engine_id}-{i}"
                 self.streams.append(await self.engine.add_request(rid, ids, sp))
         except BaseException:
             self.abort()
@@ -210,7 +239,7 @@ class _Generation:
                 work.cancel()
                 self.abort()
         if not work.done() or work.cancelled():
-            log.info("%s: client disconnected; aborted", self.request_id)
+            log.info("%s: client disconnected; aborted", self.engine_id)
             return Response(status_code=499)
         return json_response(build(work.result()))
 
@@ -273,7 +302,7 @@ class _Generation:
                     self.request_id, "text_completion", self.created, self.model_name, [],
                     self.usage(finals)))
         except Exception as exc:
-            yield error_event(exc, self.request_id)
+            yield error_event(exc, self.engine_id)
         yield DONE
 
     # --- chat ----------------------------------------------------------------------------------
@@ -325,7 +354,7 @@ class _Generation:
             if self.req.include_usage:
                 yield self._chunk([], self.usage([final]))
         except Exception as exc:
-            yield error_event(exc, self.request_id)
+            yield error_event(exc, self.engine_id)
         yield DONE
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 import subprocess
@@ -11,6 +12,9 @@ import threading
 import time
 
 import httpx
+import uvicorn
+
+from actorlm.api.connection import GuardedH11Protocol
 
 SERVED_NAME = "tiny-llama"
 
@@ -36,13 +40,13 @@ def wait_healthy(base_url: str, timeout: float, proc: subprocess.Popen | None = 
 
 
 @contextlib.contextmanager
-def serving(model_dir, log_path, *flags: str):
+def serving(model_dir, log_path, *flags: str, env: dict[str, str] | None = None):
     """(process, base URL) of ``actorlm serve`` on ``model_dir``; the log is printed if the
     block fails, and the process is killed if it is still running at the end."""
     port = free_port()
     cmd = [sys.executable, "-m", "actorlm.api.cli", "serve", "--model", str(model_dir),
            "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), *flags]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     base_url = f"http://127.0.0.1:{port}"
@@ -56,6 +60,34 @@ def serving(model_dir, log_path, *flags: str):
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+def rss_bytes(pid: int) -> int:
+    """The resident memory of a process now."""
+    with open(f"/proc/{pid}/status") as status:
+        kib = next(line.split()[1] for line in status if line.startswith("VmRSS:"))
+    return int(kib) * 1024
+
+
+@contextlib.contextmanager
+def running(app, client_timeout: float = 10.0):
+    """``app`` under uvicorn (with actorlm's connections, as ``actorlm serve`` runs it) on a
+    free port, in a thread; stopped (lifespan and all) on exit."""
+    port = free_port()
+    protocol = functools.partial(GuardedH11Protocol, client_timeout=client_timeout)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           http=protocol))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
 
 
 def read_events(base_url: str, path: str, body: dict,
@@ -81,15 +113,3 @@ def read_events(base_url: str, path: str, body: dict,
             started.set()
     assert pending == b"", f"the stream ended inside an event: {pending!r}"
     return events
-
-
-def scrape(base_url: str) -> dict[str, float]:
-    """/metrics as {sample name (labels dropped, summed): value}."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(base_url + "/metrics", timeout=10).text
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            values[sample.name] = values.get(sample.name, 0.0) + sample.value
-    return values

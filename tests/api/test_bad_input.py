@@ -11,6 +11,7 @@ from api_helpers import SERVED_NAME
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 OK_MESSAGES = [{"role": "user", "content": "Hello"}]
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 60  # > 512 tokens
+DEEP = b"[" * 100_000 + b"]" * 100_000
 
 
 def _cmpl(**fields):
@@ -91,6 +92,56 @@ CASES = [
     ("unknown-route", "GET", "/v1/nothing", None, 404, None, ""),
     ("detokenize-out-of-vocab", "POST", "/detokenize", {"tokens": [99999]}, 400, "tokens", ""),
     ("tokenize-nothing", "POST", "/tokenize", {"model": SERVED_NAME}, 400, None, "prompt"),
+    # fields vLLM defines and actorlm does not implement: refused, not dropped
+    ("response-format-json-schema", "POST", CHAT, _chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+     400, "response_format", "not supported"),
+    ("response-format-bogus", "POST", CMPL, _cmpl(response_format={"type": "bogus"}), 400,
+     "response_format", "not supported"),
+    ("tools", "POST", CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400,
+     "tools", "not supported"),
+    ("tool-choice-required", "POST", CHAT, _chat(tool_choice="required"), 400, "tool_choice",
+     "not supported"),
+    ("guided-json", "POST", CMPL, _cmpl(guided_json={"type": "object"}), 400, "guided_json", ""),
+    ("guided-choice", "POST", CHAT, _chat(guided_choice=["yes", "no"]), 400, "guided_choice",
+     ""),
+    ("guided-regex", "POST", CMPL, _cmpl(guided_regex="[a-z]+"), 400, "guided_regex", ""),
+    ("structured-outputs", "POST", CHAT, _chat(structured_outputs={"choice": ["a"]}), 400,
+     "structured_outputs", ""),
+    ("use-beam-search", "POST", CMPL, _cmpl(use_beam_search=True), 400, "use_beam_search", ""),
+    ("priority", "POST", CHAT, _chat(priority=3), 400, "priority", ""),
+    ("truncate-zero", "POST", CMPL, _cmpl(truncate_prompt_tokens=0), 400,
+     "truncate_prompt_tokens", ""),
+    ("truncate-past-context", "POST", CHAT, _chat(truncate_prompt_tokens=513), 400,
+     "truncate_prompt_tokens", "512"),
+    ("truncate-below-minus-one", "POST", CMPL, _cmpl(truncate_prompt_tokens=-2), 400,
+     "truncate_prompt_tokens", ""),
+    # client input stays data: no overriding what the server sets, no templates of its own
+    ("template-kwargs-add-generation-prompt", "POST", CHAT,
+     _chat(chat_template_kwargs={"add_generation_prompt": False}), 400, "chat_template_kwargs",
+     "add_generation_prompt"),
+    ("template-kwargs-conversation", "POST", CHAT, _chat(chat_template_kwargs={"conversation": []}),
+     400, "chat_template_kwargs", "conversation"),
+    ("template-kwargs-messages", "POST", CHAT, _chat(chat_template_kwargs={"messages": []}), 400,
+     "chat_template_kwargs", "messages"),
+    ("template-kwargs-chat-template", "POST", CHAT,
+     _chat(chat_template_kwargs={"chat_template": "{{ 1/0 }}"}), 400, "chat_template_kwargs", ""),
+    ("template-kwargs-eos-token", "POST", CHAT, _chat(chat_template_kwargs={"eos_token": "x"}),
+     400, "chat_template_kwargs", ""),
+    ("chat-template-untrusted", "POST", CHAT, _chat(chat_template="{{ 1/0 }}"), 400,
+     "chat_template", "--trust-request-chat-template"),
+    # absurd nesting, wherever it hides
+    ("nested-template-kwargs", "POST", CHAT, b'{"messages": [{"role": "user", "content": "x"}], '
+     b'"chat_template_kwargs": {"a": ' + b"[" * 1000 + b"]" * 1000 + b"}}", 400, None, "nested"),
+    ("nested-prompt", "POST", CMPL, b'{"prompt": ' + DEEP + b"}", 400, None, "nested"),
+    ("nested-unknown-field", "POST", CMPL, b'{"prompt": "x", "whatever": ' + DEEP + b"}", 400,
+     None, "nested"),
+    ("nested-tokenize", "POST", "/tokenize", DEEP, 400, None, "nested"),
+    # text that cannot fit is refused before the tokenizer spends seconds on it
+    ("prompt-megabytes", "POST", CMPL, _cmpl(prompt="word " * 600_000), 400, None,
+     "characters cannot fit"),
+    ("chat-megabytes", "POST", CHAT, _chat(messages=[{"role": "user", "content": "a b" * 10**6}]),
+     400, None, "characters cannot fit"),
 ]
 
 

@@ -8,7 +8,9 @@ import time
 
 import httpx
 import openai
-from api_helpers import SERVED_NAME, scrape
+from api_helpers import SERVED_NAME
+
+from actorlm.benchmark.abuse import scrape
 
 PROMPTS = ["Once upon a time", "The quick brown fox", "The baker opened his last sack",
            "Machine learning models read text", "One winter the river froze",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import threading
@@ -11,31 +10,12 @@ import time
 
 import httpx
 import pytest
-import uvicorn
-from api_helpers import free_port, wait_healthy
+from api_helpers import running, wait_healthy
 
 from actorlm.api.server import create_app
 from actorlm.async_llm import AsyncLLM
 
 FLAGS = dict(dtype="float32", num_kv_blocks=128)
-
-
-@contextlib.contextmanager
-def running(app):
-    """``app`` under uvicorn on a free port, in a thread; stopped (lifespan and all) on exit."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 def _error(response: httpx.Response, status: int) -> dict:
@@ -112,15 +92,17 @@ def test_max_num_waiting_answers_503(tiny_llama_dir):
                     break
             assert [r.status_code for r in answers[:2]] == [200, 200]
             assert "overloaded" in _error(answers[2], 503)["message"]
+            assert int(answers[2].headers["Retry-After"]) >= 1
     finally:
         engine.shutdown()
 
 
 def test_periodic_stats_line(tiny_llama_dir, caplog):
     engine = AsyncLLM(str(tiny_llama_dir), **FLAGS)
+    app = create_app(engine, log_stats_interval=0.2)
     try:
         with caplog.at_level(logging.INFO, logger="actorlm.api.metrics"):
-            with running(create_app(engine, log_stats_interval=0.2)) as base:
+            with running(app) as base:
                 body = {"prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": True}
                 response = httpx.post(base + "/v1/completions", json=body, timeout=30)
                 assert response.status_code == 200
@@ -130,11 +112,13 @@ def test_periodic_stats_line(tiny_llama_dir, caplog):
                     time.sleep(0.05)
                 line = next(r.message for r in caplog.records if "Running:" in r.message)
                 assert "Waiting:" in line and "KV cache usage" in line and "tokens/s" in line
-                # idle: the logger sleeps on its event instead of logging
-                time.sleep(0.2)
-                count = sum("Running:" in r.message for r in caplog.records)
-                time.sleep(0.6)
-                assert sum("Running:" in r.message for r in caplog.records) == count
+                # idle: the logger parks on its event instead of logging; it alone clears the
+                # event (a new request sets it), and only on its way to waiting for it
+                activity = app.state.actorlm.metrics.activity
+                deadline = time.monotonic() + 5
+                while activity.is_set():
+                    assert time.monotonic() < deadline, "the stats logger never went idle"
+                    time.sleep(0.02)
     finally:
         engine.shutdown()
 

@@ -16,7 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from api_helpers import read_events, scrape, serving
+from api_helpers import read_events, serving
+
+from actorlm.benchmark.abuse import scrape
 
 SHUTDOWN_TIMEOUT = 2.0
 EXIT_MARGIN = 2.0  # the process must be gone this long after the grace period

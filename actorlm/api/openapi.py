@@ -1,0 +1,79 @@
+"""``/openapi.json``: the API's contract, generated from the very msgspec types that decode the
+requests and encode the answers, so the document cannot drift from the server.
+
+msgspec writes JSON Schema 2020-12, which is what OpenAPI 3.1 uses. Every operation declares
+its errors as ``default``: OpenAI's error shape, whatever the status.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+import actorlm
+from actorlm.api import protocol as p
+from actorlm.api.errors import ErrorResponse
+from actorlm.api.security import OPEN_PATHS
+
+_REF = "#/components/schemas/{name}"
+_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+_TEXT = {"schema": {"type": "string"}}
+
+# (method, path, summary, request type, response type or {media type: content})
+OPERATIONS = [
+    ("post", "/v1/completions", "Completions (streamed as Server-Sent Events when stream is "
+     "true)", p.CompletionRequest, p.CompletionResponse),
+    ("post", "/v1/chat/completions", "Chat completions (streamed as Server-Sent Events when "
+     "stream is true)", p.ChatCompletionRequest, p.ChatCompletionResponse),
+    ("get", "/v1/models", "The served model", None, p.ModelList),
+    ("post", "/tokenize", "Token ids of a prompt or a conversation", p.TokenizeRequest,
+     p.TokenizeResponse),
+    ("post", "/detokenize", "Text of token ids", p.DetokenizeRequest, p.DetokenizeResponse),
+    ("post", "/reset_prefix_cache", "Forget every cached prompt prefix", None, {}),
+    ("get", "/health", "200 while the engine serves, 503 otherwise", None, {}),
+    ("get", "/version", "The actorlm version", None,
+     {"application/json": {"schema": {"type": "object", "required": ["version"],
+                                      "properties": {"version": {"type": "string"}}}}}),
+    ("get", "/metrics", "Prometheus metrics (vLLM's names)", None, {"text/plain": _TEXT}),
+    ("get", "/trace", "The live trace visualizer", None, {"text/html": _TEXT}),
+    ("get", "/trace.json", "The trace as JSON lines", None, {"application/x-ndjson": _TEXT}),
+    ("get", "/openapi.json", "This document", None,
+     {"application/json": {"schema": {"type": "object"}}}),
+]
+_STREAMING = {"/v1/completions", "/v1/chat/completions"}
+
+
+def openapi_document(requires_api_key: bool) -> dict:
+    types = [t for op in OPERATIONS for t in (op[3], op[4]) if isinstance(t, type)]
+    refs, schemas = msgspec.json.schema_components([*types, ErrorResponse],
+                                                   ref_template=_REF)
+    ref_of = dict(zip([*types, ErrorResponse], refs))
+    paths: dict[str, dict] = {}
+    for method, path, summary, request, response in OPERATIONS:
+        if isinstance(response, type):
+            content = {"application/json": {"schema": ref_of[response]}}
+        else:
+            content = response
+        if path in _STREAMING:
+            content = {**content, **_SSE}
+        operation = {
+            "summary": summary,
+            "responses": {
+                "200": {"description": "OK", **({"content": content} if content else {})},
+                "default": {"description": "An error, in OpenAI's shape",
+                            "content": {"application/json":
+                                        {"schema": ref_of[ErrorResponse]}}},
+            },
+        }
+        if request is not None:
+            operation["requestBody"] = {"required": True, "content": {
+                "application/json": {"schema": ref_of[request]}}}
+        if requires_api_key and path not in OPEN_PATHS:
+            operation["security"] = [{"apiKey": []}]
+        paths.setdefault(path, {})[method] = operation
+    components: dict = {"schemas": schemas}
+    if requires_api_key:
+        components["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+    return {"openapi": "3.1.0",
+            "info": {"title": "actorlm", "version": actorlm.__version__,
+                     "description": "An OpenAI-compatible server (vLLM's extensions included)"},
+            "paths": paths, "components": components}

@@ -1,0 +1,106 @@
+"""What the operator decides about who may talk to the server and how much: ``ServerOptions``.
+
+Validated when built, with messages that name the flag to change; ``add_server_flags`` puts
+them on the command line, and ``ServerOptions.from_args`` reads them back (API keys also come
+from ``ACTORLM_API_KEY`` or vLLM's ``VLLM_API_KEY``, which keeps them out of ``ps``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import ipaddress
+import os
+
+API_KEY_ENV_VARS = ("ACTORLM_API_KEY", "VLLM_API_KEY")
+LOCAL_HOST_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerOptions:
+    api_keys: tuple[str, ...] = ()
+    # a long prompt (the whole context) or a batch of token ids fits in a few MiB
+    max_request_body_bytes: int = 4 * 1024 * 1024
+    # how long a client may take to send a request's headers, and the longest pause in its body
+    client_timeout: float = 10.0
+    allowed_origins: tuple[str, ...] = ()  # none: no CORS headers at all
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides the local ones
+    trust_request_chat_template: bool = False
+    host: str = "127.0.0.1"  # the address the server is bound to
+
+    def __post_init__(self):
+        for key in self.api_keys:
+            if not key or key != key.strip() or any(c.isspace() for c in key):
+                raise ValueError("--api-key: a key must be non-empty and contain no whitespace")
+        if self.max_request_body_bytes < 1024:
+            raise ValueError(f"--max-request-body-bytes must be at least 1024, "
+                             f"got {self.max_request_body_bytes}")
+        if not self.client_timeout > 0:  # also refuses nan
+            raise ValueError(f"--client-timeout must be above 0 seconds, got {self.client_timeout}")
+        if "*" in self.allowed_origins and len(self.allowed_origins) > 1:
+            raise ValueError("--allowed-origins: '*' already allows every origin; give it alone")
+
+    @property
+    def binds_loopback(self) -> bool:
+        return _is_loopback(self.host)
+
+    @property
+    def checks_host(self) -> bool:
+        """Bound to loopback, a browser page can reach the server only by DNS rebinding, which
+        shows in the Host header; elsewhere, only when the operator lists the names."""
+        return bool(self.allowed_hosts) or self.binds_loopback
+
+    def host_names(self) -> frozenset[str]:
+        return frozenset(n.lower() for n in (*LOCAL_HOST_NAMES, self.host, *self.allowed_hosts))
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, environ=os.environ) -> ServerOptions:
+        keys = list(args.api_key or [])
+        keys += [environ[name] for name in API_KEY_ENV_VARS if environ.get(name)]
+        return cls(api_keys=tuple(dict.fromkeys(keys)),
+                   max_request_body_bytes=args.max_request_body_bytes,
+                   client_timeout=args.client_timeout,
+                   allowed_origins=tuple(args.allowed_origins or ()),
+                   allowed_methods=tuple(args.allowed_methods or ("*",)),
+                   allowed_headers=tuple(args.allowed_headers or ("*",)),
+                   allowed_hosts=tuple(args.allowed_hosts or ()),
+                   trust_request_chat_template=args.trust_request_chat_template,
+                   host=args.host)
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: resolved by the operator's resolver, not ours to guess
+        return False
+
+
+def add_server_flags(parser: argparse.ArgumentParser) -> None:
+    defaults = ServerOptions()
+    parser.add_argument("--api-key", action="append", metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on every route but /health, "
+                             "/version, /metrics and /openapi.json (repeatable; also from "
+                             "ACTORLM_API_KEY or VLLM_API_KEY, which ps does not show)")
+    parser.add_argument("--max-request-body-bytes", type=int,
+                        default=defaults.max_request_body_bytes,
+                        help="refuse larger request bodies with 413 before reading them")
+    parser.add_argument("--client-timeout", type=float, default=defaults.client_timeout,
+                        metavar="SECONDS",
+                        help="close connections whose request headers take longer than this, "
+                             "or whose body pauses longer (408)")
+    parser.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN",
+                        help="answer CORS for these origins ('*' for any); default: no CORS")
+    parser.add_argument("--allowed-methods", nargs="+", metavar="METHOD",
+                        help="methods CORS allows (default: *)")
+    parser.add_argument("--allowed-headers", nargs="+", metavar="HEADER",
+                        help="request headers CORS allows (default: *)")
+    parser.add_argument("--allowed-hosts", nargs="+", metavar="NAME",
+                        help="Host names accepted besides localhost and the bound address "
+                             "(checked when bound to loopback, or whenever this is given)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="let requests bring their own chat template (a Jinja program the "
+                             "server runs); refused by default")

@@ -1,0 +1,96 @@
+"""Fields beyond OpenAI's core: truncation works, "off" values pass, unknown names are logged
+once, and a trusted server runs a request's own chat template."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from api_helpers import SERVED_NAME, running
+
+from actorlm.api.options import ServerOptions
+from actorlm.api.server import create_app
+from actorlm.async_llm import AsyncLLM
+
+GREEDY = {"model": SERVED_NAME, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+HI = [{"role": "user", "content": "Once upon a time there was a baker"}]
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server, timeout=60) as c:
+        yield c
+
+
+def _ok(response: httpx.Response) -> dict:
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(http):
+    prompt = "The quick brown fox jumps over the lazy dog. A journey of a thousand miles"
+    ids = _ok(http.post("/tokenize", json={"prompt": prompt}))["tokens"]
+    assert len(ids) > 12
+    truncated = _ok(http.post("/v1/completions",
+                              json={**GREEDY, "prompt": ids, "truncate_prompt_tokens": 7}))
+    tail = _ok(http.post("/v1/completions", json={**GREEDY, "prompt": ids[-7:]}))
+    assert truncated["usage"]["prompt_tokens"] == 7
+    assert truncated["choices"][0]["text"] == tail["choices"][0]["text"]
+    # -1: as much as the context holds (512 here): the whole of this prompt
+    whole = _ok(http.post("/v1/completions",
+                          json={**GREEDY, "prompt": ids, "truncate_prompt_tokens": -1}))
+    assert whole["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_truncate_prompt_tokens_in_chat(http):
+    full = _ok(http.post("/v1/chat/completions", json={**GREEDY, "messages": HI}))
+    cut = _ok(http.post("/v1/chat/completions",
+                        json={**GREEDY, "messages": HI, "truncate_prompt_tokens": 5}))
+    assert full["usage"]["prompt_tokens"] > 5 and cut["usage"]["prompt_tokens"] == 5
+
+
+OFF_VALUES = {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+              "guided_json": None, "guided_choice": [], "structured_outputs": None,
+              "use_beam_search": False, "priority": 0, "logits_processors": [],
+              "chat_template_kwargs": {"enable_thinking": False}}
+
+
+def test_unimplemented_fields_pass_when_off(http):
+    plain = _ok(http.post("/v1/chat/completions", json={**GREEDY, "messages": HI}))
+    off = _ok(http.post("/v1/chat/completions", json={**GREEDY, "messages": HI, **OFF_VALUES}))
+    assert off["choices"][0]["message"] == plain["choices"][0]["message"]
+
+
+def test_unknown_fields_are_ignored_and_logged_once(http, server_process):
+    _, log_path = server_process
+    body = {**GREEDY, "prompt": "Once upon a time", "tempreature": 1.5, "x_custom_field_7": 1}
+    answers = [_ok(http.post("/v1/completions", json=body)) for _ in range(3)]
+    plain = _ok(http.post("/v1/completions", json={**GREEDY, "prompt": "Once upon a time"}))
+    assert {a["choices"][0]["text"] for a in answers} == {plain["choices"][0]["text"]}
+    text = log_path.read_text()
+    assert text.count("unknown field 'tempreature'") == 1
+    assert text.count("unknown field 'x_custom_field_7'") == 1
+
+
+def test_trusted_server_runs_a_request_template(tiny_llama_dir):
+    engine = AsyncLLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=64)
+    template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    try:
+        options = ServerOptions(trust_request_chat_template=True)
+        with running(create_app(engine, options=options, served_model_name=SERVED_NAME)) as base:
+            body = {**GREEDY, "messages": HI, "max_tokens": 1}
+            own = httpx.post(base + "/v1/chat/completions", timeout=30,
+                             json={**body, "chat_template": template})
+            expected = engine.encode("[" + HI[0]["content"] + "]", add_special_tokens=False)
+            assert _ok(own)["usage"]["prompt_tokens"] == len(expected)
+            # whatever the template raises is the client's 400
+            for bad in ("{{ 1/0 }}", "{% for %}", "{{ messages[99]['content'] }}x{{ raise }}"):
+                error = httpx.post(base + "/v1/chat/completions", timeout=30,
+                                   json={**body, "chat_template": bad})
+                assert error.status_code == 400, error.text
+                assert "chat template failed" in error.json()["error"]["message"]
+            # still no overriding it through the kwargs
+            kwargs = httpx.post(base + "/v1/chat/completions", timeout=30,
+                                json={**body, "chat_template_kwargs": {"chat_template": template}})
+            assert kwargs.status_code == 400
+    finally:
+        engine.shutdown()
