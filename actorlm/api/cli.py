@@ -69,6 +69,13 @@ def main(argv: list[str] | None = None) -> int:
                      help="report where the steps' time went (forward, sampling, engine)")
     lat.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     lat.set_defaults(run=_bench_latency)
+    so = bench.add_parser("structured", help="structured outputs against free text, one engine")
+    add_engine_flags(so)
+    so.add_argument("--num-prompts", type=int, default=32)
+    so.add_argument("--output-len", type=int, default=128)
+    so.add_argument("--num-iters", type=int, default=3, help="report medians over this many runs")
+    so.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    so.set_defaults(run=_bench_structured)
     pf = bench.add_parser("prefix", help="prefix caching on against off: multi-turn chat and "
                           "a shared system prompt")
     add_prefix_arguments(pf)
@@ -120,6 +127,14 @@ def _bench_throughput(args) -> int:
     result = run_throughput(args.model, engine_flags(args), args.num_prompts, args.output_len,
                             compare_hf=args.compare == "hf", num_iters=args.num_iters,
                             trace=args.trace, profile=args.profile)
+    return _report(result, args.json)
+
+
+def _bench_structured(args) -> int:
+    from actorlm.benchmark.structured import run_structured
+
+    result = run_structured(args.model, engine_flags(args), args.num_prompts, args.output_len,
+                            args.num_iters)
     return _report(result, args.json)
 
 

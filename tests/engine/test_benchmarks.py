@@ -69,8 +69,20 @@ def test_one_long_request_costs_a_decode_step_about_its_own_context(tiny_llama_l
     assert result["ratio"] < 4, result
 
 
+def test_bench_structured_compares_constrained_rounds_with_free_text(tiny_llama_dir, capsys):
+    rc = main(["bench", "structured", "--model", str(tiny_llama_dir), "--dtype", "float32",
+               "--num-prompts", "3", "--output-len", "8", "--num-iters", "1", "--json"])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for mode in ("json_schema", "regex"):
+        assert result[mode]["ratio_vs_free"] == pytest.approx(
+            result[mode]["output_tokens_per_s"] / result["free"]["output_tokens_per_s"], rel=0.01)
+    assert 0 < result["free"]["output_tokens"] <= 3 * 8
+
+
 @pytest.mark.parametrize("argv", [["latency", "--num-iters", "0"], ["latency", "--batch-size", "0"],
-                                  ["throughput", "--num-prompts", "0", "--output-len", "2"]])
+                                  ["throughput", "--num-prompts", "0", "--output-len", "2"],
+                                  ["structured", "--num-iters", "0"]])
 def test_benches_refuse_counts_below_one_before_loading_anything(argv, capsys):
     assert main(["bench", *argv]) == 2
     assert "must be at least 1" in capsys.readouterr().err
