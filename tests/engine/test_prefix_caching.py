@@ -64,8 +64,14 @@ def test_multi_turn_with_and_without_the_cache(arch, setting, make_llm, tiny_lla
 
 
 @pytest.mark.slow
-def test_multi_turn_chat_on_smollm2(smollm2_dir, make_llm):
-    on, off = make_llm(str(smollm2_dir)), make_llm(str(smollm2_dir), enable_prefix_caching=False)
+@pytest.mark.parametrize("setting", ["roomy", "tight"])
+def test_multi_turn_chat_on_smollm2(setting, smollm2_dir, make_llm):
+    # tight: 64-token prefill chunks, and 12 blocks of 16 tokens for two conversations that
+    # grow past 100 tokens each, so the third turn preempts
+    flags = {} if setting == "roomy" else dict(max_num_batched_tokens=64, num_kv_blocks=12,
+                                                max_model_len=192)
+    on = make_llm(str(smollm2_dir), **flags)
+    off = make_llm(str(smollm2_dir), enable_prefix_caching=False, **flags)
     system = {"role": "system", "content": "You are a concise assistant for a bakery in Lyon."}
     questions = [["What bread do you bake?", "Which one is best with cheese?",
                   "How long does it keep?"],
@@ -77,4 +83,6 @@ def test_multi_turn_chat_on_smollm2(smollm2_dir, make_llm):
                                           f"<|im_start|>assistant\n", add_special_tokens=False)
                for q in questions] for t in (1, 2)]
     ratio = multi_turn(on, off, smollm2_dir, first, follow, num_tokens=16)
-    assert ratio < 0.5, ratio
+    assert ratio < 0.5 if setting == "roomy" else ratio < 1.0, ratio
+    if setting == "tight":
+        assert on.stats()["num_preemptions"] > 0
