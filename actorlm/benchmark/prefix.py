@@ -1,7 +1,7 @@
 """``actorlm bench prefix``: what automatic prefix caching saves, caching on against off.
 
-Two workloads, each run with ``enable_prefix_caching`` on and then off in the same process
-(one engine at a time, shut down in between):
+Two workloads, each run with ``enable_prefix_caching`` on and off in the same process, the
+modes taking turns round by round (one engine at a time, shut down in between):
 
 - ``multi_turn``: ``num_conversations`` conversations talk for ``num_turns`` turns. Each
   starts with the application's system prompt (``system_prompt_len`` tokens, the same for all)
@@ -134,7 +134,7 @@ def run_prefix(model: str | None, flags: dict, num_conversations: int = 8, num_t
                output_len: int = 32, system_prompt_len: int = 192, num_questions: int = 16,
                shared_prompt_len: int = 384, num_iters: int = 1,
                workloads: tuple[str, ...] = WORKLOADS) -> dict:
-    """Both workloads (or those named in ``workloads``), caching on then off."""
+    """Both workloads (or those named in ``workloads``), caching on and off by turns."""
     from actorlm.llm import LLM
     from actorlm.sampling_params import SamplingParams
 
@@ -152,16 +152,19 @@ def run_prefix(model: str | None, flags: dict, num_conversations: int = 8, num_t
                                                    system_prompt_len),
            "shared_prompt": lambda llm, s: shared_prompt(llm, s, params, num_questions,
                                                          shared_prompt_len)}
-    runs: dict[str, dict[str, list[_Run]]] = {name: {} for name in workloads}
-    for mode, caching in (("on", True), ("off", False)):  # on first: no warmer machine for it
-        llm = LLM(model, enable_prefix_caching=caching, **flags)
-        try:
-            llm.generate("Hello", SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-            for name in workloads:
-                runs[name][mode] = [run[name](llm, session) for session in range(num_iters)]
-            path, dtype = llm.engine.model_path, llm.engine.dtype
-        finally:
-            llm.shutdown()
+    runs: dict[str, dict[str, list[_Run]]] = {name: {"on": [], "off": []} for name in workloads}
+    # the modes take turns, each round with an engine of its own, so that a noisy machine
+    # slows both alike; each round's prompts are new to its engine (their session line)
+    for session in range(num_iters):
+        for mode, caching in (("on", True), ("off", False)):
+            llm = LLM(model, enable_prefix_caching=caching, **flags)
+            try:
+                llm.generate("Hello", SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+                for name in workloads:
+                    runs[name][mode].append(run[name](llm, session))
+                path, dtype = llm.engine.model_path, llm.engine.dtype
+            finally:
+                llm.shutdown()
     import torch
 
     result = {"model": path.name, "dtype": str(dtype).removeprefix("torch."),
