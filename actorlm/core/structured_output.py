@@ -14,6 +14,7 @@ xgrammar is imported lazily: an engine that never sees a constrained request nev
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import threading
@@ -74,7 +75,8 @@ class GrammarCompiler:
 
         info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
-        log.info("structured outputs: xgrammar %s ready", getattr(xgrammar, "__version__", ""))
+
+        log.info("structured outputs: xgrammar %s ready", importlib.metadata.version("xgrammar"))
         return self._compiler
 
 

@@ -55,11 +55,15 @@ class _Sampling:
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: bytes) -> None:
-    """Disallow (-inf) every token whose bit is clear in its row's words (``GrammarBitmask``)."""
+    """Disallow (-inf) every token whose bit is clear in its row's words (``GrammarBitmask``),
+    with xgrammar's kernel for the device (a C++ loop on a CPU, Triton or CUDA on a GPU)."""
+    import xgrammar
+
     words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32).view(len(rows), -1)
-    bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # [N, W, 32]
-    allowed = bits.view(len(rows), -1)[:, :logits.shape[-1]].bool().to(logits.device)
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    constrained = logits[rows]
+    xgrammar.apply_token_bitmask_inplace(constrained, words.to(logits.device),
+                                         vocab_size=logits.shape[-1])
+    logits[rows] = constrained
 
 
 class ModelRunner:
