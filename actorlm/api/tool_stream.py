@@ -142,8 +142,8 @@ class RequiredCallStream:
 
 
 class ParsedCallStream:
-    def __init__(self, parser: ToolParser):
-        self.parser = parser
+    def __init__(self, parser: ToolParser, parallel: bool = True):
+        self.parser, self.parallel = parser, parallel
         self.text, self.num_sent, self.holding = "", 0, False
 
     def feed(self, text: str) -> tuple[str, Deltas]:
@@ -160,6 +160,8 @@ class ParsedCallStream:
         content, calls = self.parser.parse(self.text)
         if not calls:
             content = self.text
+        if not self.parallel:
+            calls = calls[:1]  # the client runs one call at a time
         rest = content[self.num_sent:]
         self.num_sent = len(self.text)
         return rest, [header(i, name, args) for i, (name, args) in enumerate(calls)]
