@@ -12,6 +12,8 @@ import dataclasses
 import ipaddress
 import os
 
+from actorlm.api.tool_parsers import PARSERS
+
 API_KEY_ENV_VARS = ("ACTORLM_API_KEY", "VLLM_API_KEY")
 LOCAL_HOST_NAMES = ("localhost", "127.0.0.1", "::1")
 
@@ -28,6 +30,8 @@ class ServerOptions:
     allowed_headers: tuple[str, ...] = ("*",)
     allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides the local ones
     trust_request_chat_template: bool = False
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": read calls out of free text
+    tool_call_parser: str | None = None  # how (a name in tool_parsers.PARSERS)
     host: str = "127.0.0.1"  # the address the server is bound to
 
     def __post_init__(self):
@@ -41,6 +45,12 @@ class ServerOptions:
             raise ValueError(f"--client-timeout must be above 0 seconds, got {self.client_timeout}")
         if "*" in self.allowed_origins and len(self.allowed_origins) > 1:
             raise ValueError("--allowed-origins: '*' already allows every origin; give it alone")
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"--tool-call-parser: unknown parser {self.tool_call_parser!r} "
+                             f"(known: {', '.join(PARSERS)})")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (which format "
+                             "the model writes its calls in)")
 
     @property
     def binds_loopback(self) -> bool:
@@ -67,6 +77,8 @@ class ServerOptions:
                    allowed_headers=tuple(args.allowed_headers or ("*",)),
                    allowed_hosts=tuple(args.allowed_hosts or ()),
                    trust_request_chat_template=args.trust_request_chat_template,
+                   enable_auto_tool_choice=args.enable_auto_tool_choice,
+                   tool_call_parser=args.tool_call_parser,
                    host=args.host)
 
 
@@ -104,3 +116,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="let requests bring their own chat template (a Jinja program the "
                              "server runs); refused by default")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="serve tool_choice 'auto' (the default when a request has tools): "
+                             "calls are read out of the model's text with --tool-call-parser")
+    parser.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+                        help="the format the model writes tool calls in: hermes (Qwen2.5, "
+                             "Qwen3, Hermes) or llama3_json (Llama 3.1/3.2)")

@@ -2,7 +2,8 @@
 
 Requests are decoded strictly by type (a string where a number belongs is a 400 that names the
 field); fields vLLM defines but actorlm does not implement are refused (``refused``), unknown
-ones ignored and logged once (``decoding``), as vLLM does. Value ranges are checked by
+ones ignored and logged once (``decoding``), as vLLM does. The fields that constrain the output
+live in ``structured``, the tool types in ``protocol_tools``. Value ranges are checked by
 ``SamplingParams``, whose ValueError names the field; integers it never sees are bounded here
 (``Meta``) or in serving (token ids, max_tokens), since JSON integers come in any size. Most
 request fields accept an explicit ``null`` as "use the default", since many clients send one.
@@ -10,14 +11,17 @@ request fields accept an explicit ``null`` as "use the default", since many clie
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any
 
 from msgspec import Meta, Struct
 
 from actorlm.api.errors import ApiError
-from actorlm.api.refused import CHAT_FIELDS, RefusedFields
+from actorlm.api.protocol_tools import DeltaToolCall, Tool, ToolCall, ToolChoice
+from actorlm.api.refused import CHAT_FIELDS
+from actorlm.api.structured import StructuredFields
 from actorlm.sampling_params import MAX_LOGPROBS as MAX_TOP_LOGPROBS
-from actorlm.sampling_params import SamplingParams
+from actorlm.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 128  # the most choices (n, best_of) one request may ask for
 
@@ -30,7 +34,7 @@ class StreamOptions(Struct):
     continuous_usage_stats: bool | None = False
 
 
-class _SamplingRequest(RefusedFields, kw_only=True):
+class _SamplingRequest(StructuredFields, kw_only=True):
     """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
@@ -77,7 +81,9 @@ class _SamplingRequest(RefusedFields, kw_only=True):
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        structured_outputs: StructuredOutputsParams | None = None
+                        ) -> SamplingParams:
         """The engine's SamplingParams; raises ValueError naming the field that is out of range."""
         logit_bias = None
         if self.logit_bias:
@@ -100,7 +106,8 @@ class _SamplingRequest(RefusedFields, kw_only=True):
             prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=d(self.skip_special_tokens, True),
             spaces_between_special_tokens=d(self.spaces_between_special_tokens, True),
-            logit_bias=logit_bias, allowed_token_ids=self.allowed_token_ids)
+            logit_bias=logit_bias, allowed_token_ids=self.allowed_token_ids,
+            structured_outputs=structured_outputs)
 
 
 class CompletionRequest(_SamplingRequest, kw_only=True):
@@ -149,8 +156,11 @@ class ChatMessage(Struct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
 
     def as_dict(self, index: int) -> dict:
+        """The message as a chat template reads it (HF's conventions)."""
         content = self.content
         if isinstance(content, list):
             texts = []
@@ -164,7 +174,27 @@ class ChatMessage(Struct):
         out = {"role": self.role, "content": content if content is not None else ""}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [_template_call(c, f"messages[{index}].tool_calls[{j}]")
+                                 for j, c in enumerate(self.tool_calls)]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
+
+
+def _template_call(call: ToolCall, field: str) -> dict:
+    """A call as templates expect it: HF templates read the arguments as a mapping (they
+    render them with ``tojson`` or iterate them), where OpenAI sends JSON text."""
+    text = call.function.arguments
+    try:
+        arguments = json.loads(text) if text.strip() else {}
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise ApiError(400, f"{field}.function.arguments: must be a JSON object as text",
+                       f"{field}.function.arguments")
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.function.name, "arguments": arguments}}
 
 
 class ChatCompletionRequest(_SamplingRequest, kw_only=True):
@@ -176,9 +206,10 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     add_generation_prompt: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # only with --trust-request-chat-template
-    # tools and documents: refused (``refused.CHAT_FIELDS``)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # without it: "auto" when there are tools
+    parallel_tool_calls: bool | None = True  # false: at most one call
+    # the deprecated functions and documents: refused (``refused.CHAT_FIELDS``)
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
@@ -205,11 +236,18 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     def conversation(self) -> list[dict]:
         return [m.as_dict(i) for i, m in enumerate(self.messages)]
 
+    def num_chars(self, conversation: list[dict]) -> int:
+        """The characters of the conversation's texts: contents and call arguments."""
+        arguments = sum(len(c.function.arguments) for m in self.messages
+                        for c in m.tool_calls or ())
+        return sum(len(m["content"]) for m in conversation) + arguments
+
 
 class TokenizeRequest(Struct, kw_only=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # for the chat template, with messages
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = True
 
@@ -304,6 +342,7 @@ class ChatLogprobs(Struct):
 class ChatResponseMessage(Struct):
     role: str
     content: str | None
+    tool_calls: list[ToolCall] = []
 
 
 class ChatChoice(Struct):
@@ -327,6 +366,7 @@ class ChatCompletionResponse(Struct):
 class DeltaMessage(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(Struct):

@@ -185,8 +185,9 @@ async def tokenize(request: Request) -> Response:
     state.check_model(req.model)
     if req.messages is not None:
         conversation = [m.as_dict(i) for i, m in enumerate(req.messages)]
+        tools = {"tools": [t.as_dict() for t in req.tools]} if req.tools else {}
         ids = await apply_chat_template(engine, conversation,
-                                        p.or_default(req.add_generation_prompt, True))
+                                        p.or_default(req.add_generation_prompt, True), **tools)
     elif req.prompt is not None:
         ids = await engine.run_blocking(engine.encode, req.prompt,
                                         p.or_default(req.add_special_tokens, True))

@@ -1,7 +1,8 @@
 """Completions and chat completions: from a decoded request to a JSON answer or an SSE stream.
 
-A request's path: validate (fields actorlm does not implement are refused), refuse text that
-cannot fit the context before tokenizing it, tokenize (the chat template for chat), truncate if
+A request's path: validate (fields actorlm does not implement are refused; a constraint on the
+output must be a valid schema, regex or grammar), refuse text that cannot fit the context before
+tokenizing it, tokenize (the chat template for chat, with the request's tools), truncate if
 asked and check prompt + max_tokens against the context like vLLM, build SamplingParams (their
 ValueError is a 400), submit one engine request per prompt, then either collect the final
 outputs or stream Server-Sent Events: chunks carry the text (and logprobs) added since the
@@ -9,7 +10,8 @@ previous chunk, ``finish_reason`` rides on a choice's last chunk, a usage chunk 
 ``choices`` follows when asked, and ``data: [DONE]`` ends the stream. An error after the stream
 has started is sent as an error event before ``[DONE]``. Both kinds of answer watch the
 connection: a client that hangs up aborts its requests at once (the engine finishes them as
-``abort`` and frees their blocks).
+``abort`` and frees their blocks). In chat, tool calls are read out of each choice's text by
+its ``tool_stream`` (``tool_choice``), whole or as it streams.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from actorlm.api import protocol as p
 from actorlm.api.chat_template import apply_chat_template, template_arguments
 from actorlm.api.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from actorlm.api.responses import DONE, EventStream, error_event, event, json_response
+from actorlm.api.structured import checked_constraint
+from actorlm.api.tool_choice import ToolUse, decoding_constraint, tool_use
+from actorlm.api.tool_stream import collect
 from actorlm.async_llm import AsyncLLM, RequestStream
 from actorlm.outputs import RequestOutput
 
@@ -101,8 +106,9 @@ async def create_completion(state, request: Request) -> Response:
         raise p.ApiError(400, "prompt: the prompt is empty", "prompt")
     prompt_ids = [truncated(ids, req.truncate_prompt_tokens, engine.max_model_len)
                   for ids in prompt_ids]
+    constraint = await checked_constraint(req)
     params = [req.sampling_params(max_tokens_for(len(ids), req.max_tokens, engine.max_model_len),
-                                  req.logprobs) for ids in prompt_ids]
+                                  req.logprobs, constraint) for ids in prompt_ids]
     echo = None
     if req.echo:
         echo = await engine.run_blocking(
@@ -119,17 +125,21 @@ async def create_chat_completion(state, request: Request) -> Response:
     req = state.decoder.decode(await request.body(), p.ChatCompletionRequest)
     state.check_model(req.model)
     req.check_supported()
+    tools = tool_use(req.tools, req.tool_choice, req.parallel_tool_calls, state.options)
+    constraint = await decoding_constraint(tools, await checked_constraint(req))
     kwargs = template_arguments(req.chat_template_kwargs, req.chat_template,
                                 state.options.trust_request_chat_template)
+    if req.tools:
+        kwargs["tools"] = [t.as_dict() for t in req.tools]
     conversation = req.conversation()
-    check_text_length(state, sum(len(m["content"]) for m in conversation), req)
+    check_text_length(state, req.num_chars(conversation), req)
     ids = await apply_chat_template(engine, conversation,
                                     p.or_default(req.add_generation_prompt, True), **kwargs)
     ids = truncated(ids, req.truncate_prompt_tokens, engine.max_model_len)
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = max_tokens_for(len(ids), req.requested_max_tokens, engine.max_model_len, field)
-    params = req.sampling_params(max_tokens, req.num_logprobs)
-    gen = _Generation(engine, state.model_name, "chatcmpl", request, req)
+    params = req.sampling_params(max_tokens, req.num_logprobs, constraint)
+    gen = _Generation(engine, state.model_name, "chatcmpl", request, req, tools)
     await gen.start([ids], [params])
     if req.stream:
         return EventStream(gen.chat_events(), gen.abort)
@@ -164,8 +174,10 @@ class _Progress:
 class _Generation:
     """One API request's engine requests (one per prompt) and how to answer with them."""
 
-    def __init__(self, engine: AsyncLLM, model_name: str, kind: str, request: Request, req):
+    def __init__(self, engine: AsyncLLM, model_name: str, kind: str, request: Request, req,
+                 tools: ToolUse | None = None):
         self.engine, self.model_name, self.req = engine, model_name, req
+        self.tools = tools if tools is not None and tools.reads_calls else None
         # the API id carries the X-Request-Id; the engine's must be unique whatever clients
         # send, so a client's id gets a random suffix there
         self.request_id = f"{kind}-{request.state.request_id}"
@@ -312,8 +324,14 @@ class _Generation:
         choices = []
         for c in final.outputs:
             lp = self._chat_logprobs(c, 0, len(c.token_ids))
-            choices.append(p.ChatChoice(c.index, p.ChatResponseMessage("assistant", c.text), lp,
-                                        c.finish_reason, c.stop_reason))
+            content, calls = c.text, []
+            if self.tools is not None:
+                content, calls = collect(self.tools.new_stream(), c.text)
+            message = p.ChatResponseMessage(
+                "assistant", None if calls and not content.strip() else content, calls)
+            choices.append(p.ChatChoice(c.index, message, lp,
+                                        _finish_reason(c.finish_reason, bool(calls)),
+                                        c.stop_reason))
         return p.ChatCompletionResponse(self.request_id, "chat.completion", self.created,
                                         self.model_name, choices, self.usage(finals),
                                         prompt_logprobs(final.prompt_logprobs))
@@ -331,6 +349,9 @@ class _Generation:
 
     async def chat_events(self) -> AsyncIterator[bytes]:
         progress = [_Progress() for _ in range(self.n)]
+        calls = [self.tools.new_stream() for _ in range(self.n)] if self.tools else None
+        made_calls = [False] * self.n
+        logprobs_from = [0] * self.n  # the first token whose logprobs are not sent yet
         final = None
         continuous = self.req.continuous_usage
         try:
@@ -346,11 +367,23 @@ class _Generation:
                     step = prog.advance(c)
                     if step is None:
                         continue
-                    text, start, end = step
+                    text, _, end = step
                     done = prog.finished
+                    delta = p.DeltaMessage(content=text)
+                    if calls is not None:
+                        content, deltas = calls[c.index].feed(text)
+                        if done:
+                            more, last = calls[c.index].finish()
+                            content, deltas = content + more, deltas + last
+                        if not (content or deltas or done):
+                            continue  # held back: a call may be starting
+                        made_calls[c.index] |= bool(deltas)
+                        delta = p.DeltaMessage(content=content or None, tool_calls=deltas or None)
+                    start, logprobs_from[c.index] = logprobs_from[c.index], end
+                    finish = _finish_reason(c.finish_reason, made_calls[c.index])
                     yield self._chunk([p.ChatChunkChoice(
-                        c.index, p.DeltaMessage(content=text), self._chat_logprobs(c, start, end),
-                        c.finish_reason if done else None, c.stop_reason if done else None)], usage)
+                        c.index, delta, self._chat_logprobs(c, start, end),
+                        finish if done else None, c.stop_reason if done else None)], usage)
             if self.req.include_usage:
                 yield self._chunk([], self.usage([final]))
         except Exception as exc:
@@ -358,8 +391,15 @@ class _Generation:
         yield DONE
 
 
+def _finish_reason(reason: str | None, made_calls: bool) -> str | None:
+    return "tool_calls" if made_calls and reason == "stop" else reason
+
+
 def _checked(out: RequestOutput) -> RequestOutput:
     if out.error:
+        # a grammar the engine could not compile is the client's constraint, not our fault
+        if out.error.startswith("structured_outputs:"):
+            raise p.ApiError(400, out.error, "structured_outputs")
         raise p.ApiError(500, f"the engine failed this request: {out.error}")
     return out
 

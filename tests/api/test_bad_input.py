@@ -12,6 +12,7 @@ CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 OK_MESSAGES = [{"role": "user", "content": "Hello"}]
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 60  # > 512 tokens
 DEEP = b"[" * 100_000 + b"]" * 100_000
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
 def _cmpl(**fields):
@@ -92,22 +93,56 @@ CASES = [
     ("unknown-route", "GET", "/v1/nothing", None, 404, None, ""),
     ("detokenize-out-of-vocab", "POST", "/detokenize", {"tokens": [99999]}, 400, "tokens", ""),
     ("tokenize-nothing", "POST", "/tokenize", {"model": SERVED_NAME}, 400, None, "prompt"),
-    # fields vLLM defines and actorlm does not implement: refused, not dropped
-    ("response-format-json-schema", "POST", CHAT, _chat(response_format={
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
-     400, "response_format", "not supported"),
+    # constraints on the output: malformed, contradictory or unparseable ones are the client's
     ("response-format-bogus", "POST", CMPL, _cmpl(response_format={"type": "bogus"}), 400,
-     "response_format", "not supported"),
-    ("tools", "POST", CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400,
-     "tools", "not supported"),
-    ("tool-choice-required", "POST", CHAT, _chat(tool_choice="required"), 400, "tool_choice",
+     "response_format.type", "bogus"),
+    ("response-format-no-schema", "POST", CHAT, _chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x"}}), 400, "response_format",
+     "schema is required"),
+    ("response-format-bad-schema", "POST", CHAT, _chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}), 400,
+     "response_format", "not a valid JSON Schema"),
+    ("schema-xgrammar-refuses", "POST", CMPL, _cmpl(guided_json={
+        "type": "integer", "minimum": 5, "maximum": 1}), 400, "guided_json", "minimum"),
+    ("guided-regex-unclosed", "POST", CMPL, _cmpl(guided_regex="(a"), 400, "guided_regex",
+     "parenthesis"),
+    ("guided-grammar-no-root", "POST", CHAT, _chat(guided_grammar='start ::= "a"'), 400,
+     "guided_grammar", "root"),
+    ("guided-choice-empty-string", "POST", CHAT, _chat(guided_choice=["yes", ""]), 400,
+     "guided_choice", "non-empty"),
+    ("two-constraints", "POST", CMPL, _cmpl(guided_regex="a", structured_outputs={
+        "choice": ["b"]}), 400, "guided_regex", "not several"),
+    ("structured-outputs-two-kinds", "POST", CHAT, _chat(structured_outputs={
+        "regex": "a", "choice": ["b"]}), 400, "structured_outputs", "exactly one"),
+    ("structured-outputs-unknown-key", "POST", CHAT, _chat(structured_outputs={
+        "structural_tag": "x"}), 400, "structured_outputs", "structural_tag"),
+    ("other-grammar-backend", "POST", CMPL, _cmpl(guided_decoding_backend="outlines"), 400,
+     "guided_decoding_backend", "xgrammar"),
+    # tools: auto needs the operator's parser; a choice must name a tool the request has
+    ("tools-auto-without-parser", "POST", CHAT, _chat(tools=[TOOL]), 400, "tool_choice",
+     "--enable-auto-tool-choice"),
+    ("tool-choice-without-tools", "POST", CHAT, _chat(tool_choice="required"), 400,
+     "tool_choice", "tools must be given"),
+    ("tool-choice-unknown-function", "POST", CHAT, _chat(tools=[TOOL], tool_choice={
+        "type": "function", "function": {"name": "g"}}), 400, "tool_choice", "'g'"),
+    ("tool-choice-bogus", "POST", CHAT, _chat(tools=[TOOL], tool_choice="always"), 400,
+     "tool_choice", ""),
+    ("tool-name-with-space", "POST", CHAT, _chat(tools=[{"type": "function", "function": {
+        "name": "get weather"}}], tool_choice="required"), 400, None, "tools"),
+    ("tool-parameters-bad-schema", "POST", CHAT, _chat(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "required": 3}}}], tool_choice="required"),
+     400, "tools", "not a valid JSON Schema"),
+    ("tool-call-and-response-format", "POST", CHAT, _chat(tools=[TOOL], tool_choice="required",
+                                                          response_format={"type": "json_object"}),
+     400, "tool_choice", "cannot be combined"),
+    ("tool-call-arguments-not-json", "POST", CHAT, _chat(messages=[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "f", "arguments": "{oops"}}]}]), 400,
+     "messages[1].tool_calls[0].function.arguments", "JSON object"),
+    ("functions-deprecated", "POST", CHAT, _chat(functions=[{"name": "f"}]), 400, "functions",
      "not supported"),
-    ("guided-json", "POST", CMPL, _cmpl(guided_json={"type": "object"}), 400, "guided_json", ""),
-    ("guided-choice", "POST", CHAT, _chat(guided_choice=["yes", "no"]), 400, "guided_choice",
-     ""),
-    ("guided-regex", "POST", CMPL, _cmpl(guided_regex="[a-z]+"), 400, "guided_regex", ""),
-    ("structured-outputs", "POST", CHAT, _chat(structured_outputs={"choice": ["a"]}), 400,
-     "structured_outputs", ""),
+    # fields vLLM defines and actorlm does not implement: refused, not dropped
     ("use-beam-search", "POST", CMPL, _cmpl(use_beam_search=True), 400, "use_beam_search", ""),
     ("priority", "POST", CHAT, _chat(priority=3), 400, "priority", ""),
     ("truncate-zero", "POST", CMPL, _cmpl(truncate_prompt_tokens=0), 400,

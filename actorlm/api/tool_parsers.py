@@ -1,0 +1,137 @@
+"""Tool calls in a model's free text (``tool_choice: auto``), one parser per model family.
+
+``--tool-call-parser`` picks one, as in vLLM:
+
+- ``hermes`` (Hermes 2 Pro, Qwen2.5, Qwen3): ``<tool_call>{"name": ..., "arguments": {...}}
+  </tool_call>``, one block per call; the last block may lack its closing tag (the model
+  stopped at its end-of-turn token right after the JSON).
+- ``llama3_json`` (Llama 3.1/3.2): ``{"name": ..., "parameters": {...}}``, optionally after
+  ``<|python_tag|>``, several separated by ``;``. vLLM looks only at an answer that begins with
+  the call; here text may come first, as with Hermes.
+
+A parser finds where a call begins (``find_start``, which also reports a marker cut off at the
+end of streamed text, so that it is not sent as content) and reads the calls (``parse``). Text
+before the first call is the message's content. An answer whose calls do not parse is content
+as a whole: a model that writes half a call has not called anything.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+Call = tuple[str, str]  # (function name, arguments as JSON text)
+
+
+class ToolParser:
+    name = ""
+
+    def find_start(self, text: str) -> tuple[int, bool] | None:
+        """(where a call begins, whether its marker is complete), or None: no call so far. An
+        incomplete marker is a cut-off prefix at the end of ``text``."""
+        raise NotImplementedError
+
+    def parse(self, text: str) -> tuple[str, list[Call]]:
+        """(content before the first call, the calls); no calls: the whole text is content."""
+        raise NotImplementedError
+
+
+class HermesToolParser(ToolParser):
+    name = "hermes"
+    START, END = "<tool_call>", "</tool_call>"
+    _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+
+    def find_start(self, text: str) -> tuple[int, bool] | None:
+        at = text.find(self.START)
+        if at >= 0:
+            return at, True
+        cut = _cut_marker(text, self.START)
+        return None if cut is None else (cut, False)
+
+    def parse(self, text: str) -> tuple[str, list[Call]]:
+        start = text.find(self.START)
+        if start < 0:
+            return text, []
+        calls = []
+        for block in self._BLOCK.findall(text, start):
+            call = _call(_json_object(block.strip()), "arguments")
+            if call is None:
+                return text, []
+            calls.append(call)
+        return text[:start], calls
+
+
+class Llama3JsonToolParser(ToolParser):
+    name = "llama3_json"
+    PYTHON_TAG = "<|python_tag|>"
+    _CALL = re.compile(r'\{\s*"name"\s*:')
+    # what the start of a call looks like while it is still arriving: `{`, `{"na`, `{"name" `
+    _CALL_PREFIX = re.compile(r'\{\s*(?:"(?:n(?:a(?:m(?:e(?:"\s*)?)?)?)?)?)?')
+
+    def find_start(self, text: str) -> tuple[int, bool] | None:
+        call, tag = self._CALL.search(text), text.find(self.PYTHON_TAG)
+        found = [at for at in (call.start() if call else -1, tag) if at >= 0]
+        if found:
+            return min(found), True
+        cut = _cut_marker(text, self.PYTHON_TAG)
+        brace = text.rfind("{")
+        if brace >= 0 and self._CALL_PREFIX.fullmatch(text, brace):
+            cut = brace if cut is None else min(cut, brace)
+        return None if cut is None else (cut, False)
+
+    def parse(self, text: str) -> tuple[str, list[Call]]:
+        found = self.find_start(text)
+        if found is None or not found[1]:
+            return text, []
+        start = at = found[0]
+        if text.startswith(self.PYTHON_TAG, at):
+            at += len(self.PYTHON_TAG)
+        decoder, calls = json.JSONDecoder(), []
+        while True:
+            at = _skip(text, at, " \t\r\n;")
+            if at == len(text):
+                break
+            try:
+                obj, at = decoder.raw_decode(text, at)
+            except ValueError:
+                return text, []
+            call = _call(obj, "parameters", "arguments")
+            if call is None:
+                return text, []
+            calls.append(call)
+        return (text[:start], calls) if calls else (text, [])
+
+
+PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser,
+                                                            Llama3JsonToolParser)}
+
+
+def _cut_marker(text: str, marker: str) -> int | None:
+    """Where a proper prefix of ``marker`` that ends ``text`` begins (the longest one)."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:size]):
+            return len(text) - size
+    return None
+
+
+def _json_object(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _call(obj, *argument_keys: str) -> Call | None:
+    """(name, arguments JSON) of ``{"name": ..., <argument key>: {...}}``; None otherwise."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = next((obj[k] for k in argument_keys if k in obj), {})
+    if not isinstance(arguments, dict):
+        return None
+    return obj["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+def _skip(text: str, at: int, chars: str) -> int:
+    while at < len(text) and text[at] in chars:
+        at += 1
+    return at

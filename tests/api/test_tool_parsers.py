@@ -1,0 +1,127 @@
+"""Tool calls read out of text: the Hermes and Llama 3 JSON parsers, and the streams that turn
+a choice's text into content and call deltas (pieces fed one by one add up to the whole)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from actorlm.api.options import ServerOptions
+from actorlm.api.tool_parsers import HermesToolParser, Llama3JsonToolParser
+from actorlm.api.tool_stream import (NamedCallStream, ParsedCallStream, RequiredCallStream,
+                                     collect)
+
+HERMES_TWO = ('Let me look that up.\n<tool_call>\n{"name": "get_weather", "arguments": '
+              '{"city": "Paris", "unit": "c"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", '
+              '"arguments": {}}\n</tool_call>')
+LLAMA_TWO = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+             '{"name": "get_time", "parameters": {"tz": "utc"}}')
+
+
+def _calls(parsed):
+    content, calls = parsed
+    return content, [(name, json.loads(arguments)) for name, arguments in calls]
+
+
+def test_hermes_reads_several_calls_and_the_text_before_them():
+    assert _calls(HermesToolParser().parse(HERMES_TWO)) == (
+        "Let me look that up.\n",
+        [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {})])
+
+
+def test_hermes_edge_cases():
+    parser = HermesToolParser()
+    # the model stopped right after the JSON, before the closing tag
+    assert _calls(parser.parse('<tool_call>{"name": "f", "arguments": {"a": [1, 2]}}')) == (
+        "", [("f", {"a": [1, 2]})])
+    assert parser.parse("no call here") == ("no call here", [])
+    # half a call, or one without a name, is not a call: all of it stays content
+    for text in ('<tool_call>{"name": "f", "argu', '<tool_call>{"arguments": {}}</tool_call>',
+                 'ok <tool_call>{"name": "f", "arguments": "x"}</tool_call>'):
+        assert parser.parse(text) == (text, [])
+
+
+def test_llama3_json_reads_calls_with_and_without_the_python_tag():
+    parser = Llama3JsonToolParser()
+    assert _calls(parser.parse(LLAMA_TWO)) == (
+        "", [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "utc"})])
+    assert _calls(parser.parse('{"name": "f", "parameters": {"x": 1}}')) == ("", [("f", {"x": 1})])
+    # "arguments" is accepted too, and text may come first
+    assert _calls(parser.parse('Calling it: {"name": "f", "arguments": {"x": 1}}')) == (
+        "Calling it: ", [("f", {"x": 1})])
+
+
+def test_llama3_json_leaves_other_text_alone():
+    parser = Llama3JsonToolParser()
+    for text in ('{"a": 1}', "plain words", '{"name": "f", "parameters": {"x": 1}} and more',
+                 '{"name": "f", "parameters": [1]}', '<|python_tag|>{"name": "f", "param'):
+        assert parser.parse(text) == (text, [])
+
+
+@pytest.mark.parametrize("parser,text", [(HermesToolParser(), HERMES_TWO),
+                                         (Llama3JsonToolParser(), "Sure. " + LLAMA_TWO)])
+def test_parsed_stream_holds_back_only_the_call(parser, text):
+    whole = collect(ParsedCallStream(parser), text)
+    stream = ParsedCallStream(parser)
+    sent, deltas = "", []
+    for i in range(0, len(text), 3):  # three characters at a time: markers arrive cut up
+        content, more = stream.feed(text[i:i + 3])
+        sent, deltas = sent + content, deltas + more
+    assert deltas == []  # nothing of a call goes out before the answer is complete
+    assert sent == whole[0]  # the text before the call went out as it came, and no more
+    rest, calls = stream.finish()
+    assert rest == ""
+    assert [(d.index, d.function.name, d.function.arguments) for d in calls] == \
+        [(i, c.function.name, c.function.arguments) for i, c in enumerate(whole[1])]
+    assert all(d.id.startswith("chatcmpl-tool-") and d.type == "function" for d in calls)
+
+
+def test_parsed_stream_sends_a_false_start_as_content():
+    stream = ParsedCallStream(HermesToolParser())
+    assert stream.feed("a <tool") == ("a ", [])  # could be a call starting
+    assert stream.feed("box> b") == ("<toolbox> b", [])  # it was not
+    assert stream.feed(" <tool_call>{oops") == (" ", [])
+    assert stream.finish() == ("<tool_call>{oops", [])  # never became a call
+
+
+REQUIRED = ('[{"name": "get_weather", "parameters": {"city": "Pa\\"ris", "days": [1, 2]}}, '
+            '{"name": "get_time", "parameters": {}}]')
+
+
+def test_required_stream_streams_each_calls_arguments():
+    content, calls = collect(RequiredCallStream(), REQUIRED)
+    assert content == ""
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": 'Pa"ris', "days": [1, 2]}), ("get_time", {})]
+    stream, pieces = RequiredCallStream(), []
+    for ch in REQUIRED:
+        pieces += stream.feed(ch)[1]
+    headers = [d for d in pieces if d.id is not None]
+    assert [(d.index, d.function.name) for d in headers] == [(0, "get_weather"), (1, "get_time")]
+    assert len(pieces) > 10  # the arguments came in pieces, not at the end
+    for index, call in enumerate(calls):
+        assert "".join(d.function.arguments or "" for d in pieces
+                       if d.index == index) == call.function.arguments
+
+
+def test_required_stream_waits_for_a_name_given_after_the_arguments():
+    content, calls = collect(RequiredCallStream(), '[{"parameters": {"x": 1}, "name": "f"}]')
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("f", '{"x": 1}')]
+
+
+def test_named_stream_is_the_arguments():
+    _, calls = collect(NamedCallStream("f"), '{"x": 1}')
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("f", '{"x": 1}')]
+    stream = NamedCallStream("f")
+    first, second = stream.feed('{"x"')[1], stream.feed(": 1}")[1]
+    assert (first[0].id is not None, first[0].function.name) == (True, "f")
+    assert (second[0].id, second[0].function.arguments) == (None, ": 1}")
+
+
+def test_auto_tool_choice_flags_are_checked():
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        ServerOptions(enable_auto_tool_choice=True)
+    with pytest.raises(ValueError, match="unknown parser 'mistral'"):
+        ServerOptions(enable_auto_tool_choice=True, tool_call_parser="mistral")
+    assert ServerOptions(enable_auto_tool_choice=True, tool_call_parser="hermes")
