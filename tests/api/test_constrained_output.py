@@ -18,27 +18,13 @@ import jsonschema
 import pytest
 from api_helpers import SERVED_NAME
 from pydantic import BaseModel, Field, conint
+from schemas import PERSON
 
 from actorlm.api.errors import ApiError
 from actorlm.api.serving import _checked
 from actorlm.outputs import CompletionOutput, RequestOutput
 
 MESSAGES = [{"role": "user", "content": "Invent a person."}]
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "pattern": "^[A-Za-z]{1,10}$"},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "pet": {"enum": ["cat", "dog", "none"]},
-        "address": {"type": "object",
-                    "properties": {"city": {"type": "string", "pattern": "^[a-z ]{1,12}$"},
-                                   "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["city", "zip"], "additionalProperties": False},
-        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
-    },
-    "required": ["name", "age", "pet", "address", "tags"],
-    "additionalProperties": False,
-}
 
 
 def _chat(client, seed: int, **kw):

@@ -9,26 +9,11 @@ import time
 import jsonschema
 import pytest
 from engine_helpers import assert_idle_and_nothing_leaked
+from schemas import PERSON
 
 from actorlm import LLM, SamplingParams
 from actorlm.core.structured_output import GrammarCompiler
 from actorlm.sampling_params import StructuredOutputsParams
-
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "pattern": "^[A-Za-z]{1,10}$"},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "pet": {"enum": ["cat", "dog", "none"]},
-        "address": {"type": "object",
-                    "properties": {"city": {"type": "string", "pattern": "^[a-z ]{1,12}$"},
-                                   "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["city", "zip"], "additionalProperties": False},
-        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
-    },
-    "required": ["name", "age", "pet", "address", "tags"],
-    "additionalProperties": False,
-}
 
 
 def constrained(seed, **constraint):
