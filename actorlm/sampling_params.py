@@ -12,7 +12,8 @@ import math
 import msgspec
 from msgspec.structs import force_setattr
 
-_GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
+GREEDY_TEMPERATURE = 1e-5  # vLLM treats temperatures below this as greedy
+SEED_RANGE = 1 << 63  # seeds travel as int64 to the sampling kernels
 MAX_LOGPROBS = 20  # vLLM's default cap (max_logprobs) on logprobs and prompt_logprobs
 # msgspec's JSON decoder returns ints of any size, but msgpack (the trace, worker processes)
 # and torch tensors hold at most 64 bits: a bigger int would fail deep inside an actor
@@ -153,7 +154,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def _check(ok: bool, field: str, message: str) -> None:

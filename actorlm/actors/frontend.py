@@ -18,11 +18,10 @@ import pykka
 from actorlm.actors.base import EngineActor, tell
 from actorlm.core.output_stream import OutputStream
 from actorlm.messages import AbortRequests, AddRequest, EngineOutputs, StopRequests, SubmitRequest
-from actorlm.sampling_params import MAX_LOGPROBS, SamplingParams
+from actorlm.sampling_params import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 
 log = logging.getLogger(__name__)
 
-_SEED_RANGE = 1 << 63  # seeds travel as int64 to the sampling kernels
 
 
 class FrontendActor(EngineActor):
@@ -56,7 +55,7 @@ class FrontendActor(EngineActor):
         token_ids = self.tokenize(msg.prompt)
         params = msg.sampling_params
         self._validate(params)
-        seed = self._rng.randrange(_SEED_RANGE) if params.seed is None else params.seed % _SEED_RANGE
+        seed = self._rng.randrange(SEED_RANGE) if params.seed is None else params.seed % SEED_RANGE
         text = msg.prompt if isinstance(msg.prompt, str) else None
         stream = OutputStream(msg.request_id, text, token_ids, params, self.tokenizer, msg.sink,
                               msg.stream)

@@ -33,15 +33,16 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from actorlm.core.block_hash import extend_block_hashes
 from actorlm.core.request import Request
+from actorlm.core.structured_output import new_matcher
 from actorlm.fsm import FinishReason, RequestEvent, RequestState
 from actorlm.fsm.machine import Listener
-from actorlm.core.block_hash import extend_block_hashes
-from actorlm.core.structured_output import new_matcher
 from actorlm.messages import (AddRequest, Admitted, AllocateSlots, CachedRequestData, Candidate,
                               ComputedBlocks, EngineOutputs, NewRequestData, PromptLogprobs,
                               RequestDelta, ScheduleStep, SlotsGranted, StepResult,
                               engine_request_ids)
+from actorlm.sampling_params import SEED_RANGE
 
 
 PROBATION_AFTER = 2  # faulted steps before a request runs alone
@@ -130,7 +131,7 @@ class Scheduler:
         if taken := [rid for rid in ids if rid in self.requests]:
             raise ValueError(f"request id {taken[0]!r} is already in use")
         children = [Request(rid, msg.prompt_token_ids, msg.sampling_params,
-                            (msg.seed + i) % (1 << 63), msg.arrival_time, self.listeners,
+                            (msg.seed + i) % SEED_RANGE, msg.arrival_time, self.listeners,
                             msg.bad_words_token_ids) for i, rid in enumerate(ids)]
         for request in children:
             self.requests[request.request_id] = request

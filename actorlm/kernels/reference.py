@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from actorlm.kernels.cpu_attention import attend, plan_attention
+from actorlm.sampling_params import GREEDY_TEMPERATURE
 
-_GREEDY_TEMPERATURE = 1e-5
 # top-p without top-k first looks at this many most likely tokens (a topk is far cheaper than
 # sorting the vocabulary) and sorts everything only when the nucleus does not fit.
 _TOP_P_CANDIDATES = 1024
@@ -82,7 +82,7 @@ def sample_ref(logits, temperature, top_k, top_p, min_p, seeds, positions) -> to
     Returns [B] int64.
     """
     num_rows, vocab_size = logits.shape
-    is_sampled = (temperature >= _GREEDY_TEMPERATURE).tolist()
+    is_sampled = (temperature >= GREEDY_TEMPERATURE).tolist()
     tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     greedy = [i for i, s in enumerate(is_sampled) if not s]
     if greedy:

@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-_GREEDY_TEMPERATURE = 1e-5
+from actorlm.sampling_params import GREEDY_TEMPERATURE
+
 _MAX_BLOCK_V = 4096  # vocabulary chunk streamed per step
 # Elements of a [BLOCK_R, BLOCK_V] tile when several rows share a program: register-sized on a
 # GPU; large on the CPU interpreter, whose cost is per operation rather than per element.
@@ -219,7 +220,7 @@ def sample(
         BLOCK_V=block_v,
         ONE_BITS=_ONE_BITS,
         SEARCH_STEPS=_SEARCH_STEPS,
-        GREEDY_TEMPERATURE=_GREEDY_TEMPERATURE,
+        GREEDY_TEMPERATURE=GREEDY_TEMPERATURE,
         num_warps=4 if block_r * block_v <= 1024 else 8,
     )
     return out
