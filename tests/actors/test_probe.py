@@ -1,5 +1,7 @@
 """TestProbe on its own: a real actor that records, matches and answers."""
 
+import subprocess
+import sys
 import threading
 
 import pykka
@@ -89,5 +91,15 @@ def test_stop_fails_pending_asks_and_refuses_new_messages():
         probe.ref.tell("after stop")
 
 
-def test_probe_classes_are_not_collected_by_pytest():
-    assert TestProbe.__test__ is False
+def test_pytest_does_not_mistake_the_probe_for_a_test_class(tmp_path):
+    """A user's test module imports TestProbe: pytest must not try to collect it (its name
+    starts with "Test"), which would warn about its constructor or run its methods."""
+    module = tmp_path / "test_uses_probe.py"
+    module.write_text("from actorlm.testing import TestProbe\n\n\ndef test_nothing():\n"
+                      "    pass\n")
+    run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
+                          "no:cacheprovider", str(module)], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "test_nothing" in run.stdout
+    assert "TestProbe" not in run.stdout + run.stderr
