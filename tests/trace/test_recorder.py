@@ -1,7 +1,6 @@
 """What the recorder writes: the configuration first, arrivals, transitions, messages, steps."""
 
 import json
-import time
 
 import pytest
 
@@ -92,7 +91,6 @@ def test_the_ring_buffer_stays_bounded_over_10000_requests():
     recorder = TraceRecorder(capacity=capacity)
     engine = SyncEngine(SchedulerConfig(256, 64, 64, 4, True, frozenset()), 256,
                         recorder=recorder, check_kv=False)
-    start = time.perf_counter()
     for i in range(10_000):
         _add(engine, i)
         if i % 16 == 15 and engine.held is not None:
@@ -100,7 +98,6 @@ def test_the_ring_buffer_stays_bounded_over_10000_requests():
         if i == 4_999:
             assert len(recorder._records) == capacity
     engine.run_until_idle()
-    assert time.perf_counter() - start < 30
     assert engine.scheduler.num_finished == 10_000
     assert len(recorder._records) == capacity
     assert recorder.num_recorded > 5 * capacity
