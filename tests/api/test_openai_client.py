@@ -196,6 +196,20 @@ def test_seed_and_sampling_extras(client):
     assert chat.usage.completion_tokens == 7
 
 
+def test_the_sampling_extras_reach_the_sampler(client):
+    def text(**kw):
+        kw.setdefault("extra_body", {})["ignore_eos"] = True
+        return _complete(client, prompt=PROMPTS[2], max_tokens=16, **kw).choices[0].text
+
+    greedy = text(temperature=0.0)
+    # top_k 1 and min_p 1 leave only the most likely token: sampling becomes greedy
+    assert text(temperature=1.0, seed=3, extra_body={"top_k": 1}) == greedy
+    assert text(temperature=1.0, seed=3, extra_body={"min_p": 1.0}) == greedy
+    assert text(temperature=1.0, seed=3) != greedy  # (without them it samples)
+    # a repetition penalty steers even greedy decoding away from what it said
+    assert text(temperature=0.0, extra_body={"repetition_penalty": 2.0}) != greedy
+
+
 def test_logit_bias_stop_token_ids_min_tokens(server, client):
     token = httpx.post(server + "/tokenize", json={"prompt": " the"}).json()["tokens"][-1]
     forced = _complete(client, max_tokens=5, logit_bias={str(token): 100},
