@@ -291,8 +291,7 @@ class Scheduler:
         """Offer a waiting request to the allocator; returns the tokens it may compute."""
         num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
         if self.config.enable_prefix_caching:
-            extend_block_hashes(request.block_hashes, request.all_token_ids,
-                                self.config.block_size)
+            self._hash_full_blocks(request)
         plan.candidates.append((request, num_tokens))
         return num_tokens
 
@@ -324,12 +323,19 @@ class Scheduler:
         """Blocks whose KV the step completed go to the prefix cache with the next message."""
         num_full = request.num_computed_tokens // self.config.block_size
         if num_full > request.num_cached_blocks:
-            hashes = extend_block_hashes(request.block_hashes, request.all_token_ids,
-                                         self.config.block_size)
+            hashes = self._hash_full_blocks(request)
             self._computed_blocks.append(ComputedBlocks(
                 request.request_id, request.num_cached_blocks,
                 hashes[request.num_cached_blocks:num_full]))
             request.num_cached_blocks = num_full
+
+    def _hash_full_blocks(self, request: Request) -> list[int]:
+        """The request's block hashes, extended to its full blocks (a waiting request is
+        proposed every step: its tokens are copied only when a block has filled since)."""
+        if len(request.block_hashes) < request.num_tokens // self.config.block_size:
+            extend_block_hashes(request.block_hashes, request.all_token_ids,
+                                self.config.block_size)
+        return request.block_hashes
 
     def _release(self, request: Request) -> None:
         self._to_free.append(request.request_id)
