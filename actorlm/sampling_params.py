@@ -57,11 +57,6 @@ class StructuredOutputsParams(msgspec.Struct, frozen=True, kw_only=True, omit_de
         for name in ("regex", "grammar"):
             _check(getattr(self, name) != "", f"structured_outputs.{name}", "must not be empty")
 
-    @property
-    def key(self) -> tuple:
-        """What identifies the compiled grammar (equal keys compile once)."""
-        return (self.json, self.json_object, self.regex, tuple(self.choice or ()), self.grammar)
-
 
 def _json_text(value) -> str:
     return msgspec.json.encode(value).decode()

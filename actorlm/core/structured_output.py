@@ -2,8 +2,9 @@
 
 ``GrammarCompiler`` turns a request's ``StructuredOutputsParams`` into a compiled grammar on a
 thread of its own — compiling a large schema takes a while, and the scheduler's thread must
-keep stepping the other requests meanwhile — and caches it by the constraint, so each distinct
-schema compiles once. It reports through ``notify(GrammarCompiled)``, a message to the
+keep stepping the other requests meanwhile. xgrammar's compiler caches what it compiled
+(bounded by ``CACHE_BYTES``), and the one thread takes requests in turn, so each distinct
+schema compiles once and a repeat finds it in microseconds. It reports through ``notify(GrammarCompiled)``, a message to the
 scheduler. The scheduler holds each request's matcher (``xgrammar.GrammarMatcher``): it fills
 the request's row of the step's token bitmask while the worker runs the forward, and advances
 the matcher with every token sampled. A preempted request is recomputed, not resampled: its
@@ -17,7 +18,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -26,22 +26,19 @@ from actorlm.sampling_params import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 
+CACHE_BYTES = 256 << 20  # compiled grammars kept for reuse: a server sees many schemas
+
 
 class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int,
                  notify: Callable[[GrammarCompiled], None] | None = None):
         self.tokenizer, self.vocab_size, self.notify = tokenizer, vocab_size, notify
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="actorlm-grammar")
-        self._lock = threading.Lock()  # guards _compiled (read on the caller's thread)
-        self._compiled: dict[tuple, Future] = {}
         self._compiler = None  # built on the pool's thread at the first constraint
 
     def submit(self, request_id: str, params: StructuredOutputsParams) -> None:
         """Compile (or find) the request's grammar; ``notify`` hears when it is ready."""
-        with self._lock:
-            future = self._compiled.get(params.key)
-            if future is None:
-                future = self._compiled[params.key] = self._pool.submit(self._compile, params)
+        future = self._pool.submit(self._compile, params)
 
         def done(f: Future) -> None:
             error = f.exception()
@@ -74,7 +71,8 @@ class GrammarCompiler:
         import xgrammar
 
         info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1,
+                                                  cache_limit_bytes=CACHE_BYTES)
 
         log.info("structured outputs: xgrammar %s ready", importlib.metadata.version("xgrammar"))
         return self._compiler
