@@ -24,7 +24,8 @@ import logging
 from enum import Enum
 from typing import Callable
 
-from actorlm.core.scheduler import Scheduler, StepPlan
+from actorlm.core.scheduler import Scheduler
+from actorlm.core.step_plan import StepPlan
 from actorlm.core.structured_output import GrammarCompiler, fill_bitmask
 from actorlm.fsm import RequestEvent
 from actorlm.messages import (AbortRequests, AddRequest, EngineOutputs, GrammarBitmask,
