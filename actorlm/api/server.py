@@ -36,6 +36,7 @@ from actorlm.api.decoding import RequestDecoder
 from actorlm.api.metrics import ServerMetrics, StatsLogger
 from actorlm.api.openapi import openapi_document
 from actorlm.api.options import ServerOptions
+from actorlm.api.prompt_limits import check_token_ids
 from actorlm.api.responses import as_api_error, error_response, json_response
 from actorlm.api.security import RequestGuard
 from actorlm.async_llm import AsyncLLM
@@ -201,7 +202,7 @@ async def detokenize(request: Request) -> Response:
     engine = state.ready_engine()
     req = state.decoder.decode(await request.body(), p.DetokenizeRequest)
     state.check_model(req.model)
-    serving.check_token_ids(engine, req.tokens, "tokens")
+    check_token_ids(engine, req.tokens, "tokens")
     text = await engine.run_blocking(engine.decode, req.tokens)
     return json_response(p.DetokenizeResponse(text))
 
