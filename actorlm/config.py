@@ -50,6 +50,10 @@ class EngineConfig:
             if value is not None and (not isinstance(value, int) or value <= 0):
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be true or false, got {getattr(self, name)!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
         utilization = self.gpu_memory_utilization

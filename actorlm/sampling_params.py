@@ -39,6 +39,18 @@ class StructuredOutputsParams(msgspec.Struct, frozen=True, kw_only=True, omit_de
     grammar: str | None = None
 
     def __post_init__(self) -> None:
+        # a Struct built in Python is not type-checked (decoding is): check the shapes here
+        _check(self.json is None or isinstance(self.json, (str, dict)), "structured_outputs.json",
+               f"must be a JSON Schema (an object or its JSON text), got {_show(self.json)}")
+        _check(isinstance(self.json_object, bool), "structured_outputs.json_object",
+               f"must be true or false, got {_show(self.json_object)}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or isinstance(value, str), f"structured_outputs.{name}",
+                   f"must be a string, got {_show(value)}")
+        _check(self.choice is None or (isinstance(self.choice, list)
+                                       and all(isinstance(c, str) for c in self.choice)),
+               "structured_outputs.choice", f"must be a list of strings, got {_show(self.choice)}")
         if isinstance(self.json, dict):
             force_setattr(self, "json", _json_text(self.json))
         kinds = [name for name in ("json", "regex", "choice", "grammar")

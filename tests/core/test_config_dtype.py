@@ -30,3 +30,11 @@ def test_an_explicit_dtype_wins(monkeypatch):
 
 def test_native_bf16_detection_answers_a_bool():
     assert isinstance(config.cpu_has_native_bf16(), bool)
+
+
+@pytest.mark.parametrize("flag", ["enable_prefix_caching", "enable_chunked_prefill"])
+def test_a_switch_must_be_a_bool(flag):
+    from actorlm.config import EngineConfig
+
+    with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} must be true or false"):
+        EngineConfig(**{flag: "maybe"})

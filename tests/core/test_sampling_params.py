@@ -4,6 +4,7 @@ torch hold no more) and floats that are not finite, each with a ValueError namin
 from __future__ import annotations
 
 import math
+import re
 
 import msgspec
 import pytest
@@ -69,3 +70,21 @@ def test_in_range_values_pass_and_keep_their_types():
                             logit_bias={"3": 5}, repetition_penalty=1.5, temperature=0.0)
     assert params.logit_bias == {3: 5.0}
     assert params.is_greedy and params.seed == -7
+
+
+@pytest.mark.parametrize("constraint,message", [
+    (dict(json=5), "structured_outputs.json: must be a JSON Schema"),
+    (dict(json="[1, 2"), "structured_outputs.json: not valid JSON"),
+    (dict(json_object="yes"), "structured_outputs.json_object: must be true or false"),
+    (dict(regex=3), "structured_outputs.regex: must be a string"),
+    (dict(choice="ab"), "structured_outputs.choice: must be a list of strings"),
+    (dict(choice=[]), "structured_outputs.choice: must be a non-empty list"),
+    (dict(grammar=""), "structured_outputs.grammar: must not be empty"),
+    (dict(), "set exactly one"),
+    (dict(regex="a", choice=["b"]), "set exactly one"),
+], ids=str)
+def test_a_malformed_constraint_is_refused_naming_the_field(constraint, message):
+    from actorlm.sampling_params import StructuredOutputsParams
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        StructuredOutputsParams(**constraint)
