@@ -16,6 +16,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                   "half": "float16"}
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,11 @@ class EngineConfig:
     # reuse the KV of prompt prefixes already computed (vLLM's automatic prefix caching)
     enable_prefix_caching: bool = True
     seed: int = 0
+    # ranks the model is sharded over (tensor parallelism), one worker process each
+    tensor_parallel_size: int = 1
+    # how the workers run: uni (a thread in this process), mp (a process per rank), ray (a Ray
+    # actor per rank); None: uni for one rank, mp for more
+    distributed_executor_backend: str | None = None
 
     def __post_init__(self):
         dtype = _DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower())
@@ -45,7 +51,7 @@ class EngineConfig:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda; got {self.device!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                     "num_kv_blocks", "kv_cache_memory_bytes"):
+                     "num_kv_blocks", "kv_cache_memory_bytes", "tensor_parallel_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 flag = "--" + name.replace("_", "-")
@@ -54,6 +60,13 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be true or false, got {getattr(self, name)!r}")
+        if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
+            raise ValueError(f"--distributed-executor-backend must be one of "
+                             f"{', '.join(EXECUTOR_BACKENDS)}; got "
+                             f"{self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError("--distributed-executor-backend uni runs one rank; use mp or ray "
+                             "for --tensor-parallel-size > 1")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
         utilization = self.gpu_memory_utilization
@@ -88,6 +101,13 @@ class EngineConfig:
         declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         declared = DTYPES.get(declared, declared) if isinstance(declared, str) else declared
         return declared if declared in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+    @property
+    def executor_backend(self) -> str:
+        """``distributed_executor_backend``, or its default for this many ranks."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.tensor_parallel_size == 1 else "mp"
 
     @property
     def is_kv_pool_sized_by_user(self) -> bool:

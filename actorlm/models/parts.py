@@ -12,7 +12,8 @@ runner. A worker restarted later loads afresh.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -59,6 +60,44 @@ class ModelParts:
 
 
 @dataclass(frozen=True)
+class RunnerFactory:
+    """``make_runner(rank)`` for a checkpoint: builds a worker's model runner (weights and KV
+    cache) in the calling process. Plain data, so it can be sent to a worker process and
+    called there; ``profiled`` (a GPU's runner loaded to size the KV pool, handed to rank 0
+    once) stays behind in the process that loaded it."""
+
+    path: Any
+    dtype: torch.dtype
+    device: torch.device
+    block_size: int
+    eos_token_ids: frozenset[int]
+    num_kv_blocks: int = 0
+    profiled: list = field(default_factory=list, compare=False)
+
+    def __call__(self, rank: int) -> ModelRunner:
+        if rank == 0 and self.profiled:  # once: a restarted worker loads afresh
+            runner = self.profiled.pop()
+            runner.allocate_kv_cache(self.num_kv_blocks)
+            return runner
+        return self.build(load_model(self.path, self.dtype, self.device, self.backend),
+                          self.num_kv_blocks)
+
+    @property
+    def backend(self):
+        return select_backend(self.device)
+
+    def build(self, model, num_blocks: int) -> ModelRunner:
+        return ModelRunner(model, self.backend, num_blocks, self.block_size, self.dtype,
+                           self.device, self.eos_token_ids)
+
+    def __getstate__(self):
+        return {**self.__dict__, "profiled": []}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+
+@dataclass(frozen=True)
 class LoadedModel:
     """What ``load_model_parts`` found out besides the parts themselves."""
 
@@ -93,17 +132,14 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
     eos_ids = eos_token_ids(path, tokenizer)
     block_size = config.block_size
 
-    def build_runner(model, num_blocks: int) -> ModelRunner:
-        return ModelRunner(model, backend, num_blocks, block_size, dtype, device, eos_ids)
-
-    profiled: list[ModelRunner] = []  # the runner whose model was loaded to profile
+    factory = RunnerFactory(path, dtype, device, block_size, eos_ids)
     profile = None
     if profile_gpu:
         step = largest_step(resolved.max_num_batched_tokens, resolved.max_num_seqs,
                             block_size, resolved.max_model_len)
         runner, profile = on_passing_thread(  # off this thread, as make_runner (see openmp)
-            load_and_profile, lambda: load_model(path, dtype, device, backend),
-            build_runner, step, device)
+            load_and_profile, lambda: load_model(path, dtype, device, factory.backend),
+            factory.build, step, device)
         budget = kv_cache_budget(profile.total_bytes, profile.used_bytes,
                                  profile.peak_activation_bytes, config.gpu_memory_utilization)
         log.info("GPU memory: %.2f GiB total, %.2f GiB in use after loading the weights, "
@@ -111,17 +147,10 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
                  "(--gpu-memory-utilization %s)", profile.total_bytes / 2**30,
                  profile.used_bytes / 2**30, profile.peak_activation_bytes / 2**30,
                  budget / 2**30, config.gpu_memory_utilization)
-        profiled.append(runner)
         resolved = config.resolve(hf_config, bytes_per_block, budget)
-    num_kv_blocks = resolved.num_kv_blocks
+        factory = dataclasses.replace(factory, profiled=[runner])
+    factory = dataclasses.replace(factory, num_kv_blocks=resolved.num_kv_blocks)
 
-    def make_runner(rank: int) -> ModelRunner:
-        if rank == 0 and profiled:  # once: a restarted worker loads afresh
-            runner = profiled.pop()
-            runner.allocate_kv_cache(num_kv_blocks)
-            return runner
-        return build_runner(load_model(path, dtype, device, backend), num_kv_blocks)
-
-    parts = ModelParts(f"{path.name} ({dtype}, {backend.name})", tokenizer, make_runner,
+    parts = ModelParts(f"{path.name} ({dtype}, {backend.name})", tokenizer, factory,
                        hf_config.vocab_size, eos_ids)
     return LoadedModel(parts, resolved, path, hf_config, dtype, device, backend.name, profile)
