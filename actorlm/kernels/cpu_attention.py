@@ -8,6 +8,11 @@ cut wherever a context is over twice the group's shortest. No request then pays 
 twice its own context (plus at most a block), and the number of groups grows only with the
 logarithm of the spread of lengths.
 
+Decode rows (one query token per request) skip all of that where the C++ kernel of
+``cpu_decode`` is built: it reads every request's blocks in place, each for its own length, so
+they form no groups at all. Their groups are built only if a layer's shape is beyond the
+kernel (or it could not be built).
+
 ``plan_attention`` builds every index tensor and mask from the step's Python lists once per
 step; ``attend`` runs one layer with it. A request whose blocks are consecutive and attends
 alone reads its context as a view of the cache, with no copy at all.
@@ -15,10 +20,14 @@ alone reads its context as a view of the cache, with no copy at all.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
+
+import functools
 
 import torch
 import torch.nn.functional as F
+
+from actorlm.kernels import cpu_decode
 
 
 class _Group(NamedTuple):
@@ -33,8 +42,18 @@ class _Group(NamedTuple):
     is_decode: bool  # one query per request
 
 
+class _DecodeRows(NamedTuple):
+    """Every decode request of the step, for ``cpu_decode.paged_decode_attention``."""
+
+    rows: torch.Tensor | None  # [B] int32 query row of each; None: row b is request b
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32
+    groups: Callable[[], list[_Group]]  # their groups for the torch path, if a layer needs it
+
+
 class AttentionPlan(NamedTuple):
-    groups: list[_Group]
+    groups: list[_Group]  # prefill chunks, and decode rows unless ``decode`` takes them
+    decode: _DecodeRows | None = None
 
 
 def plan_attention(q_lens: Sequence[int], seq_lens: Sequence[int],
@@ -49,21 +68,46 @@ def plan_attention(q_lens: Sequence[int], seq_lens: Sequence[int],
     for q_len in q_lens:
         starts.append(starts[-1] + q_len)
     requests = [b for b, q_len in enumerate(q_lens) if q_len > 0]
+    decodes = [b for b in requests if q_lens[b] == 1]
+    groups = functools.partial(_groups, decodes, True, q_lens, seq_lens, starts, block_ids,
+                               block_size, device)
+    decode = None
+    if decodes and cpu_decode.is_built(block_size):
+        decode = _decode_rows(decodes, len(q_lens), seq_lens, starts, block_ids, device,
+                              functools.cache(groups))
+    prefills = [b for b in requests if q_lens[b] != 1]
+    return AttentionPlan(
+        (groups() if decode is None else []) +
+        _groups(prefills, False, q_lens, seq_lens, starts, block_ids, block_size, device),
+        decode)
+
+
+def _groups(chosen, is_decode, q_lens, seq_lens, starts, block_ids, block_size, device):
+    """Requests of one kind cut into groups of similar context length."""
+    chosen = sorted(chosen, key=lambda b: seq_lens[b])
     groups = []
-    for is_decode in (True, False):
-        chosen = sorted((b for b in requests if (q_lens[b] == 1) == is_decode),
-                        key=lambda b: seq_lens[b])
-        while chosen:
-            shortest = seq_lens[chosen[0]]
-            cut = next((i for i, b in enumerate(chosen) if seq_lens[b] > 2 * shortest),
-                       len(chosen))
-            members, chosen = chosen[:cut], chosen[cut:]
-            group = _group(members, is_decode, q_lens, seq_lens, starts, block_ids,
-                           block_size, device)
-            if is_decode and members == list(range(len(q_lens))):
-                group = group._replace(q_rows=None)  # a plain decode step: rows as they are
-            groups.append(group)
-    return AttentionPlan(groups)
+    while chosen:
+        shortest = seq_lens[chosen[0]]
+        cut = next((i for i, b in enumerate(chosen) if seq_lens[b] > 2 * shortest),
+                   len(chosen))
+        members, chosen = chosen[:cut], chosen[cut:]
+        group = _group(members, is_decode, q_lens, seq_lens, starts, block_ids, block_size,
+                       device)
+        if is_decode and members == list(range(len(q_lens))):
+            group = group._replace(q_rows=None)  # a plain decode step: rows as they are
+        groups.append(group)
+    return groups
+
+
+def _decode_rows(decodes, num_requests, seq_lens, starts, block_ids, device, groups):
+    width = max(len(block_ids[b]) for b in decodes)
+    table = [i for b in decodes for i in (*block_ids[b], *[0] * (width - len(block_ids[b])))]
+    every_row = len(decodes) == num_requests  # then row b is request b
+    return _DecodeRows(
+        None if every_row else torch.tensor([starts[b] for b in decodes], dtype=torch.int32,
+                                            device=device),
+        torch.tensor(table, dtype=torch.int32, device=device).view(len(decodes), width),
+        torch.tensor([seq_lens[b] for b in decodes], dtype=torch.int32, device=device), groups)
 
 
 def write_and_attend(q, k, v, k_cache, v_cache, meta, scale) -> torch.Tensor:
@@ -80,9 +124,16 @@ def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """query: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D] -> [T, Hq, D]. Causal: the
     query at position p sees K/V positions 0..p of its own request."""
     num_heads, head_dim = query.shape[1:]
-    num_kv_heads = k_cache.shape[2]
-    out = None
-    for group in plan.groups:
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    out, groups = None, plan.groups
+    if plan.decode is not None:
+        if cpu_decode.supports(query.dtype, num_heads, num_kv_heads, head_dim, block_size):
+            d = plan.decode
+            out = cpu_decode.paged_decode_attention(query, k_cache, v_cache, d.block_tables,
+                                                    d.seq_lens, scale, d.rows)
+        else:
+            groups = plan.decode.groups() + groups
+    for group in groups:
         k, v = _gather(k_cache, group), _gather(v_cache, group)  # [B, Hkv, S, D]
         if group.is_decode:
             q = query if group.q_rows is None else query[group.q_rows[:, 0]]  # [B, Hq, D]

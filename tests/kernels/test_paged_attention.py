@@ -1,11 +1,7 @@
 """paged_attention (Triton, interpreted on the CPU) against paged_attention_ref.
 
-Every batch mixes prefill chunks with and without cached context and decodes in one launch.
-Tolerances (stated once, used everywhere):
-- fp32: max |diff| <= 1e-4.
-- fp16: |diff| <= 1e-2 and cosine similarity >= 0.9999.
-- bf16: |diff| <= 1e-2 and cosine similarity >= 0.9999. One bf16 ulp is 2**-7 * |x|, so the
-  values are drawn at a scale that keeps outputs below 2, where one ulp is below 1e-2.
+Every batch mixes prefill chunks with and without cached context and decodes in one launch;
+the batches and the tolerances are in ``paged_batches``.
 """
 
 from __future__ import annotations
@@ -15,59 +11,7 @@ import torch
 
 from actorlm.kernels.paged_attention import paged_attention
 from actorlm.kernels.reference import paged_attention_ref
-
-FP32_MAX_ABS = 1e-4
-HALF_ATOL = 1e-2
-MIN_COSINE = 0.9999
-
-
-def _dtype_id(value):
-    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else None
-
-
-# (query tokens this step, tokens already cached) per request:
-MIXED_BATCH = [
-    (37, 0),  # prefill from scratch, spans several KV blocks
-    (1, 70),  # decode with a long context
-    (16, 21),  # prefill chunk after cached context, not block aligned
-    (1, 0),  # decode of a one-token sequence
-    (1, 31),  # decode whose context ends on a block boundary
-    (5, 32),  # short chunk starting on a block boundary
-]
-
-
-def _make_batch(lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed):
-    """Random paged inputs: shuffled physical blocks, garbage beyond each context."""
-    gen = torch.Generator().manual_seed(seed)
-    q_lens = [q for q, _ in lens]
-    seq_lens = [q + c for q, c in lens]
-    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
-    max_blocks = max(blocks_per_seq) + 1  # one padding column, filled with 0
-    num_blocks = sum(blocks_per_seq) + 3
-    physical = torch.randperm(num_blocks, generator=gen).tolist()
-    block_tables = torch.zeros(len(lens), max_blocks, dtype=torch.int32)
-    for b, n in enumerate(blocks_per_seq):
-        block_tables[b, :n] = torch.tensor([physical.pop() for _ in range(n)], dtype=torch.int32)
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    # values of unit scale: attention outputs then stay below 2 in magnitude, where one bf16
-    # ulp (2**-7 * |x|) is below the 1e-2 tolerance
-    v_cache = (0.5 * torch.randn(num_blocks, block_size, num_kv_heads, head_dim,
-                                 generator=gen)).to(dtype)
-    query = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=gen).to(dtype)
-    query_start_loc = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
-    return query, k_cache, v_cache, block_tables, query_start_loc, torch.tensor(seq_lens, dtype=torch.int32)
-
-
-def _assert_close(out, ref, dtype):
-    assert out.dtype == ref.dtype == dtype and out.shape == ref.shape
-    diff = (out.float() - ref.float()).abs()
-    assert torch.isfinite(out.float()).all()
-    if dtype == torch.float32:
-        assert diff.max().item() <= FP32_MAX_ABS, diff.max().item()
-        return
-    assert diff.max().item() <= HALF_ATOL, f"max |diff| {diff.max().item()}"
-    cosine = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0)
-    assert cosine.item() >= MIN_COSINE, cosine.item()
+from paged_batches import MIXED_BATCH, assert_close, dtype_id, make_batch
 
 
 def _run_both(inputs, scale, **kwargs):
@@ -90,13 +34,13 @@ def _run_both(inputs, scale, **kwargs):
         (torch.bfloat16, 128, 1, 3, 32),
         (torch.bfloat16, 64, 4, 1, 32),
     ],
-    ids=_dtype_id,
+    ids=dtype_id,
 )
 def test_mixed_batch_matches_reference(dtype, head_dim, num_kv_heads, gqa, block_size):
     num_q_heads = num_kv_heads * gqa
-    inputs = _make_batch(MIXED_BATCH, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=head_dim + gqa)
+    inputs = make_batch(MIXED_BATCH, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=head_dim + gqa)
     out, ref = _run_both(inputs, head_dim**-0.5)
-    _assert_close(out, ref, dtype)
+    assert_close(out, ref, dtype)
 
 
 @pytest.mark.parametrize(
@@ -106,25 +50,25 @@ def test_mixed_batch_matches_reference(dtype, head_dim, num_kv_heads, gqa, block
         (torch.bfloat16, 64, 3, 16, 4),
         (torch.float16, 80, 1, 16, 2),
     ],
-    ids=_dtype_id,
+    ids=dtype_id,
 )
 def test_split_kv_matches_reference(dtype, head_dim, gqa, block_size, num_kv_splits):
     # The split-KV path is exact for any query, so it is checked on the mixed batch too.
-    inputs = _make_batch(MIXED_BATCH, 2 * gqa, 2, head_dim, block_size, dtype, seed=7 * num_kv_splits)
+    inputs = make_batch(MIXED_BATCH, 2 * gqa, 2, head_dim, block_size, dtype, seed=7 * num_kv_splits)
     out, ref = _run_both(inputs, head_dim**-0.5, num_kv_splits=num_kv_splits)
-    _assert_close(out, ref, dtype)
+    assert_close(out, ref, dtype)
 
 
 @pytest.mark.parametrize(
     "dtype, gqa, num_kv_splits",
     [(torch.float32, 8, 1), (torch.bfloat16, 1, 4), (torch.float16, 3, 1)],
-    ids=_dtype_id,
+    ids=dtype_id,
 )
 def test_pure_decode_batch_matches_reference(dtype, gqa, num_kv_splits):
     lens = [(1, c) for c in (0, 15, 16, 47, 100)]
-    inputs = _make_batch(lens, 2 * gqa, 2, 96, 16, dtype, seed=gqa)
+    inputs = make_batch(lens, 2 * gqa, 2, 96, 16, dtype, seed=gqa)
     out, ref = _run_both(inputs, 96**-0.5, max_query_len=1, max_seq_len=101, num_kv_splits=num_kv_splits)
-    _assert_close(out, ref, dtype)
+    assert_close(out, ref, dtype)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -137,27 +81,27 @@ def test_random_ragged_batches_match_reference(seed):
         q_len = 1 if is_decode else int(torch.randint(2, 40, (1,), generator=gen))
         lens.append((q_len, int(torch.randint(0, 60, (1,), generator=gen))))
     gqa = (1, 3, 8)[seed]
-    inputs = _make_batch(lens, 2 * gqa, 2, 64, (16, 32, 16)[seed], torch.float32, seed=seed)
+    inputs = make_batch(lens, 2 * gqa, 2, 64, (16, 32, 16)[seed], torch.float32, seed=seed)
     out, ref = _run_both(inputs, 0.11)  # any scale, not only 1/sqrt(D)
-    _assert_close(out, ref, torch.float32)
+    assert_close(out, ref, torch.float32)
 
 
 def test_strided_query_and_idle_request():
     # query as a view into a fused qkv projection; one request schedules no token this step.
     lens = [(9, 3), (0, 12), (1, 40)]
-    query, k_cache, v_cache, block_tables, qsl, seq_lens = _make_batch(lens, 6, 2, 80, 16, torch.float32, seed=5)
+    query, k_cache, v_cache, block_tables, qsl, seq_lens = make_batch(lens, 6, 2, 80, 16, torch.float32, seed=5)
     qkv = torch.randn(query.shape[0], 10, 80)
     qkv[:, :6] = query
     strided = qkv[:, :6]
     assert not strided.is_contiguous()
     out = paged_attention(strided, k_cache, v_cache, block_tables, qsl, seq_lens, 80**-0.5)
     ref = paged_attention_ref(query, k_cache, v_cache, block_tables, qsl, seq_lens, 80**-0.5)
-    _assert_close(out, ref, torch.float32)
+    assert_close(out, ref, torch.float32)
 
 
 def test_each_query_sees_only_its_causal_prefix():
     # Changing cached values after a query's position (or past seq_len) must not change it.
-    inputs = _make_batch([(6, 10)], 2, 1, 64, 16, torch.float32, seed=9)
+    inputs = make_batch([(6, 10)], 2, 1, 64, 16, torch.float32, seed=9)
     query, k_cache, v_cache, block_tables, qsl, seq_lens = inputs
     before = paged_attention(*inputs, 0.125)
     last_block = int(block_tables[0, 0])  # positions 0..15 live there; the first query is at 10

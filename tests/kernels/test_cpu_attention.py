@@ -1,0 +1,124 @@
+"""The CPU attention path (``cpu_attention`` planning, ``cpu_decode``'s C++ decode kernel)
+against paged_attention_ref, with the tolerances of ``paged_batches``.
+
+The decode kernel is built on first use with the machine's compiler; this suite's set-up has
+one, so the kernel must build here (a silent fall-back would leave it untested)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actorlm.kernels import cpu_attention, cpu_decode
+from actorlm.kernels.cpu_attention import attend, plan_attention
+from actorlm.kernels.reference import paged_attention_ref
+from paged_batches import MIXED_BATCH, assert_close, dtype_id, make_batch
+
+
+def _plan_lists(block_tables, query_start_loc, seq_lens, block_size):
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+    seq_lens = seq_lens.tolist()
+    block_ids = [row[:-(-s // block_size)] for row, s in zip(block_tables.tolist(), seq_lens)]
+    return q_lens, seq_lens, block_ids
+
+
+def _attend(inputs, scale):
+    query, k_cache, v_cache, block_tables, query_start_loc, seq_lens = inputs
+    plan = plan_attention(*_plan_lists(block_tables, query_start_loc, seq_lens,
+                                       k_cache.shape[1]), k_cache.shape[1])
+    return plan, attend(query, k_cache, v_cache, plan, scale)
+
+
+def test_the_kernel_builds_here():
+    assert cpu_decode.is_built(16)
+    assert cpu_decode.supports(torch.bfloat16, 9, 3, 64, 16)
+    assert cpu_decode.supports(torch.float32, 32, 8, 128, 16)
+    assert not cpu_decode.supports(torch.float16, 4, 2, 64, 16)  # the torch path's
+
+
+def test_building_it_leaves_denormals_alone():
+    # -ffast-math must not reach the link step (crtfastmath.o would flush denormals to zero
+    # for the whole process)
+    cpu_decode.is_built(16)
+    assert (torch.tensor([1e-38]) / 1e3).item() > 0
+
+
+@pytest.mark.parametrize(
+    "dtype, head_dim, num_kv_heads, gqa, block_size",
+    [
+        (torch.float32, 64, 3, 3, 16),  # SmolLM2's shape
+        (torch.float32, 80, 1, 8, 32),
+        (torch.float32, 128, 2, 1, 16),
+        (torch.bfloat16, 64, 3, 3, 16),
+        (torch.bfloat16, 96, 2, 7, 32),
+        (torch.bfloat16, 128, 1, 4, 64),
+    ],
+    ids=dtype_id,
+)
+def test_decode_kernel_matches_reference(dtype, head_dim, num_kv_heads, gqa, block_size):
+    # contexts of one token, a block minus one, a block, a block plus one, and long ones
+    lens = [(1, c) for c in (0, block_size - 2, block_size - 1, block_size, 150, 333)]
+    inputs = make_batch(lens, num_kv_heads * gqa, num_kv_heads, head_dim, block_size, dtype,
+                        seed=head_dim + gqa)
+    query, k_cache, v_cache, block_tables, _, seq_lens = inputs
+    out = cpu_decode.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens,
+                                            head_dim**-0.5)
+    assert_close(out, paged_attention_ref(*inputs, head_dim**-0.5), dtype)
+
+
+def test_decode_kernel_reads_strided_rows_and_writes_only_them():
+    # query rows as a view into a fused projection; rows 0 and 2 decode, row 1 is not touched
+    lens = [(1, 20), (1, 7), (1, 64)]
+    query, k_cache, v_cache, block_tables, qsl, seq_lens = make_batch(
+        lens, 6, 2, 64, 16, torch.float32, seed=3)
+    fused = torch.randn(3, 10, 64)
+    fused[:, :6] = query
+    rows = torch.tensor([0, 2], dtype=torch.int32)
+    out = torch.full((3, 6, 64), 7.0)
+    cpu_decode.paged_decode_attention(fused[:, :6], k_cache, v_cache, block_tables[[0, 2]],
+                                      seq_lens[[0, 2]], 0.125, rows, out)
+    ref = paged_attention_ref(query, k_cache, v_cache, block_tables, qsl, seq_lens, 0.125)
+    assert_close(out[[0, 2]], ref[[0, 2]], torch.float32)
+    assert torch.equal(out[1], torch.full((6, 64), 7.0))
+
+
+def test_decode_kernel_sees_only_the_context():
+    # cache positions past a request's seq_len (the rest of its last block) are never read
+    inputs = make_batch([(1, 9)], 2, 1, 64, 16, torch.float32, seed=4)
+    query, k_cache, v_cache, block_tables, _, seq_lens = inputs
+    before = cpu_decode.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, 0.125)
+    k_cache[int(block_tables[0, 0]), 10:] = float("nan")
+    v_cache[int(block_tables[0, 0]), 10:] = float("nan")
+    after = cpu_decode.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, 0.125)
+    assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_planned_mixed_batch_matches_reference(dtype, use_kernel, monkeypatch):
+    if not use_kernel:
+        monkeypatch.setattr(cpu_attention.cpu_decode, "is_built", lambda block_size: False)
+    inputs = make_batch(MIXED_BATCH, 6, 2, 64, 16, dtype, seed=11)
+    plan, out = _attend(inputs, 0.125)
+    assert (plan.decode is not None) == use_kernel
+    assert_close(out, paged_attention_ref(*inputs, 0.125), dtype)
+
+
+def test_a_shape_beyond_the_kernel_falls_back_to_groups(monkeypatch):
+    # planned for the kernel, but this layer's shape is not one it runs: the decode rows'
+    # groups are built then, and the result is the same
+    monkeypatch.setattr(cpu_attention.cpu_decode, "supports", lambda *args: False)
+    inputs = make_batch(MIXED_BATCH, 6, 2, 64, 16, torch.float32, seed=12)
+    plan, out = _attend(inputs, 0.125)
+    assert plan.decode is not None
+    assert_close(out, paged_attention_ref(*inputs, 0.125), torch.float32)
+
+
+def test_a_plain_decode_step_costs_each_request_its_own_context():
+    # one long context among short ones: the kernel takes every decode row in one call, with
+    # no groups (nothing padded to the longest)
+    lens = [(1, 5)] * 7 + [(1, 900)]
+    inputs = make_batch(lens, 4, 2, 64, 16, torch.float32, seed=13)
+    plan, out = _attend(inputs, 0.125)
+    assert plan.groups == [] and plan.decode.rows is None
+    assert_close(out, paged_attention_ref(*inputs, 0.125), torch.float32)
