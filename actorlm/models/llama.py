@@ -59,13 +59,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), False)
 
     def forward(self, x):
-        if x.dtype == torch.float32:  # one fused op, the same bits as the steps below
+        # HF's x * rsqrt(mean(x^2) + eps) in fp32 is one fused op with the same bits
+        if x.dtype == torch.float32:
             return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # As HF does: normalise in fp32, cast back, then scale (the order changes bf16 results).
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * torch.rms_norm(x.float(), self.weight.shape, None,
+                                            self.eps).to(x.dtype)
 
 
 def rope_inv_freq(config, device=None) -> tuple[torch.Tensor, float]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from actorlm.kernels import select_backend
-from actorlm.models.llama import Linear
+from actorlm.models.llama import Linear, RMSNorm
 from actorlm.models.loader import load_model
 from actorlm.models.metadata import AttentionMetadata
 
@@ -179,3 +179,19 @@ def test_bf16_model_packs_every_linear_and_tracks_transformers(tiny_llama_dir):
         # difference (transformers' own bf16 logits are up to 0.7 from its fp32 ones).
         torch.testing.assert_close(rows, expected, atol=0.25, rtol=0)
         assert torch.equal(rows.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rms_norm_has_transformers_bits(dtype):
+    # the fused form must keep HF's order: fp32 normalisation, cast, then the weight
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    theirs = LlamaRMSNorm(576, eps=1e-5).to(dtype)
+    ours = RMSNorm(576, 1e-5, dtype, "cpu")
+    with torch.no_grad():
+        theirs.weight.copy_(torch.randn(576, generator=gen))
+        ours.weight.copy_(theirs.weight)
+    for rows in (1, 5, 64):
+        x = (3 * torch.randn(rows, 576, generator=gen)).to(dtype)
+        assert torch.equal(ours(x), theirs(x))
