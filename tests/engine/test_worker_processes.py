@@ -7,6 +7,7 @@ model is (until then one rank)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import threading
@@ -125,3 +126,19 @@ def test_ray_workers_give_the_same_greedy_tokens_and_survive_ray_kill(
     got, seen_after = kill_mid_run(llm, lambda: ray_cluster.kill(actor))
     assert got == expected
     assert llm.stats()["num_worker_restarts"] == 1 and seen_after < 5.0
+
+
+@pytest.mark.parametrize("tp", TENSOR_PARALLEL_SIZES)
+def test_constrained_steps_take_their_bitmask_across_to_the_worker(tiny_llama_dir, make_llm,
+                                                                    tp):
+    from actorlm.sampling_params import StructuredOutputsParams
+
+    llm = make_llm(str(tiny_llama_dir), distributed_executor_backend="mp",
+                   tensor_parallel_size=tp)
+    pattern = r"[0-9]{3}-[a-z]{2,4}"
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=i,
+                             structured_outputs=StructuredOutputsParams(regex=pattern))
+              for i in range(4)] + [SamplingParams(max_tokens=8, temperature=0.0)]
+    outputs = llm.generate(["Answer:"] * 5, params, use_tqdm=False)
+    assert all(re.fullmatch(pattern, o.outputs[0].text) for o in outputs[:4])
+    assert len(outputs[4].outputs[0].token_ids) == 8  # its unconstrained neighbour
