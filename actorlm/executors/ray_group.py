@@ -5,7 +5,8 @@ running the same ``WorkerLoop`` as a worker process and speaking the same msgpac
 step is encoded once (and put in Ray's object store once when there are several ranks). A
 thread per rank waits on each call's result with ``ray.get`` and turns it into ``WorkerResult``;
 a dead actor (``ray.kill``, its node lost: ``RayActorError``) into ``WorkerFailed``, and the
-executor restarts every rank. A rank that dies while idle is seen by the next step's call.
+executor restarts every rank. A call that never returns, in a concurrency group of its own,
+tells of a rank that dies between steps.
 
 Ray is an optional extra (``pip install 'actorlm[ray]'``), imported only here. The engine joins
 the cluster at ``RAY_ADDRESS`` or the one this process already joined, else starts a small
@@ -76,6 +77,11 @@ class RayWorker:
     def handle(self, data: bytes) -> bytes:
         return self.loop.handle(data)
 
+    def until_killed(self) -> None:
+        """Never returns: the call fails when the actor dies, which tells the driver of a death
+        between steps (called in a concurrency group of its own, beside the steps)."""
+        threading.Event().wait()
+
 
 class RayWorkerGroup:
     def __init__(self, factory, size: int, generation: int, tensor_parallel: bool):
@@ -104,7 +110,7 @@ class RayWorkerGroup:
                                    f"CPU each (--tensor-parallel-size {self.size}); it has "
                                    f"{ray.available_resources().get('CPU', 0)} CPUs free") \
                     from None
-            actor_class = ray.remote(RayWorker)
+            actor_class = ray.remote(concurrency_groups={"watch": 1})(RayWorker)
             env = {"PYTHONPATH": os.pathsep.join(
                 [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
             self.actors = [actor_class.options(
@@ -130,16 +136,40 @@ class RayWorkerGroup:
         for rank in range(self.size):
             threading.Thread(target=self._read, args=(rank, executor), daemon=True,
                              name=f"actorlm-ray-worker-{rank}").start()
+        threading.Thread(target=self._watch, args=(executor,), daemon=True,
+                         name="actorlm-ray-watch").start()
+
+    def _watch(self, executor) -> None:
+        """Report a rank that dies while no step is in flight (a step's call reports its own)."""
+        ray = self._ray
+        watches = [actor.until_killed.options(concurrency_group="watch").remote()
+                   for actor in self.actors]
+        try:
+            ready, _ = ray.wait(watches, num_returns=1)
+            if self._is_connected():
+                ray.get(ready[0])
+        except ray.exceptions.RayError as exc:
+            self._report(executor, watches.index(ready[0]),
+                         f"its Ray actor died ({type(exc).__name__})")
+        except Exception:  # noqa: BLE001 — the session ended under us (ray.shutdown at exit)
+            pass
+
+    def _is_connected(self) -> bool:
+        """Whether this process is still in the Ray session. After ``ray.shutdown()`` (Ray's
+        own exit hook may run before the engine's) a ``ray.get`` would start a new cluster."""
+        return self._ray.is_initialized()
 
     def _read(self, rank: int, executor) -> None:
         ray, codec, calls = self._ray, WireCodec(), self._calls[rank]
-        while (call := calls.get()) is not None:
+        while (call := calls.get()) is not None and self._is_connected():
             try:
                 data = ray.get(call)
             except ray.exceptions.RayActorError as exc:
                 return self._report(executor, rank, f"its Ray actor died ({type(exc).__name__})")
             except ray.exceptions.RayError as exc:
                 return self._report(executor, rank, f"{type(exc).__name__}: {exc}")
+            except Exception as exc:  # noqa: BLE001 — the session ended under us
+                return self._report(executor, rank, f"the Ray session ended ({exc})")
             if not data:
                 continue
             reply = codec.decode_reply(data)
@@ -152,6 +182,8 @@ class RayWorkerGroup:
             tell(executor, WorkerFailed(rank, self.generation, error))
 
     def send_step(self, step: ScheduleStep) -> None:
+        if not self._is_connected():
+            return  # the session ended (the readers have said so); a put would start a new one
         data = self.codec.encode_step(step)  # one encoding (and one object) for every rank
         self._call(self.actors, self._ray.put(data) if self.size > 1 else data)
 
@@ -160,6 +192,8 @@ class RayWorkerGroup:
                    self.codec.encode_bitmask(bitmask))
 
     def _call(self, actors: list, arg) -> None:
+        if not self._is_connected():
+            return
         for rank, actor in enumerate(actors):
             self._calls[rank].put(actor.handle.remote(arg))
 
@@ -168,6 +202,8 @@ class RayWorkerGroup:
         self._stopping = True
         for calls in self._calls:
             calls.put(None)
+        if not self._is_connected():
+            return  # the session's end took the actors and their bundles with it
         for actor in self.actors:
             try:
                 self._ray.kill(actor, no_restart=True)

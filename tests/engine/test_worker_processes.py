@@ -142,3 +142,15 @@ def test_constrained_steps_take_their_bitmask_across_to_the_worker(tiny_llama_di
     outputs = llm.generate(["Answer:"] * 5, params, use_tqdm=False)
     assert all(re.fullmatch(pattern, o.outputs[0].text) for o in outputs[:4])
     assert len(outputs[4].outputs[0].token_ids) == 8  # its unconstrained neighbour
+
+
+def test_a_ray_worker_killed_between_steps_is_seen_at_once(tiny_llama_dir, make_llm,
+                                                           ray_cluster):
+    llm = make_llm(str(tiny_llama_dir), distributed_executor_backend="ray")
+    first = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    ray_cluster.kill(llm.engine.executor.proxy().group.get().actors[0])
+    killed_at = time.monotonic()
+    while llm.engine.executor_stats().num_worker_restarts == 0:
+        assert time.monotonic() - killed_at < 5, "the idle worker's death was not seen"
+        time.sleep(0.01)
+    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == tokens(first)
