@@ -65,14 +65,19 @@ class ProcessWorkerGroup:
         self._stopping = False
 
     def start(self) -> None:
-        """Spawn every rank, then wait for each to load (the ranks of a tensor-parallel group
-        meet in a collective while loading, so all must be running before any is awaited)."""
+        """Spawn every rank, then wait for them to load (the ranks of a tensor-parallel group
+        meet in a collective while loading, so all must be running before any is awaited; the
+        first load error ends the wait, since the other ranks may be waiting for that one)."""
         init_method = f"tcp://127.0.0.1:{free_port()}"
         try:
             for rank in range(self.size):
                 self._spawn(rank, init_method)
-            for rank in range(self.size):
-                self.pids.append(self._await_loaded(rank))
+            pids, loading = [0] * self.size, dict(zip(self._conns, range(self.size)))
+            while loading:  # in any order: a rank's load error must not wait for the others
+                for conn in wait(list(loading)):
+                    rank = loading.pop(conn)
+                    pids[rank] = self._await_loaded(rank)
+            self.pids = pids
         except BaseException:
             self.stop(kill=True)
             raise
