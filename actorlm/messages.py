@@ -241,7 +241,8 @@ class StepResult(_StepMessage):
     between steps): the scheduler counts the fault against them to find a poison request.
 
     ``timings`` are the runner's seconds in this step: [input preparation, forward, logits and
-    sampling] (on a GPU the forward is only launched when its clock stops; sampling waits)."""
+    sampling] (on a GPU the forward is only launched when its clock stops; sampling waits).
+    ``rank_timings[r]`` are rank ``r``'s, filled by the executor (``timings`` are rank 0's)."""
 
     step_id: int
     request_ids: list[str]
@@ -253,6 +254,7 @@ class StepResult(_StepMessage):
     fault: str | None = None
     blame_request_ids: list[str] = []
     timings: list[float] = []
+    rank_timings: list[list[float]] = []
 
 
 class WorkerResult(_StepMessage):
@@ -281,12 +283,12 @@ class GrammarCompiled(_Message):
 
 
 class WorkerRestarted(_Message):
-    """In-process only: a replacement runner for ``rank`` has been built (or ``error`` says why
-    it could not be) on a thread of its own, off the executor's."""
+    """In-process only: a replacement worker group (``actorlm.executors``) has started, every
+    rank loaded (or ``error`` says why it could not), on a thread of its own, off the
+    executor's."""
 
-    rank: int
     generation: int
-    runner: Any = None
+    workers: Any = None
     error: str | None = None
 
 
@@ -308,7 +310,8 @@ class SchedulerStats(_Message):
 
 
 class ExecutorStats(_Message):
-    num_worker_restarts: int
+    num_worker_restarts: int  # times the worker group was restarted after a fault
+    worker_pids: list[int] = []  # the ranks' processes (mp, ray); empty for thread workers
 
 
 class KVStats(_Message):

@@ -68,9 +68,12 @@ class EngineSystem:
             self.config = config
         self.tokenizer = PerThreadTokenizer(parts.tokenizer)
         make_runner = parts.make_runner
-        if wrap_runner is not None:
-            make_runner = lambda rank: wrap_runner(parts.make_runner(rank))  # noqa: E731
         config = self.config
+        if wrap_runner is not None:
+            if config.executor_backend != "uni":
+                raise ValueError("wrap_runner wraps runners in this process: it needs "
+                                 "--distributed-executor-backend uni")
+            make_runner = lambda rank: wrap_runner(parts.make_runner(rank))  # noqa: E731
         self.supervisor = supervisor = Supervisor()
 
         def on_death(name: str):
@@ -99,9 +102,11 @@ class EngineSystem:
             self.allocator = KVAllocatorActor.start(
                 pool, link(to_scheduler, "allocator", "scheduler"),
                 on_death("allocator"))
-            self.executor = ExecutorActor.start(make_runner, 1,
-                                                link(to_scheduler, "executor", "scheduler"),
-                                                on_death("executor"))
+            self.executor = ExecutorActor.start(
+                make_runner, config.tensor_parallel_size,
+                link(to_scheduler, "executor", "scheduler"), on_death("executor"),
+                backend=config.executor_backend,
+                tensor_parallel=config.tensor_parallel_size > 1)
             self.frontend = FrontendActor.start(self.tokenizer, config.max_model_len,
                                                 parts.vocab_size,
                                                 link(to_scheduler, "frontend", "scheduler"),
@@ -137,6 +142,10 @@ class EngineSystem:
 
     def executor_stats(self) -> ExecutorStats:
         return self.executor.ask(GetStats())
+
+    def worker_pids(self) -> list[int]:
+        """The worker processes' ids (``mp`` and ``ray``; empty when the workers are threads)."""
+        return self.executor_stats().worker_pids
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
                             **template_kwargs) -> list[int]:

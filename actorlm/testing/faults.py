@@ -18,9 +18,10 @@ restarts keeps a persistent batch that agrees with the scheduler.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 from actorlm.messages import ScheduleStep, StepResult
-from actorlm.core.fake_runner import InjectedFault
+from actorlm.core.fake_runner import FakeModelRunner, InjectedFault
 
 
 class InjectedDeath(BaseException):
@@ -80,3 +81,19 @@ class FaultyRunner:
 
     def __getattr__(self, name: str):
         return getattr(self.runner, name)
+
+
+@dataclass(frozen=True)
+class FakeRunnerFactory:
+    """``make_runner`` building a ``FakeModelRunner(vocab_size=...)``: plain data, so a worker
+    process or a Ray actor can build its own (tests of the mp and ray backends). With
+    ``fail_rank`` that rank raises ``fail_with`` while loading."""
+
+    vocab_size: int = 1000
+    fail_rank: int | None = None
+    fail_with: str = "no such checkpoint"
+
+    def __call__(self, rank: int) -> FakeModelRunner:
+        if rank == self.fail_rank:
+            raise ValueError(f"rank {rank}: {self.fail_with}")
+        return FakeModelRunner(vocab_size=self.vocab_size)
