@@ -3,7 +3,9 @@
 Three processes: "requests" has one track per request (its state spans as complete ``X``
 events, the prefill/decode stretches of a running span nested inside it, the finish as an
 instant); "actors" has one track per sending actor with its messages as instants; "engine"
-has the steps as ``X`` events and counters (``C``) for KV blocks and batch size. Timestamps
+has the steps as ``X`` events and counters (``C``) for KV blocks and batch size, and one track
+per worker rank with its input preparation, forward and sampling of each step (laid end to end
+so that they end with the step: a rank's own clock is not this process's). Timestamps
 are microseconds from the first record; events are sorted by time, so every track's are
 monotonic.
 """
@@ -17,6 +19,7 @@ from actorlm.trace.timeline import Timeline, build_timeline
 
 _REQUESTS, _ACTORS, _ENGINE = 1, 2, 3
 _ACTOR_ORDER = ("frontend", "scheduler", "allocator", "executor", "worker")
+_RANK_PHASES = ("prepare", "forward", "sample")  # StepResult.timings, in order
 
 
 def to_perfetto(records: list[Record]) -> dict:
@@ -124,7 +127,16 @@ def _actors(timeline: Timeline, us, meta: list, events: list) -> None:
 def _engine(timeline: Timeline, us, meta: list, events: list) -> None:
     meta.append(_meta("thread_name", _ENGINE, 1, "steps"))
     total = timeline.config.num_kv_blocks if timeline.config is not None else None
+    num_ranks = max((len(s.rank_timings) for s in timeline.steps), default=0)
+    for rank in range(num_ranks):
+        meta.append(_meta("thread_name", _ENGINE, 2 + rank, f"rank {rank}"))
     for s in timeline.steps:
+        for rank, timings in enumerate(s.rank_timings):
+            t = s.t_end - sum(timings)
+            for phase, seconds in zip(_RANK_PHASES, timings):
+                events.append(_span(phase, "rank", us(t), us(t + seconds), _ENGINE, 2 + rank,
+                                    {"step": s.step, "rank": rank}))
+                t += seconds
         events.append(_span(f"step {s.step}", "step", us(s.t_start), us(s.t_end), _ENGINE, 1, {
             "step": s.step, "num_requests": s.num_requests,
             "num_prefill_tokens": s.num_prefill_tokens, "num_decode_tokens": s.num_decode_tokens,

@@ -120,7 +120,8 @@ class StepSummary(_Record, tag="step"):
     ran in it), ``failed_ids`` / ``error`` when the runner failed some requests alone.
     ``prepare_s``, ``forward_s`` and ``sample_s`` are the runner's own timings of the step
     (input preparation, the model's forward, logits and sampling); the rest of a step's period
-    is the engine's own work (see ``trace/profile.py``).
+    is the engine's own work (see ``trace/profile.py``). ``rank_timings[r]`` are the same three
+    for worker rank ``r`` (rank 0's are the ones above).
     """
 
     step: int
@@ -146,6 +147,7 @@ class StepSummary(_Record, tag="step"):
     forward_s: float = 0.0
     sample_s: float = 0.0
     num_cached_tokens: int = 0  # found in the prefix cache by the requests admitted here
+    rank_timings: list[list[float]] = []
 
     @property
     def num_requests(self) -> int:

@@ -47,6 +47,11 @@ def test_perfetto_export_is_valid_trace_event_json(tiny_run, tmp_path):
     assert span_names["prefill"] and span_names["decode"]
     counters = {e["name"] for e in events if e["ph"] == "C"}
     assert {"KV blocks", "batch"} <= counters
+    # the one worker rank has a track of its own, with every step's forward on it
+    assert "rank 0" in names.values()
+    forwards = [e for e in events if e["ph"] == "X" and e["cat"] == "rank" and e["name"] == "forward"]
+    assert len(forwards) == sum(1 for r in tiny_run.records
+                                if isinstance(r, StepSummary) and r.rank_timings)
     # a request's state spans never overlap: each starts where the previous one ended
     spans = defaultdict(list)
     for e in events:
@@ -221,3 +226,20 @@ def test_html_labels_lanes_with_their_cache_hits_and_shows_the_hit_rate(chromium
     assert "cached" not in dom.text["lane:b"] and "cached" not in dom.text["lane:c"]
     assert dom.text["figure:cache-hit-rate"] == "48.5%cache hit rate"
     assert dom.text["figure:preemptions"] == "1 / 1preempted reqs / times"
+
+
+def test_each_rank_gets_a_track_ending_with_its_step():
+    config = TraceConfig(128, 4, 256, 16, 32, True, [2], model="synthetic")
+    timings = [[0.001, 0.004, 0.002], [0.001, 0.005, 0.0]]  # rank 1 does not sample
+    step = StepSummary(0, 1.0, 1.01, 0.01, ["a"], [4], [True], 4, 0, [], [], 1, 31, 0, 1, 0,
+                       prepare_s=0.001, forward_s=0.004, sample_s=0.002, rank_timings=timings)
+    trace = to_perfetto([config, Arrival(0.99, 0, "a", 4, 1, 16, 0, True, []), step])
+    events = trace["traceEvents"]
+    tracks = {e["tid"]: e["args"]["name"] for e in events
+              if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == 3}
+    for rank, phases in enumerate(timings):
+        tid = next(t for t, name in tracks.items() if name == f"rank {rank}")
+        spans = [e for e in events if e["ph"] == "X" and e["tid"] == tid and e["cat"] == "rank"]
+        assert [e["name"] for e in spans] == ["prepare", "forward", "sample"]
+        assert [e["dur"] for e in spans] == [round(p * 1e6, 3) for p in phases]
+        assert abs(spans[-1]["ts"] + spans[-1]["dur"] - 20_000) < 1  # the step's end, in us
