@@ -196,7 +196,11 @@ class ScheduleStep(_StepMessage):
     before the step runs (finished, aborted or preempted since the previous step).
 
     ``structured_request_ids`` sample under a grammar: the workers run the forward, then wait
-    for the step's ``GrammarBitmask`` (filled by the scheduler meanwhile) before sampling."""
+    for the step's ``GrammarBitmask`` (filled by the scheduler meanwhile) before sampling.
+
+    ``last_token_ids[i]`` is the last token of ``cached_requests[i]``: the one sampled in its
+    previous step, if that step sampled. Tensor-parallel ranks other than 0 do not sample, so
+    this is how they learn it."""
 
     step_id: int
     new_requests: list[NewRequestData]
@@ -204,6 +208,7 @@ class ScheduleStep(_StepMessage):
     num_scheduled_tokens: list[int]
     finished_request_ids: list[str]
     structured_request_ids: list[str] = []
+    last_token_ids: list[int] = []
 
     @property
     def request_ids(self) -> list[str]:

@@ -172,13 +172,15 @@ class Scheduler:
         """Apply the allocator's decision; the step message (None when nothing runs)."""
         for request_id in granted.preempted_ids:  # their blocks are already released
             self._preempt(self.requests[request_id], plan, release=False)
-        new, cached = [], []
+        new, cached, last_token_ids = [], [], []
         for request, num_tokens, block_ids in zip(plan.running, plan.running_tokens,
                                                   granted.new_block_ids):
             request.num_blocks += len(block_ids)
             if num_tokens:
                 cached.append(CachedRequestData(request.request_id, block_ids,
                                                 request.num_computed_tokens))
+                last_token_ids.append(request.output_token_ids[-1] if request.output_token_ids
+                                      else request.prompt_token_ids[-1])
                 self._add_to_step(plan, request, num_tokens)
         for admitted in granted.admitted:
             request = self.requests[admitted.request_id]
@@ -195,7 +197,8 @@ class Scheduler:
         counts = plan.num_scheduled_tokens[len(cached):] + plan.num_scheduled_tokens[:len(cached)]
         constrained = [r.request_id for r in plan.requests
                        if r.grammar is not None and r.num_computed_tokens == r.num_tokens]
-        return ScheduleStep(plan.step_id, new, cached, counts, dropped, constrained)
+        return ScheduleStep(plan.step_id, new, cached, counts, dropped, constrained,
+                            last_token_ids)
 
     def update_from_output(self, plan: StepPlan, result: StepResult) -> EngineOutputs:
         """Apply sampled tokens, finish what is done, and say what happened in one message."""

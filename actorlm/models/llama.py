@@ -11,15 +11,17 @@ Attention is always full causal: a sliding window (Mistral v0.1, Qwen with
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from actorlm.kernels import KernelBackend
-from actorlm.kernels.cpu_linear import packed_linear
+from actorlm.models.layers import Linear, RowParallelLinear, VocabParallelEmbedding
 from actorlm.models.metadata import AttentionMetadata
+from actorlm.models.parallel import (TensorParallel, check_tensor_parallel, gather_last_dim,
+                                     num_kv_heads_per_rank)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -31,25 +33,6 @@ _STACKED = {
     ".gate_proj.": (".gate_up_proj.", 0),
     ".up_proj.": (".gate_up_proj.", 1),
 }
-
-
-class Linear(nn.Module):
-    """nn.Linear without the random init: every weight comes from the checkpoint."""
-
-    def __init__(self, in_features, out_features, bias, dtype, device):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), False)
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), False) if bias else None
-        self.packed = None  # x -> linear(x), over a weight laid out for the device's GEMM
-
-    def pack(self) -> None:
-        """Once the weights are loaded: run on a packed copy where the device gains by it."""
-        self.packed = packed_linear(self.weight, self.bias)
-
-    def forward(self, x):
-        if self.packed is not None:
-            return self.packed(x)
-        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -99,12 +82,22 @@ def apply_rope(x, cos, sin_signed):
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
+def _row_linear(in_features, out_features, bias, tp: TensorParallel, dtype, device) -> Linear:
+    """A layer whose input features are split over the ranks (plain when there is one)."""
+    if tp.is_parallel:
+        return RowParallelLinear(in_features, out_features, bias, tp, dtype, device)
+    return Linear(in_features, out_features, bias, dtype, device)
+
+
 class Attention(nn.Module):
-    def __init__(self, config, backend: KernelBackend, dtype, device):
+    """Tensor-parallel: this rank's query heads and the KV heads they read."""
+
+    def __init__(self, config, backend: KernelBackend, dtype, device, tp: TensorParallel):
         super().__init__()
         self.backend = backend
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.num_heads = config.num_attention_heads // tp.size
+        self.num_kv_heads = num_kv_heads_per_rank(
+            getattr(config, "num_key_value_heads", None) or config.num_attention_heads, tp.size)
         self.head_dim = _head_dim(config)
         self.scale = self.head_dim**-0.5
         hidden = config.hidden_size
@@ -115,7 +108,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias, dtype, device)
-        self.o_proj = Linear(self.q_size, hidden, o_bias, dtype, device)
+        self.o_proj = _row_linear(self.q_size * tp.size, hidden, o_bias, tp, dtype, device)
         self.q_norm = self.k_norm = None
         if config.model_type == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
@@ -141,14 +134,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config, dtype, device):
+    """Tensor-parallel: this rank's share of the intermediate features."""
+
+    def __init__(self, config, dtype, device, tp: TensorParallel):
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
         bias = bool(getattr(config, "mlp_bias", False))
-        self.intermediate_size = config.intermediate_size
+        self.intermediate_size = config.intermediate_size // tp.size
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias, dtype, device)
-        self.down_proj = Linear(self.intermediate_size, config.hidden_size, bias, dtype, device)
+        self.down_proj = _row_linear(config.intermediate_size, config.hidden_size, bias, tp,
+                                     dtype, device)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [T, I]
@@ -156,13 +152,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, backend, dtype, device):
+    def __init__(self, config, backend, dtype, device, tp):
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
-        self.self_attn = Attention(config, backend, dtype, device)
+        self.self_attn = Attention(config, backend, dtype, device, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
-        self.mlp = MLP(config, dtype, device)
+        self.mlp = MLP(config, dtype, device, tp)
 
     def forward(self, x, cos, sin, kv_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
@@ -172,31 +168,48 @@ class DecoderLayer(nn.Module):
 class LlamaBody(nn.Module):
     """Named ``model`` inside LlamaForCausalLM so parameter names match HF checkpoints."""
 
-    def __init__(self, config, backend, dtype, device):
+    def __init__(self, config, backend, dtype, device, tp):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.embed_tokens.weight.requires_grad_(False)
+        if tp.is_parallel:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp,
+                                                       dtype, device)
+        else:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
+                                             device=device)
+            self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, dtype, device) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, backend, dtype, device, tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config, backend: KernelBackend, dtype: torch.dtype = torch.float32, device=None):
+    """With ``tp`` of size N > 1, rank ``tp.rank``'s shard: 1/N of the query heads, of the KV
+    heads (or one replicated), of the MLP and of the vocabulary (padded up to a multiple of N),
+    loaded straight from the checkpoint's tensors (``load_weights``)."""
+
+    def __init__(self, config, backend: KernelBackend, dtype: torch.dtype = torch.float32,
+                 device=None, tp: TensorParallel = TensorParallel()):
         super().__init__()
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {config.model_type!r} is not supported (use one of {SUPPORTED_MODEL_TYPES})")
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        check_tensor_parallel(config.model_type, config.num_attention_heads, num_kv_heads,
+                              config.intermediate_size, tp.size)
         self.config = config
         self.dtype = dtype
+        self.tp = tp
         self.num_layers = config.num_hidden_layers
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = _head_dim(config)
         self.vocab_size = config.vocab_size
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = LlamaBody(config, backend, dtype, device)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+        self.model = LlamaBody(config, backend, dtype, device, tp)
+        attn = self.model.layers[0].self_attn
+        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads  # this rank's
+        vocab_rows = -(-config.vocab_size // tp.size)  # this rank's slice, padded
+        self.lm_head = Linear(config.hidden_size, vocab_rows, False, dtype, device)
+        if tp.is_parallel:  # its padding rows past the vocabulary are never loaded
+            self.lm_head.weight.data.zero_()
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # cos and sin of every position, computed once as HF computes them per step (fp32
@@ -223,13 +236,21 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.model.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> logits [N, V] float32."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden: [N, hidden] -> logits [N, V] float32. Tensor-parallel: every rank must call
+        it (a collective); rank 0 gets the logits, the others None."""
+        if not self.tp.is_parallel:
+            return self.lm_head(hidden).float()
+        logits = gather_last_dim(self.tp, self.lm_head(hidden))  # [N, V_pad] on rank 0
+        if logits is None:
+            return None
+        return logits[:, :self.vocab_size].float().contiguous()  # without the padding
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy HF-named tensors into the (merged) parameters, raising if any is left unset, then
-        pack the linear layers where the device gains by it."""
+        pack the linear layers where the device gains by it. Tensor-parallel: only this rank's
+        part of each tensor is taken; a safetensors slice (``safe_open(...).get_slice``) in
+        place of a tensor then reads only that part from the file."""
         params = dict(self.named_parameters())  # a tied lm_head appears once, as embed_tokens
         missing = {key for name in params for key in _load_keys(name)}
         for name, tensor in weights:
@@ -246,6 +267,10 @@ class LlamaForCausalLM(nn.Module):
             if shard is not None:
                 start, size = self._shard_range(target, shard)
                 dst = dst.narrow(0, start, size)
+            if self.tp.is_parallel:
+                tensor = self._rank_part(name, tensor)
+                if target == "model.embed_tokens.weight" or target == "lm_head.weight":
+                    dst = dst.narrow(0, 0, tensor.shape[0])  # the last slice may be short
             if dst.shape != tensor.shape:
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
             with torch.no_grad():
@@ -263,8 +288,43 @@ class LlamaForCausalLM(nn.Module):
             attn = self.model.layers[0].self_attn
             sizes = [attn.q_size, attn.kv_size, attn.kv_size]
         else:
-            sizes = [self.config.intermediate_size] * 2
+            sizes = [self.model.layers[0].mlp.intermediate_size] * 2
         return sum(sizes[:shard]), sizes[shard]
+
+    def _rank_part(self, name, tensor) -> torch.Tensor:
+        """This rank's part of the checkpoint tensor ``name``: rows of the column-parallel
+        layers, columns of the row-parallel ones, the whole of the replicated ones."""
+        attn, mlp, rank = self.model.layers[0].self_attn, self.model.layers[0].mlp, self.tp.rank
+        dim, start, length = 0, 0, None  # None: all of it
+        if ".q_proj." in name:
+            start, length = rank * attn.q_size, attn.q_size
+        elif ".k_proj." in name or ".v_proj." in name:
+            # the KV heads this rank's query heads read (a replicated head: the same on several)
+            num_kv_heads = getattr(self.config, "num_key_value_heads", None) or \
+                self.config.num_attention_heads
+            first = rank * attn.num_heads * num_kv_heads // self.config.num_attention_heads
+            start, length = first * self.head_dim, attn.kv_size
+        elif ".gate_proj." in name or ".up_proj." in name:
+            start, length = rank * mlp.intermediate_size, mlp.intermediate_size
+        elif ".o_proj.weight" in name:
+            dim, start, length = 1, rank * attn.q_size, attn.q_size
+        elif ".down_proj.weight" in name:
+            dim, start, length = 1, rank * mlp.intermediate_size, mlp.intermediate_size
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            rows = self.lm_head.weight.shape[0]
+            start = rank * rows
+            length = max(0, min(rows, self.vocab_size - start))
+        return _narrow(tensor, dim, start, length)
+
+
+def _narrow(tensor, dim, start, length) -> torch.Tensor:
+    """``start:start + length`` along ``dim`` (everything when ``length`` is None) of a tensor,
+    or read from a safetensors slice."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor if length is None else tensor.narrow(dim, start, length)
+    if length is None:
+        return tensor[:]
+    return tensor[(slice(None),) * dim + (slice(start, start + length),)]
 
 
 def _load_keys(param_name) -> list[str]:

@@ -19,6 +19,7 @@ import tempfile
 import torch
 
 from actorlm.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM
+from actorlm.models.parallel import TensorParallel
 from actorlm.openmp import on_passing_thread
 
 logger = logging.getLogger(__name__)
@@ -62,8 +63,10 @@ def load_hf_config(path):
     return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
-def load_model(path, dtype: torch.dtype, device, backend) -> LlamaForCausalLM:
-    """Build the model for the directory ``path`` and fill it from its *.safetensors files."""
+def load_model(path, dtype: torch.dtype, device, backend,
+               tp: TensorParallel = TensorParallel()) -> LlamaForCausalLM:
+    """Build the model for the directory ``path`` (rank ``tp.rank``'s shard of it) and fill it
+    from its *.safetensors files."""
     from safetensors import safe_open
     from tqdm.auto import tqdm
 
@@ -76,7 +79,7 @@ def load_model(path, dtype: torch.dtype, device, backend) -> LlamaForCausalLM:
     for file in files:  # reads only the headers
         with safe_open(file, framework="pt", device="cpu") as f:
             num_tensors += len(f.keys())
-    model = LlamaForCausalLM(config, backend, dtype=dtype, device=device)
+    model = LlamaForCausalLM(config, backend, dtype=dtype, device=device, tp=tp)
 
     def tensors():
         # One file open at a time: the shards of a big checkpoint never all sit in memory.
@@ -84,7 +87,8 @@ def load_model(path, dtype: torch.dtype, device, backend) -> LlamaForCausalLM:
             for file in files:
                 with safe_open(file, framework="pt", device="cpu") as f:
                     for name in f.keys():
-                        yield name, f.get_tensor(name)
+                        # a shard reads only its part of each tensor (see load_weights)
+                        yield name, f.get_slice(name) if tp.is_parallel else f.get_tensor(name)
                         bar.update()
 
     model.load_weights(tensors())

@@ -7,6 +7,9 @@ load in ``make_runner`` — on a thread that exits, see ``actorlm.openmp`` — e
 no KV pool size given: there they load first, so that the largest step can be profiled and the
 pool given what is left (``actorlm.models.profile``), and that model becomes rank 0's first
 runner. A worker restarted later loads afresh.
+
+With ``--tensor-parallel-size N`` each rank's runner holds 1/N of the model and of the KV cache
+(``actorlm.models.parallel``); the split is checked here, before anything heavy loads.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from transformers import AutoTokenizer, GenerationConfig
 from actorlm.config import EngineConfig
 from actorlm.kernels import select_backend
 from actorlm.models.loader import load_hf_config, load_model, resolve_model
+from actorlm.models.parallel import (TensorParallel, check_initialised, check_tensor_parallel,
+                                     num_kv_heads_per_rank)
 from actorlm.models.profile import MemoryProfile, kv_cache_budget, largest_step, load_and_profile
 from actorlm.models.runner import ModelRunner
 from actorlm.openmp import on_passing_thread
@@ -64,7 +69,8 @@ class RunnerFactory:
     """``make_runner(rank)`` for a checkpoint: builds a worker's model runner (weights and KV
     cache) in the calling process. Plain data, so it can be sent to a worker process and
     called there; ``profiled`` (a GPU's runner loaded to size the KV pool, handed to rank 0
-    once) stays behind in the process that loaded it."""
+    once) stays behind in the process that loaded it. With ``tensor_parallel_size`` > 1 the
+    runner is rank ``rank``'s shard, in a process that has called ``init_tensor_parallel``."""
 
     path: Any
     dtype: torch.dtype
@@ -72,6 +78,7 @@ class RunnerFactory:
     block_size: int
     eos_token_ids: frozenset[int]
     num_kv_blocks: int = 0
+    tensor_parallel_size: int = 1
     profiled: list = field(default_factory=list, compare=False)
 
     def __call__(self, rank: int) -> ModelRunner:
@@ -79,7 +86,10 @@ class RunnerFactory:
             runner = self.profiled.pop()
             runner.allocate_kv_cache(self.num_kv_blocks)
             return runner
-        return self.build(load_model(self.path, self.dtype, self.device, self.backend),
+        tp = TensorParallel(rank, self.tensor_parallel_size) if self.tensor_parallel_size > 1 \
+            else TensorParallel()  # (one rank: every worker holds the whole model)
+        check_initialised(tp)
+        return self.build(load_model(self.path, self.dtype, self.device, self.backend, tp),
                           self.num_kv_blocks)
 
     @property
@@ -88,7 +98,7 @@ class RunnerFactory:
 
     def build(self, model, num_blocks: int) -> ModelRunner:
         return ModelRunner(model, self.backend, num_blocks, self.block_size, self.dtype,
-                           self.device, self.eos_token_ids)
+                           self.device, self.eos_token_ids, model.tp)
 
     def __getstate__(self):
         return {**self.__dict__, "profiled": []}
@@ -115,15 +125,23 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
     """Resolve ``config.model`` and the config against it; see the module's docstring."""
     path = resolve_model(config.model)
     hf_config = load_hf_config(path)
+    num_layers, num_kv_heads, head_dim = model_geometry(hf_config)
+    tp_size = config.tensor_parallel_size
+    check_tensor_parallel(path.name, hf_config.num_attention_heads, num_kv_heads,
+                          hf_config.intermediate_size, tp_size)
     device, dtype = config.torch_device, config.torch_dtype(hf_config)
     if config.dtype == "auto":
         log.info("--dtype auto: %s on this %s", str(dtype).removeprefix("torch."),
                  "CPU (native bf16)" if device.type == "cpu" and dtype == torch.bfloat16
                  else device.type.upper())
-    num_layers, num_kv_heads, head_dim = model_geometry(hf_config)
-    bytes_per_block = 2 * num_layers * config.block_size * num_kv_heads * head_dim * \
+    # each rank holds its share of the KV heads, so the pool is sized per rank
+    bytes_per_block = 2 * num_layers * config.block_size * \
+        num_kv_heads_per_rank(num_kv_heads, tp_size) * head_dim * \
         torch.empty((), dtype=dtype).element_size()
     profile_gpu = device.type == "cuda" and not config.is_kv_pool_sized_by_user
+    if profile_gpu and tp_size > 1:  # profiling loads the whole model in this process
+        raise ValueError(f"--tensor-parallel-size {tp_size} on a GPU needs the KV pool sized "
+                         f"by --num-kv-blocks or --kv-cache-memory-bytes (per rank)")
     # flags are checked against the model before anything heavy loads
     resolved = config.resolve_lengths(hf_config) if profile_gpu else \
         config.resolve(hf_config, bytes_per_block)
@@ -132,7 +150,8 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
     eos_ids = eos_token_ids(path, tokenizer)
     block_size = config.block_size
 
-    factory = RunnerFactory(path, dtype, device, block_size, eos_ids)
+    factory = RunnerFactory(path, dtype, device, block_size, eos_ids,
+                            tensor_parallel_size=tp_size)
     profile = None
     if profile_gpu:
         step = largest_step(resolved.max_num_batched_tokens, resolved.max_num_seqs,

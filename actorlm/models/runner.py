@@ -5,6 +5,11 @@ them, so a decode step moves a handful of integers per request. Each step's sche
 are flattened into one unpadded batch; logits are computed only at the last token of the
 requests that complete their context in this step (the others are mid-prefill), plus the prompt
 positions of requests that asked for prompt logprobs.
+
+Tensor-parallel, every rank runs this same step over its shard of the model, logits included
+(they are gathered onto rank 0 by a collective, so every rank computes the same rows in the
+same order). Only rank 0 samples and answers; the others return an empty ``StepResult`` and
+learn the sampled tokens from the next step's ``ScheduleStep.last_token_ids``.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from actorlm.kernels import KernelBackend
 from actorlm.messages import (GrammarBitmask, NewRequestData, PromptLogprobs, ScheduleStep,
                               StepResult)
 from actorlm.models.metadata import AttentionMetadata
+from actorlm.models.parallel import TensorParallel
 from actorlm.models.sampler import sample, token_logprobs
 from actorlm.sampling_params import SamplingParams
 
@@ -69,8 +75,9 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: bytes) -
 class ModelRunner:
     def __init__(self, model, backend: KernelBackend, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device,
-                 eos_token_ids: frozenset[int] = frozenset()):
-        self.model, self.backend = model, backend
+                 eos_token_ids: frozenset[int] = frozenset(),
+                 tp: TensorParallel = TensorParallel()):
+        self.model, self.backend, self.tp = model, backend, tp
         self.block_size, self.dtype, self.device = block_size, dtype, device
         self.eos_token_ids = eos_token_ids
         self.allocate_kv_cache(num_blocks)
@@ -89,7 +96,8 @@ class ModelRunner:
     def execute(self, step: ScheduleStep) -> StepResult | None:
         """Run one step. A fault raises: the worker is then replaced and the step recomputed
         (``actors/executor.py``). None: constrained requests sample once the step's
-        ``GrammarBitmask`` reaches ``sample_tokens``."""
+        ``GrammarBitmask`` reaches ``sample_tokens`` (on rank 0 only: the other tensor-parallel
+        ranks do not sample and answer at once)."""
         t_start = time.perf_counter()
         for request_id in step.finished_request_ids:
             self.requests.pop(request_id, None)
@@ -99,8 +107,10 @@ class ModelRunner:
             state = self.requests[delta.request_id]
             state.block_ids.extend(delta.new_block_ids)
             state.num_computed_tokens = delta.num_computed_tokens
+        if not self.tp.is_driver:
+            self._learn_sampled_tokens(step)
         self._sampling = self._forward(step, t_start)
-        if step.structured_request_ids:
+        if step.structured_request_ids and self.tp.is_driver:
             return None
         return self.sample_tokens()
 
@@ -111,6 +121,8 @@ class ModelRunner:
         if s is None or (bitmask is not None and bitmask.step_id != s.step_id):
             raise RuntimeError("a grammar bitmask for a step this runner is not sampling")
         t_sample = time.perf_counter()
+        if not self.tp.is_driver:  # rank 0 samples and answers for the step
+            return StepResult(s.step_id, [], [], timings=[*s.timings, s.logits_s])
         sampled_ids = [s.request_ids[i] for i in s.rows]
         tokens, logprobs = [], []
         if s.rows:
@@ -156,6 +168,19 @@ class ModelRunner:
                          [t_prepared - t_start, t_forward - t_prepared],
                          time.perf_counter() - t_forward)
 
+    def _learn_sampled_tokens(self, step: ScheduleStep) -> None:
+        """Not rank 0: append the tokens rank 0 sampled for the step's cached requests. A
+        request lacks one exactly when the step computes past the tokens this rank holds."""
+        if len(step.last_token_ids) != len(step.cached_requests):
+            raise RuntimeError("a tensor-parallel rank needs ScheduleStep.last_token_ids: one "
+                               "per cached request")
+        num_new = len(step.new_requests)
+        for i, (delta, token) in enumerate(zip(step.cached_requests, step.last_token_ids)):
+            state = self.requests[delta.request_id]
+            if len(state.token_ids) < delta.num_computed_tokens + \
+                    step.num_scheduled_tokens[num_new + i]:
+                state.token_ids.append(token)
+
     def _prompt_logprobs(self, hidden, request_ids, states, num_scheduled,
                          query_start) -> list[PromptLogprobs]:
         """Logprobs of the prompt tokens that this step's positions predict, where asked."""
@@ -168,7 +193,9 @@ class ModelRunner:
             if k is None or end <= start:
                 continue
             rows = hidden[query_start[i]:query_start[i] + end - start]
-            logits = self.model.compute_logits(rows)  # [end - start, V]
+            logits = self.model.compute_logits(rows)  # [end - start, V]; None off rank 0
+            if logits is None:
+                continue
             targets = state.token_ids[start + 1:end + 1]
             out.append(PromptLogprobs(request_ids[i], start + 1,
                                       token_logprobs(logits, targets, [k] * len(targets))))

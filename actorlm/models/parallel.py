@@ -1,0 +1,115 @@
+"""Tensor parallelism (Megatron's layout): which slice of each layer a rank holds, and the
+collectives that join the slices.
+
+Every rank runs the same forward over the same tokens. Column-parallel layers (qkv, gate/up,
+the LM head) split their output features: each rank computes its heads, its share of the MLP,
+its slice of the vocabulary. Row-parallel layers (o_proj, down_proj) split their input
+features, so each rank holds a partial sum of the full output: one ``all_reduce`` per layer
+joins them. The embedding splits the vocabulary: a rank embeds only the tokens in its slice
+(zeros elsewhere) and an ``all_reduce`` sums the slices. Only rank 0 samples, from logits
+gathered onto it.
+
+With ``size == 1`` there is no parallelism: the model builds its plain layers and calls none
+of the functions here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in the tensor-parallel group: rank ``rank`` of ``size``."""
+
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} is outside 0..{self.size - 1}")
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.size > 1
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0: the one that gets the full logits, samples and answers the step."""
+        return self.rank == 0
+
+    def split(self, total: int) -> tuple[int, int]:
+        """(start, length) of this rank's equal share of ``total`` (a multiple of ``size``)."""
+        share = total // self.size
+        return self.rank * share, share
+
+
+def num_kv_heads_per_rank(num_kv_heads: int, size: int) -> int:
+    """KV heads each rank holds: its share, or one replicated head when there are fewer KV
+    heads than ranks (each rank then holds the one its query heads read)."""
+    return max(1, num_kv_heads // size)
+
+
+def check_tensor_parallel(name: str, num_heads: int, num_kv_heads: int,
+                          intermediate_size: int, size: int) -> None:
+    """Raise ValueError, naming the flag, if the model ``name`` cannot be split ``size`` ways."""
+    if size == 1:
+        return
+    flag = f"--tensor-parallel-size {size}"
+    if num_heads % size:
+        raise ValueError(f"{flag} does not divide {name}'s {num_heads} attention heads; "
+                         f"use a divisor of {num_heads}")
+    if num_kv_heads % size and size % num_kv_heads:
+        raise ValueError(f"{flag} neither divides {name}'s {num_kv_heads} KV heads nor is a "
+                         f"multiple of them; use a divisor or a multiple of {num_kv_heads}")
+    if intermediate_size % size:
+        raise ValueError(f"{flag} does not divide {name}'s MLP intermediate size "
+                         f"{intermediate_size}; use a divisor of {intermediate_size}")
+
+
+def init_tensor_parallel(rank: int, size: int, init_method: str,
+                         device: torch.device) -> TensorParallel:
+    """Join the process group of ``size`` ranks at ``init_method`` (``tcp://host:port``):
+    gloo on a CPU, nccl on CUDA. Once per worker process, before its runner is built."""
+    tp = TensorParallel(rank, size)
+    if size > 1:
+        device = torch.device(device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        torch.distributed.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", init_method=init_method,
+            rank=rank, world_size=size)
+    return tp
+
+
+def check_initialised(tp: TensorParallel) -> None:
+    """Raise RuntimeError unless this process has joined ``tp``'s group as ``tp.rank``."""
+    if not tp.is_parallel:
+        return
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"--tensor-parallel-size {tp.size}: rank {tp.rank}'s runner needs "
+                           f"torch.distributed; call init_tensor_parallel in its process first")
+    if (dist.get_rank(), dist.get_world_size()) != (tp.rank, tp.size):
+        raise RuntimeError(f"--tensor-parallel-size {tp.size}: this process is rank "
+                           f"{dist.get_rank()} of {dist.get_world_size()}, not rank {tp.rank} "
+                           f"of {tp.size}")
+
+
+def all_reduce(tp: TensorParallel, x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the ranks, in place; returns it."""
+    if tp.is_parallel:
+        torch.distributed.all_reduce(x)
+    return x
+
+
+def gather_last_dim(tp: TensorParallel, x: torch.Tensor) -> torch.Tensor | None:
+    """Rank 0: every rank's ``x`` [..., n] joined in rank order, [..., size * n]; others None."""
+    if not tp.is_parallel:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(tp.size)] if tp.is_driver else None
+    torch.distributed.gather(x, parts, dst=0)
+    return torch.cat(parts, dim=-1) if tp.is_driver else None

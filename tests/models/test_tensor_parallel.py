@@ -1,0 +1,203 @@
+"""A model split over 2 CPU ranks (gloo) computes what the whole model computes.
+
+Every case runs in one launch of 2 processes (``tp_helpers.run_ranks``): each rank builds its
+shard through ``RunnerFactory(..., tensor_parallel_size=2)(rank)`` and is driven step by step
+with the same ``ScheduleStep``s, as the executor would send them: a prefill of 3 prompts (one
+chunked over two steps, one asking for prompt logprobs), then greedy decodes, one of them
+under a grammar bitmask. Rank 0's tokens must equal the unsplit runner's and transformers';
+its logits must match the unsplit runner's to fp32 rounding (atol 1e-4, rtol 0: the split
+only reorders sums).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import _common, _save_tiny
+from tp_helpers import run_ranks, share
+
+from actorlm.config import EngineConfig
+from actorlm.messages import (CachedRequestData, GrammarBitmask, NewRequestData, ScheduleStep)
+from actorlm.models.parallel import TensorParallel, check_tensor_parallel
+from actorlm.models.parts import RunnerFactory, load_model_parts
+from actorlm.sampling_params import SamplingParams
+
+TP = 2
+PROMPTS = [[17, 250, 3, 99, 41, 120, 7, 300, 64, 11, 205], [5, 88, 160, 23], [42, 9, 310, 77, 150]]
+CHUNK = 5  # the first prompt prefills in two steps
+NUM_STEPS = 8  # step 0 prefills; the first prompt finishes its prefill in step 1
+CONSTRAINED_STEP = 3  # the second request samples under an (all-allowing) grammar bitmask
+BLOCK_SIZE, BLOCKS_PER_REQUEST = 4, 8
+ATOL = 1e-4
+
+
+def greedy_steps(tp: TensorParallel, path) -> dict | None:
+    """Drive rank ``tp.rank``'s runner as the scheduler and executor would; rank 0 returns
+    the sampled tokens, every logits tensor the model computed and the prompt logprobs."""
+    factory = RunnerFactory(path, torch.float32, torch.device("cpu"), BLOCK_SIZE, frozenset(),
+                            num_kv_blocks=len(PROMPTS) * BLOCKS_PER_REQUEST,
+                            tensor_parallel_size=tp.size)
+    runner = factory(tp.rank)
+    logits_seen = []
+    if tp.is_driver:
+        compute = runner.model.compute_logits
+
+        def recording(hidden):
+            logits = compute(hidden)
+            logits_seen.append(logits.numpy().copy())
+            return logits
+
+        runner.model.compute_logits = recording
+    ids = [f"r{i}" for i in range(len(PROMPTS))]
+    tokens, computed = [list(p) for p in PROMPTS], [0] * len(PROMPTS)
+    prompt_logprobs = []
+    for step_id in range(NUM_STEPS):
+        step = None
+        if tp.is_driver:  # the scheduler's message, the same on every rank (``share``)
+            step = _step(step_id, ids, tokens, computed)
+        step = share(tp, step)
+        result = runner.execute(step)
+        if step.structured_request_ids and tp.is_driver:
+            assert result is None  # rank 0 waits for the bitmask
+            words = -(-runner.model.vocab_size // 32)
+            allowed = torch.full((len(step.structured_request_ids), words), -1, dtype=torch.int32)
+            result = runner.sample_tokens(GrammarBitmask(step_id, step.structured_request_ids,
+                                                         allowed.numpy().tobytes()))
+        if not tp.is_driver:  # answers at once, with nothing: rank 0 answers for the step
+            assert result.request_ids == [] and result.sampled_token_ids == []
+            assert result.step_id == step_id and len(result.timings) == 3
+            continue
+        computed = [c + n for c, n in zip(computed, step.num_scheduled_tokens)]
+        for rid, token in zip(result.request_ids, result.sampled_token_ids):
+            tokens[ids.index(rid)].append(token)
+        prompt_logprobs += [(p.request_id, p.start, [(x.token_ids, x.logprobs) for x in p.positions])
+                            for p in result.prompt_logprobs]
+    kv_shape = tuple(runner.kv_caches[0][0].shape)
+    if not tp.is_driver:
+        return {"kv_shape": kv_shape}
+    return {"tokens": [t[len(p):] for t, p in zip(tokens, PROMPTS)], "logits": logits_seen,
+            "prompt_logprobs": prompt_logprobs, "kv_shape": kv_shape}
+
+
+def _step(step_id, ids, tokens, computed) -> ScheduleStep:
+    if step_id == 0:
+        new = [NewRequestData(rid, list(p), len(p),
+                              list(range(i * BLOCKS_PER_REQUEST, (i + 1) * BLOCKS_PER_REQUEST)), 0,
+                              SamplingParams(temperature=0.0, prompt_logprobs=3 if i == 2 else None),
+                              seed=0)
+               for i, (rid, p) in enumerate(zip(ids, PROMPTS))]
+        return ScheduleStep(0, new, [], [CHUNK] + [len(p) for p in PROMPTS[1:]], [])
+    cached = [CachedRequestData(rid, [], c) for rid, c in zip(ids, computed)]
+    counts = [len(t) - c for t, c in zip(tokens, computed)]
+    constrained = [ids[1]] if step_id == CONSTRAINED_STEP else []
+    return ScheduleStep(step_id, [], cached, counts, [], constrained, [t[-1] for t in tokens])
+
+
+def run_all(tp: TensorParallel, paths: dict) -> dict:
+    return {name: greedy_steps(tp, path) for name, path in paths.items()}
+
+
+def hf_greedy(path, prompt, num_tokens) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(num_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def tiny_replicated_kv_dir(tmp_path_factory, tiny_tokenizer_dir):
+    """Llama with 4 query heads and 1 KV head (2 ranks each hold a copy of it), biases on
+    o_proj and down_proj (added once after the reduce), an untied head and an odd vocabulary
+    (padded to split evenly)."""
+    from transformers import LlamaConfig
+
+    common = _common(tiny_tokenizer_dir)
+    common.update(num_key_value_heads=1, vocab_size=common["vocab_size"] | 1)
+    config = LlamaConfig(**common, tie_word_embeddings=False, attention_bias=True,
+                         mlp_bias=True, rope_theta=10000.0)
+    return _save_tiny(tmp_path_factory, tiny_tokenizer_dir, "tiny_replicated_kv", config, seed=3)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_replicated_kv_dir):
+    return {"llama_tied": tiny_llama_dir, "qwen2_qkv_bias": tiny_qwen2_dir,
+            "qwen3_qk_norm": tiny_qwen3_dir, "llama_replicated_kv": tiny_replicated_kv_dir}
+
+
+@pytest.fixture(scope="module")
+def split(checkpoints):
+    """Every checkpoint on 2 ranks, in one launch: [rank 0's results, rank 1's]."""
+    return run_ranks(run_all, TP, checkpoints)
+
+
+@pytest.mark.parametrize("name", ["llama_tied", "qwen2_qkv_bias", "qwen3_qk_norm",
+                                  "llama_replicated_kv"])
+def test_two_ranks_compute_what_one_computes(name, checkpoints, split):
+    path = checkpoints[name]
+    whole = greedy_steps(TensorParallel(), path)
+    ours = split[0][name]
+    assert ours["tokens"] == whole["tokens"]
+    assert [len(t) for t in ours["tokens"]] == [NUM_STEPS - 1, NUM_STEPS, NUM_STEPS]
+    assert ours["tokens"] == [hf_greedy(path, p, len(t)) for p, t in zip(PROMPTS, ours["tokens"])]
+    assert len(ours["logits"]) == len(whole["logits"])
+    for got, expected in zip(ours["logits"], whole["logits"]):
+        assert got.shape == expected.shape  # [N, V]: the padding trimmed off
+        torch.testing.assert_close(torch.from_numpy(got), torch.from_numpy(expected),
+                                   atol=ATOL, rtol=0)
+    assert [p[:2] for p in ours["prompt_logprobs"]] == [("r2", 1)]
+    for (_, _, got), (_, _, expected) in zip(ours["prompt_logprobs"], whole["prompt_logprobs"]):
+        assert [ids for ids, _ in got] == [ids for ids, _ in expected]
+        torch.testing.assert_close([lp for _, lp in got], [lp for _, lp in expected],
+                                   atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name, kv_heads_per_rank", [("llama_tied", 1), ("qwen3_qk_norm", 1),
+                                                     ("llama_replicated_kv", 1)])
+def test_each_rank_holds_its_share_of_the_kv_cache(name, kv_heads_per_rank, split):
+    # [num_blocks, block_size, Hkv on this rank, D]
+    shapes = {rank_results[name]["kv_shape"] for rank_results in split}
+    assert shapes == {(len(PROMPTS) * BLOCKS_PER_REQUEST, BLOCK_SIZE, kv_heads_per_rank, 16)}
+
+
+def test_the_kv_pool_is_sized_by_the_kv_heads_of_one_rank(tiny_llama_dir, tiny_replicated_kv_dir):
+    def num_blocks(path, size):
+        config = EngineConfig(model=str(path), dtype="float32", block_size=4,
+                              kv_cache_memory_bytes=1 << 20, tensor_parallel_size=size)
+        return load_model_parts(config).config.num_kv_blocks
+
+    assert num_blocks(tiny_llama_dir, 2) == 2 * num_blocks(tiny_llama_dir, 1)  # 2 KV heads split
+    # 1 KV head: every rank holds it whole
+    assert num_blocks(tiny_replicated_kv_dir, 2) == num_blocks(tiny_replicated_kv_dir, 1)
+
+
+def test_a_model_that_does_not_split_is_refused_before_loading(smollm2_dir):
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 does not divide "
+                                         r".*'s 9 attention heads"):
+        load_model_parts(EngineConfig(model=str(smollm2_dir), tensor_parallel_size=2))
+
+
+@pytest.mark.parametrize("heads, kv_heads, intermediate, size, error", [
+    (8, 4, 64, 2, None),
+    (8, 2, 64, 8, None),  # 2 KV heads, 8 ranks: each holds the one its query head reads
+    (8, 1, 64, 4, None),
+    (8, 8, 64, 3, "does not divide .*'s 8 attention heads"),
+    (12, 4, 96, 6, "neither divides .*'s 4 KV heads nor is a multiple"),
+    (8, 4, 100, 8, "does not divide .*'s MLP intermediate size 100"),
+])
+def test_the_split_is_checked(heads, kv_heads, intermediate, size, error):
+    if error is None:
+        check_tensor_parallel("m", heads, kv_heads, intermediate, size)
+    else:
+        with pytest.raises(ValueError, match=f"--tensor-parallel-size {size} " + error):
+            check_tensor_parallel("m", heads, kv_heads, intermediate, size)
+
+
+def test_a_rank_without_a_process_group_is_refused(tiny_llama_dir):
+    factory = RunnerFactory(tiny_llama_dir, torch.float32, torch.device("cpu"), BLOCK_SIZE,
+                            frozenset(), num_kv_blocks=8, tensor_parallel_size=2)
+    with pytest.raises(RuntimeError, match="init_tensor_parallel"):
+        factory(1)
