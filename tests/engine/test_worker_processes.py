@@ -1,8 +1,8 @@
 """The workers as processes (``--distributed-executor-backend mp``) and as Ray actors (``ray``):
 the same greedy tokens as in-process workers; a worker killed mid-run (``kill -9``,
 ``ray.kill``) costs no request; a checkpoint that cannot load raises in the caller and leaves
-no process behind. ``tensor_parallel_size`` is a parameter: the ranks are sharded once the
-model is (until then one rank)."""
+no process behind; all of it with one rank and with the model sharded over two
+(``tensor_parallel_size=2``, gloo)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 from actorlm import SamplingParams
 from actorlm.llm import LLM
 
-TENSOR_PARALLEL_SIZES = [1]
+TENSOR_PARALLEL_SIZES = [1, 2]
 PROMPTS = ["Once upon a time", "The capital of France is", "1, 2, 3,", "def fibonacci(n):"]
 FLAGS = {"dtype": "float32", "block_size": 4, "num_kv_blocks": 512, "max_model_len": 512}
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
@@ -35,7 +35,7 @@ def expected(tiny_llama_long_dir):
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One small local Ray cluster for the session (the engine joins it: ray is initialised)."""
-    ray = pytest.importorskip("ray")
+    import ray  # the ray extra: make install installs it
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
