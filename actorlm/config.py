@@ -40,7 +40,7 @@ class EngineConfig:
     # ranks the model is sharded over (tensor parallelism), one worker process each
     tensor_parallel_size: int = 1
     # how the workers run: uni (a thread in this process), mp (a process per rank), ray (a Ray
-    # actor per rank); None: uni for one rank, mp for more
+    # actor per rank); None: uni for one rank, mp for more (``actorlm serve``: always mp)
     distributed_executor_backend: str | None = None
 
     def __post_init__(self):
