@@ -47,8 +47,9 @@ def tokens(outputs) -> list[list[int]]:
 
 
 def live_children() -> list[psutil.Process]:
+    """This process's own worker processes (not those of a server it runs: grandchildren)."""
     alive = []
-    for child in psutil.Process().children(recursive=True):
+    for child in psutil.Process().children():
         try:
             if child.status() != psutil.STATUS_ZOMBIE and "process_main" in " ".join(
                     child.cmdline()):
