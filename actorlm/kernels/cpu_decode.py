@@ -3,36 +3,23 @@
 The torch path gathers each request's K/V blocks into a dense copy and runs SDPA over it: on
 two cores that is ~1.2 ms per layer for 64 decode rows at context 140, where reading the
 context once costs ~0.35 ms. The C++ kernel reads the blocks in place, costs each request only
-its own context, and runs on torch's OpenMP pool.
-
-The library is compiled on first use with the system's C++ compiler (``$CXX``, else ``g++``,
-about a second) for this very CPU (``-march=native``) and cached under
-``~/.cache/actorlm/kernels`` keyed by the source, the flags, the compiler and the CPU's
-features. Where it cannot be built (no compiler) the torch path runs instead, after one
-warning; ``ACTORLM_CPU_DECODE_KERNEL=0`` turns it off on purpose (to compare the two).
+its own context, and runs on torch's OpenMP pool. Where the library of C++ kernels is not
+built (``native``) the torch path runs.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import pathlib
-import shutil
-import subprocess
-import tempfile
 
 import torch
 
-from actorlm.paths import cache_root
+from actorlm.kernels import native
 
-log = logging.getLogger(__name__)
-
-_SOURCE = pathlib.Path(__file__).parent / "csrc" / "cpu_paged_decode.cpp"
-_COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
 _SYMBOLS = {torch.float32: "actorlm_decode_f32", torch.bfloat16: "actorlm_decode_bf16"}
+_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+             ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float]
 
 
 class _Library:
@@ -40,15 +27,8 @@ class _Library:
         limits = [ctypes.c_int() for _ in range(3)]
         cdll.actorlm_decode_limits(*map(ctypes.byref, limits))
         self.max_group, self.max_head_dim, self.max_block_size = (v.value for v in limits)
-        self.functions = {}
-        for dtype, name in _SYMBOLS.items():
-            function = getattr(cdll, name)
-            function.restype = None
-            function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                                 ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float]
-            self.functions[dtype] = function
+        self.functions = {dtype: native.function(name, _ARGTYPES)
+                          for dtype, name in _SYMBOLS.items()}
 
 
 def is_built(block_size: int) -> bool:
@@ -104,45 +84,5 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 @functools.cache
 def _library() -> _Library | None:
-    if os.environ.get("ACTORLM_CPU_DECODE_KERNEL", "1").strip() == "0":
-        return None
-    try:
-        return _Library(ctypes.CDLL(str(_build())))
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("the CPU decode-attention kernel could not be built (%s); decode rows "
-                    "attend through the slower torch path", exc)
-        return None
-
-
-def _build() -> pathlib.Path:
-    """The compiled library, built once per source, compiler and CPU."""
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
-    if compiler is None:
-        raise OSError("no C++ compiler (set CXX or install g++)")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                             check=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join(
-        [_SOURCE.read_text(), " ".join(_COMPILE_FLAGS), version, _cpu_features()]).encode())
-    target = cache_root() / "kernels" / f"cpu_paged_decode-{key.hexdigest()[:16]}.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, lib = pathlib.Path(tmp, "kernel.o"), pathlib.Path(tmp, "kernel.so")
-        # -ffast-math only to compile: linking with it would add crtfastmath.o (flush-to-zero
-        # for the whole process, torch included)
-        for command in ([compiler, "-c", *_COMPILE_FLAGS, str(_SOURCE), "-o", str(obj)],
-                        [compiler, "-shared", "-fopenmp", str(obj), "-o", str(lib), "-lmvec"]):
-            done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-            if done.returncode != 0:
-                raise OSError(f"{' '.join(command[:2])} failed: {done.stderr.strip()[-500:]}")
-        os.replace(lib, target)  # atomic: another process building it too is harmless
-    return target
-
-
-def _cpu_features() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
+    cdll = native.library()
+    return None if cdll is None else _Library(cdll)

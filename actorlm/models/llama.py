@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from actorlm.kernels import KernelBackend
+from actorlm.kernels.cpu_fused import add_rms_norm, silu_and_mul
 from actorlm.models.layers import Linear, RowParallelLinear, VocabParallelEmbedding
 from actorlm.models.metadata import AttentionMetadata
 from actorlm.models.parallel import (TensorParallel, check_tensor_parallel, gather_last_dim,
@@ -41,7 +41,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), False)
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
+        """``norm(x)``; with ``residual``: (norm(x + residual), x + residual), fused on a CPU
+        (``kernels/cpu_fused.py``: x and residual may be written)."""
+        if residual is not None:
+            return add_rms_norm(x, residual, self.weight, self.eps)
         # HF's x * rsqrt(mean(x^2) + eps) in fp32 is one fused op with the same bits
         if x.dtype == torch.float32:
             return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -147,8 +151,7 @@ class MLP(nn.Module):
                                      dtype, device)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [T, I]
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, H]
 
 
 class DecoderLayer(nn.Module):
@@ -160,9 +163,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.mlp = MLP(config, dtype, device, tp)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, kv_cache, meta):
+        """(this layer's output, the residual stream before it): HF's ``x + attn(norm(x))``
+        and ``x + mlp(norm(x))``, with each add fused into the norm that follows it."""
+        if residual is None:  # the first layer
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaBody(nn.Module):
@@ -231,10 +241,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] int64; kv_caches: per layer (k_cache, v_cache) -> [T, hidden]."""
         cos, sin = self.rope(positions)
-        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        x, residual = self.model.embed_tokens(input_ids), None  # [T, hidden]
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: [N, hidden] -> logits [N, V] float32. Tensor-parallel: every rank must call

@@ -15,6 +15,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from actorlm.kernels.cpu_fused import argmax
 from actorlm.messages import PositionLogprobs
 from actorlm.sampling_params import SamplingParams
 
@@ -36,7 +37,7 @@ def sample(logits: torch.Tensor, states: Sequence[SamplingState], backend,
     raw = logits.clone() if any(k is not None for k in wanted) else None  # logprobs see raw logits
     logits = apply_processors(logits, states, eos_token_ids)
     if all(p.is_greedy for p in params):
-        tokens = logits.argmax(dim=-1)  # skips building per-row parameter tensors
+        tokens = argmax(logits)  # skips building per-row parameter tensors
     else:
         def column(values, dtype):
             return torch.tensor(values, dtype=dtype, device=logits.device)

@@ -14,28 +14,17 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
+
+#include "dtype.h"
 
 namespace {
+
+using actorlm::store;
+using actorlm::to_float;
 
 constexpr int kMaxGroup = 32;      // query heads per KV head
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxBlockSize = 256;
-
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t bf16) {
-  uint32_t bits = static_cast<uint32_t>(bf16) << 16;
-  float x;
-  std::memcpy(&x, &bits, sizeof x);
-  return x;
-}
-inline void store(float x, float* out) { *out = x; }
-inline void store(float x, uint16_t* out) {  // round to nearest even, as torch does
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  *out = static_cast<uint16_t>(bits >> 16);
-}
 
 template <typename T>
 void decode(const T* query, int64_t query_row_stride, const int32_t* rows, const T* k_cache,

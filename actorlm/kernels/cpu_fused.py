@@ -1,0 +1,85 @@
+"""A decoder layer's elementwise steps fused into one pass each on a CPU
+(``csrc/cpu_fused.cpp``), each with its torch twin, which runs where the C++ library is not
+built (``native``) or the tensors are not what it takes (another device or dtype, strided).
+
+Each replaces several torch ops (each a dispatch, and for bf16 a round trip through fp32
+copies): ``add_rms_norm`` nine, ``silu_and_mul`` three. ``argmax`` is a greedy step's pick over
+the vocabulary, which torch runs on one thread per row here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from actorlm.kernels import native
+
+_P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * rms_norm(x + residual), x + residual), as HF's layer computes them: x and
+    residual [T, H], weight [H]. May write into x and residual."""
+    fn = _function("actorlm_add_rms_norm", x, residual, weight)
+    if fn is None:
+        return add_rms_norm_ref(x, residual, weight, eps)
+    fn(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps)
+    return x, residual
+
+
+def add_rms_norm_ref(x, residual, weight, eps):
+    residual = x + residual
+    if residual.dtype == torch.float32:
+        return torch.rms_norm(residual, weight.shape, weight, eps), residual
+    # normalise in fp32, cast back, then scale (HF's order: it changes bf16 results)
+    return weight * torch.rms_norm(residual.float(), weight.shape, None, eps).to(
+        residual.dtype), residual
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] (each row [gate | up]) -> silu(gate) * up [T, I]."""
+    fn = _function("actorlm_silu_and_mul", gate_up)
+    if fn is None:
+        return silu_and_mul_ref(gate_up)
+    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    fn(gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1])
+    return out
+
+
+def silu_and_mul_ref(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] fp32 (no NaN) -> [N] int64, the first index of each row's maximum."""
+    if logits.dtype != torch.float32:
+        return logits.argmax(dim=-1)
+    fn = _function("actorlm_argmax", logits)
+    if fn is None:
+        return logits.argmax(dim=-1)
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    fn(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1])
+    return out
+
+
+def _function(name: str, *tensors: torch.Tensor):
+    """The C++ function for these tensors (CPU, contiguous, one dtype it takes), or None."""
+    first = tensors[0]
+    if first.device.type != "cpu" or first.dtype not in _SUFFIX or first.shape[0] == 0 or \
+            any(t.dtype != first.dtype or not t.is_contiguous() for t in tensors):
+        return None
+    return _load(f"{name}_{_SUFFIX[first.dtype]}")
+
+
+@functools.cache
+def _load(symbol: str):
+    argtypes = {"actorlm_add_rms_norm": [_P, _P, _P, _I64, _INT, _F],
+                "actorlm_silu_and_mul": [_P, _P, _I64, _INT],
+                "actorlm_argmax": [_P, _P, _I64, _I64]}[symbol.rsplit("_", 1)[0]]
+    return native.function(symbol, argtypes)
