@@ -122,3 +122,13 @@ def test_a_plain_decode_step_costs_each_request_its_own_context():
     plan, out = _attend(inputs, 0.125)
     assert plan.groups == [] and plan.decode.rows is None
     assert_close(out, paged_attention_ref(*inputs, 0.125), torch.float32)
+
+
+def test_a_context_past_the_kernels_limit_takes_the_torch_path(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "KERNEL_MAX_CONTEXT", 64)
+    lens = [(1, 20), (1, 100), (1, 30), (7, 10)]
+    inputs = make_batch(lens, 4, 2, 64, 16, torch.float32, seed=14)
+    plan, out = _attend(inputs, 0.125)
+    assert plan.decode.rows.tolist() == [0, 2]  # the short decodes; the long one is grouped
+    assert [g.is_decode for g in plan.groups] == [True, False]
+    assert_close(out, paged_attention_ref(*inputs, 0.125), torch.float32)
