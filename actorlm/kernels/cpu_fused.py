@@ -34,11 +34,15 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 def add_rms_norm_ref(x, residual, weight, eps):
     residual = x + residual
-    if residual.dtype == torch.float32:
-        return torch.rms_norm(residual, weight.shape, weight, eps), residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm with its bits: x [T, H] * rsqrt(mean(x^2) + eps), in fp32, times weight."""
+    if x.dtype == torch.float32:  # one op (torch.rms_norm has HF's fp32 bits)
+        return torch.rms_norm(x, weight.shape, weight, eps)
     # normalise in fp32, cast back, then scale (HF's order: it changes bf16 results)
-    return weight * torch.rms_norm(residual.float(), weight.shape, None, eps).to(
-        residual.dtype), residual
+    return weight * torch.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

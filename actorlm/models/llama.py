@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from actorlm.kernels import KernelBackend
-from actorlm.kernels.cpu_fused import add_rms_norm, silu_and_mul
+from actorlm.kernels.cpu_fused import add_rms_norm, rms_norm, silu_and_mul
 from actorlm.models.layers import Linear, RowParallelLinear, VocabParallelEmbedding
 from actorlm.models.metadata import AttentionMetadata
 from actorlm.models.parallel import (TensorParallel, check_tensor_parallel, gather_last_dim,
@@ -46,12 +46,7 @@ class RMSNorm(nn.Module):
         (``kernels/cpu_fused.py``: x and residual may be written)."""
         if residual is not None:
             return add_rms_norm(x, residual, self.weight, self.eps)
-        # HF's x * rsqrt(mean(x^2) + eps) in fp32 is one fused op with the same bits
-        if x.dtype == torch.float32:
-            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # As HF does: normalise in fp32, cast back, then scale (the order changes bf16 results).
-        return self.weight * torch.rms_norm(x.float(), self.weight.shape, None,
-                                            self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(config, device=None) -> tuple[torch.Tensor, float]:
