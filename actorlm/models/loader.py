@@ -21,6 +21,7 @@ import torch
 from actorlm.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM
 from actorlm.models.parallel import TensorParallel
 from actorlm.openmp import on_passing_thread
+from actorlm.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -110,15 +111,10 @@ def _default_gguf_path() -> pathlib.Path:
     raise ValueError(f"package {_DEFAULT_MODEL_PACKAGE} contains no .gguf file")
 
 
-def _cache_root() -> pathlib.Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(base) / "actorlm"
-
-
 def _cached_hf_dir(gguf: pathlib.Path) -> pathlib.Path:
     """The HF directory dequantized from ``gguf``, built on first use (~20 s for SmolLM2)."""
     # Name + size: a different file with the same name gets its own entry.
-    target = _cache_root() / f"{gguf.stem}-{gguf.stat().st_size}"
+    target = cache_root() / f"{gguf.stem}-{gguf.stat().st_size}"
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
