@@ -53,7 +53,8 @@ class EngineConfig:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                      "num_kv_blocks", "kv_cache_memory_bytes", "tensor_parallel_size"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value <= 0):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value <= 0):  # True is an int to Python
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be a positive integer, got {value!r}")
         for name in ("enable_chunked_prefill", "enable_prefix_caching"):

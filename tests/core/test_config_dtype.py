@@ -38,3 +38,18 @@ def test_a_switch_must_be_a_bool(flag):
 
     with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} must be true or false"):
         EngineConfig(**{flag: "maybe"})
+
+
+@pytest.mark.parametrize("value", [True, 0, -1, "2", 2.0])
+@pytest.mark.parametrize("flag", ["tensor_parallel_size", "max_num_seqs"])
+def test_a_count_must_be_a_positive_integer(flag, value):
+    with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} must be a positive integer"):
+        EngineConfig(**{flag: value})
+
+
+@pytest.mark.parametrize("value", ["MP", "threads", 5, ["mp"]])
+def test_an_executor_backend_must_be_one_of_the_three(value):
+    with pytest.raises(ValueError, match="--distributed-executor-backend must be one of uni, mp, ray"):
+        EngineConfig(distributed_executor_backend=value)
+    with pytest.raises(ValueError, match="uni runs one rank"):
+        EngineConfig(tensor_parallel_size=2, distributed_executor_backend="uni")
