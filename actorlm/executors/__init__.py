@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from actorlm.config import EXECUTOR_BACKENDS
+
 
 def make_worker_group(backend: str, make_runner: Callable[[int], object], size: int,
                       tensor_parallel: bool, generation: int):
@@ -33,4 +35,5 @@ def make_worker_group(backend: str, make_runner: Callable[[int], object], size: 
         from actorlm.executors.ray_group import RayWorkerGroup
 
         return RayWorkerGroup(make_runner, size, generation, tensor_parallel)
-    raise ValueError(f"--distributed-executor-backend must be uni, mp or ray; got {backend!r}")
+    raise ValueError(f"--distributed-executor-backend must be one of "
+                     f"{', '.join(EXECUTOR_BACKENDS)}; got {backend!r}")
