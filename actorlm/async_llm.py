@@ -144,7 +144,7 @@ class AsyncLLM:
     """``AsyncLLM(model=None, *, max_num_waiting=None, **engine_flags)``.
 
     Engine flags are the same as ``LLM``'s. ``max_num_waiting`` refuses new requests with
-    ``EngineOverloadedError`` while that many already wait for the scheduler.
+    ``EngineOverloadedError`` while that many already wait for a seat (``max_num_seqs``).
     Construction loads the model and blocks; build it off the event loop.
     """
 
@@ -228,7 +228,10 @@ class AsyncLLM:
         # on the submit thread: blocking asks are fine here
         try:
             if self.max_num_waiting is not None:
-                num_waiting = self.engine.scheduler_stats().num_waiting
+                # a request that arrived but is not yet scheduled does not count while a seat
+                # is free for it: the queue's length must not depend on when the step loop runs
+                stats = self.engine.scheduler_stats()
+                num_waiting = max(0, stats.num_waiting - stats.num_free_seats)
                 if num_waiting >= self.max_num_waiting:
                     raise EngineOverloadedError(
                         f"the server is overloaded: {num_waiting} requests are waiting "

@@ -7,6 +7,7 @@ import json
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -76,23 +77,23 @@ def test_max_num_waiting_answers_503(tiny_llama_dir):
         with running(create_app(engine)) as base:
             name = httpx.get(base + "/v1/models").json()["data"][0]["id"]
             assert name == tiny_llama_dir.name  # the default served name
-            long = {"model": name, "prompt": "Once upon a time", "max_tokens": 490,
-                    "ignore_eos": True}
-
-            async def burst() -> list[httpx.Response]:
-                # one runs (a few hundred ms), one waits, the third finds the queue full —
-                # provided all three arrive while the first runs, hence the retries below
-                async with httpx.AsyncClient(base_url=base, timeout=30) as http:
-                    return await asyncio.gather(*(http.post("/v1/completions", json=long)
-                                                  for _ in range(3)))
-
-            for _ in range(3):
-                answers = sorted(asyncio.run(burst()), key=lambda r: r.status_code)
-                if answers[-1].status_code == 503:
-                    break
-            assert [r.status_code for r in answers[:2]] == [200, 200]
-            assert "overloaded" in _error(answers[2], 503)["message"]
-            assert int(answers[2].headers["Retry-After"]) >= 1
+            body = {"model": name, "prompt": "Once upon a time", "max_tokens": 5}
+            long = dict(body, max_tokens=490, ignore_eos=True, stream=True)
+            with ThreadPoolExecutor(1) as pool, httpx.Client(base_url=base, timeout=60) as http:
+                with http.stream("POST", "/v1/completions", json=long) as first:
+                    lines = first.iter_lines()  # kept: closing it would hang up
+                    next(lines)  # its first token: it holds the one seat
+                    second = pool.submit(httpx.post, base + "/v1/completions", json=body,
+                                         timeout=60)
+                    deadline = time.monotonic() + 10
+                    while engine.stats()["num_waiting"] < 1:
+                        assert time.monotonic() < deadline, "the second request never queued"
+                        time.sleep(0.01)
+                    refused = http.post("/v1/completions", json=body)
+                # the first's client hung up: its request is aborted, the second gets the seat
+                assert second.result().status_code == 200
+        assert "overloaded" in _error(refused, 503)["message"]
+        assert int(refused.headers["Retry-After"]) >= 1
     finally:
         engine.shutdown()
 
