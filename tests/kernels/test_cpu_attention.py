@@ -52,6 +52,8 @@ def test_building_it_leaves_denormals_alone():
         (torch.bfloat16, 64, 3, 3, 16),
         (torch.bfloat16, 96, 2, 7, 32),
         (torch.bfloat16, 128, 1, 4, 64),
+        (torch.bfloat16, 64, 2, 8, 16),  # the most query heads a KV head has in registers
+        (torch.float32, 64, 1, 16, 16),  # more: the portable path, head size still fixed
     ],
     ids=dtype_id,
 )
