@@ -24,6 +24,10 @@ class KernelBackend(NamedTuple):
     plan: Callable
     attention: Callable
     sample: Callable
+    # (qkv, cos, sin_signed, k_cache, v_cache, meta, scale, num_heads, num_kv_heads) -> the
+    # attention output, with RoPE and the K/V write done on the fused projection in one pass;
+    # None (or returning None) where the layer rotates q and k itself and calls ``attention``
+    rope_attention: Callable | None = None
 
 
 def select_backend(device: torch.device | str) -> KernelBackend:
@@ -40,10 +44,12 @@ def select_backend(device: torch.device | str) -> KernelBackend:
         from actorlm.kernels.sampling import sample
 
         return KernelBackend("triton", _no_plan, _triton_attention, sample)
-    from actorlm.kernels.cpu_attention import plan_attention, write_and_attend
+    from actorlm.kernels.cpu_attention import (plan_attention, rope_write_and_attend,
+                                               write_and_attend)
     from actorlm.kernels.reference import sample_ref
 
-    return KernelBackend("torch", plan_attention, write_and_attend, sample_ref)
+    return KernelBackend("torch", plan_attention, write_and_attend, sample_ref,
+                         rope_write_and_attend)
 
 
 def _no_plan(*args) -> None:

@@ -27,7 +27,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from actorlm.kernels import cpu_decode
+from actorlm.kernels import cpu_decode, cpu_fused
 
 
 class _Group(NamedTuple):
@@ -125,6 +125,19 @@ def write_and_attend(q, k, v, k_cache, v_cache, meta, scale) -> torch.Tensor:
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     return attend(q, k_cache, v_cache, meta.plan, scale)
+
+
+def rope_write_and_attend(qkv, cos, sin_signed, k_cache, v_cache, meta, scale, num_heads,
+                          num_kv_heads) -> torch.Tensor | None:
+    """``write_and_attend`` from the fused projection qkv [T, (Hq + 2 Hkv) * D], q and k
+    rotated and the new K/V written in one C++ pass (``cpu_fused.rope_and_write_kv``); None,
+    with nothing done, where that kernel does not run."""
+    if not cpu_fused.rope_and_write_kv(qkv, cos, sin_signed, k_cache, v_cache, meta.slot_mapping,
+                                       num_heads, num_kv_heads):
+        return None
+    head_dim = k_cache.shape[-1]
+    query = qkv[:, :num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
+    return attend(query, k_cache, v_cache, meta.plan, scale)
 
 
 def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

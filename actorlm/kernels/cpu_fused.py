@@ -3,7 +3,8 @@
 built (``native``) or the tensors are not what it takes (another device or dtype, strided).
 
 Each replaces several torch ops (each a dispatch, and for bf16 a round trip through fp32
-copies): ``add_rms_norm`` nine, ``silu_and_mul`` three. ``argmax`` is a greedy step's pick over
+copies): ``add_rms_norm`` nine, ``silu_and_mul`` three, ``rope_and_write_kv`` (RoPE on q and k,
+then the new K/V into the paged cache) six. ``argmax`` is a greedy step's pick over
 the vocabulary, which torch runs on one thread per row here.
 """
 
@@ -60,6 +61,35 @@ def silu_and_mul_ref(gate_up):
     return F.silu(gate) * up
 
 
+def rope_and_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      num_heads: int, num_kv_heads: int) -> bool:
+    """In one pass: the q and k heads of each row of a fused projection qkv
+    [T, (Hq + 2 Hkv) * D] rotated in place as ``apply_rope`` rotates them (cos, sin_signed:
+    [T, 1, D]), and each row's k and v heads written into the paged caches
+    ([num_blocks, block_size, Hkv, D]) at its slot. False, with nothing done, where the kernel
+    does not take these tensors; the caller then runs the torch ops."""
+    head_dim = k_cache.shape[-1]
+    fn = _function("actorlm_rope_write_kv", qkv, cos, sin_signed, k_cache, v_cache)
+    if fn is None or head_dim % 2 or head_dim > _rope_max_head_dim() or \
+            qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or \
+            k_cache.shape != v_cache.shape or k_cache.shape[-2] != num_kv_heads or \
+            cos.numel() != qkv.shape[0] * head_dim or sin_signed.shape != cos.shape or \
+            slot_mapping.dtype != torch.int64 or slot_mapping.shape != (qkv.shape[0],) or \
+            not slot_mapping.is_contiguous():
+        return False
+    fn(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin_signed.data_ptr(), k_cache.data_ptr(),
+       v_cache.data_ptr(), slot_mapping.data_ptr(), qkv.shape[0], num_heads, num_kv_heads,
+       head_dim)
+    return True
+
+
+@functools.cache
+def _rope_max_head_dim() -> int:
+    lib = native.library()
+    return 0 if lib is None else lib.actorlm_rope_max_head_dim()
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits [N, V] fp32 (no NaN) -> [N] int64, the first index of each row's maximum."""
     if logits.dtype != torch.float32:
@@ -85,5 +115,6 @@ def _function(name: str, *tensors: torch.Tensor):
 def _load(symbol: str):
     argtypes = {"actorlm_add_rms_norm": [_P, _P, _P, _I64, _INT, _F],
                 "actorlm_silu_and_mul": [_P, _P, _I64, _INT],
-                "actorlm_argmax": [_P, _P, _I64, _I64]}[symbol.rsplit("_", 1)[0]]
+                "actorlm_argmax": [_P, _P, _I64, _I64],
+                "actorlm_rope_write_kv": [_P, _I64, _P, _P, _P, _P, _P, _I64, _INT, _INT, _INT]}[symbol.rsplit("_", 1)[0]]
     return native.function(symbol, argtypes)

@@ -117,6 +117,12 @@ class Attention(nn.Module):
         # x: [T, hidden]; cos, sin: [T, 1, D] (sin with its first half negated, see apply_rope)
         num_tokens, d = x.shape[0], self.head_dim
         qkv = self.qkv_proj(x)  # [T, Hq*D + 2*Hkv*D]
+        k_cache, v_cache = kv_cache
+        if self.q_norm is None and self.backend.rope_attention is not None:
+            o = self.backend.rope_attention(qkv, cos, sin, k_cache, v_cache, meta, self.scale,
+                                            self.num_heads, self.num_kv_heads)
+            if o is not None:
+                return self.o_proj(o.reshape(num_tokens, self.q_size))
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, d)
         if self.q_norm is None:  # q and k rotate as one tensor: [T, Hq + Hkv, D]
             qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, -1, d)
@@ -127,7 +133,6 @@ class Attention(nn.Module):
             k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size]
                             .view(num_tokens, self.num_kv_heads, d))
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache, v_cache = kv_cache
         o = self.backend.attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(num_tokens, self.q_size))
 

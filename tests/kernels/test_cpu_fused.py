@@ -71,3 +71,52 @@ def test_argmax_takes_the_first_maximum_and_copes_with_banned_tokens():
     logits[3, -1] = 99.0  # the very last index
     assert torch.equal(cpu_fused.argmax(logits), logits.argmax(dim=-1))
     assert cpu_fused.argmax(logits)[1].item() == 7
+
+
+def _rope_case(dtype, num_tokens, num_heads, num_kv_heads, head_dim, seed):
+    """A fused projection, RoPE tables as the model builds them, and caches with scattered
+    slots for each token."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    angles = torch.rand(num_tokens, head_dim // 2, generator=gen) * 50
+    angles = torch.cat((angles, angles), dim=-1)
+    sign = torch.cat((-torch.ones(head_dim // 2), torch.ones(head_dim // 2)))
+    cos, sin = angles.cos().to(dtype)[:, None], (angles.sin().to(dtype) * sign.to(dtype))[:, None]
+    caches = [torch.zeros(8, 4, num_kv_heads, head_dim, dtype=dtype) for _ in range(2)]
+    slots = torch.randperm(32, generator=gen)[:num_tokens]
+    return qkv.to(dtype), cos, sin, caches, slots
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("num_tokens, num_heads, num_kv_heads, head_dim",
+                         [(1, 9, 3, 64), (5, 4, 4, 128), (7, 2, 1, 80)])
+def test_rope_and_write_kv_matches_the_torch_ops(dtype, num_tokens, num_heads, num_kv_heads,
+                                                 head_dim):
+    from actorlm.models.llama import apply_rope
+
+    qkv, cos, sin, (k_cache, v_cache), slots = _rope_case(
+        dtype, num_tokens, num_heads, num_kv_heads, head_dim, seed=num_tokens + head_dim)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qk = qkv[:, :q_size + kv_size].view(num_tokens, -1, head_dim)
+    ref_qk = apply_rope(qk, cos, sin)
+    ref_v = qkv[:, q_size + kv_size:].clone()
+    assert cpu_fused.rope_and_write_kv(qkv, cos, sin, k_cache, v_cache, slots, num_heads,
+                                       num_kv_heads)
+    assert_twins(qk, ref_qk)  # rotated in place
+    assert torch.equal(qkv[:, q_size + kv_size:], ref_v)  # v untouched
+    written = torch.zeros(32, dtype=torch.bool)
+    written[slots] = True
+    for cache, ref in ((k_cache, qk[:, num_heads:]), (v_cache, ref_v.view(num_tokens, -1, head_dim))):
+        flat = cache.view(32, num_kv_heads, head_dim)
+        assert torch.equal(flat[slots], ref)  # exactly the (rotated) rows, at their slots
+        assert not flat[~written].any()  # and nowhere else
+
+
+def test_rope_and_write_kv_declines_what_it_does_not_take():
+    qkv, cos, sin, (k_cache, v_cache), slots = _rope_case(torch.float32, 3, 2, 1, 64, seed=5)
+    before = qkv.clone()
+    for args in [(qkv.double(), cos.double(), sin.double(), k_cache.double(), v_cache.double(),
+                  slots), (qkv, cos, sin, k_cache, v_cache, slots.int()),
+                 (qkv[:2], cos, sin, k_cache, v_cache, slots)]:
+        assert not cpu_fused.rope_and_write_kv(*args, 2, 1)
+    assert torch.equal(qkv, before) and not k_cache.any() and not v_cache.any()

@@ -7,6 +7,7 @@
 // sum of squares differs from torch's, which moves the last bits.
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "dtype.h"
 
@@ -15,6 +16,8 @@ namespace {
 using actorlm::rounded;
 using actorlm::store;
 using actorlm::to_float;
+
+constexpr int kMaxRopeDim = 512;  // head sizes the RoPE kernel takes
 
 // residual += x; x = weight * rms_norm(residual)   (rows of `dim`, both contiguous)
 template <typename T>
@@ -55,6 +58,39 @@ void silu_and_mul(const T* gate_up, T* out, int64_t rows, int dim) {
   }
 }
 
+// For each token row of a fused qkv projection ([q heads | k heads | v heads], rows
+// `row_stride` apart): q and k rotated in place by HF's RoPE, x * cos + rotate_half(x) * sin
+// (sin_signed has its first half negated, so rotate_half is a roll by half; in bf16 both
+// products and their sum are rounded, as torch's three ops round them), then the row's k and v
+// heads copied into the paged cache at its slot. cos and sin_signed: [rows, head_dim].
+template <typename T>
+void rope_write_kv(T* qkv, int64_t row_stride, const T* cos, const T* sin_signed, T* k_cache,
+                   T* v_cache, const int64_t* slots, int64_t rows, int num_heads,
+                   int num_kv_heads, int head_dim) {
+  const int half = head_dim / 2;
+  const int64_t kv_size = int64_t(num_kv_heads) * head_dim;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    T* row = qkv + r * row_stride;
+    const T* c = cos + r * head_dim;
+    const T* s = sin_signed + r * head_dim;
+    for (int h = 0; h < num_heads + num_kv_heads; ++h) {
+      T* x = row + int64_t(h) * head_dim;
+      float rotated[kMaxRopeDim];
+#pragma omp simd
+      for (int d = 0; d < head_dim; ++d) {
+        const float partner = to_float(x[d < half ? d + half : d - half]);
+        rotated[d] = rounded(rounded(to_float(x[d]) * to_float(c[d]), x) +
+                                 rounded(partner * to_float(s[d]), x), x);
+      }
+      for (int d = 0; d < head_dim; ++d) store(rotated[d], x + d);
+    }
+    const T* k = row + int64_t(num_heads) * head_dim;
+    std::memcpy(k_cache + slots[r] * kv_size, k, kv_size * sizeof(T));
+    std::memcpy(v_cache + slots[r] * kv_size, k + kv_size, kv_size * sizeof(T));
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -86,6 +122,22 @@ void actorlm_argmax_f32(const float* x, int64_t* out, int64_t rows, int64_t n) {
     while (row[index] != best) ++index;
     out[r] = index;
   }
+}
+
+int actorlm_rope_max_head_dim() { return kMaxRopeDim; }
+void actorlm_rope_write_kv_f32(float* qkv, int64_t row_stride, const float* cos,
+                               const float* sin_signed, float* k_cache, float* v_cache,
+                               const int64_t* slots, int64_t rows, int num_heads,
+                               int num_kv_heads, int head_dim) {
+  rope_write_kv(qkv, row_stride, cos, sin_signed, k_cache, v_cache, slots, rows, num_heads,
+                num_kv_heads, head_dim);
+}
+void actorlm_rope_write_kv_bf16(uint16_t* qkv, int64_t row_stride, const uint16_t* cos,
+                                const uint16_t* sin_signed, uint16_t* k_cache,
+                                uint16_t* v_cache, const int64_t* slots, int64_t rows,
+                                int num_heads, int num_kv_heads, int head_dim) {
+  rope_write_kv(qkv, row_stride, cos, sin_signed, k_cache, v_cache, slots, rows, num_heads,
+                num_kv_heads, head_dim);
 }
 
 }  // extern "C"
