@@ -4,8 +4,8 @@ Like ``vllm bench latency``, but it also splits the time: the engine streams eve
 the time to the first token (the prefill) and the time per output token (a decode step) are
 measured apart. Every request decodes exactly ``output_len`` tokens (greedy, EOS ignored).
 ``--compare hf`` runs transformers' ``generate`` on the same prompt ids in the same process,
-after the engine has shut down: its TTFT is a one-token ``generate``, its decode rate the rest of
-a full one. ``--profile`` adds the engine's per-step breakdown (see ``actorlm.trace.profile``).
+taking turns with the engine run by run (ratios are medians of each pair's): its TTFT is a
+one-token ``generate``, its decode rate the rest of a full one. ``--profile`` adds the engine's per-step breakdown (see ``actorlm.trace.profile``).
 """
 
 from __future__ import annotations
@@ -52,9 +52,14 @@ def run_latency(model: str | None, flags: dict, batch_size: int, input_len: int,
         try:
             prompts = latency_prompts(llm.apply_chat_template, batch_size, input_len)
             _timed_batch(llm, prompts[:1], 4)  # warm-up: first-call allocations, threads
-            since = time.monotonic()
-            runs = [_timed_batch(llm, prompts, output_len) for _ in range(num_iters)]
             path, dtype = llm.engine.model_path, llm.engine.dtype
+            hf_run = _hf_runner(path, dtype, prompts, output_len) if compare_hf else None
+            since = time.monotonic()
+            runs, hf = [], []
+            for _ in range(num_iters):  # taking turns with transformers, as bench throughput
+                runs.append(_timed_batch(llm, prompts, output_len))
+                if hf_run is not None:
+                    hf.append(hf_run())
             breakdown = step_breakdown(llm, since) if profile else None
         finally:
             llm.shutdown()
@@ -71,15 +76,16 @@ def run_latency(model: str | None, flags: dict, batch_size: int, input_len: int,
     if breakdown is not None:
         result["profile"] = breakdown
     if compare_hf:
-        hf = [_time_hf(path, dtype, prompts, output_len) for _ in range(num_iters)]
         hf_ttft = statistics.median(r[0] for r in hf)
         hf_tpot = statistics.median((r[1] - r[0]) / (output_len - 1) for r in hf)
         result.update({
             "hf_ttft_ms": round(1e3 * hf_ttft, 2), "hf_tpot_ms": round(1e3 * hf_tpot, 2),
             "hf_decode_tokens_per_s": round(batch_size / hf_tpot, 2),
             "hf_e2e_s": round(statistics.median(r[1] for r in hf), 3),
-            "decode_ratio_vs_hf": round(hf_tpot / tpot, 3),
-            "ttft_ratio_vs_hf": round(ttft / hf_ttft, 3),
+            # medians of each run's ratio against the transformers run right after it
+            "decode_ratio_vs_hf": round(statistics.median(
+                (h[1] - h[0]) / (r[1] - r[0]) for r, h in zip(runs, hf)), 3),
+            "ttft_ratio_vs_hf": round(statistics.median(r[0] / h[0] for r, h in zip(runs, hf)), 3),
         })
     return result
 
@@ -105,8 +111,9 @@ def _timed_batch(llm, prompts: list[list[int]], output_len: int) -> tuple[float,
     return max(first.values()) - start, time.perf_counter() - start
 
 
-def _time_hf(path, dtype, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
-    """(seconds for a one-token generate, seconds for an output_len-token generate)."""
+def _hf_runner(path, dtype, prompts: list[list[int]], output_len: int):
+    """transformers' model loaded and warmed up; the returned function times one run: (seconds
+    for a one-token generate, seconds for an output_len-token generate)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
@@ -115,10 +122,15 @@ def _time_hf(path, dtype, prompts: list[list[int]], output_len: int) -> tuple[fl
     kwargs = dict(do_sample=False, pad_token_id=pad if isinstance(pad, int) else 0)
     with torch.inference_mode():
         model.generate(input_ids=input_ids[:1], max_new_tokens=4, **kwargs)  # warm-up
-        start = time.perf_counter()
-        model.generate(input_ids=input_ids, max_new_tokens=1, **kwargs)
-        ttft = time.perf_counter() - start
-        start = time.perf_counter()
-        model.generate(input_ids=input_ids, max_new_tokens=output_len,
-                       min_new_tokens=output_len, **kwargs)
-        return ttft, time.perf_counter() - start
+
+    def timed_run() -> tuple[float, float]:
+        with torch.inference_mode():
+            start = time.perf_counter()
+            model.generate(input_ids=input_ids, max_new_tokens=1, **kwargs)
+            ttft = time.perf_counter() - start
+            start = time.perf_counter()
+            model.generate(input_ids=input_ids, max_new_tokens=output_len,
+                           min_new_tokens=output_len, **kwargs)
+            return ttft, time.perf_counter() - start
+
+    return timed_run

@@ -3,7 +3,9 @@
 Every request decodes exactly ``output_len`` tokens (EOS ignored, greedy) from a fixed set of
 distinct chat prompts, so runs are comparable across machines and commits. ``--compare hf``
 runs transformers' batched ``generate`` (left-padded, same dtype, same threads) on the same
-prompt ids in the same process, after the engine has shut down.
+prompt ids in the same process, taking turns with the engine run by run (the engine idle
+meanwhile): on a shared machine whose speed drifts from minute to minute, each ratio compares
+two runs a few seconds apart, and ``ratio_vs_hf`` is the median of those ratios.
 """
 
 from __future__ import annotations
@@ -69,16 +71,19 @@ def run_throughput(model: str | None, flags: dict, num_prompts: int, output_len:
             num_prompt_tokens = sum(map(len, prompt_ids))
             llm.generate([{"prompt_token_ids": prompt_ids[0]}], SamplingParams(max_tokens=4),
                          use_tqdm=False)  # warm-up: first-call allocations and thread start-up
+            path, dtype = llm.engine.model_path, llm.engine.dtype
+            hf_run = _hf_runner(path, dtype, prompt_ids, output_len) if compare_hf else None
             since = time.monotonic()
-            runs = []
+            runs, hf_runs = [], []
             for _ in range(num_iters):
                 start = time.perf_counter()
                 outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
                                        use_tqdm=False)
                 runs.append(time.perf_counter() - start)
+                if hf_run is not None:
+                    hf_runs.append(hf_run())
             num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
             stats = llm.stats()
-            path, dtype = llm.engine.model_path, llm.engine.dtype
             breakdown = step_breakdown(llm, since) if profile else None
         finally:
             llm.shutdown()
@@ -99,16 +104,18 @@ def run_throughput(model: str | None, flags: dict, num_prompts: int, output_len:
     if breakdown is not None:
         result["profile"] = breakdown
     if compare_hf:
-        hf_elapsed = statistics.median(
-            _time_hf(path, dtype, prompt_ids, output_len) for _ in range(num_iters))
+        hf_elapsed = statistics.median(hf_runs)
         hf_tps = num_prompts * output_len / hf_elapsed
+        # each run's ratio against the transformers run right after it (same token counts)
+        ratio = statistics.median(hf / ours for ours, hf in zip(runs, hf_runs))
         result.update({"hf_elapsed_s": round(hf_elapsed, 3),
                        "hf_output_tokens_per_s": round(hf_tps, 2),
-                       "ratio_vs_hf": round(result["output_tokens_per_s"] / hf_tps, 3)})
+                       "ratio_vs_hf": round(ratio, 3)})
     return result
 
 
-def _time_hf(path, dtype, prompt_ids: list[list[int]], output_len: int) -> float:
+def _hf_runner(path, dtype, prompt_ids: list[list[int]], output_len: int):
+    """transformers' model loaded and warmed up; the returned function times one batched run."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
@@ -122,6 +129,11 @@ def _time_hf(path, dtype, prompt_ids: list[list[int]], output_len: int) -> float
     with torch.inference_mode():
         model.generate(input_ids=input_ids[:1], attention_mask=mask[:1], max_new_tokens=4,
                        do_sample=False, pad_token_id=pad)  # warm-up, as for the engine
-        start = time.perf_counter()
-        model.generate(input_ids=input_ids, attention_mask=mask, **kwargs)
-        return time.perf_counter() - start
+
+    def timed_run() -> float:
+        with torch.inference_mode():
+            start = time.perf_counter()
+            model.generate(input_ids=input_ids, attention_mask=mask, **kwargs)
+            return time.perf_counter() - start
+
+    return timed_run
