@@ -10,8 +10,8 @@ logarithm of the spread of lengths.
 
 Decode rows (one query token per request) skip all of that where the C++ kernel of
 ``cpu_decode`` is built: it reads every request's blocks in place, each for its own length, so
-they form no groups at all. Their groups are built only if a layer's shape is beyond the
-kernel (or it could not be built), and for contexts past ``KERNEL_MAX_CONTEXT``.
+they form no groups at all (a long context is split over the threads inside the kernel).
+Their groups are built only if a layer's shape is beyond the kernel (or it could not be built).
 
 ``plan_attention`` builds every index tensor and mask from the step's Python lists once per
 step; ``attend`` runs one layer with it. A request whose blocks are consecutive and attends
@@ -42,9 +42,6 @@ class _Group(NamedTuple):
     is_decode: bool  # one query per request
 
 
-KERNEL_MAX_CONTEXT = 1024  # longest context whose decode row the C++ kernel attends
-
-
 class _DecodeRows(NamedTuple):
     """Every decode request of the step, for ``cpu_decode.paged_decode_attention``."""
 
@@ -72,22 +69,16 @@ def plan_attention(q_lens: Sequence[int], seq_lens: Sequence[int],
         starts.append(starts[-1] + q_len)
     requests = [b for b, q_len in enumerate(q_lens) if q_len > 0]
     decodes = [b for b in requests if q_lens[b] == 1]
-    # the kernel's decode rows; a context longer than its limit goes to the torch path, which
-    # spreads one request over both cores (the kernel gives a request's head to one thread)
-    short = [b for b in decodes if seq_lens[b] <= KERNEL_MAX_CONTEXT] \
-        if cpu_decode.is_built(block_size) else []
-    long = [b for b in decodes if seq_lens[b] > KERNEL_MAX_CONTEXT] if short else decodes
-    decode = None
-    if short:
-        decode = _decode_rows(short, len(q_lens), seq_lens, starts, block_ids, device,
-                              functools.cache(functools.partial(
-                                  _groups, short, True, q_lens, seq_lens, starts, block_ids,
-                                  block_size, device)))
     prefills = [b for b in requests if q_lens[b] != 1]
-    return AttentionPlan(
-        _groups(long, True, q_lens, seq_lens, starts, block_ids, block_size, device) +
-        _groups(prefills, False, q_lens, seq_lens, starts, block_ids, block_size, device),
-        decode)
+    prefill_groups = _groups(prefills, False, q_lens, seq_lens, starts, block_ids, block_size,
+                             device)
+    if not decodes or not cpu_decode.is_built(block_size):
+        return AttentionPlan(_groups(decodes, True, q_lens, seq_lens, starts, block_ids,
+                                     block_size, device) + prefill_groups)
+    decode_groups = functools.cache(functools.partial(  # only if a layer's shape needs them
+        _groups, decodes, True, q_lens, seq_lens, starts, block_ids, block_size, device))
+    return AttentionPlan(prefill_groups, _decode_rows(decodes, len(q_lens), seq_lens, starts,
+                                                      block_ids, device, decode_groups))
 
 
 def _groups(chosen, is_decode, q_lens, seq_lens, starts, block_ids, block_size, device):

@@ -126,11 +126,14 @@ def test_a_plain_decode_step_costs_each_request_its_own_context():
     assert_close(out, paged_attention_ref(*inputs, 0.125), torch.float32)
 
 
-def test_a_context_past_the_kernels_limit_takes_the_torch_path(monkeypatch):
-    monkeypatch.setattr(cpu_attention, "KERNEL_MAX_CONTEXT", 64)
-    lens = [(1, 20), (1, 100), (1, 30), (7, 10)]
-    inputs = make_batch(lens, 4, 2, 64, 16, torch.float32, seed=14)
-    plan, out = _attend(inputs, 0.125)
-    assert plan.decode.rows.tolist() == [0, 2]  # the short decodes; the long one is grouped
-    assert [g.is_decode for g in plan.groups] == [True, False]
-    assert_close(out, paged_attention_ref(*inputs, 0.125), torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("lens", [[3000], [9, 2500, 40, 700, 1]], ids=["alone", "among-short"])
+def test_a_long_context_is_split_over_the_threads_and_merged(dtype, lens):
+    # past a quarter of a thread's share, a context is cut into spans attended apart and merged
+    inputs = make_batch([(1, c - 1) for c in lens], 6, 2, 64, 16, dtype, seed=len(lens))
+    query, k_cache, v_cache, block_tables, _, seq_lens = inputs
+    out = cpu_decode.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, 0.125)
+    assert_close(out, paged_attention_ref(*inputs, 0.125), dtype)
+    plan, planned = _attend(inputs, 0.125)
+    assert plan.groups == [] and plan.decode is not None  # no torch path for the long one
+    assert torch.equal(planned, out)

@@ -1,20 +1,26 @@
 // Paged attention for decode rows on a CPU: one query token per request, read straight from the
 // paged KV cache (no gather into a dense copy, no padding to the batch's longest context).
 //
-// Work item = (request, KV head): the G query heads that share the KV head walk its context
-// block by block with an online softmax (scores, max and sums in fp32), so each K/V row is read
-// once for all G heads. Items are split statically over the caller's OpenMP team: this library
-// links the libgomp that torch has already loaded (same soname), so it runs on torch's own pool
-// instead of a second one that would fight it for the cores.
+// Work item = (request, KV head, span of its context): the G query heads that share the KV head
+// walk the span block by block with an online softmax (scores, max and sums in fp32), so each
+// K/V row is read once for all G heads. A long context is cut into spans (flash-decoding), so
+// one long request is spread over every thread instead of holding one while the others idle;
+// each item leaves its unnormalised sums, max and total, and a second pass merges a request's
+// spans. Items go to the caller's OpenMP team: this library links the libgomp that torch has
+// already loaded (same soname), so it runs on torch's own pool instead of a second one that
+// would fight it for the cores.
 //
-// Built by actorlm/kernels/cpu_decode.py with -O3 -march=native -ffast-math at compile time
+// Built by actorlm/kernels/native.py with -O3 -march=native -ffast-math at compile time
 // only: the link step leaves out crtfastmath.o, which would set flush-to-zero for the whole
 // process. Every value stays finite (the running max starts at -1e30, not -inf), as
 // -ffast-math assumes.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <utility>
+
+#include <omp.h>
 
 #include "dtype.h"
 
@@ -30,6 +36,11 @@ using actorlm::to_float;
 constexpr int kMaxGroup = 32;      // query heads per KV head
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxBlockSize = 256;
+constexpr int kMinSpan = 256;  // positions: shorter spans would cost more to merge than they save
+
+// What an item leaves for the merge, per query head: the unnormalised weighted sum of V rows
+// (head_dim floats), then the running max and the running sum of the softmax.
+inline int64_t partial_size(int head_dim) { return head_dim + 2; }
 
 // The online softmax over one block's n scores (in place: exp(score - new max)); returns the
 // factor that rescales what was accumulated before this block.
@@ -48,13 +59,14 @@ inline float softmax_block(float* p, int n, float& running_max, float& running_s
   return rescale;
 }
 
-// One work item: request b's G query heads that share one KV head, over its whole context.
+// One work item: a request's G query heads that share one KV head, over positions
+// [begin, end) of its context (begin on a block boundary), into `partial` (G partial_size()s).
 // kHeadDim is the head size where it is one of the common ones (then every loop over it has a
 // trip count the compiler knows, and is unrolled and vectorised whole), else 0 and head_dim.
 template <typename T, int kHeadDim>
 void attend_item(const T* query, const T* k_cache, const T* v_cache, const int32_t* block_table,
-                 int seq_len, int64_t first_position, int64_t position_stride, int group,
-                 int head_dim, int block_size, float scale, T* out) {
+                 int begin, int end, int64_t first_position, int64_t position_stride, int group,
+                 int head_dim, int block_size, float scale, float* partial) {
   const int dim = kHeadDim ? kHeadDim : head_dim;
   alignas(64) float q[kMaxGroup][kMaxHeadDim], acc[kMaxGroup][kMaxHeadDim];
   alignas(64) float p[kMaxGroup][kMaxBlockSize];
@@ -68,10 +80,10 @@ void attend_item(const T* query, const T* k_cache, const T* v_cache, const int32
     running_sum[g] = 0.f;
   }
   const int64_t block_stride = int64_t(block_size) * position_stride;
-  for (int j = 0; j * block_size < seq_len; ++j) {
-    const int n = std::min(block_size, seq_len - j * block_size);
+  for (int j = begin / block_size; j * block_size < end; ++j) {
+    const int n = std::min(block_size, end - j * block_size);
     const int64_t first = block_table[j] * block_stride + first_position;
-    if ((j + 1) * block_size < seq_len) {  // blocks are scattered: no prefetcher guesses the next
+    if ((j + 1) * block_size < end) {  // blocks are scattered: no prefetcher guesses the next
       const int64_t next = block_table[j + 1] * block_stride + first_position;
       for (int t = 0; t < block_size; ++t) {
         __builtin_prefetch(k_cache + next + t * position_stride);
@@ -104,8 +116,10 @@ void attend_item(const T* query, const T* k_cache, const T* v_cache, const int32
     }
   }
   for (int g = 0; g < group; ++g) {
-    const float inv_sum = 1.f / running_sum[g];
-    for (int d = 0; d < dim; ++d) store(acc[g][d] * inv_sum, out + g * dim + d);
+    float* mine = partial + g * partial_size(dim);
+    for (int d = 0; d < dim; ++d) mine[d] = acc[g][d];
+    mine[dim] = running_max[g];
+    mine[dim + 1] = running_sum[g];
   }
 }
 
@@ -142,8 +156,9 @@ inline __m512 sum_each(const __m512 v[16]) {
 
 template <typename T, int kVectors, int kGroup>
 void attend_item_avx512(const T* query, const T* k_cache, const T* v_cache,
-                        const int32_t* block_table, int seq_len, int64_t first_position,
-                        int64_t position_stride, int, int, int block_size, float scale, T* out) {
+                        const int32_t* block_table, int begin, int end, int64_t first_position,
+                        int64_t position_stride, int, int, int block_size, float scale,
+                        float* partial) {
   constexpr int dim = 16 * kVectors;
   __m512 q[kGroup][kVectors], acc[kGroup][kVectors];
   float running_max[kGroup], running_sum[kGroup];
@@ -157,10 +172,10 @@ void attend_item_avx512(const T* query, const T* k_cache, const T* v_cache,
     running_sum[g] = 0.f;
   }
   const int64_t block_stride = int64_t(block_size) * position_stride;
-  for (int j = 0; j * block_size < seq_len; ++j) {
-    const int n = std::min(block_size, seq_len - j * block_size);
+  for (int j = begin / block_size; j * block_size < end; ++j) {
+    const int n = std::min(block_size, end - j * block_size);
     const int64_t first = block_table[j] * block_stride + first_position;
-    if ((j + 1) * block_size < seq_len) {  // blocks are scattered: no prefetcher guesses the next
+    if ((j + 1) * block_size < end) {  // blocks are scattered: no prefetcher guesses the next
       const int64_t next = block_table[j + 1] * block_stride + first_position;
       for (int t = 0; t < block_size; ++t) {
         for (int line = 0; line < int(dim * sizeof(T)); line += 64) {
@@ -201,17 +216,17 @@ void attend_item_avx512(const T* query, const T* k_cache, const T* v_cache,
     }
   }
   for (int g = 0; g < kGroup; ++g) {
-    alignas(64) float o[dim];
-    const __m512 inv_sum = _mm512_set1_ps(1.f / running_sum[g]);
-    for (int i = 0; i < kVectors; ++i) _mm512_store_ps(o + 16 * i, _mm512_mul_ps(acc[g][i], inv_sum));
-    for (int d = 0; d < dim; ++d) store(o[d], out + g * dim + d);
+    float* mine = partial + g * partial_size(dim);
+    for (int i = 0; i < kVectors; ++i) _mm512_storeu_ps(mine + 16 * i, acc[g][i]);
+    mine[dim] = running_max[g];
+    mine[dim + 1] = running_sum[g];
   }
 }
 #endif
 
 template <typename T>
-using Item = void (*)(const T*, const T*, const T*, const int32_t*, int, int64_t, int64_t, int, int,
-                      int, float, T*);
+using Item = void (*)(const T*, const T*, const T*, const int32_t*, int, int, int64_t, int64_t,
+                      int, int, int, float, float*);
 
 #ifdef __AVX512F__
 template <typename T, int kVectors, int... kGroups>
@@ -235,6 +250,25 @@ Item<T> pick_item(int head_dim, int group) {
   return head_dim == 64 ? attend_item<T, 64> : head_dim == 128 ? attend_item<T, 128> : attend_item<T, 0>;
 }
 
+// out = the softmax-weighted sum over every span of one query head: each span's sums rescaled
+// from its own max to the common one.
+template <typename T>
+void merge_spans(const float* partials, int num_spans, int64_t span_stride, int dim, T* out) {
+  float max = -1e30f;
+  for (int s = 0; s < num_spans; ++s) max = std::max(max, partials[s * span_stride + dim]);
+  alignas(64) float sum[kMaxHeadDim] = {};
+  float total = 0.f;
+  for (int s = 0; s < num_spans; ++s) {
+    const float* span = partials + s * span_stride;
+    const float weight = expf(span[dim] - max);
+    total += span[dim + 1] * weight;
+#pragma omp simd
+    for (int d = 0; d < dim; ++d) sum[d] += span[d] * weight;
+  }
+  const float inv_total = 1.f / total;
+  for (int d = 0; d < dim; ++d) store(sum[d] * inv_total, out + d);
+}
+
 template <typename T>
 void decode(const T* query, int64_t query_row_stride, const int32_t* rows, const T* k_cache,
             const T* v_cache, const int32_t* block_tables, int max_blocks, const int32_t* seq_lens,
@@ -242,15 +276,62 @@ void decode(const T* query, int64_t query_row_stride, const int32_t* rows, const
             int block_size, float scale) {
   const int group = num_heads / num_kv_heads;
   const auto item = pick_item<T>(head_dim, group);
-#pragma omp parallel for schedule(static) collapse(2)
-  for (int b = 0; b < num_requests; ++b) {
-    for (int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-      const int64_t row = rows ? rows[b] : b;
-      const int64_t first_head = int64_t(kv_head) * group;
-      item(query + row * query_row_stride + first_head * head_dim, k_cache, v_cache,
-           block_tables + int64_t(b) * max_blocks, seq_lens[b], int64_t(kv_head) * head_dim,
-           int64_t(num_kv_heads) * head_dim, group, head_dim, block_size, scale,
-           out + (row * num_heads + first_head) * head_dim);
+  // spans of a quarter of a thread's share of the work (never under kMinSpan, in whole blocks):
+  // short contexts stay whole, a long one is spread over the team
+  int64_t total = 0;
+  for (int b = 0; b < num_requests; ++b) total += seq_lens[b];
+  const int64_t share = total * num_kv_heads / (4 * omp_get_max_threads());
+  const int64_t span = (std::max<int64_t>(kMinSpan, share) + block_size - 1) / block_size * block_size;
+  std::unique_ptr<int[]> first_span(new int[num_requests + 1]);  // request b: spans [first, next)
+  first_span[0] = 0;
+  for (int b = 0; b < num_requests; ++b)
+    first_span[b + 1] = first_span[b] + int((seq_lens[b] + span - 1) / span);
+  const int num_spans = first_span[num_requests];
+  std::unique_ptr<int[]> span_request(new int[num_spans]);
+  for (int b = 0; b < num_requests; ++b)
+    for (int s = first_span[b]; s < first_span[b + 1]; ++s) span_request[s] = b;
+  // partials[span][kv_head][g], for requests of more than one span
+  const int64_t head_stride = partial_size(head_dim), span_stride = num_heads * head_stride;
+  const bool split = num_spans > num_requests;
+  std::unique_ptr<float[]> partials(split ? new float[num_spans * span_stride] : nullptr);
+  auto attend_span = [&](int64_t i) {
+    const int s = int(i / num_kv_heads), kv_head = int(i % num_kv_heads), b = span_request[s];
+    const int64_t row = rows ? rows[b] : b;
+    const int64_t first_head = int64_t(kv_head) * group;
+    const int begin = int((s - first_span[b]) * span);
+    const bool whole = first_span[b + 1] - first_span[b] == 1;
+    alignas(64) float own[kMaxGroup * (kMaxHeadDim + 2)];  // a whole context's, merged at once
+    float* partial = whole ? own : partials.get() + s * span_stride + first_head * head_stride;
+    item(query + row * query_row_stride + first_head * head_dim, k_cache, v_cache,
+         block_tables + int64_t(b) * max_blocks, begin,
+         int(std::min<int64_t>(seq_lens[b], begin + span)), int64_t(kv_head) * head_dim,
+         int64_t(num_kv_heads) * head_dim, group, head_dim, block_size, scale, partial);
+    for (int g = 0; whole && g < group; ++g) {  // normalised by its own sum
+      const float* mine = own + g * head_stride;
+      T* o = out + (row * num_heads + first_head + g) * head_dim;
+      const float inv_sum = 1.f / mine[head_dim + 1];
+      for (int d = 0; d < head_dim; ++d) store(mine[d] * inv_sum, o + d);
+    }
+  };
+  const int64_t num_items = int64_t(num_spans) * num_kv_heads;
+  if (!split) {  // items of about equal cost (as the span bounds them): one static share each
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < num_items; ++i) attend_span(i);
+    return;
+  }
+#pragma omp parallel
+  {
+#pragma omp for schedule(dynamic, 1)  // spans and short contexts: unequal lengths
+    for (int64_t i = 0; i < num_items; ++i) attend_span(i);
+#pragma omp for schedule(static) collapse(2)
+    for (int b = 0; b < num_requests; ++b) {
+      for (int head = 0; head < num_heads; ++head) {
+        if (first_span[b + 1] - first_span[b] == 1) continue;  // written by its item
+        const int64_t row = rows ? rows[b] : b;
+        merge_spans(partials.get() + first_span[b] * span_stride + head * head_stride,
+                    first_span[b + 1] - first_span[b], span_stride, head_dim,
+                    out + (row * num_heads + head) * head_dim);
+      }
     }
   }
 }
