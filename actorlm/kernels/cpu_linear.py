@@ -1,50 +1,111 @@
-"""Linear layers on a CPU over weights laid out once for oneDNN.
+"""Linear layers on a CPU over weights laid out once for the GEMM that runs them.
 
 ``F.linear`` hands oneDNN (bf16) or MKL (fp32) a plain-layout weight on every call. A weight
-reordered once into oneDNN's own blocked layout runs faster where it matters:
+reordered once runs faster where it matters:
 
-- bf16: the same bits as ``F.linear``, 25-50 % faster at every batch size measured (1 to 2,048
-  rows, SmolLM2 shapes, AMX machine). The packed copy is used for every call.
+- bf16: oneDNN's own blocked layout, the same bits as ``F.linear``, 25-50 % faster at every
+  batch size measured (1 to 2,048 rows, SmolLM2 shapes, AMX machine).
 - fp32: MKL's GEMM falls off a cliff between 2 and ~32 rows (16 rows of SmolLM2's layers take
-  3x the time of one row, where they should cost little more than reading the weights once);
-  oneDNN's packed GEMM takes 30-40 % less there. At one or two rows MKL is faster (a GEMV), so
-  those stay on ``F.linear``. oneDNN moves the last bits of the result against MKL (and so
-  against transformers): greedy tokens stay within vLLM's ``check_logprobs_close`` rule.
+  3x the time of one row, where they should cost little more than reading the weights once),
+  and oneDNN's packed GEMM still computes and reads memory in turn rather than at once. With
+  AVX-512 the C++ kernel of ``csrc/cpu_linear.cpp`` runs instead (panels of 64 columns, the
+  next panel prefetched while a tile of rows computes on this one): on SmolLM2's 30 layers and
+  LM head, 16 rows take 0.75x oneDNN's time and 64 rows 0.85x; without AVX-512, oneDNN's
+  packed GEMM. At one or two rows MKL's GEMV reads the weights at the memory's speed already,
+  so those stay on ``F.linear`` (and keep its bits, transformers' bits). Either GEMM moves the
+  last bits of the result against MKL: greedy tokens stay within vLLM's
+  ``check_logprobs_close`` rule.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-_FP32_PACKED_FROM_ROWS = 3  # at 1-2 rows MKL's GEMV beats oneDNN's packed GEMM
+from actorlm.kernels import native
+
+_FP32_PACKED_FROM_ROWS = 3  # at 1-2 rows MKL's GEMV is as fast, with transformers' bits
 
 
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable | None:
-    """``x -> F.linear(x, weight, bias)`` over a copy of ``weight`` packed for oneDNN, or None
-    where packing does not apply (not a CPU, not fp32 or bf16, no oneDNN support)."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    """``x -> F.linear(x, weight, bias)`` over a copy of ``weight`` packed for a faster GEMM, or
+    None where packing does not apply (not a CPU, not fp32 or bf16, no oneDNN support)."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
         return None
-    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    bias = None if bias is None else bias.detach()
+    if weight.dtype == torch.float32:
+        plain = weight.detach()
+        packed = _panel_linear(plain, bias) or _onednn_linear(plain, bias)
+        if packed is None:
+            return None
+
+        def fp32_linear(x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] < _FP32_PACKED_FROM_ROWS:
+                return F.linear(x, plain, bias)
+            return packed(x)
+
+        return fp32_linear
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None
-    if weight.dtype not in (torch.bfloat16, torch.float32):
+    return _onednn_linear(weight.detach(), bias)
+
+
+def _onednn_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable | None:
+    if not torch.backends.mkldnn.is_available():
         return None
     # The batch size is only a layout hint; every batch size runs on the packed weight.
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
-    bias = None if bias is None else bias.detach()
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _panel_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable | None:
+    """fp32 ``x [m, k] -> x @ weight.T + bias`` through ``csrc/cpu_linear.cpp``, or None where
+    that kernel is not built here."""
+    kernel = _kernel()
+    if kernel is None or not weight.is_contiguous():
+        return None
+    n, k = weight.shape
+    columns = -(-n // kernel.panel) * kernel.panel
+    packed = _aligned_empty(columns * k)
+    kernel.pack(weight.data_ptr(), packed.data_ptr(), n, k)
+    padded_bias = None
+    if bias is not None:
+        padded_bias = torch.zeros(columns)
+        padded_bias[:n] = bias.float()
 
     def linear(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        if x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1:
+            return F.linear(x, weight, bias)
+        y = x.new_empty(x.shape[0], n)
+        kernel.run(x.data_ptr(), x.stride(0), packed.data_ptr(),
+                   None if padded_bias is None else padded_bias.data_ptr(), y.data_ptr(),
+                   x.shape[0], n, k)
+        return y
 
-    if weight.dtype == torch.bfloat16:
-        return linear
-    plain = weight.detach()
+    return linear
 
-    def fp32_linear(x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] < _FP32_PACKED_FROM_ROWS:
-            return F.linear(x, plain, bias)
-        return linear(x)
 
-    return fp32_linear
+class _Kernel:
+    def __init__(self, cdll: ctypes.CDLL):
+        P, I64 = ctypes.c_void_p, ctypes.c_int64
+        self.panel = cdll.actorlm_linear_panel_f32()
+        self.pack = native.function("actorlm_linear_pack_f32", [P, P, I64, I64])
+        self.run = native.function("actorlm_linear_f32", [P, I64, P, P, P, I64, I64, I64])
+
+
+@functools.cache
+def _kernel() -> _Kernel | None:
+    cdll = native.library()
+    kernel = None if cdll is None else _Kernel(cdll)
+    return kernel if kernel is not None and kernel.panel > 0 else None
+
+
+def _aligned_empty(numel: int, alignment: int = 64) -> torch.Tensor:
+    """An fp32 tensor of ``numel`` whose data starts on an ``alignment``-byte boundary."""
+    spare = torch.empty(numel + alignment // 4)
+    skip = (-spare.data_ptr() % alignment) // 4
+    return spare[skip:skip + numel]
