@@ -314,7 +314,7 @@ void decode(const T* query, int64_t query_row_stride, const int32_t* rows, const
     }
   };
   const int64_t num_items = int64_t(num_spans) * num_kv_heads;
-  if (!split) {  // items of about equal cost (as the span bounds them): one static share each
+  if (!split) {  // no context past a quarter of a thread's share: static shares balance
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < num_items; ++i) attend_span(i);
     return;
