@@ -59,6 +59,21 @@ inline float softmax_block(float* p, int n, float& running_max, float& running_s
   return rescale;
 }
 
+// Every K and V row of the block that starts at `first` into the cache, while the one before it
+// is attended: blocks are scattered, so no hardware prefetcher guesses the next.
+template <typename T>
+inline void prefetch_rows(const T* k_cache, const T* v_cache, int64_t first,
+                          int64_t position_stride, int block_size, int dim) {
+  for (int t = 0; t < block_size; ++t) {
+    const char* k = reinterpret_cast<const char*>(k_cache + first + t * position_stride);
+    const char* v = reinterpret_cast<const char*>(v_cache + first + t * position_stride);
+    for (int line = 0; line < int(dim * sizeof(T)); line += 64) {
+      __builtin_prefetch(k + line);
+      __builtin_prefetch(v + line);
+    }
+  }
+}
+
 // One work item: a request's G query heads that share one KV head, over positions
 // [begin, end) of its context (begin on a block boundary), into `partial` (G partial_size()s).
 // kHeadDim is the head size where it is one of the common ones (then every loop over it has a
@@ -83,13 +98,9 @@ void attend_item(const T* query, const T* k_cache, const T* v_cache, const int32
   for (int j = begin / block_size; j * block_size < end; ++j) {
     const int n = std::min(block_size, end - j * block_size);
     const int64_t first = block_table[j] * block_stride + first_position;
-    if ((j + 1) * block_size < end) {  // blocks are scattered: no prefetcher guesses the next
-      const int64_t next = block_table[j + 1] * block_stride + first_position;
-      for (int t = 0; t < block_size; ++t) {
-        __builtin_prefetch(k_cache + next + t * position_stride);
-        __builtin_prefetch(v_cache + next + t * position_stride);
-      }
-    }
+    if ((j + 1) * block_size < end)
+      prefetch_rows(k_cache, v_cache, block_table[j + 1] * block_stride + first_position,
+                    position_stride, block_size, dim);
     for (int g = 0; g < group; ++g) {  // scores
       for (int t = 0; t < n; ++t) {
         const T* k = k_cache + first + t * position_stride;
@@ -175,15 +186,9 @@ void attend_item_avx512(const T* query, const T* k_cache, const T* v_cache,
   for (int j = begin / block_size; j * block_size < end; ++j) {
     const int n = std::min(block_size, end - j * block_size);
     const int64_t first = block_table[j] * block_stride + first_position;
-    if ((j + 1) * block_size < end) {  // blocks are scattered: no prefetcher guesses the next
-      const int64_t next = block_table[j + 1] * block_stride + first_position;
-      for (int t = 0; t < block_size; ++t) {
-        for (int line = 0; line < int(dim * sizeof(T)); line += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(k_cache + next + t * position_stride) + line);
-          __builtin_prefetch(reinterpret_cast<const char*>(v_cache + next + t * position_stride) + line);
-        }
-      }
-    }
+    if ((j + 1) * block_size < end)
+      prefetch_rows(k_cache, v_cache, block_table[j + 1] * block_stride + first_position,
+                    position_stride, block_size, dim);
     for (int t0 = 0; t0 < n; t0 += 16) {  // scores, sixteen positions at a time
       __m512 dots[kGroup][16];
       for (int t = 0; t < 16; ++t) {
