@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from actorlm.kernels import cpu_decode, cpu_fused
+from actorlm.models.metadata import padded_block_table
 
 
 class _Group(NamedTuple):
@@ -99,13 +100,11 @@ def _groups(chosen, is_decode, q_lens, seq_lens, starts, block_ids, block_size, 
 
 
 def _decode_rows(decodes, num_requests, seq_lens, starts, block_ids, device, groups):
-    width = max(len(block_ids[b]) for b in decodes)
-    table = [i for b in decodes for i in (*block_ids[b], *[0] * (width - len(block_ids[b])))]
     every_row = len(decodes) == num_requests  # then row b is request b
     return _DecodeRows(
         None if every_row else torch.tensor([starts[b] for b in decodes], dtype=torch.int32,
                                             device=device),
-        torch.tensor(table, dtype=torch.int32, device=device).view(len(decodes), width),
+        padded_block_table([block_ids[b] for b in decodes], device),
         torch.tensor([seq_lens[b] for b in decodes], dtype=torch.int32, device=device), groups)
 
 

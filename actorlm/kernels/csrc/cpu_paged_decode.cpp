@@ -248,8 +248,12 @@ Item<T> pick_item(int head_dim, int group) {
   Item<T> item = nullptr;
 #ifdef __AVX512F__
   constexpr auto groups = std::make_integer_sequence<int, 8>();  // 1..8 query heads a KV head
-  if (head_dim == 64) item = pick_avx512<T, 4>(group, groups);
-  if (head_dim == 128) item = pick_avx512<T, 8>(group, groups);
+  switch (head_dim) {  // the head sizes of the models served, and of small test models
+    case 16: item = pick_avx512<T, 1>(group, groups); break;
+    case 32: item = pick_avx512<T, 2>(group, groups); break;
+    case 64: item = pick_avx512<T, 4>(group, groups); break;
+    case 128: item = pick_avx512<T, 8>(group, groups); break;
+  }
 #endif
   if (item) return item;
   return head_dim == 64 ? attend_item<T, 64> : head_dim == 128 ? attend_item<T, 128> : attend_item<T, 0>;
