@@ -5,7 +5,8 @@ the time to the first token (the prefill) and the time per output token (a decod
 measured apart. Every request decodes exactly ``output_len`` tokens (greedy, EOS ignored).
 ``--compare hf`` runs transformers' ``generate`` on the same prompt ids in the same process,
 taking turns with the engine run by run (ratios are medians of each pair's): its TTFT is a
-one-token ``generate``, its decode rate the rest of a full one. ``--profile`` adds the engine's per-step breakdown (see ``actorlm.trace.profile``).
+one-token ``generate``, its decode rate the rest of a full one. ``--profile`` adds the engine's
+per-step breakdown (see ``actorlm.trace.profile``).
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def run_latency(model: str | None, flags: dict, batch_size: int, input_len: int,
             # medians of each run's ratio against the transformers run right after it
             "decode_ratio_vs_hf": round(statistics.median(
                 (h[1] - h[0]) / (r[1] - r[0]) for r, h in zip(runs, hf)), 3),
-            "ttft_ratio_vs_hf": round(statistics.median(r[0] / h[0] for r, h in zip(runs, hf)), 3),
+            "ttft_ratio_vs_hf": round(statistics.median(
+                r[0] / h[0] for r, h in zip(runs, hf)), 3),
         })
     return result
 

@@ -116,5 +116,5 @@ def _load(symbol: str):
     argtypes = {"actorlm_add_rms_norm": [_P, _P, _P, _I64, _INT, _F],
                 "actorlm_silu_and_mul": [_P, _P, _I64, _INT],
                 "actorlm_argmax": [_P, _P, _I64, _I64],
-                "actorlm_rope_write_kv": [_P, _I64, _P, _P, _P, _P, _P, _I64, _INT, _INT, _INT]}[symbol.rsplit("_", 1)[0]]
-    return native.function(symbol, argtypes)
+                "actorlm_rope_write_kv": [_P, _I64, _P, _P, _P, _P, _P, _I64, _INT, _INT, _INT]}
+    return native.function(symbol, argtypes[symbol.rsplit("_", 1)[0]])

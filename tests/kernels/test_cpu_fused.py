@@ -106,7 +106,8 @@ def test_rope_and_write_kv_matches_the_torch_ops(dtype, num_tokens, num_heads, n
     assert torch.equal(qkv[:, q_size + kv_size:], ref_v)  # v untouched
     written = torch.zeros(32, dtype=torch.bool)
     written[slots] = True
-    for cache, ref in ((k_cache, qk[:, num_heads:]), (v_cache, ref_v.view(num_tokens, -1, head_dim))):
+    v_heads = ref_v.view(num_tokens, -1, head_dim)
+    for cache, ref in ((k_cache, qk[:, num_heads:]), (v_cache, v_heads)):
         flat = cache.view(32, num_kv_heads, head_dim)
         assert torch.equal(flat[slots], ref)  # exactly the (rotated) rows, at their slots
         assert not flat[~written].any()  # and nowhere else
