@@ -231,7 +231,8 @@ class AsyncLLM:
                 # a request that arrived but is not yet scheduled does not count while a seat
                 # is free for it: the queue's length must not depend on when the step loop runs
                 stats = self.engine.scheduler_stats()
-                num_waiting = max(0, stats.num_waiting - stats.num_free_seats)
+                free_seats = max(0, self.config.max_num_seqs - stats.num_running)
+                num_waiting = max(0, stats.num_waiting - free_seats)
                 if num_waiting >= self.max_num_waiting:
                     raise EngineOverloadedError(
                         f"the server is overloaded: {num_waiting} requests are waiting "

@@ -312,7 +312,6 @@ class SchedulerStats(_Message):
     num_finished: int
     num_scheduled_tokens: int = 0  # every token computed so far, prefill and decode
     num_prefill_tokens: int = 0  # of those, at prompt (or recomputed) positions
-    num_free_seats: int = 0  # max_num_seqs minus the running: waiting requests the next step seats
 
 
 class ExecutorStats(_Message):

@@ -77,8 +77,7 @@ class StepLoop:
     def stats(self) -> SchedulerStats:
         s = self.scheduler
         return SchedulerStats(len(s.running), len(s.waiting), s.num_preemptions, self.num_steps,
-                              s.num_finished, s.num_scheduled_tokens, s.num_prefill_tokens,
-                              max(0, s.config.max_num_seqs - len(s.running)))
+                              s.num_finished, s.num_scheduled_tokens, s.num_prefill_tokens)
 
     # --- the loop -----------------------------------------------------------------------------
 
