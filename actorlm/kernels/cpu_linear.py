@@ -10,11 +10,10 @@ reordered once runs faster where it matters:
   and oneDNN's packed GEMM still computes and reads memory in turn rather than at once. With
   AVX-512 the C++ kernel of ``csrc/cpu_linear.cpp`` runs instead (panels of 64 columns, the
   next panel prefetched while a tile of rows computes on this one): on SmolLM2's 30 layers and
-  LM head, 16 rows take 0.75x oneDNN's time and 64 rows 0.85x; without AVX-512, oneDNN's
-  packed GEMM. At one or two rows MKL's GEMV reads the weights at the memory's speed already,
-  so those stay on ``F.linear`` (and keep its bits, transformers' bits). Either GEMM moves the
-  last bits of the result against MKL: greedy tokens stay within vLLM's
-  ``check_logprobs_close`` rule.
+  LM head, 16 rows take 0.75x oneDNN's time and 64 rows 0.85x, and one or two rows 0.9x and
+  0.85x MKL's GEMV. Without AVX-512, oneDNN's packed GEMM from three rows and MKL's GEMV below.
+  Either GEMM moves the last bits of the result against MKL (transformers' bits): greedy
+  tokens stay within vLLM's ``check_logprobs_close`` rule.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ import torch.nn.functional as F
 
 from actorlm.kernels import native
 
-_FP32_PACKED_FROM_ROWS = 3  # at 1-2 rows MKL's GEMV is as fast, with transformers' bits
+_ONEDNN_FP32_FROM_ROWS = 3  # below, MKL's GEMV is faster than oneDNN's packed fp32 GEMM
 
 
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable | None:
@@ -39,16 +38,14 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable |
     bias = None if bias is None else bias.detach()
     if weight.dtype == torch.float32:
         plain = weight.detach()
-        packed = _panel_linear(plain, bias) or _onednn_linear(plain, bias)
+        panel = PanelLinear.build(plain, bias)
+        if panel is not None:
+            return panel
+        packed = _onednn_linear(plain, bias)
         if packed is None:
             return None
-
-        def fp32_linear(x: torch.Tensor) -> torch.Tensor:
-            if x.shape[0] < _FP32_PACKED_FROM_ROWS:
-                return F.linear(x, plain, bias)
-            return packed(x)
-
-        return fp32_linear
+        return lambda x: (F.linear(x, plain, bias) if x.shape[0] < _ONEDNN_FP32_FROM_ROWS
+                          else packed(x))
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None
     return _onednn_linear(weight.detach(), bias)
@@ -62,31 +59,38 @@ def _onednn_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable 
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _panel_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable | None:
-    """fp32 ``x [m, k] -> x @ weight.T + bias`` through ``csrc/cpu_linear.cpp``, or None where
-    that kernel is not built here."""
-    kernel = _kernel()
-    if kernel is None or not weight.is_contiguous():
-        return None
-    n, k = weight.shape
-    columns = -(-n // kernel.panel) * kernel.panel
-    packed = _aligned_empty(columns * k)
-    kernel.pack(weight.data_ptr(), packed.data_ptr(), n, k)
-    padded_bias = None
-    if bias is not None:
-        padded_bias = torch.zeros(columns)
-        padded_bias[:n] = bias.float()
+class PanelLinear:
+    """fp32 ``x [m, k] -> x @ weight.T + bias`` through ``csrc/cpu_linear.cpp``: ``packed`` is
+    the weight in panels, ``padded_bias`` the bias zero-padded to the panels' columns (or None)."""
 
-    def linear(x: torch.Tensor) -> torch.Tensor:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: _Kernel):
+        # the plain weight and bias: for inputs the kernel does not take
+        self.weight, self.bias, self.kernel = weight, bias, kernel
+        self.out_features, self.in_features = n, k = weight.shape
+        columns = -(-n // kernel.panel) * kernel.panel
+        self.packed = _aligned_empty(columns * k)
+        kernel.pack(weight.data_ptr(), self.packed.data_ptr(), n, k)
+        self.padded_bias = None
+        if bias is not None:
+            self.padded_bias = torch.zeros(columns)
+            self.padded_bias[:n] = bias.float()
+
+    @classmethod
+    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> PanelLinear | None:
+        """The packed layer, or None where the kernel is not built here."""
+        kernel = _kernel()
+        if kernel is None or not weight.is_contiguous():
+            return None
+        return cls(weight, bias, kernel)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1:
-            return F.linear(x, weight, bias)
-        y = x.new_empty(x.shape[0], n)
-        kernel.run(x.data_ptr(), x.stride(0), packed.data_ptr(),
-                   None if padded_bias is None else padded_bias.data_ptr(), y.data_ptr(),
-                   x.shape[0], n, k)
+            return F.linear(x, self.weight, self.bias)
+        y = x.new_empty(x.shape[0], self.out_features)
+        self.kernel.run(x.data_ptr(), x.stride(0), self.packed.data_ptr(),
+                        None if self.padded_bias is None else self.padded_bias.data_ptr(),
+                        y.data_ptr(), x.shape[0], self.out_features, self.in_features)
         return y
-
-    return linear
 
 
 class _Kernel:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from actorlm.kernels import KernelBackend
+from actorlm.kernels.cpu_decode_layers import DecodeLayers
 from actorlm.kernels.cpu_fused import add_rms_norm, rms_norm, silu_and_mul
 from actorlm.models.layers import Linear, RowParallelLinear, VocabParallelEmbedding
 from actorlm.models.metadata import AttentionMetadata
@@ -233,6 +234,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", (emb.cos() * scaling).to(dtype), persistent=False)
         self.register_buffer("rope_sin", (emb.sin() * scaling).to(dtype) * sign.to(dtype),
                              persistent=False)
+        self.decode_layers: DecodeLayers | None = None  # set once the weights are packed
 
     def rope(self, positions):
         """cos, sin_signed: [T, 1, D] for ``apply_rope``."""
@@ -242,8 +244,13 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] int64; kv_caches: per layer (k_cache, v_cache) -> [T, hidden]."""
         cos, sin = self.rope(positions)
         x, residual = self.model.embed_tokens(input_ids), None  # [T, hidden]
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        fused = None if self.decode_layers is None else \
+            self.decode_layers(x, cos, sin, kv_caches, meta)
+        if fused is not None:  # a decode step on a CPU: every layer in one C++ call
+            x, residual = fused
+        else:
+            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+                x, residual = layer(x, residual, cos, sin, kv_cache, meta)
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -291,6 +298,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
+        self.decode_layers = DecodeLayers.build(self)
 
     def _shard_range(self, merged_name, shard) -> tuple[int, int]:
         """(first row, rows) of shard ``shard`` inside a merged weight or bias."""

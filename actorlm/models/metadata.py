@@ -47,8 +47,10 @@ def padded_block_table(block_ids: Sequence[Sequence[int]], device) -> torch.Tens
     """[B, longest] int32: row b is ``block_ids[b]``, padded with 0. Filled from one flat list
     of the real entries: padding B Python lists to the longest would cost a step B times the
     longest context's blocks (milliseconds for one 7,000-token request among 63 short ones)."""
+    width = max(map(len, block_ids), default=0)
+    if all(len(blocks) == width for blocks in block_ids):  # no padding (one request, say)
+        return torch.tensor(block_ids, dtype=torch.int32).view(len(block_ids), width).to(device)
     lengths = torch.tensor([len(blocks) for blocks in block_ids], dtype=torch.int64)
-    width = int(lengths.max()) if len(block_ids) else 0
     table = torch.zeros(len(block_ids), width, dtype=torch.int32)
     table[torch.arange(width) < lengths[:, None]] = torch.tensor(
         [block for blocks in block_ids for block in blocks], dtype=torch.int32)
