@@ -60,12 +60,12 @@ def _onednn_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable 
 
 
 class PanelLinear:
-    """fp32 ``x [m, k] -> x @ weight.T + bias`` through ``csrc/cpu_linear.cpp``: ``packed`` is
-    the weight in panels, ``padded_bias`` the bias zero-padded to the panels' columns (or None)."""
+    """fp32 ``x [..., k] -> x @ weight.T + bias`` through ``csrc/cpu_linear.cpp``: ``packed`` is
+    the weight in panels, ``padded_bias`` the bias zero-padded to the panels' columns (or None).
+    It keeps no reference to the plain weight, which its layer may then let go."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: _Kernel):
-        # the plain weight and bias: for inputs the kernel does not take
-        self.weight, self.bias, self.kernel = weight, bias, kernel
+        self.kernel = kernel
         self.out_features, self.in_features = n, k = weight.shape
         columns = -(-n // kernel.panel) * kernel.panel
         self.packed = _aligned_empty(columns * k)
@@ -84,8 +84,11 @@ class PanelLinear:
         return cls(weight, bias, kernel)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1:
-            return F.linear(x, self.weight, self.bias)
+        if x.dtype != torch.float32:
+            raise TypeError(f"an fp32 linear layer got a {x.dtype} input")
+        if x.dim() != 2 or x.stride(-1) != 1:  # [..., k] of any layout, as F.linear takes it
+            rows = x.reshape(-1, self.in_features).contiguous()
+            return self(rows).view(*x.shape[:-1], self.out_features)
         y = x.new_empty(x.shape[0], self.out_features)
         self.kernel.run(x.data_ptr(), x.stride(0), self.packed.data_ptr(),
                         None if self.padded_bias is None else self.padded_bias.data_ptr(),

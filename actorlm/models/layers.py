@@ -27,6 +27,12 @@ class Linear(nn.Module):
         """Once the weights are loaded: run on a packed copy where the device gains by it."""
         self.packed = packed_linear(self.weight, self.bias)
 
+    def drop_plain_weight(self) -> None:
+        """Where a packed copy runs the layer, let the plain weight go: the model then holds
+        each weight once (a packing that still needs it keeps its own reference)."""
+        if self.packed is not None:
+            self.weight = None
+
     def forward(self, x):
         if self.packed is not None:
             return self.packed(x)

@@ -265,9 +265,10 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy HF-named tensors into the (merged) parameters, raising if any is left unset, then
-        pack the linear layers where the device gains by it. Tensor-parallel: only this rank's
-        part of each tensor is taken; a safetensors slice (``safe_open(...).get_slice``) in
-        place of a tensor then reads only that part from the file."""
+        pack the linear layers where the device gains by it (the packed copies replace the plain
+        weights). Tensor-parallel: only this rank's part of each tensor is taken; a safetensors
+        slice (``safe_open(...).get_slice``) in place of a tensor then reads only that part from
+        the file."""
         params = dict(self.named_parameters())  # a tied lm_head appears once, as embed_tokens
         missing = {key for name in params for key in _load_keys(name)}
         for name, tensor in weights:
@@ -298,6 +299,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
+                module.drop_plain_weight()  # a tied LM head's is the embedding's: it stays
         self.decode_layers = DecodeLayers.build(self)
 
     def _shard_range(self, merged_name, shard) -> tuple[int, int]:

@@ -84,10 +84,28 @@ def test_fp32_packed_linear_matches_f_linear(rows, out_features, in_features, bi
     torch.testing.assert_close(linear(x), F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
 
 
-def test_fp32_packed_linear_takes_strided_rows_and_other_dtypes():
+def test_fp32_packed_linear_takes_any_layout_and_refuses_other_dtypes():
     weight, x = torch.randn(70, 32), torch.randn(5, 64)
     linear = packed_linear(weight, None)
-    strided = x[:, ::2]  # not unit-stride: the plain path
+    strided = x[:, ::2]  # not unit-stride
     torch.testing.assert_close(linear(strided), F.linear(strided, weight), rtol=0, atol=1e-4)
     rows_apart = x[:, :32]  # unit-stride rows, 64 apart
     torch.testing.assert_close(linear(rows_apart), F.linear(rows_apart, weight), rtol=0, atol=1e-4)
+    batched = torch.randn(2, 3, 32)  # [..., in_features], as F.linear takes it
+    torch.testing.assert_close(linear(batched), F.linear(batched, weight), rtol=0, atol=1e-4)
+    if cpu_linear._kernel() is not None:
+        with pytest.raises(TypeError, match="bfloat16"):
+            linear(rows_apart.bfloat16())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_loaded_model_lets_the_plain_linear_weights_go(tiny_llama_dir, dtype):
+    from actorlm.kernels import select_backend
+    from actorlm.models.loader import load_model
+
+    model = load_model(tiny_llama_dir, dtype, "cpu", select_backend("cpu"))
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None for m in linears)
+    assert all(m.weight is None for m in linears)  # the packed copy stands in for it
+    # the tied LM head's weight was the embedding's, which the embedding still holds
+    assert model.model.embed_tokens.weight.shape == (model.vocab_size, model.config.hidden_size)
