@@ -5,9 +5,10 @@ the Python between them goes. A decode step streams the weights through the cach
 the interpreter's working set, so each Python-level op after a GEMV costs tens of microseconds
 of cache misses: ten per layer were a fifth of a one-request SmolLM2 step.
 
-It takes an fp32 model on a CPU whose every piece has its C++ kernel here (the panel GEMM,
-which needs AVX-512; RoPE; decode attention for this head shape), on one rank, without q/k
-norms (Qwen3), and a step whose every request decodes one token; anything else runs the
+It takes a model on a CPU whose every piece has its C++ kernel here (the panel GEMM, which
+needs AVX-512, and for bf16 avx512_bf16; RoPE; decode attention for this head shape), on one
+rank, without q/k norms (Qwen3), and a step whose every request decodes one token (in bf16, one
+or two requests: beyond, oneDNN's AMX GEMM runs the linear layers); anything else runs the
 Python layers.
 """
 
@@ -46,10 +47,10 @@ class DecodeLayers:
     """``model``'s decoder layers as one call for pure decode steps; ``build`` says whether the
     model qualifies, ``__call__`` whether the step does."""
 
-    def __init__(self, model, function):
+    def __init__(self, model, function, max_rows: int | None):
         attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
         self.layers = model.model.layers
-        self.function = function
+        self.function, self.max_rows, self.dtype = function, max_rows, model.dtype
         self.q_size, self.kv_size = attn.q_size, attn.kv_size
         self.intermediate = mlp.intermediate_size
         self.head_dim = attn.head_dim
@@ -60,19 +61,20 @@ class DecodeLayers:
 
     @classmethod
     def build(cls, model) -> DecodeLayers | None:
-        function = native.function("actorlm_decode_layers_f32",
-                                   [_P, ctypes.c_int, _P, _P, _P, _P])
+        suffix = {torch.float32: "f32", torch.bfloat16: "bf16"}.get(model.dtype)
         attn = model.model.layers[0].self_attn
-        if function is None or model.dtype != torch.float32 or model.tp.is_parallel or \
-                attn.head_dim % 2 or attn.head_dim > cpu_fused._rope_max_head_dim():
+        if suffix is None or model.tp.is_parallel or attn.head_dim % 2 or \
+                attn.head_dim > cpu_fused._rope_max_head_dim():
             return None
-        for layer in model.model.layers:
-            linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                       layer.mlp.down_proj)
-            if layer.self_attn.q_norm is not None or \
-                    not all(isinstance(linear.packed, PanelLinear) for linear in linears):
-                return None
-        return cls(model, function)
+        function = native.function(f"actorlm_decode_layers_{suffix}",
+                                   [_P, ctypes.c_int, _P, _P, _P, _P])
+        linears = [linear for layer in model.model.layers for linear in _packed_linears(layer)]
+        if function is None or any(layer.self_attn.q_norm is not None
+                                   for layer in model.model.layers) or \
+                not all(isinstance(linear, PanelLinear) for linear in linears):
+            return None
+        limits = [linear.max_rows for linear in linears if linear.max_rows is not None]
+        return cls(model, function, min(limits, default=None))
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
                  kv_caches, meta) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -83,6 +85,7 @@ class DecodeLayers:
         plan, rows = meta.plan, x.shape[0]
         if not isinstance(plan, AttentionPlan) or plan.groups or plan.decode is None or \
                 plan.decode.rows is not None or rows == 0 or \
+                (self.max_rows is not None and rows > self.max_rows) or \
                 meta.slot_mapping.dtype != torch.int64 or not meta.slot_mapping.is_contiguous():
             return None
         layers = self._layers(kv_caches)
@@ -111,21 +114,25 @@ class DecodeLayers:
             return self._array
         self._array, self._caches = None, caches
         block_size = kv_caches[0][0].shape[1]
-        if not cpu_decode.supports(torch.float32, self.shape.num_heads, self.shape.num_kv_heads,
+        if not cpu_decode.supports(self.dtype, self.shape.num_heads, self.shape.num_kv_heads,
                                    self.head_dim, block_size) or \
-                any(k.dtype != torch.float32 or not k.is_contiguous() or not v.is_contiguous() or
+                any(k.dtype != self.dtype or not k.is_contiguous() or not v.is_contiguous() or
                     k.shape[1:] != (block_size, self.shape.num_kv_heads, self.head_dim) or
                     v.shape != k.shape for k, v in kv_caches):
             return None
         self.shape.block_size = block_size
-
         array = (_Layer * len(self.layers))()
         for i, (layer, (k, v)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            linears = [layer.self_attn.qkv_proj.packed, layer.self_attn.o_proj.packed,
-                       layer.mlp.gate_up_proj.packed, layer.mlp.down_proj.packed]
             tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                       *(t for linear in linears for t in (linear.packed, linear.padded_bias)),
+                       *(t for linear in _packed_linears(layer)
+                         for t in (linear.packed, linear.padded_bias)),
                        k, v]  # in _Layer's order
             array[i] = _Layer(*(None if t is None else t.data_ptr() for t in tensors))
         self._array = array
         return array
+
+
+def _packed_linears(layer) -> list:
+    """A decoder layer's linear layers as packed, in the order the kernel runs them."""
+    return [layer.self_attn.qkv_proj.packed, layer.self_attn.o_proj.packed,
+            layer.mlp.gate_up_proj.packed, layer.mlp.down_proj.packed]

@@ -4,7 +4,9 @@
 reordered once runs faster where it matters:
 
 - bf16: oneDNN's own blocked layout, the same bits as ``F.linear``, 25-50 % faster at every
-  batch size measured (1 to 2,048 rows, SmolLM2 shapes, AMX machine).
+  batch size measured (1 to 2,048 rows, SmolLM2 shapes, AMX machine). Where the CPU has
+  avx512_bf16, one or two rows run on the C++ panel GEMM below instead (at one row it reads the
+  weights at 1.6x oneDNN's speed), within one bf16 ulp of oneDNN's result.
 - fp32: MKL's GEMM falls off a cliff between 2 and ~32 rows (16 rows of SmolLM2's layers take
   3x the time of one row, where they should cost little more than reading the weights once),
   and oneDNN's packed GEMM still computes and reads memory in turn rather than at once. With
@@ -48,7 +50,11 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable |
                           else packed(x))
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None
-    return _onednn_linear(weight.detach(), bias)
+    wide = _onednn_linear(weight.detach(), bias)
+    if wide is None:
+        return None
+    # up to two rows on the panel GEMM where the CPU has avx512_bf16, beyond on oneDNN's AMX
+    return PanelLinear.build(weight.detach(), bias, wide=wide) or wide
 
 
 def _onednn_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable | None:
@@ -60,15 +66,21 @@ def _onednn_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable 
 
 
 class PanelLinear:
-    """fp32 ``x [..., k] -> x @ weight.T + bias`` through ``csrc/cpu_linear.cpp``: ``packed`` is
-    the weight in panels, ``padded_bias`` the bias zero-padded to the panels' columns (or None).
-    It keeps no reference to the plain weight, which its layer may then let go."""
+    """``x [..., k] -> x @ weight.T + bias`` through ``csrc/cpu_linear.cpp`` (fp32, or bf16 for
+    up to ``max_rows`` rows, where ``wide`` takes more): ``packed`` is the weight in panels,
+    ``padded_bias`` the bias in fp32, zero-padded to the panels' columns (or None). It keeps no
+    reference to the plain weight, which its layer may then let go."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: _Kernel):
-        self.kernel = kernel
+    BF16_MAX_ROWS = 2  # oneDNN's AMX GEMM is faster from a few rows on
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: _Kernel,
+                 wide: Callable | None = None):
+        self.kernel, self.wide, self.dtype = kernel, wide, weight.dtype
+        self.max_rows = self.BF16_MAX_ROWS if wide is not None else None
         self.out_features, self.in_features = n, k = weight.shape
         columns = -(-n // kernel.panel) * kernel.panel
-        self.packed = _aligned_empty(columns * k)
+        depth = 4 // weight.element_size()  # values of k a 32-bit lane holds
+        self.packed = _aligned_empty(columns * -(-k // depth) * depth, weight.dtype)
         kernel.pack(weight.data_ptr(), self.packed.data_ptr(), n, k)
         self.padded_bias = None
         if bias is not None:
@@ -76,19 +88,22 @@ class PanelLinear:
             self.padded_bias[:n] = bias.float()
 
     @classmethod
-    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> PanelLinear | None:
-        """The packed layer, or None where the kernel is not built here."""
-        kernel = _kernel()
+    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None,
+              wide: Callable | None = None) -> PanelLinear | None:
+        """The packed layer, or None where the kernel for its dtype is not built here."""
+        kernel = _kernel(weight.dtype)
         if kernel is None or not weight.is_contiguous():
             return None
-        return cls(weight, bias, kernel)
+        return cls(weight, bias, kernel, wide)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:
-            raise TypeError(f"an fp32 linear layer got a {x.dtype} input")
+        if x.dtype != self.dtype:
+            raise TypeError(f"a {self.dtype} linear layer got a {x.dtype} input")
         if x.dim() != 2 or x.stride(-1) != 1:  # [..., k] of any layout, as F.linear takes it
             rows = x.reshape(-1, self.in_features).contiguous()
             return self(rows).view(*x.shape[:-1], self.out_features)
+        if self.max_rows is not None and x.shape[0] > self.max_rows:
+            return self.wide(x)
         y = x.new_empty(x.shape[0], self.out_features)
         self.kernel.run(x.data_ptr(), x.stride(0), self.packed.data_ptr(),
                         None if self.padded_bias is None else self.padded_bias.data_ptr(),
@@ -97,22 +112,25 @@ class PanelLinear:
 
 
 class _Kernel:
-    def __init__(self, cdll: ctypes.CDLL):
+    def __init__(self, cdll: ctypes.CDLL, suffix: str):
         P, I64 = ctypes.c_void_p, ctypes.c_int64
-        self.panel = cdll.actorlm_linear_panel_f32()
-        self.pack = native.function("actorlm_linear_pack_f32", [P, P, I64, I64])
-        self.run = native.function("actorlm_linear_f32", [P, I64, P, P, P, I64, I64, I64])
+        self.panel = getattr(cdll, f"actorlm_linear_panel_{suffix}")()
+        self.pack = native.function(f"actorlm_linear_pack_{suffix}", [P, P, I64, I64])
+        self.run = native.function(f"actorlm_linear_{suffix}", [P, I64, P, P, P, I64, I64, I64])
 
 
 @functools.cache
-def _kernel() -> _Kernel | None:
+def _kernel(dtype: torch.dtype = torch.float32) -> _Kernel | None:
+    """The panel GEMM for ``dtype`` (fp32 or bf16), or None where this build has none."""
     cdll = native.library()
-    kernel = None if cdll is None else _Kernel(cdll)
+    suffix = {torch.float32: "f32", torch.bfloat16: "bf16"}.get(dtype)
+    kernel = None if cdll is None or suffix is None else _Kernel(cdll, suffix)
     return kernel if kernel is not None and kernel.panel > 0 else None
 
 
-def _aligned_empty(numel: int, alignment: int = 64) -> torch.Tensor:
-    """An fp32 tensor of ``numel`` whose data starts on an ``alignment``-byte boundary."""
-    spare = torch.empty(numel + alignment // 4)
-    skip = (-spare.data_ptr() % alignment) // 4
+def _aligned_empty(numel: int, dtype: torch.dtype, alignment: int = 64) -> torch.Tensor:
+    """A tensor of ``numel`` whose data starts on an ``alignment``-byte boundary."""
+    size = torch.empty((), dtype=dtype).element_size()
+    spare = torch.empty(numel + alignment // size, dtype=dtype)
+    skip = (-spare.data_ptr() % alignment) // size
     return spare[skip:skip + numel]

@@ -1,5 +1,6 @@
 """A decode step through all layers in one C++ call (``kernels/cpu_decode_layers.py``) computes
-what the Python layers compute, bit for bit, and steps it does not take fall back to them."""
+what the Python layers compute, bit for bit, in fp32 and (for one or two requests) bf16, and
+steps it does not take fall back to them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from actorlm.models.loader import load_model
 
 needs_kernels = pytest.mark.skipif(cpu_linear._kernel() is None,
                                    reason="the fp32 panel GEMM needs AVX-512 and a C++ compiler")
+needs_bf16_kernels = pytest.mark.skipif(cpu_linear._kernel(torch.bfloat16) is None,
+                                        reason="the bf16 panel GEMM needs avx512_bf16")
 
 
 def _counting(model) -> list[int]:
@@ -72,12 +75,29 @@ def test_steps_that_are_not_pure_decode_run_the_python_layers(tiny_llama_dir):
         assert torch.equal(got, expected)
 
 
-def test_only_fp32_models_without_qk_norms_take_the_one_call(tiny_llama_dir, tiny_qwen3_dir):
+@needs_bf16_kernels
+def test_bf16_decode_steps_of_one_or_two_requests_have_the_python_layers_bits(tiny_qwen2_dir):
+    model = load_model(tiny_qwen2_dir, torch.bfloat16, "cpu", select_backend("cpu"))
+    assert model.decode_layers is not None
+    calls = _counting(model)
+    prompts = [[5, 9, 2, 7, 1], [3, 3, 8], [4, 1, 6, 2, 2, 9, 5, 3, 7]]
+    steps = [[(0, [11]), (1, [12])], [(2, [13])],  # two rows, one row: the one call
+             [(rid, [14 + rid]) for rid in range(3)]]  # three rows: oneDNN's GEMM, in Python
+    (fused, fused_caches), (plain, plain_caches) = _twin_runs(model, prompts, steps)
+    assert calls[0] == 2
+    for got, expected in zip(fused, plain):
+        assert torch.equal(got, expected)
+    for (k, v), (k_ref, v_ref) in zip(fused_caches, plain_caches):
+        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+
+def test_models_without_qk_norms_take_the_one_call_where_their_kernels_are_built(
+        tiny_llama_dir, tiny_qwen3_dir):
     backend = select_backend("cpu")
-    assert load_model(tiny_llama_dir, torch.bfloat16, "cpu", backend).decode_layers is None
     assert load_model(tiny_qwen3_dir, torch.float32, "cpu", backend).decode_layers is None
-    fp32 = load_model(tiny_llama_dir, torch.float32, "cpu", backend)
-    assert (fp32.decode_layers is not None) == (cpu_linear._kernel() is not None)
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_model(tiny_llama_dir, dtype, "cpu", backend)
+        assert (model.decode_layers is not None) == (cpu_linear._kernel(dtype) is not None)
 
 
 @needs_kernels
