@@ -61,10 +61,10 @@ class DecodeLayers:
 
     @classmethod
     def build(cls, model) -> DecodeLayers | None:
-        suffix = {torch.float32: "f32", torch.bfloat16: "bf16"}.get(model.dtype)
+        suffix = native.dtype_suffix(model.dtype)
         attn = model.model.layers[0].self_attn
         if suffix is None or model.tp.is_parallel or attn.head_dim % 2 or \
-                attn.head_dim > cpu_fused._rope_max_head_dim():
+                attn.head_dim > cpu_fused.rope_max_head_dim():
             return None
         function = native.function(f"actorlm_decode_layers_{suffix}",
                                    [_P, ctypes.c_int, _P, _P, _P, _P])

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from actorlm.kernels import native
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -71,7 +70,7 @@ def rope_and_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Te
     does not take these tensors; the caller then runs the torch ops."""
     head_dim = k_cache.shape[-1]
     fn = _function("actorlm_rope_write_kv", qkv, cos, sin_signed, k_cache, v_cache)
-    if fn is None or head_dim % 2 or head_dim > _rope_max_head_dim() or \
+    if fn is None or head_dim % 2 or head_dim > rope_max_head_dim() or \
             qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or \
             k_cache.shape != v_cache.shape or k_cache.shape[-2] != num_kv_heads or \
             cos.numel() != qkv.shape[0] * head_dim or sin_signed.shape != cos.shape or \
@@ -85,7 +84,8 @@ def rope_and_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Te
 
 
 @functools.cache
-def _rope_max_head_dim() -> int:
+def rope_max_head_dim() -> int:
+    """The largest head size ``rope_and_write_kv`` takes (0 without the library)."""
     lib = native.library()
     return 0 if lib is None else lib.actorlm_rope_max_head_dim()
 
@@ -105,10 +105,11 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 def _function(name: str, *tensors: torch.Tensor):
     """The C++ function for these tensors (CPU, contiguous, one dtype it takes), or None."""
     first = tensors[0]
-    if first.device.type != "cpu" or first.dtype not in _SUFFIX or first.shape[0] == 0 or \
+    suffix = native.dtype_suffix(first.dtype)
+    if first.device.type != "cpu" or suffix is None or first.shape[0] == 0 or \
             any(t.dtype != first.dtype or not t.is_contiguous() for t in tensors):
         return None
-    return _load(f"{name}_{_SUFFIX[first.dtype]}")
+    return _load(f"{name}_{suffix}")
 
 
 @functools.cache

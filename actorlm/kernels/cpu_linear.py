@@ -123,7 +123,7 @@ class _Kernel:
 def _kernel(dtype: torch.dtype = torch.float32) -> _Kernel | None:
     """The panel GEMM for ``dtype`` (fp32 or bf16), or None where this build has none."""
     cdll = native.library()
-    suffix = {torch.float32: "f32", torch.bfloat16: "bf16"}.get(dtype)
+    suffix = native.dtype_suffix(dtype)
     kernel = None if cdll is None or suffix is None else _Kernel(cdll, suffix)
     return kernel if kernel is not None and kernel.panel > 0 else None
 

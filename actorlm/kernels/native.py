@@ -22,6 +22,8 @@ import shutil
 import subprocess
 import tempfile
 
+import torch
+
 from actorlm.paths import cache_root
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,12 @@ def function(name: str, argtypes: list) -> ctypes._CFuncPtr | None:
     fn = getattr(lib, name)
     fn.restype, fn.argtypes = None, argtypes
     return fn
+
+
+def dtype_suffix(dtype: torch.dtype) -> str | None:
+    """The suffix of the library's functions for ``dtype`` (``_f32``, ``_bf16``), or None where
+    it has none."""
+    return {torch.float32: "f32", torch.bfloat16: "bf16"}.get(dtype)
 
 
 def _build() -> pathlib.Path:
