@@ -6,8 +6,9 @@ On CUDA the workers run the Triton kernels; on a CPU they run the torch twins in
 ``TRITON_INTERPRET=1``, which is how the kernels are tested here).
 
 A backend is what a model layer and the runner need: ``plan(q_lens, seq_lens, block_ids,
-block_size, device)`` is called once per step by the runner (from Python lists) and its result
-rides in ``AttentionMetadata.plan``; ``attention(q, k, v, k_cache, v_cache, meta, scale)`` writes
+block_size, device, tables=...)`` is called once per step by the runner (from Python lists,
+and the metadata's block table and seq_lens tensors) and its result rides in
+``AttentionMetadata.plan``; ``attention(q, k, v, k_cache, v_cache, meta, scale)`` writes
 a layer's new K/V into the paged cache and attends; ``sample`` is the sampling kernel.
 """
 
@@ -52,7 +53,7 @@ def select_backend(device: torch.device | str) -> KernelBackend:
                          rope_write_and_attend)
 
 
-def _no_plan(*args) -> None:
+def _no_plan(*args, **kwargs) -> None:
     return None
 
 

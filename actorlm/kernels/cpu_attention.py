@@ -59,11 +59,14 @@ class AttentionPlan(NamedTuple):
 
 def plan_attention(q_lens: Sequence[int], seq_lens: Sequence[int],
                    block_ids: Sequence[Sequence[int]], block_size: int,
-                   device: torch.device | str = "cpu") -> AttentionPlan:
+                   device: torch.device | str = "cpu",
+                   tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> AttentionPlan:
     """Group the step's requests and build their index tensors and masks.
 
     Request b owns ``q_lens[b]`` consecutive query rows (in request order) at the last
-    positions of its ``seq_lens[b]``-token context, stored in ``block_ids[b]``.
+    positions of its ``seq_lens[b]``-token context, stored in ``block_ids[b]``. ``tables``:
+    the step's padded block table and seq_lens as tensors, if already built (the metadata's),
+    taken as they are when every request decodes.
     """
     starts = [0]
     for q_len in q_lens:
@@ -79,7 +82,7 @@ def plan_attention(q_lens: Sequence[int], seq_lens: Sequence[int],
     decode_groups = functools.cache(functools.partial(  # only if a layer's shape needs them
         _groups, decodes, True, q_lens, seq_lens, starts, block_ids, block_size, device))
     return AttentionPlan(prefill_groups, _decode_rows(decodes, len(q_lens), seq_lens, starts,
-                                                      block_ids, device, decode_groups))
+                                                      block_ids, device, decode_groups, tables))
 
 
 def _groups(chosen, is_decode, q_lens, seq_lens, starts, block_ids, block_size, device):
@@ -99,8 +102,10 @@ def _groups(chosen, is_decode, q_lens, seq_lens, starts, block_ids, block_size, 
     return groups
 
 
-def _decode_rows(decodes, num_requests, seq_lens, starts, block_ids, device, groups):
+def _decode_rows(decodes, num_requests, seq_lens, starts, block_ids, device, groups, tables):
     every_row = len(decodes) == num_requests  # then row b is request b
+    if every_row and tables is not None:
+        return _DecodeRows(None, *tables, groups)
     return _DecodeRows(
         None if every_row else torch.tensor([starts[b] for b in decodes], dtype=torch.int32,
                                             device=device),

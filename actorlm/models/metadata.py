@@ -34,13 +34,15 @@ class AttentionMetadata:
             slots += [blocks[p // block_size] * block_size + p % block_size
                       for p in range(seq_len - q_len, seq_len)]
             starts.append(starts[-1] + q_len)
+        tables = (padded_block_table(block_ids, device),
+                  torch.tensor(seq_lens, dtype=torch.int32, device=device))
         return cls(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            block_tables=padded_block_table(block_ids, device),
+            block_tables=tables[0],
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            seq_lens=tables[1],
             max_query_len=max(q_lens), max_seq_len=max(seq_lens),
-            plan=backend.plan(q_lens, seq_lens, block_ids, block_size, device))
+            plan=backend.plan(q_lens, seq_lens, block_ids, block_size, device, tables=tables))
 
 
 def padded_block_table(block_ids: Sequence[Sequence[int]], device) -> torch.Tensor:
