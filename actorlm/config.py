@@ -133,7 +133,7 @@ class EngineConfig:
                 kv_cache_budget_bytes: int | None = None) -> EngineConfig:
         """Fill the model-dependent values and check them against the model. The KV pool is
         ``num_kv_blocks``, else ``kv_cache_memory_bytes``, else ``kv_cache_budget_bytes`` (what
-        profiling a GPU left, see ``actorlm.models.profile``), else 2 GiB."""
+        profiling a GPU left, see ``actorlm.models.memory_profile``), else 2 GiB."""
         resolved = self.resolve_lengths(hf_config)
         max_model_len, max_batched = resolved.max_model_len, resolved.max_num_batched_tokens
         num_blocks = self.num_kv_blocks

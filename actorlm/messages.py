@@ -2,8 +2,9 @@
 
 Messages are immutable msgspec Structs so that the same types travel in-process (as objects)
 and to worker processes (msgpack-encoded). Per-step messages are ``array_like`` (encoded as
-arrays, no field names on the wire) and ``gc=False`` (they hold only scalars, strings and lists
-of those, so they can never take part in a reference cycle).
+arrays, no field names on the wire) and ``gc=False`` (they hold scalars, strings, lists and
+Structs of those, built fresh for each message and never pointing back at their holder, so they
+can never take part in a reference cycle).
 
 Commands are imperative (``AddRequest``), events are past tense (``SlotsGranted``).
 This module imports nothing from pykka: it is the contract, not the machinery.

@@ -114,7 +114,7 @@ def run_kernel_tests(results: dict) -> None:
 
 def kv_sizing() -> dict:
     """The engine on the default model with default flags: the KV pool is sized by profiling
-    (``actorlm.models.profile``). Run in a process of its own (``--kv-sizing``), so that it
+    (``actorlm.models.memory_profile``). Run in a process of its own (``--kv-sizing``), so that it
     takes the GPU as a user's engine would and gives it all back."""
     from actorlm import LLM, SamplingParams
     from actorlm.models.parts import model_geometry

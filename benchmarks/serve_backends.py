@@ -23,7 +23,7 @@ import sys
 import time
 import urllib.request
 
-from actorlm.benchmark.serve import run_serve_benchmark
+from actorlm.bench.serve import run_serve_benchmark
 
 
 def _wait_ready(base_url: str, server: subprocess.Popen, timeout_s: float = 300.0) -> None:

@@ -14,7 +14,7 @@ from actorlm.trace.cli import add_trace_commands
 
 
 def main(argv: list[str] | None = None) -> int:
-    from actorlm.benchmark.prefix import add_prefix_arguments, bench_prefix
+    from actorlm.bench.prefix import add_prefix_arguments, bench_prefix
 
     parser = argparse.ArgumentParser(prog="actorlm", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -122,7 +122,7 @@ def _generate(args) -> int:
 
 
 def _bench_throughput(args) -> int:
-    from actorlm.benchmark.throughput import run_throughput
+    from actorlm.bench.throughput import run_throughput
 
     result = run_throughput(args.model, engine_flags(args), args.num_prompts, args.output_len,
                             compare_hf=args.compare == "hf", num_iters=args.num_iters,
@@ -131,7 +131,7 @@ def _bench_throughput(args) -> int:
 
 
 def _bench_structured(args) -> int:
-    from actorlm.benchmark.structured import run_structured
+    from actorlm.bench.structured import run_structured
 
     result = run_structured(args.model, engine_flags(args), args.num_prompts, args.output_len,
                             args.num_iters)
@@ -139,7 +139,7 @@ def _bench_structured(args) -> int:
 
 
 def _bench_latency(args) -> int:
-    from actorlm.benchmark.latency import run_latency
+    from actorlm.bench.latency import run_latency
 
     result = run_latency(args.model, engine_flags(args), args.batch_size, args.input_len,
                          args.output_len, num_iters=args.num_iters,
@@ -171,7 +171,7 @@ def _serve(args) -> int:
 
 
 def _bench_serve(args) -> int:
-    from actorlm.benchmark.serve import print_report, run_serve_benchmark
+    from actorlm.bench.serve import print_report, run_serve_benchmark
 
     result = run_serve_benchmark(args.base_url, args.num_prompts, args.request_rate,
                                  endpoint=args.endpoint, max_tokens=args.max_tokens,

@@ -5,7 +5,7 @@ sampling draws wrong conclusions from a 200. These fields are declared (so the s
 them and they decode strictly) and a request that uses one gets a 400 naming it. Sent with
 their "off" value (``null``, ``false``, ``0``, empty, ``function_call: "none"``, the one
 grammar backend there is) they change nothing and pass. Fields nobody defines are another
-matter: they are ignored and logged once (``decoding.RequestDecoder``).
+matter: they are ignored and logged once (``request_body.RequestDecoder``).
 """
 
 from __future__ import annotations

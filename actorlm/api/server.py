@@ -32,7 +32,7 @@ import actorlm
 from actorlm.api import protocol as p
 from actorlm.api import serving
 from actorlm.api.chat_template import apply_chat_template
-from actorlm.api.decoding import RequestDecoder
+from actorlm.api.request_body import RequestDecoder
 from actorlm.api.metrics import ServerMetrics, StatsLogger
 from actorlm.api.openapi import openapi_document
 from actorlm.api.options import ServerOptions

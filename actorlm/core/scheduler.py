@@ -23,7 +23,7 @@ the allocator's grant decides it with the real counts: who is preempted when blo
 (the newest first), which candidates are admitted, and where each admitted one starts (its
 prefix-cache hit). So a step costs one round trip and the grant never fails.
 
-The policy is pure and thread-free. Aborts are applied only between steps (the actor defers
+The policy is pure and thread-free. Aborts are applied only between steps (``StepLoop`` defers
 them while a step is in flight), so a step's requests never change under it.
 """
 

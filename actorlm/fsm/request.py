@@ -1,4 +1,4 @@
-"""The request lifecycle as a transition table (DESIGN.md §3).
+"""The request lifecycle as a transition table (docs/architecture.md).
 
 Prefill versus decode is not a state: a RUNNING request whose computed tokens lag its prompt
 is prefilling. The enum's order encodes "finished": every state from FINISHED on is terminal.

@@ -5,7 +5,7 @@ pool size) and returns ``ModelParts``: the tokenizer, the vocabulary, the EOS id
 ``make_runner(rank)``, which builds a worker's model runner (weights and KV cache). The weights
 load in ``make_runner`` — on a thread that exits, see ``actorlm.openmp`` — except on a GPU with
 no KV pool size given: there they load first, so that the largest step can be profiled and the
-pool given what is left (``actorlm.models.profile``), and that model becomes rank 0's first
+pool given what is left (``actorlm.models.memory_profile``), and that model becomes rank 0's first
 runner. A worker restarted later loads afresh.
 
 With ``--tensor-parallel-size N`` each rank's runner holds 1/N of the model and of the KV cache
@@ -27,7 +27,7 @@ from actorlm.kernels import select_backend
 from actorlm.models.loader import load_hf_config, load_model, resolve_model
 from actorlm.models.parallel import (TensorParallel, check_initialised, check_tensor_parallel,
                                      num_kv_heads_per_rank)
-from actorlm.models.profile import MemoryProfile, kv_cache_budget, largest_step, load_and_profile
+from actorlm.models.memory_profile import MemoryProfile, kv_cache_budget, largest_step, load_and_profile
 from actorlm.models.runner import ModelRunner
 from actorlm.openmp import on_passing_thread
 

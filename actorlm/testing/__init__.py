@@ -13,7 +13,7 @@ See docs/testing.md.
 """
 
 from actorlm.testing.clock import ManualClock
-from actorlm.core.fake_runner import FakeModelRunner, InjectedFault
+from actorlm.testing.fake_runner import FakeModelRunner, InjectedFault
 from actorlm.testing.faults import FakeRunnerFactory, FaultInjector, InjectedDeath
 from actorlm.testing.harness import EngineHarness
 from actorlm.testing.records import RequestRecord, StepRecord

@@ -21,7 +21,7 @@ import threading
 from dataclasses import dataclass
 
 from actorlm.messages import ScheduleStep, StepResult
-from actorlm.core.fake_runner import FakeModelRunner, InjectedFault
+from actorlm.testing.fake_runner import FakeModelRunner, InjectedFault
 
 
 class InjectedDeath(BaseException):

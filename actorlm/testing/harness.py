@@ -37,7 +37,7 @@ from actorlm.messages import (AbortRequests, AddRequest, EngineOutputs, GetStats
 from actorlm.models.parts import ModelParts
 from actorlm.outputs import RequestOutput
 from actorlm.sampling_params import SamplingParams
-from actorlm.core.fake_runner import FakeModelRunner
+from actorlm.testing.fake_runner import FakeModelRunner
 from actorlm.testing.probe import TestProbe
 from actorlm.testing.records import RequestRecord, StepRecord
 from actorlm.testing.tokenizer import ToyTokenizer
@@ -227,10 +227,10 @@ class EngineHarness:
         return self.kv_stats().num_total_blocks
 
     def check_invariants(self) -> None:
-        """Assert DESIGN.md's invariants on everything seen so far: no step over
-        ``max_num_batched_tokens`` / ``max_num_seqs``; no finished request finished twice or
-        without exactly one finishing delta; no fake-runner violation; and, once idle, every
-        block back in the pool."""
+        """Assert the engine's invariants (docs/architecture.md) on everything seen so far: no
+        step over ``max_num_batched_tokens`` / ``max_num_seqs``; no finished request finished
+        twice or without exactly one finishing delta; no fake-runner violation; and, once idle,
+        every block back in the pool."""
         cfg, problems = self.config, []
         for step in self.scheduled_steps:
             num_tokens, num_seqs = sum(step.num_scheduled_tokens), len(step.num_scheduled_tokens)

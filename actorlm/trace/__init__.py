@@ -1,4 +1,4 @@
-"""Trace recorder, Chrome/Perfetto export, HTML visualizer and replay (DESIGN.md §6).
+"""Trace recorder, Chrome/Perfetto export, HTML visualizer and replay (docs/architecture.md).
 
 Record a run with ``LLM(..., trace_file=PATH)`` (or ``EngineSystem(..., trace=TraceRecorder())``),
 then ``actorlm trace render|perfetto|replay PATH``.

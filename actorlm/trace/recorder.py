@@ -2,7 +2,7 @@
 
 The recorder is fed from three places, all cheap enough to leave on in production:
 
-- the request state machine: ``on_transition`` is a ``Machine`` listener (DESIGN.md §3);
+- the request state machine: ``on_transition`` is a ``Machine`` listener (docs/architecture.md);
 - the actor message path: ``wrap(ref, sender, receiver)`` returns a ref that records each
   message it carries (type, step, msgpack size) before passing it on;
 - the scheduler actor's loop: ``before_plan`` / ``planned`` / ``granted`` / ``step_result``

@@ -120,7 +120,7 @@ class StepSummary(_Record, tag="step"):
     ran in it), ``failed_ids`` / ``error`` when the runner failed some requests alone.
     ``prepare_s``, ``forward_s`` and ``sample_s`` are the runner's own timings of the step
     (input preparation, the model's forward, logits and sampling); the rest of a step's period
-    is the engine's own work (see ``trace/profile.py``). ``rank_timings[r]`` are the same three
+    is the engine's own work (see ``trace/step_breakdown.py``). ``rank_timings[r]`` are the same three
     for worker rank ``r`` (rank 0's are the ones above).
     """
 

@@ -2,7 +2,7 @@
 
 ``SyncEngine`` is the engine's scheduling half run in one thread: the scheduler actor's own
 loop (``core.step_loop.StepLoop``), the real ``Scheduler`` and ``BlockPool``, and
-``core.fake_runner.FakeModelRunner`` for the model. Every message the loop sends lands in an
+``testing.fake_runner.FakeModelRunner`` for the model. Every message the loop sends lands in an
 outbox the engine routes itself, so the order in which the scheduler handles messages is
 exactly the order the caller chooses.
 
@@ -33,7 +33,7 @@ import msgspec
 
 from actorlm.core.block_hash import hash_block
 from actorlm.core.block_pool import BlockPool
-from actorlm.core.fake_runner import FakeModelRunner
+from actorlm.testing.fake_runner import FakeModelRunner
 from actorlm.core.scheduler import Scheduler, SchedulerConfig
 from actorlm.core.step_loop import StepLoop
 from actorlm.messages import (AbortRequests, AddRequest, ScheduleStep, SlotsGranted, StepResult,

@@ -51,10 +51,6 @@ class Lane:
     is_open: bool = False  # still live when the trace ends
 
     @property
-    def t_arrival(self) -> float:
-        return self.segments[0].t_start if self.segments else 0.0
-
-    @property
     def t_end(self) -> float:
         return self.segments[-1].t_end if self.segments else 0.0
 

@@ -1,12 +1,12 @@
 """Abuse in the suite, bounded: an abort storm and a soak on the guarded server (the long soak:
-``python -m actorlm.benchmark.abuse --soak``). Figures: docs/reliability.md."""
+``python -m actorlm.bench.abuse --soak``). Figures: docs/reliability.md."""
 
 from __future__ import annotations
 
 from api_helpers import SERVED_NAME
 from conftest import API_KEY
 
-from actorlm.benchmark.abuse import abort_storm, soak
+from actorlm.bench.abuse import abort_storm, soak
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 # a fresh server's first thousands of requests grow it by up to ~100 KiB each, natively (the

@@ -10,7 +10,7 @@ import httpx
 import openai
 from api_helpers import SERVED_NAME
 
-from actorlm.benchmark.abuse import scrape
+from actorlm.bench.abuse import scrape
 
 PROMPTS = ["Once upon a time", "The quick brown fox", "The baker opened his last sack",
            "Machine learning models read text", "One winter the river froze",

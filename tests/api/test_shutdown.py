@@ -18,7 +18,7 @@ import httpx
 import pytest
 from api_helpers import read_events, serving
 
-from actorlm.benchmark.abuse import scrape
+from actorlm.bench.abuse import scrape
 
 SHUTDOWN_TIMEOUT = 2.0
 EXIT_MARGIN = 2.0  # the process must be gone this long after the grace period

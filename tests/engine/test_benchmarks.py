@@ -6,7 +6,7 @@ import statistics
 import pytest
 
 from actorlm.api.cli import main
-from actorlm.trace.profile import breakdown
+from actorlm.trace.step_breakdown import breakdown
 from actorlm.trace.records import StepSummary
 
 
@@ -66,7 +66,7 @@ def test_bench_latency_refuses_an_output_too_short_to_decode(tiny_llama_dir, cap
 
 
 def test_one_long_request_costs_a_decode_step_about_its_own_context(tiny_llama_long_dir):
-    from actorlm.benchmark.mixed_lengths import step_costs
+    from actorlm.bench.mixed_lengths import step_costs
 
     result = step_costs(tiny_llama_long_dir, num_short=63, short_len=100, long_len=7000)
     # padded to the longest context this was ~10x; the bound is generous so it cannot flake

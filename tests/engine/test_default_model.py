@@ -9,7 +9,7 @@ import pytest
 from engine_helpers import TOP, check_logprobs_close, engine_greedy, hf_greedy
 
 from actorlm import SamplingParams
-from actorlm.benchmark.throughput import bench_prompts
+from actorlm.bench.throughput import bench_prompts
 
 pytestmark = pytest.mark.slow
 

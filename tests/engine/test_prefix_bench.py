@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from actorlm.benchmark.prefix import main
+from actorlm.bench.prefix import main
 
 _MODE_KEYS = {"prefill_tokens", "prefill_tokens_per_batch", "cached_tokens",
               "prefix_cache_queries", "prefix_cache_hits", "ttft_p50_ms", "ttft_p90_ms",

@@ -13,7 +13,7 @@ from actorlm.api.flags import add_engine_flags, engine_flags
 from actorlm.config import EngineConfig
 from actorlm.kernels import select_backend
 from actorlm.models.loader import load_model
-from actorlm.models.profile import (kv_cache_budget, largest_step, num_blocks_needed,
+from actorlm.models.memory_profile import (kv_cache_budget, largest_step, num_blocks_needed,
                                     run_dummy_step)
 from actorlm.models.runner import ModelRunner
 

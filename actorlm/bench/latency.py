@@ -6,7 +6,7 @@ measured apart. Every request decodes exactly ``output_len`` tokens (greedy, EOS
 ``--compare hf`` runs transformers' ``generate`` on the same prompt ids in the same process,
 taking turns with the engine run by run (ratios are medians of each pair's): its TTFT is a
 one-token ``generate``, its decode rate the rest of a full one. ``--profile`` adds the engine's
-per-step breakdown (see ``actorlm.trace.profile``).
+per-step breakdown (see ``actorlm.trace.step_breakdown``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from actorlm.benchmark.throughput import bench_prompts, profiled, step_breakdown
+from actorlm.bench.throughput import bench_prompts, profiled, step_breakdown
 
 
 def latency_prompts(tokenize, batch_size: int, input_len: int) -> list[list[int]]:

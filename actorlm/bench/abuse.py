@@ -8,7 +8,7 @@ back to nothing running, nothing waiting, no KV block used, and ``/health`` 200.
 number of clients; the server's resident memory (``process_resident_memory_bytes`` in
 ``/metrics``) after a warm-up is compared with the end.
 
-``python -m actorlm.benchmark.abuse --base-url URL [--api-key KEY] [--soak]`` runs both and
+``python -m actorlm.bench.abuse --base-url URL [--api-key KEY] [--soak]`` runs both and
 prints one JSON object on its last line; ``--soak`` is the long variant (50,000 requests
 instead of the suite's few thousand).
 """

@@ -6,7 +6,7 @@ declared computed, so no prefill runs; attention reads whatever the KV cache hol
 attention proportional to the tokens attended, the long request costs its own context and no
 more; padded to the longest context, it used to cost every short one ``long_len`` positions.
 
-    python -m actorlm.benchmark.mixed_lengths [--model DIR] [--dtype float32] [--json]
+    python -m actorlm.bench.mixed_lengths [--model DIR] [--dtype float32] [--json]
 """
 
 from __future__ import annotations

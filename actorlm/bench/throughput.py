@@ -47,7 +47,7 @@ def profiled(enabled: bool):
 
 def step_breakdown(llm, since: float) -> dict:
     """Where the engine's steps since ``since`` (monotonic) went (see ``trace.profile``)."""
-    from actorlm.trace.profile import breakdown
+    from actorlm.trace.step_breakdown import breakdown
 
     llm.flush_trace()
     return breakdown(llm.trace.records(), since)

@@ -31,7 +31,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from actorlm.benchmark.throughput import bench_prompts
+from actorlm.bench.throughput import bench_prompts
 
 WORKLOADS = ("multi_turn", "shared_prompt")
 _COUNTERS = ("num_prefill_tokens", "prefix_cache_queries", "prefix_cache_hits")
@@ -254,7 +254,7 @@ def bench_prefix(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m actorlm.benchmark.prefix",
+    parser = argparse.ArgumentParser(prog="python -m actorlm.bench.prefix",
                                      description=__doc__.split("\n\n")[0])
     add_prefix_arguments(parser)
     args = parser.parse_args(argv)

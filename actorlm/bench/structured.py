@@ -21,7 +21,7 @@ REGEX = r"[A-Za-z0-9 ,.;:'!?()-]{1,4000}"
 
 def run_structured(model: str | None, flags: dict, num_prompts: int, output_len: int,
                    num_iters: int = 3) -> dict:
-    from actorlm.benchmark.throughput import bench_prompts
+    from actorlm.bench.throughput import bench_prompts
     from actorlm.llm import LLM
     from actorlm.sampling_params import SamplingParams, StructuredOutputsParams
 

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from actorlm.benchmark.throughput import bench_prompts
+from actorlm.bench.throughput import bench_prompts
 
 _PERCENTILES = (50, 90, 99)
 
