@@ -27,7 +27,7 @@ def one_step_ms(dtype: str, num_requests: int, context: int) -> float:
     import torch
 
     from actorlm.config import EngineConfig
-    from actorlm.kernels.cpu_fused import argmax
+    from actorlm.kernels.cpu.fused import argmax
     from actorlm.models.metadata import AttentionMetadata
     from actorlm.models.parts import load_model_parts
 

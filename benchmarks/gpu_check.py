@@ -54,7 +54,7 @@ def decode_batch(num_seqs, context, num_heads, num_kv_heads, head_dim, block_siz
 
 
 def check_attention(results: dict) -> None:
-    from actorlm.kernels.paged_attention import paged_attention
+    from actorlm.kernels.triton.paged_attention import paged_attention
     from actorlm.kernels.reference import paged_attention_ref
 
     rows = []
@@ -88,7 +88,7 @@ def check_attention(results: dict) -> None:
 
 def check_sampling(results: dict) -> None:
     from actorlm.kernels.reference import sample_ref
-    from actorlm.kernels.sampling import sample
+    from actorlm.kernels.triton.sampling import sample
 
     batch, vocab = 256, 128256
     logits = torch.randn(batch, vocab, device="cuda") * 3

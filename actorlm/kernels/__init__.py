@@ -42,10 +42,10 @@ def select_backend(device: torch.device | str) -> KernelBackend:
     if choice == "triton":
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("the Triton backend on a CPU needs TRITON_INTERPRET=1")
-        from actorlm.kernels.sampling import sample
+        from actorlm.kernels.triton.sampling import sample
 
         return KernelBackend("triton", _no_plan, _triton_attention, sample)
-    from actorlm.kernels.cpu_attention import (plan_attention, rope_write_and_attend,
+    from actorlm.kernels.cpu.attention import (plan_attention, rope_write_and_attend,
                                                write_and_attend)
     from actorlm.kernels.reference import sample_ref
 
@@ -58,7 +58,7 @@ def _no_plan(*args, **kwargs) -> None:
 
 
 def _triton_attention(q, k, v, k_cache, v_cache, meta, scale):
-    from actorlm.kernels.paged_attention import paged_attention, write_kv
+    from actorlm.kernels.triton.paged_attention import paged_attention, write_kv
 
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,

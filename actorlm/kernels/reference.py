@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from actorlm.kernels.cpu_attention import attend, plan_attention
+from actorlm.kernels.cpu.attention import attend, plan_attention
 from actorlm.sampling_params import GREEDY_TEMPERATURE
 
 # top-p without top-k first looks at this many most likely tokens (a topk is far cheaper than

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actorlm.kernels.cpu_linear import packed_linear
+from actorlm.kernels.cpu.linear import packed_linear
 from actorlm.models.parallel import TensorParallel, all_reduce
 
 

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from actorlm.kernels import KernelBackend
-from actorlm.kernels.cpu_decode_layers import DecodeLayers
-from actorlm.kernels.cpu_fused import add_rms_norm, rms_norm, silu_and_mul
+from actorlm.kernels.cpu.decode_step import DecodeLayers
+from actorlm.kernels.cpu.fused import add_rms_norm, rms_norm, silu_and_mul
 from actorlm.models.layers import Linear, RowParallelLinear, VocabParallelEmbedding
 from actorlm.models.metadata import AttentionMetadata
 from actorlm.models.parallel import (TensorParallel, check_tensor_parallel, gather_last_dim,
@@ -44,7 +44,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x, residual=None):
         """``norm(x)``; with ``residual``: (norm(x + residual), x + residual), fused on a CPU
-        (``kernels/cpu_fused.py``: x and residual may be written)."""
+        (``kernels/cpu/fused.py``: x and residual may be written)."""
         if residual is not None:
             return add_rms_norm(x, residual, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)

@@ -15,7 +15,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from actorlm.kernels.cpu_fused import argmax
+from actorlm.kernels.cpu.fused import argmax
 from actorlm.messages import PositionLogprobs
 from actorlm.sampling_params import SamplingParams
 

@@ -1,4 +1,4 @@
-"""The CPU attention path (``cpu_attention`` planning, ``cpu_decode``'s C++ decode kernel)
+"""The CPU attention path (``cpu_attention`` planning, ``decode_attention``'s C++ decode kernel)
 against paged_attention_ref, with the tolerances of ``paged_batches``.
 
 The decode kernel is built on first use with the machine's compiler; this suite's set-up has
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actorlm.kernels import cpu_attention, cpu_decode
-from actorlm.kernels.cpu_attention import attend, plan_attention
+from actorlm.kernels.cpu import attention as cpu_attention, decode_attention
+from actorlm.kernels.cpu.attention import attend, plan_attention
 from actorlm.kernels.reference import paged_attention_ref
 from paged_batches import MIXED_BATCH, assert_close, dtype_id, make_batch
 
@@ -30,16 +30,16 @@ def _attend(inputs, scale):
 
 
 def test_the_kernel_builds_here():
-    assert cpu_decode.is_built(16)
-    assert cpu_decode.supports(torch.bfloat16, 9, 3, 64, 16)
-    assert cpu_decode.supports(torch.float32, 32, 8, 128, 16)
-    assert not cpu_decode.supports(torch.float16, 4, 2, 64, 16)  # the torch path's
+    assert decode_attention.is_built(16)
+    assert decode_attention.supports(torch.bfloat16, 9, 3, 64, 16)
+    assert decode_attention.supports(torch.float32, 32, 8, 128, 16)
+    assert not decode_attention.supports(torch.float16, 4, 2, 64, 16)  # the torch path's
 
 
 def test_building_it_leaves_denormals_alone():
     # -ffast-math must not reach the link step (crtfastmath.o would flush denormals to zero
     # for the whole process)
-    cpu_decode.is_built(16)
+    decode_attention.is_built(16)
     assert (torch.tensor([1e-38]) / 1e3).item() > 0
 
 
@@ -63,7 +63,7 @@ def test_decode_kernel_matches_reference(dtype, head_dim, num_kv_heads, gqa, blo
     inputs = make_batch(lens, num_kv_heads * gqa, num_kv_heads, head_dim, block_size, dtype,
                         seed=head_dim + gqa)
     query, k_cache, v_cache, block_tables, _, seq_lens = inputs
-    out = cpu_decode.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens,
+    out = decode_attention.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens,
                                             head_dim**-0.5)
     assert_close(out, paged_attention_ref(*inputs, head_dim**-0.5), dtype)
 
@@ -77,7 +77,7 @@ def test_decode_kernel_reads_strided_rows_and_writes_only_them():
     fused[:, :6] = query
     rows = torch.tensor([0, 2], dtype=torch.int32)
     out = torch.full((3, 6, 64), 7.0)
-    cpu_decode.paged_decode_attention(fused[:, :6], k_cache, v_cache, block_tables[[0, 2]],
+    decode_attention.paged_decode_attention(fused[:, :6], k_cache, v_cache, block_tables[[0, 2]],
                                       seq_lens[[0, 2]], 0.125, rows, out)
     ref = paged_attention_ref(query, k_cache, v_cache, block_tables, qsl, seq_lens, 0.125)
     assert_close(out[[0, 2]], ref[[0, 2]], torch.float32)
@@ -88,10 +88,10 @@ def test_decode_kernel_sees_only_the_context():
     # cache positions past a request's seq_len (the rest of its last block) are never read
     inputs = make_batch([(1, 9)], 2, 1, 64, 16, torch.float32, seed=4)
     query, k_cache, v_cache, block_tables, _, seq_lens = inputs
-    before = cpu_decode.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, 0.125)
+    before = decode_attention.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, 0.125)
     k_cache[int(block_tables[0, 0]), 10:] = float("nan")
     v_cache[int(block_tables[0, 0]), 10:] = float("nan")
-    after = cpu_decode.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, 0.125)
+    after = decode_attention.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, 0.125)
     assert torch.equal(before, after)
 
 
@@ -99,7 +99,7 @@ def test_decode_kernel_sees_only_the_context():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 def test_planned_mixed_batch_matches_reference(dtype, use_kernel, monkeypatch):
     if not use_kernel:
-        monkeypatch.setattr(cpu_attention.cpu_decode, "is_built", lambda block_size: False)
+        monkeypatch.setattr(cpu_attention.decode_attention, "is_built", lambda block_size: False)
     inputs = make_batch(MIXED_BATCH, 6, 2, 64, 16, dtype, seed=11)
     plan, out = _attend(inputs, 0.125)
     assert (plan.decode is not None) == use_kernel
@@ -109,7 +109,7 @@ def test_planned_mixed_batch_matches_reference(dtype, use_kernel, monkeypatch):
 def test_a_shape_beyond_the_kernel_falls_back_to_groups(monkeypatch):
     # planned for the kernel, but this layer's shape is not one it runs: the decode rows'
     # groups are built then, and the result is the same
-    monkeypatch.setattr(cpu_attention.cpu_decode, "supports", lambda *args: False)
+    monkeypatch.setattr(cpu_attention.decode_attention, "supports", lambda *args: False)
     inputs = make_batch(MIXED_BATCH, 6, 2, 64, 16, torch.float32, seed=12)
     plan, out = _attend(inputs, 0.125)
     assert plan.decode is not None
@@ -132,7 +132,7 @@ def test_a_long_context_is_split_over_the_threads_and_merged(dtype, lens):
     # past a quarter of a thread's share, a context is cut into spans attended apart and merged
     inputs = make_batch([(1, c - 1) for c in lens], 6, 2, 64, 16, dtype, seed=len(lens))
     query, k_cache, v_cache, block_tables, _, seq_lens = inputs
-    out = cpu_decode.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, 0.125)
+    out = decode_attention.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, 0.125)
     assert_close(out, paged_attention_ref(*inputs, 0.125), dtype)
     plan, planned = _attend(inputs, 0.125)
     assert plan.groups == [] and plan.decode is not None  # no torch path for the long one

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actorlm.kernels import cpu_fused, native
+from actorlm.kernels.cpu import fused, native
 from paged_batches import dtype_id
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -38,8 +38,8 @@ def test_add_rms_norm_matches_its_twin(dtype, rows, dim):
     x = (3 * torch.randn(rows, dim, generator=gen)).to(dtype)
     residual = torch.randn(rows, dim, generator=gen).to(dtype)
     weight = torch.randn(dim, generator=gen).to(dtype)
-    ref_out, ref_residual = cpu_fused.add_rms_norm_ref(x, residual, weight, 1e-5)
-    out, new_residual = cpu_fused.add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
+    ref_out, ref_residual = fused.add_rms_norm_ref(x, residual, weight, 1e-5)
+    out, new_residual = fused.add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
     assert torch.equal(new_residual, ref_residual)  # one rounding of one add: exact
     assert_twins(out, ref_out)
 
@@ -49,16 +49,16 @@ def test_add_rms_norm_matches_its_twin(dtype, rows, dim):
 def test_silu_and_mul_matches_its_twin(dtype, rows, dim):
     gen = torch.Generator().manual_seed(rows * dim)
     gate_up = (4 * torch.randn(rows, 2 * dim, generator=gen)).to(dtype)
-    assert_twins(cpu_fused.silu_and_mul(gate_up), cpu_fused.silu_and_mul_ref(gate_up))
+    assert_twins(fused.silu_and_mul(gate_up), fused.silu_and_mul_ref(gate_up))
 
 
 def test_strided_or_foreign_inputs_take_the_torch_path():
     gate_up = torch.randn(4, 20, dtype=torch.float64)
-    assert torch.equal(cpu_fused.silu_and_mul(gate_up), cpu_fused.silu_and_mul_ref(gate_up))
+    assert torch.equal(fused.silu_and_mul(gate_up), fused.silu_and_mul_ref(gate_up))
     wide = torch.randn(4, 16)
     x, residual = wide[:, :8], torch.randn(4, 8)  # x is strided
-    out, new_residual = cpu_fused.add_rms_norm(x, residual, torch.ones(8), 1e-6)
-    ref_out, ref_residual = cpu_fused.add_rms_norm_ref(x, residual, torch.ones(8), 1e-6)
+    out, new_residual = fused.add_rms_norm(x, residual, torch.ones(8), 1e-6)
+    ref_out, ref_residual = fused.add_rms_norm_ref(x, residual, torch.ones(8), 1e-6)
     assert torch.equal(out, ref_out) and torch.equal(new_residual, ref_residual)
 
 
@@ -69,8 +69,8 @@ def test_argmax_takes_the_first_maximum_and_copes_with_banned_tokens():
     logits[2, :] = float("-inf")
     logits[2, 12_345] = -3.0  # every other token banned
     logits[3, -1] = 99.0  # the very last index
-    assert torch.equal(cpu_fused.argmax(logits), logits.argmax(dim=-1))
-    assert cpu_fused.argmax(logits)[1].item() == 7
+    assert torch.equal(fused.argmax(logits), logits.argmax(dim=-1))
+    assert fused.argmax(logits)[1].item() == 7
 
 
 def _rope_case(dtype, num_tokens, num_heads, num_kv_heads, head_dim, seed):
@@ -100,7 +100,7 @@ def test_rope_and_write_kv_matches_the_torch_ops(dtype, num_tokens, num_heads, n
     qk = qkv[:, :q_size + kv_size].view(num_tokens, -1, head_dim)
     ref_qk = apply_rope(qk, cos, sin)
     ref_v = qkv[:, q_size + kv_size:].clone()
-    assert cpu_fused.rope_and_write_kv(qkv, cos, sin, k_cache, v_cache, slots, num_heads,
+    assert fused.rope_and_write_kv(qkv, cos, sin, k_cache, v_cache, slots, num_heads,
                                        num_kv_heads)
     assert_twins(qk, ref_qk)  # rotated in place
     assert torch.equal(qkv[:, q_size + kv_size:], ref_v)  # v untouched
@@ -119,5 +119,5 @@ def test_rope_and_write_kv_declines_what_it_does_not_take():
     for args in [(qkv.double(), cos.double(), sin.double(), k_cache.double(), v_cache.double(),
                   slots), (qkv, cos, sin, k_cache, v_cache, slots.int()),
                  (qkv[:2], cos, sin, k_cache, v_cache, slots)]:
-        assert not cpu_fused.rope_and_write_kv(*args, 2, 1)
+        assert not fused.rope_and_write_kv(*args, 2, 1)
     assert torch.equal(qkv, before) and not k_cache.any() and not v_cache.any()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actorlm.kernels.paged_attention import paged_attention
+from actorlm.kernels.triton.paged_attention import paged_attention
 from actorlm.kernels.reference import paged_attention_ref
 from paged_batches import MIXED_BATCH, assert_close, dtype_id, make_batch
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actorlm.kernels import sampling
+from actorlm.kernels.triton import sampling
 from actorlm.kernels.reference import sample_ref
-from actorlm.kernels.sampling import sample
+from actorlm.kernels.triton.sampling import sample
 
 SIGNIFICANCE = 1e-3
 NUM_DRAWS = 12_000

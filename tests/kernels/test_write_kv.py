@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actorlm.kernels.paged_attention import write_kv
+from actorlm.kernels.triton.paged_attention import write_kv
 from actorlm.kernels.reference import write_kv_ref
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actorlm.kernels import cpu_linear
-from actorlm.kernels.cpu_linear import packed_linear
+from actorlm.kernels.cpu import linear as cpu_linear
+from actorlm.kernels.cpu.linear import packed_linear
 from actorlm.models.llama import Linear
 
 

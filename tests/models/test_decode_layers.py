@@ -1,4 +1,4 @@
-"""A decode step through all layers in one C++ call (``kernels/cpu_decode_layers.py``) computes
+"""A decode step through all layers in one C++ call (``kernels/cpu/decode_step.py``) computes
 what the Python layers compute, bit for bit, in fp32 and (for one or two requests) bf16, and
 steps it does not take fall back to them."""
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 from test_model_vs_hf import PROMPTS, PagedContexts
 
-from actorlm.kernels import cpu_linear, select_backend
+from actorlm.kernels import select_backend
+from actorlm.kernels.cpu import linear as cpu_linear
 from actorlm.models.loader import load_model
 
 needs_kernels = pytest.mark.skipif(cpu_linear._kernel() is None,

@@ -1,4 +1,4 @@
-"""Decode attention straight from the paged KV cache on a CPU (``csrc/cpu_paged_decode.cpp``).
+"""Decode attention straight from the paged KV cache on a CPU (``csrc/decode_attention.cpp``).
 
 The torch path gathers each request's K/V blocks into a dense copy and runs SDPA over it: on
 two cores that is ~1.2 ms per layer for 64 decode rows at context 140, where reading the
@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from actorlm.kernels import native
+from actorlm.kernels.cpu import native
 
 _SYMBOLS = {torch.float32: "actorlm_decode_f32", torch.bfloat16: "actorlm_decode_bf16"}
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,

@@ -10,7 +10,7 @@
 // already loaded (same soname), so it runs on torch's own pool instead of a second one that
 // would fight it for the cores.
 //
-// Built by actorlm/kernels/native.py with -O3 -march=native -ffast-math at compile time
+// Built by actorlm/kernels/cpu/native.py with -O3 -march=native -ffast-math at compile time
 // only: the link step leaves out crtfastmath.o, which would set flush-to-zero for the whole
 // process. Every value stays finite (the running max starts at -1e30, not -inf), as
 // -ffast-math assumes.

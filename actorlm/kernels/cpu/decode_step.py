@@ -1,4 +1,4 @@
-"""A decode step through every decoder layer in one C++ call (``csrc/cpu_decode_layers.cpp``).
+"""A decode step through every decoder layer in one C++ call (``csrc/decode_step.cpp``).
 
 The layers run the kernels the Python layers call, in the same order with the same bits; only
 the Python between them goes. A decode step streams the weights through the caches, evicting
@@ -18,9 +18,9 @@ import ctypes
 
 import torch
 
-from actorlm.kernels import cpu_decode, cpu_fused, native
-from actorlm.kernels.cpu_attention import AttentionPlan
-from actorlm.kernels.cpu_linear import PanelLinear
+from actorlm.kernels.cpu import decode_attention, fused, native
+from actorlm.kernels.cpu.attention import AttentionPlan
+from actorlm.kernels.cpu.linear import PanelLinear
 
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
@@ -64,7 +64,7 @@ class DecodeLayers:
         suffix = native.dtype_suffix(model.dtype)
         attn = model.model.layers[0].self_attn
         if suffix is None or model.tp.is_parallel or attn.head_dim % 2 or \
-                attn.head_dim > cpu_fused.rope_max_head_dim():
+                attn.head_dim > fused.rope_max_head_dim():
             return None
         function = native.function(f"actorlm_decode_layers_{suffix}",
                                    [_P, ctypes.c_int, _P, _P, _P, _P])
@@ -114,7 +114,7 @@ class DecodeLayers:
             return self._array
         self._array, self._caches = None, caches
         block_size = kv_caches[0][0].shape[1]
-        if not cpu_decode.supports(self.dtype, self.shape.num_heads, self.shape.num_kv_heads,
+        if not decode_attention.supports(self.dtype, self.shape.num_heads, self.shape.num_kv_heads,
                                    self.head_dim, block_size) or \
                 any(k.dtype != self.dtype or not k.is_contiguous() or not v.is_contiguous() or
                     k.shape[1:] != (block_size, self.shape.num_kv_heads, self.head_dim) or

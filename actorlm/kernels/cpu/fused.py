@@ -1,5 +1,5 @@
 """A decoder layer's elementwise steps fused into one pass each on a CPU
-(``csrc/cpu_fused.cpp``), each with its torch twin, which runs where the C++ library is not
+(``csrc/fused.cpp``), each with its torch twin, which runs where the C++ library is not
 built (``native``) or the tensors are not what it takes (another device or dtype, strided).
 
 Each replaces several torch ops (each a dispatch, and for bf16 a round trip through fp32
@@ -16,7 +16,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from actorlm.kernels import native
+from actorlm.kernels.cpu import native
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 

@@ -10,7 +10,7 @@ reordered once runs faster where it matters:
 - fp32: MKL's GEMM falls off a cliff between 2 and ~32 rows (16 rows of SmolLM2's layers take
   3x the time of one row, where they should cost little more than reading the weights once),
   and oneDNN's packed GEMM still computes and reads memory in turn rather than at once. With
-  AVX-512 the C++ kernel of ``csrc/cpu_linear.cpp`` runs instead (panels of 64 columns, the
+  AVX-512 the C++ kernel of ``csrc/linear.cpp`` runs instead (panels of 64 columns, the
   next panel prefetched while a tile of rows computes on this one): on SmolLM2's 30 layers and
   LM head, 16 rows take 0.75x oneDNN's time and 64 rows 0.85x, and one or two rows 0.9x and
   0.85x MKL's GEMV. Without AVX-512, oneDNN's packed GEMM from three rows and MKL's GEMV below.
@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from actorlm.kernels import native
+from actorlm.kernels.cpu import native
 
 _ONEDNN_FP32_FROM_ROWS = 3  # below, MKL's GEMV is faster than oneDNN's packed fp32 GEMM
 
@@ -66,7 +66,7 @@ def _onednn_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable 
 
 
 class PanelLinear:
-    """``x [..., k] -> x @ weight.T + bias`` through ``csrc/cpu_linear.cpp`` (fp32, or bf16 for
+    """``x [..., k] -> x @ weight.T + bias`` through ``csrc/linear.cpp`` (fp32, or bf16 for
     up to ``max_rows`` rows, where ``wide`` takes more): ``packed`` is the weight in panels,
     ``padded_bias`` the bias in fp32, zero-padded to the panels' columns (or None). It keeps no
     reference to the plain weight, which its layer may then let go."""

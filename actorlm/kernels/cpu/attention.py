@@ -9,7 +9,7 @@ twice its own context (plus at most a block), and the number of groups grows onl
 logarithm of the spread of lengths.
 
 Decode rows (one query token per request) skip all of that where the C++ kernel of
-``cpu_decode`` is built: it reads every request's blocks in place, each for its own length, so
+``decode_attention`` is built: it reads every request's blocks in place, each for its own length, so
 they form no groups at all (a long context is split over the threads inside the kernel).
 Their groups are built only if a layer's shape is beyond the kernel (or it could not be built).
 
@@ -27,7 +27,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from actorlm.kernels import cpu_decode, cpu_fused
+from actorlm.kernels.cpu import decode_attention, fused
 from actorlm.models.metadata import padded_block_table
 
 
@@ -44,7 +44,7 @@ class _Group(NamedTuple):
 
 
 class _DecodeRows(NamedTuple):
-    """Every decode request of the step, for ``cpu_decode.paged_decode_attention``."""
+    """Every decode request of the step, for ``decode_attention.paged_decode_attention``."""
 
     rows: torch.Tensor | None  # [B] int32 query row of each; None: row b is request b
     block_tables: torch.Tensor  # [B, max_blocks] int32
@@ -76,7 +76,7 @@ def plan_attention(q_lens: Sequence[int], seq_lens: Sequence[int],
     prefills = [b for b in requests if q_lens[b] != 1]
     prefill_groups = _groups(prefills, False, q_lens, seq_lens, starts, block_ids, block_size,
                              device)
-    if not decodes or not cpu_decode.is_built(block_size):
+    if not decodes or not decode_attention.is_built(block_size):
         return AttentionPlan(_groups(decodes, True, q_lens, seq_lens, starts, block_ids,
                                      block_size, device) + prefill_groups)
     decode_groups = functools.cache(functools.partial(  # only if a layer's shape needs them
@@ -125,9 +125,9 @@ def write_and_attend(q, k, v, k_cache, v_cache, meta, scale) -> torch.Tensor:
 def rope_write_and_attend(qkv, cos, sin_signed, k_cache, v_cache, meta, scale, num_heads,
                           num_kv_heads) -> torch.Tensor | None:
     """``write_and_attend`` from the fused projection qkv [T, (Hq + 2 Hkv) * D], q and k
-    rotated and the new K/V written in one C++ pass (``cpu_fused.rope_and_write_kv``); None,
+    rotated and the new K/V written in one C++ pass (``fused.rope_and_write_kv``); None,
     with nothing done, where that kernel does not run."""
-    if not cpu_fused.rope_and_write_kv(qkv, cos, sin_signed, k_cache, v_cache, meta.slot_mapping,
+    if not fused.rope_and_write_kv(qkv, cos, sin_signed, k_cache, v_cache, meta.slot_mapping,
                                        num_heads, num_kv_heads):
         return None
     head_dim = k_cache.shape[-1]
@@ -143,9 +143,9 @@ def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     out, groups = None, plan.groups
     if plan.decode is not None:
-        if cpu_decode.supports(query.dtype, num_heads, num_kv_heads, head_dim, block_size):
+        if decode_attention.supports(query.dtype, num_heads, num_kv_heads, head_dim, block_size):
             d = plan.decode
-            out = cpu_decode.paged_decode_attention(query, k_cache, v_cache, d.block_tables,
+            out = decode_attention.paged_decode_attention(query, k_cache, v_cache, d.block_tables,
                                                     d.seq_lens, scale, d.rows)
         else:
             groups = plan.decode.groups() + groups

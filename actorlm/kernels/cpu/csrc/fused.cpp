@@ -1,5 +1,5 @@
 // Elementwise work of a decoder layer fused into one pass each, on torch's OpenMP pool (see
-// cpu_paged_decode.cpp for how this library is built and linked).
+// decode_attention.cpp for how this library is built and linked).
 //
 // Each follows the rounding of the torch ops it replaces (HF's order): in bf16 the residual
 // sum is rounded to bf16, the normalisation runs in fp32 and is rounded before the weight

@@ -1,0 +1,1 @@
+"""The CPU wing: C++ kernels (``csrc/``) behind ctypes, with torch paths where they are not built."""
