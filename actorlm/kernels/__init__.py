@@ -47,7 +47,7 @@ def select_backend(device: torch.device | str) -> KernelBackend:
         return KernelBackend("triton", _no_plan, _triton_attention, sample)
     from actorlm.kernels.cpu.attention import (plan_attention, rope_write_and_attend,
                                                write_and_attend)
-    from actorlm.kernels.reference import sample_ref
+    from actorlm.kernels.cpu.sampler import sample as sample_ref
 
     return KernelBackend("torch", plan_attention, write_and_attend, sample_ref,
                          rope_write_and_attend)

@@ -1,196 +1,151 @@
-"""Plain-torch twins of the kernels: the engine's CPU path and the oracle for the Triton ones.
+"""The oracle: every kernel's semantics in plain torch, written for clarity, not speed.
 
-Each ``foo_ref`` has exactly the signature of the Triton launcher ``foo`` and states the
-semantics the kernel must reproduce. Performance still matters here, because on a CPU these
-functions *are* the engine: attention is planned once per step and batched over requests
-(``cpu_attention``); the engine calls the planned form directly, tests call this one.
+Tests hold both wings to these functions (the CPU wing's C++ and torch paths, the Triton
+kernels under ``TRITON_INTERPRET=1``); the engine never calls them. Each computes in float64
+where the kernel sums (norms, attention, linear layers) and rounds once to the kernel's output
+dtype, so a kernel's error against it is its own rounding alone: tests derive their tolerance
+from that (the length and magnitude of the sums, the dtype), not from another implementation.
+
+The paged-cache layout they read: ``k_cache``, ``v_cache`` [num_blocks, block_size, Hkv, D];
+request b's context of ``seq_lens[b]`` tokens sits in the blocks ``block_tables[b]``; its
+``q_len`` query rows are the last ``q_len`` positions of that context.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from actorlm.kernels.cpu.attention import attend, plan_attention
 from actorlm.sampling_params import GREEDY_TEMPERATURE
 
-# top-p without top-k first looks at this many most likely tokens (a topk is far cheaper than
-# sorting the vocabulary) and sorts everything only when the nucleus does not fit.
-_TOP_P_CANDIDATES = 1024
-_MASK64 = (1 << 64) - 1
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 unit_offset: bool = False) -> torch.Tensor:
+    """x [T, H] / sqrt(mean(x^2) + eps), scaled by ``weight`` [H] (``1 + weight`` with
+    ``unit_offset``), in x's dtype."""
+    x64 = x.double()
+    normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    scale = weight.double() + 1.0 if unit_offset else weight.double()
+    return (normed * scale).to(x.dtype)
+
+
+def add_rms_norm_ref(x, residual, weight, eps, unit_offset=False):
+    """(rms_norm_ref(x + residual), x + residual): the residual stream is held in x's dtype."""
+    stream = (x.double() + residual.double()).to(x.dtype)
+    return rms_norm_ref(stream, weight, eps, unit_offset), stream
+
+
+def act_and_mul_ref(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """gate_up [T, 2I] (each row [gate | up]) -> act(gate) * up [T, I]; ``activation`` is
+    ``silu`` or ``gelu_tanh`` (GeLU's tanh approximation)."""
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    if activation == "silu":
+        act = gate * torch.sigmoid(gate)
+    elif activation == "gelu_tanh":
+        act = 0.5 * gate * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) *
+                                             (gate + 0.044715 * gate.pow(3))))
+    else:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    return (act * up).to(gate_up.dtype)
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """x [M, K] @ weight [N, K].T + bias [N], in x's dtype."""
+    y = x.double() @ weight.double().T
+    return (y if bias is None else y + bias.double()).to(x.dtype)
+
+
+def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+             scaling: float = 1.0) -> torch.Tensor:
+    """x [T, H, D] rotated by HF's (neox) RoPE at ``positions`` [T]: the two halves of each head
+    are the real and imaginary parts, angle ``position * inv_freq`` [D / 2]."""
+    angle = positions.double()[:, None] * inv_freq.double()[None, :]  # [T, D/2]
+    cos, sin = (angle.cos() * scaling)[:, None], (angle.sin() * scaling)[:, None]
+    first, second = x.double().chunk(2, dim=-1)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), -1).to(x.dtype)
 
 
 def write_kv_ref(key, value, k_cache, v_cache, slot_mapping) -> None:
     """Scatter new K/V into the paged cache, in place; a negative slot skips its token.
 
-    key, value: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D];
-    slot_mapping: [T] int64, slot = block_id * block_size + offset.
+    key, value: [T, Hkv, D]; slot_mapping: [T], slot = block_id * block_size + offset.
     """
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    assert key.shape == value.shape and key.shape[1:] == (num_kv_heads, head_dim), (key.shape, k_cache.shape)
-    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "the paged cache must be contiguous"
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_blocks * block_size, Hkv, D]
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-    slots = slot_mapping.to(torch.int64)
-    if slots.numel() and bool((slots < 0).any()):
-        keep = slots >= 0
-        slots, key, value = slots[keep], key[keep], value[keep]
-    k_flat.index_copy_(0, slots, key.to(k_cache.dtype))
-    v_flat.index_copy_(0, slots, value.to(v_cache.dtype))
+    for token, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            k_flat[slot] = key[token].to(k_cache.dtype)
+            v_flat[slot] = value[token].to(v_cache.dtype)
 
 
-def paged_attention_ref(
-    query,
-    k_cache,
-    v_cache,
-    block_tables,
-    query_start_loc,
-    seq_lens,
-    scale: float,
-    *,
-    max_query_len: int | None = None,
-    max_seq_len: int | None = None,
-) -> torch.Tensor:
-    """Causal varlen attention over the paged cache, for a mixed batch of prefills and decodes.
+def paged_attention_ref(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                        scale: float, *, max_query_len: int | None = None,
+                        max_seq_len: int | None = None,
+                        window: int | None = None) -> torch.Tensor:
+    """Causal attention of each request's query rows over its paged context, request by request.
 
-    query: [T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (Hq % Hkv == 0);
-    block_tables: [B, max_blocks] int32; query_start_loc: [B + 1] int32; seq_lens: [B] int32.
-    Request b's queries are the last q_len_b positions of its seq_lens[b]-token context, whose
-    K/V are already in the cache; the query at position p sees kv positions 0..p.
-    Returns [T, Hq, D] in query's dtype; scores, softmax and sums are fp32. ``max_query_len``
-    and ``max_seq_len`` are the launcher's host-side hints; the plan knows them anyway.
+    query: [T, Hq, D] (Hq a multiple of Hkv: query head h reads KV head h // (Hq / Hkv));
+    block_tables: [B, max_blocks]; query_start_loc: [B + 1]; seq_lens: [B]. The query at
+    position p sees positions 0..p (the last ``window`` of them, with a window). Returns
+    [T, Hq, D] in query's dtype. ``max_query_len`` and ``max_seq_len`` are the launchers'
+    host-side hints, unused here.
     """
     num_heads, head_dim = query.shape[1:]
-    assert num_heads % k_cache.shape[2] == 0, (num_heads, k_cache.shape[2])
-    assert k_cache.shape[-1] == head_dim, (k_cache.shape, query.shape)
-    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-    q_lens = [end - start for start, end in zip(starts, starts[1:])]
-    block_size = k_cache.shape[1]
-    tables = [row[:-(-n // block_size)] for row, n in zip(block_tables.tolist(), lens)]
-    plan = plan_attention(q_lens, lens, tables, block_size, query.device)
-    return attend(query, k_cache, v_cache, plan, scale)
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.zeros_like(query)
+    starts = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[b], starts[b + 1]
+        if end == start:
+            continue
+        positions = torch.arange(seq_len, device=query.device)
+        blocks = block_tables[b].long()[positions // block_size]
+        k = k_cache[blocks, positions % block_size].double()  # [S, Hkv, D]
+        v = v_cache[blocks, positions % block_size].double()
+        group = num_heads // num_kv_heads
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [S, Hq, D]
+        scores = torch.einsum("lhd,shd->hls", query[start:end].double(), k) * scale
+        q_pos = positions[seq_len - (end - start):]  # [L]
+        visible = positions[None, :] <= q_pos[:, None]  # [L, S]
+        if window is not None:
+            visible &= positions[None, :] > q_pos[:, None] - window
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[start:end] = torch.einsum("hls,shd->lhd", probs, v).to(query.dtype)
+    return out
 
 
-def sample_ref(logits, temperature, top_k, top_p, min_p, seeds, positions) -> torch.Tensor:
-    """One token per row: greedy, or temperature + top-k + top-p + min-p with seeded noise.
+def sampling_probs_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                       top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """[B, V] float64: the distribution each row's token is drawn from.
 
-    logits: [B, V] float32; temperature, top_p, min_p: [B] f32; top_k: [B] int32 (<= 0: off);
-    seeds, positions: [B] int64. Rows with temperature < 1e-5 take the argmax (lowest index on
-    ties). Others: softmax(logits / T); keep the top_k most likely; then the smallest head of
-    that (renormalised) distribution whose mass >= top_p; then drop tokens below
-    min_p * max_prob; draw by an exponential race, argmax(p / E), whose Exp(1) noise comes from
-    a generator seeded by (seed, position) alone, so a row never depends on its neighbours.
-    Returns [B] int64.
+    Rows with temperature < ``GREEDY_TEMPERATURE`` put all mass on the argmax (its lowest index
+    on ties). Others: softmax(logits / T); keep the ``top_k`` most likely (<= 0 or >= V: all);
+    of those, renormalised, the smallest head in descending order whose mass reaches ``top_p``;
+    then drop what is below ``min_p`` times the most likely token's probability; renormalise.
+    Ties in the descending order go to the lower token id.
     """
     num_rows, vocab_size = logits.shape
-    is_sampled = (temperature >= GREEDY_TEMPERATURE).tolist()
-    tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-    greedy = [i for i, s in enumerate(is_sampled) if not s]
-    if greedy:
-        tokens[greedy] = _rows(logits, greedy).argmax(dim=-1)  # argmax returns the first maximum
-    sampled = [i for i, s in enumerate(is_sampled) if s]
-    if not sampled:
-        return tokens
-    # Whether a row truncates depends on its own parameters only, never on its neighbours.
-    truncates = ((top_k[sampled] > 0) & (top_k[sampled] < vocab_size) | (top_p[sampled] < 1.0)).tolist()
-    for is_truncated, sample in ((False, _sample_whole_vocab), (True, _sample_truncated)):
-        rows = [i for i, t in zip(sampled, truncates) if t == is_truncated]
-        if not rows:
+    out = torch.zeros(num_rows, vocab_size, dtype=torch.float64, device=logits.device)
+    for b in range(num_rows):
+        row = logits[b].double()
+        if float(temperature[b]) < GREEDY_TEMPERATURE:
+            out[b, int(row.argmax())] = 1.0
             continue
-        scaled = _rows(logits, rows).float() / temperature[rows, None].float()  # [S, V]
-        k = top_k[rows].long()
-        k = torch.where((k > 0) & (k < vocab_size), k, vocab_size)
-        row_seeds = [_row_seed(s, pos) for s, pos in zip(seeds[rows].tolist(), positions[rows].tolist())]
-        tokens[rows] = sample(scaled, k, top_p[rows].float(), min_p[rows].float(), row_seeds)
-    return tokens
-
-
-def _rows(x, rows: list[int]):
-    """x[rows] without the copy when rows is every row, in order (the common uniform batch)."""
-    return x if rows == list(range(x.shape[0])) else x[rows]
-
-
-def _row_seed(seed: int, position: int) -> int:
-    """A 64-bit generator seed from (seed, position): splitmix64 of both."""
-    x = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def _uniform_noise(row_seed: int, n: int, device, out=None) -> torch.Tensor:
-    """[n] U[0, 1) draws, a pure function of row_seed."""
-    gen = torch.Generator(device=device).manual_seed(row_seed)
-    return torch.rand(n, generator=gen, device=device, out=out)
-
-
-def _sample_whole_vocab(scaled, top_k, top_p, min_p, row_seeds):
-    """Rows with top-k and top-p off: race over all V tokens, noise indexed by token id.
-
-    scaled: [S, V] logits / T. In log space argmax(p / E) is argmax(scaled - log E), so no
-    softmax is needed; min-p's p < min_p * max_p is scaled < max + log(min_p).
-    """
-    drop = None
-    if bool((min_p > 0).any()):
-        top = scaled.max(dim=-1, keepdim=True).values  # [S, 1]; the top token always survives
-        drop = scaled < top + min_p.log()[:, None]
-    log_e = torch.empty_like(scaled)  # [S, V]
-    for b, s in enumerate(row_seeds):
-        _uniform_noise(s, scaled.shape[1], scaled.device, out=log_e[b])
-    log_e.log_().neg_().log_()  # log(E), E = -log(u); u = 0 gives +inf: that token loses
-    score = scaled - log_e
-    if drop is not None:
-        score.masked_fill_(drop, float("-inf"))
-    return score.argmax(dim=-1)
-
-
-def _sample_truncated(scaled, top_k, top_p, min_p, row_seeds):
-    """Rows with top-k or top-p: the kept tokens are a prefix of the descending order."""
-    probs = torch.softmax(scaled, dim=-1)  # [S, V]
-    vocab_size = probs.shape[1]
-    limited_k = top_k[top_k < vocab_size]
-    num_candidates = int(limited_k.max()) if limited_k.numel() else 0
-    if bool((top_k == vocab_size).any()):
-        num_candidates = max(num_candidates, _TOP_P_CANDIDATES)
-    if num_candidates < vocab_size:
-        cand_probs, cand_ids = _top_candidates(probs, num_candidates)
-        keep = _kept_prefix(cand_probs, probs, top_k, top_p, min_p)
-        # A nucleus that may run past the candidates needs the full sort after all.
-        if not bool((keep[:, -1] & (top_k > num_candidates)).any()):
-            return _race_prefixes(cand_probs, cand_ids, keep, row_seeds)
-    cand_probs, cand_ids = torch.sort(probs, dim=-1, descending=True, stable=True)
-    keep = _kept_prefix(cand_probs, probs, top_k, top_p, min_p)
-    return _race_prefixes(cand_probs, cand_ids, keep, row_seeds)
-
-
-def _top_candidates(probs, num):
-    """The ``num`` most likely tokens, descending, ties by lower id (as a stable full sort)."""
-    vals, ids = torch.topk(probs, num, dim=-1)  # [S, C]; topk orders ties arbitrarily
-    ids, order = ids.sort(dim=-1)
-    vals, order = vals.gather(1, order).sort(dim=-1, descending=True, stable=True)
-    return vals, ids.gather(1, order)
-
-
-def _kept_prefix(cand_probs, probs, top_k, top_p, min_p):
-    """[S, C] bool: which descending candidates survive top-k, then top-p, then min-p."""
-    num_candidates = cand_probs.shape[1]
-    rank = torch.arange(num_candidates, device=probs.device)
-    in_top_k = rank[None, :] < top_k[:, None]  # [S, C]
-    # Mass of the top-k tokens, to renormalise before top-p; with top-k off that is all of V.
-    mass = torch.where(top_k <= num_candidates, (cand_probs * in_top_k).sum(-1), probs.sum(-1))
-    head = cand_probs * in_top_k / mass[:, None]
-    mass_before = head.cumsum(dim=-1) - head  # exclusive prefix sum
-    in_top_p = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
-    above_min_p = cand_probs >= min_p[:, None] * cand_probs[:, :1]
-    keep = in_top_k & in_top_p & above_min_p
-    keep[:, 0] = True  # the most likely token always survives
-    return keep
-
-
-def _race_prefixes(cand_probs, cand_ids, keep, row_seeds):
-    """Exponential race over each row's kept prefix, noise indexed by rank."""
-    num_kept = keep.sum(dim=-1).tolist()
-    choice = []
-    for b, (n, s) in enumerate(zip(num_kept, row_seeds)):
-        exp_noise = _uniform_noise(s, n, cand_probs.device).log_().neg_()  # u = 0: inf, that token loses
-        choice.append(int((cand_probs[b, :n] / exp_noise).argmax()))  # all zero: rank 0
-    return cand_ids[torch.arange(len(choice)), torch.tensor(choice)]
+        probs = torch.softmax(row / float(temperature[b]), dim=-1)
+        order = torch.sort(probs, descending=True, stable=True).indices
+        keep = torch.ones(vocab_size, dtype=torch.bool, device=logits.device)
+        k = int(top_k[b])
+        if 0 < k < vocab_size:
+            keep[order[k:]] = False
+        if float(top_p[b]) < 1.0:
+            head = (probs * keep / (probs * keep).sum())[order]
+            keep[order[(head.cumsum(0) - head) >= float(top_p[b])]] = False
+        keep &= probs >= float(min_p[b]) * probs.max()
+        keep[order[0]] = True  # the most likely token always survives
+        kept = probs * keep
+        out[b] = kept / kept.sum()
+    return out

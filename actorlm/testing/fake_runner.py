@@ -27,9 +27,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from actorlm.hashing import GOLDEN_GAMMA, mix64
 from actorlm.messages import ScheduleStep, StepResult
 
-_MASK = (1 << 64) - 1
 
 TokenFn = Callable[[Sequence[int], int, int], int]
 """token_fn(prompt_token_ids, position, seed) -> token id sampled at ``position``."""
@@ -40,11 +40,7 @@ class InjectedFault(RuntimeError):
 
 
 def _mix(x: int) -> int:
-    """splitmix64 finaliser: a cheap, well-spread integer hash that is stable across runs."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-    return x ^ (x >> 31)
+    return mix64(x + GOLDEN_GAMMA)
 
 
 def prompt_digest(prompt_token_ids: Sequence[int]) -> int:

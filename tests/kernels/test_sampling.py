@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from actorlm.kernels.triton import sampling
-from actorlm.kernels.reference import sample_ref
+from actorlm.kernels.cpu.sampler import sample as sample_ref
 from actorlm.kernels.triton.sampling import sample
 
 SIGNIFICANCE = 1e-3

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actorlm.kernels.reference import paged_attention_ref, sample_ref, write_kv_ref
+from actorlm.kernels.cpu.sampler import sample as sample_ref
+from actorlm.kernels.reference import paged_attention_ref, write_kv_ref
 
 # (q_len, seq_len) per request: decodes, fresh prefills, and prefill chunks over cached context.
 BATCHES = {
