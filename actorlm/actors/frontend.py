@@ -15,8 +15,8 @@ import time
 
 import pykka
 
-from actorlm.actors.base import EngineActor, tell
 from actorlm.core.output_stream import OutputStream
+from actorlm.engine_actor import EngineActor, tell
 from actorlm.messages import AbortRequests, AddRequest, EngineOutputs, StopRequests, SubmitRequest
 from actorlm.sampling_params import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pykka
 
-from actorlm.actors.base import EngineActor, tell
 from actorlm.core.block_pool import BlockPool
+from actorlm.engine_actor import EngineActor, tell
 from actorlm.messages import AllocateSlots, GetStats, KVStats, ResetPrefixCache
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pykka
 
-from actorlm.actors.base import EngineActor, tell
 from actorlm.core.scheduler import Scheduler
 from actorlm.core.step_loop import StepLoop
+from actorlm.engine_actor import EngineActor, tell
 from actorlm.messages import Connect, GetStats
 
 

@@ -1,6 +1,7 @@
 """Worker groups: the ranks an ``ExecutorActor`` drives, however they run.
 
-- ``threads.ThreadWorkerGroup`` (``uni``): ``WorkerActor`` threads in this process.
+- ``threads.ThreadWorkerGroup`` (``uni``): ``WorkerActor`` threads (``worker_actor``) in this
+  process.
 - ``processes.ProcessWorkerGroup`` (``mp``): a process per rank (``process_main``).
 - ``ray_group.RayWorkerGroup`` (``ray``): a Ray actor per rank, in a placement group.
 
@@ -10,6 +11,10 @@ the caller); ``attach(executor)`` makes the ranks report to the executor (``Work
 ``WorkerFailed`` with the group's ``generation``); ``send_step`` / ``send_bitmask``; ``stop(kill)``;
 ``pids`` (the ranks' processes, empty for threads); ``tensor_parallel`` (only rank 0 samples).
 The process and Ray ranks share ``worker_loop`` and the msgpack ``wire``.
+
+How the executor supervises a group — dispatch, fault, hold, restart — is a plain class,
+``supervision.WorkerSupervision``; ``group_starter.GroupStarter`` starts a replacement group on
+a thread of its own. Nothing here imports the engine actors (``actors/``): they import this.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import threading
 import time
 from multiprocessing.connection import Connection, wait
 
-from actorlm.actors.base import tell
+from actorlm.engine_actor import tell
 from actorlm.executors.process_main import WorkerSpec
 from actorlm.executors.wire import SHUTDOWN, WireCodec
 from actorlm.executors.worker_loop import load_error_from

@@ -21,7 +21,7 @@ import queue
 import threading
 from pathlib import Path
 
-from actorlm.actors.base import tell
+from actorlm.engine_actor import tell
 from actorlm.executors.processes import free_port
 from actorlm.executors.wire import WireCodec, WorkerReply
 from actorlm.executors.worker_loop import (WorkerLoop, build_runner, load_error_from,

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from actorlm.actors.base import tell
-from actorlm.actors.worker import WorkerActor
+from actorlm.engine_actor import tell
+from actorlm.executors.worker_actor import WorkerActor
 from actorlm.messages import GrammarBitmask, ScheduleStep
 from actorlm.openmp import on_passing_thread
 

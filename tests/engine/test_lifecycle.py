@@ -12,7 +12,7 @@ import pykka
 import pytest
 
 from actorlm import EngineDeadError, SamplingParams
-from actorlm.actors.base import EngineActor
+from actorlm.engine_actor import EngineActor
 from actorlm.llm import LLM
 
 LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)

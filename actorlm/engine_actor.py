@@ -1,4 +1,6 @@
-"""What every actor shares: daemon threads, contained crashes, and a death that is reported."""
+"""What every actor shares, the engine's (``actors/``) and the in-process workers
+(``executors/worker_actor.py``) alike: daemon threads, contained crashes, and a death that is
+reported."""
 
 from __future__ import annotations
 

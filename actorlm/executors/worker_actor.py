@@ -1,4 +1,6 @@
-"""WorkerActor: one device. Owns the weights, the KV tensors and the persistent batch."""
+"""WorkerActor: one rank as a thread in the engine process (``threads.ThreadWorkerGroup``).
+Owns the weights, the KV tensors and the runner's per-request cached state (each running
+request's token ids and block ids, so that a step carries only what changed)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import logging
 
 import pykka
 
-from actorlm.actors.base import EngineActor, tell
+from actorlm.engine_actor import EngineActor, tell
 from actorlm.messages import GrammarBitmask, ScheduleStep, WorkerFailed, WorkerResult
 
 log = logging.getLogger(__name__)
@@ -15,7 +17,7 @@ log = logging.getLogger(__name__)
 class WorkerActor(EngineActor):
     """Runs each ``ScheduleStep`` on its model runner and tells the executor the result.
 
-    A runner that raises leaves its persistent batch and KV cache half-updated, so the worker
+    A runner that raises leaves its cached request state and KV cache half-updated, so the worker
     does not go on: it reports ``WorkerFailed`` and the executor replaces it. Its death (an
     escaped exception, a stop) is reported the same way, by the death hook.
     """
