@@ -27,8 +27,6 @@ def one_step_ms(dtype: str, num_requests: int, context: int) -> float:
     import torch
 
     from actorlm.config import EngineConfig
-    from actorlm.kernels.cpu.fused import argmax
-    from actorlm.models.metadata import AttentionMetadata
     from actorlm.models.parts import load_model_parts
 
     blocks_each = -(-context // 16)
@@ -40,13 +38,13 @@ def one_step_ms(dtype: str, num_requests: int, context: int) -> float:
     block_ids = [blocks[b * blocks_each:(b + 1) * blocks_each] for b in range(num_requests)]
 
     def step():
-        meta = AttentionMetadata.build(runner.backend, [1] * num_requests,
-                                       [context] * num_requests, block_ids, 16, "cpu")
+        meta = runner.backend.attention_metadata([1] * num_requests, [context] * num_requests,
+                                                 block_ids, 16)
         with torch.inference_mode():
             hidden = runner.model(torch.randint(0, 40_000, (num_requests,)),
                                   torch.full((num_requests,), context - 1), runner.kv_caches,
                                   meta)
-            argmax(runner.model.compute_logits(hidden))
+            runner.backend.argmax(runner.model.compute_logits(hidden))
 
     for _ in range(3):
         step()

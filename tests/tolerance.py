@@ -12,15 +12,17 @@ them is the kernel's own rounding, which follows from its arithmetic:
   is reached only by adversarial inputs and would let real bugs through at large n.)
 - Rounding a result once to an output dtype of unit roundoff u_out moves it by at most
   ``u_out * |result|``; each intermediate rounding of a value x to a narrower dtype (bf16 hidden
-  states between ops, HF's order) adds ``u * |x|`` more, carried through what follows.
+  states between ops, HF's order) adds ``u * |x|`` more, carried through what follows. The
+  oracle returns its result rounded to the kernel's dtype too, so comparing the two counts that
+  rounding twice (once each side: two values a hair apart may round to neighbouring grid
+  points, one ulp = ``2 u_out |result|`` apart); the helpers add the oracle's rounding whenever
+  ``expected`` is not float64.
 
 Each test states which of these its kernel performs; the helpers below turn that into a bound
 per element.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -32,29 +34,57 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
 
 
-def sum_error(num_terms: int, abs_sum: torch.Tensor | float,
+def sum_error(num_terms: int | torch.Tensor, abs_sum: torch.Tensor | float,
               accumulate: torch.dtype = torch.float32) -> torch.Tensor | float:
     """The bound on the error of a sum of ``num_terms`` terms whose magnitudes sum to
-    ``abs_sum``, accumulated in ``accumulate``."""
-    return LAMBDA * math.sqrt(num_terms) * unit_roundoff(accumulate) * abs_sum
+    ``abs_sum``, accumulated in ``accumulate`` (``num_terms`` may be a tensor of counts, one per
+    sum, broadcast against ``abs_sum``)."""
+    return LAMBDA * num_terms**0.5 * unit_roundoff(accumulate) * abs_sum
 
 
 def rounding_error(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The bound on rounding ``value`` once to ``dtype``."""
-    return unit_roundoff(dtype) * value.abs().double()
+    """The bound on rounding ``value`` once to ``dtype`` (half a subnormal step at the least,
+    where ``|value|`` is below the normal range)."""
+    return torch.clamp(unit_roundoff(dtype) * value.abs().double(), min=_subnormal_error(dtype))
+
+
+def _subnormal_error(dtype: torch.dtype) -> float:
+    """The largest error of rounding to ``dtype`` among its subnormals: half their spacing."""
+    info = torch.finfo(dtype)
+    return info.smallest_normal * info.eps / 2
+
+
+def _oracle_rounding(expected: torch.Tensor) -> torch.Tensor | float:
+    """The oracle's own rounding of ``expected`` to the dtype it was returned in (none in
+    float64, where the oracle computes)."""
+    return 0.0 if expected.dtype == torch.float64 else rounding_error(expected, expected.dtype)
 
 
 def matmul_error(x: torch.Tensor, weight: torch.Tensor, expected: torch.Tensor,
                  accumulate: torch.dtype = torch.float32,
                  output: torch.dtype | None = None) -> torch.Tensor:
-    """Per element of ``x [M, K] @ weight [N, K].T``: the accumulation's bound (from each
-    row-column pair's sum of |products|) plus the output's rounding. ``output`` defaults to
-    the accumulation dtype (then the rounding is already in the sum's bound)."""
-    abs_sum = x.double().abs() @ weight.double().abs().T  # [M, N]
-    bound = sum_error(x.shape[-1], abs_sum, accumulate)
+    """Per element of ``x [..., K] @ weight [N, K].T``: the accumulation's bound (from each
+    row-column pair's sum of |products|) plus the output's rounding, and the oracle's where
+    ``expected`` is not float64. ``output`` defaults to the accumulation dtype (then the
+    kernel's rounding is already in the sum's bound)."""
+    abs_sum = x.double().abs() @ weight.double().abs().T  # [..., N]
+    bound = sum_error(x.shape[-1], abs_sum, accumulate) + _oracle_rounding(expected)
     if output is not None and output != accumulate:
         bound = bound + rounding_error(expected, output)
     return bound
+
+
+def linear_error(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 expected: torch.Tensor, accumulate: torch.dtype = torch.float32,
+                 output: torch.dtype | None = None) -> torch.Tensor:
+    """``matmul_error`` of ``x @ weight.T + bias``: the bias is one more term of each sum
+    (a column of ones in x against the bias as a column of the weight)."""
+    if bias is None:
+        return matmul_error(x, weight, expected, accumulate, output)
+    ones = torch.ones(*x.shape[:-1], 1, dtype=torch.float64, device=x.device)
+    return matmul_error(torch.cat((x.double(), ones), -1),
+                        torch.cat((weight.double(), bias.double()[:, None]), -1),
+                        expected, accumulate, output)
 
 
 def assert_within(actual: torch.Tensor, expected: torch.Tensor,
@@ -73,3 +103,71 @@ def assert_within(actual: torch.Tensor, expected: torch.Tensor,
         f"{what}: {int((error > bound).sum())} of {error.numel()} elements past their bound; "
         f"worst at {index}: got {actual[index].item()!r}, expected {expected[index].item()!r}, "
         f"error {error[index].item():.3e} > bound {bound[index].item():.3e}")
+
+
+def attention_error(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                    visible: torch.Tensor, expected: torch.Tensor,
+                    accumulate: torch.dtype = torch.float32, probs: torch.dtype | None = None,
+                    output: torch.dtype | None = None) -> torch.Tensor:
+    """Per element of one request's attention: query [L, H, D] over key, value [S, H, D] (the KV
+    heads repeated for each of their query heads), query row l seeing the positions where
+    ``visible`` [L, S] holds; ``expected`` [L, H, D]. A kernel whose scores, softmax and sums
+    run in ``accumulate`` (online or not, split over spans and merged or not) and which rounds
+    the probabilities to ``probs`` before P @ V (None: it keeps them in ``accumulate``), then
+    its output to ``output`` (None: ``accumulate``).
+
+    Per query row and head, over its n visible positions j: s_j = scale * q . k_j, m = max s,
+    p = softmax(s), o = sum_j p_j v_j, and A_j = |scale| * sum_d |q_d k_jd|; u is
+    ``accumulate``'s unit roundoff.
+
+    1. Scores. s_j is a D-term dot product, scaled (before, as q * scale, or after, with the
+       scale and log2(e) rounded once more): at most D + 3 roundings per term, so
+       |ds_j| <= sum_error(D + 3, A_j). The exponent s_j - m' (m' the running max, s_j <= m'
+       <= m) is rounded once more, u * (m - s_j); exp / exp2 are good to 2 ulps, 4u. Rescaling
+       by exp(m_old - m_new) multiplies the running sum of P @ V and the normaliser by the same
+       rounded factor, so that factor's error cancels (its multiplications are counted in 3).
+       With delta_j the sum of these, first order in the softmax's Jacobian,
+       do = sum_j p_j (ds_j - sum_i p_i ds_i) v_j = sum_j p_j ds_j (v_j - o), so
+       |do_d| <= sum_j p_j delta_j |v_jd - o_d|.
+    2. P rounded to ``probs`` (bf16/fp16 for the tensor-core dot) moves each p_j by e_j =
+       max(u_p p_j, half a subnormal step) at most: it is rounded unnormalised, as
+       exp(s_j - m') <= 1, and the rescales and the division by a normaliser >= 1 carry its
+       relative error unchanged and shrink an absolute one. The rounded P enters P @ V alone
+       (Triton) or the normaliser too (SDPA may sum it): |do_d| <= sum_j e_j (|v_jd| + |o_d|).
+       Summed in the worst case, not the probabilistic way: 8 bits of p leave its rounding
+       errors far from independent.
+    3. P @ V: each term passes its product, at most n - 1 additions, at most one rescale per
+       later block and the merge of spans (a weight, an addition): at most 2n + 2 roundings,
+       |do_d| <= sum_error(2n + 2, sum_j p_j |v_jd|).
+    4. The normaliser: a sum of n positive terms with the same roundings, then a division (or a
+       reciprocal and a product): |do_d| <= |o_d| (sum_error(2n + 2, 1) + 2u).
+    5. The output's rounding to ``output``, and the oracle's where ``expected`` is not float64.
+
+    Second-order terms (u^2, delta^2) are left out: LAMBDA's margin covers them many times.
+    Returns the bound in float64, [L, H, D].
+    """
+    q, k, v = query.double(), key.double(), value.double()
+    u = unit_roundoff(accumulate)
+    scores = torch.einsum("lhd,shd->hls", q, k) * scale  # [H, L, S]
+    abs_scores = torch.einsum("lhd,shd->hls", q.abs(), k.abs()) * abs(scale)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    p = scores.softmax(-1)  # [H, L, S]
+    o = torch.einsum("hls,shd->hld", p, v)  # [H, L, D]
+    num_visible = visible.sum(-1).double()[None, :, None]  # [1, L, 1]: n of each row
+    head_dim = q.shape[-1]
+    below_max = (scores.amax(-1, keepdim=True) - scores).nan_to_num(0.0, posinf=0.0)
+    delta = sum_error(head_dim + 3, abs_scores, accumulate) + u * below_max + 4 * u
+    weight = torch.where(visible, p * delta, 0.0)  # [H, L, S]
+    v_hsd = v.transpose(0, 1)  # [H, S, D]
+    bound = (weight[..., None] * (v_hsd[:, None] - o[:, :, None]).abs()).sum(2)  # 1.
+    if probs is not None and probs != accumulate:  # 2.
+        e = torch.clamp(unit_roundoff(probs) * p, min=_subnormal_error(probs))
+        e = torch.where(visible, e, 0.0)  # [H, L, S]
+        bound = bound + e @ v_hsd.abs() + e.sum(-1, keepdim=True) * o.abs()
+    num_roundings = 2 * num_visible + 2
+    bound = bound + sum_error(num_roundings, p @ v_hsd.abs(), accumulate)  # 3.
+    bound = bound + o.abs() * (sum_error(num_roundings, 1.0, accumulate) + 2 * u)  # 4.
+    bound = bound.transpose(0, 1) + _oracle_rounding(expected)  # [L, H, D]; 5.
+    if output is not None and output != accumulate:
+        bound = bound + rounding_error(o.transpose(0, 1), output)
+    return bound

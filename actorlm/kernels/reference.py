@@ -94,8 +94,7 @@ def paged_attention_ref(query, k_cache, v_cache, block_tables, query_start_loc, 
     [T, Hq, D] in query's dtype. ``max_query_len`` and ``max_seq_len`` are the launchers'
     host-side hints, unused here.
     """
-    num_heads, head_dim = query.shape[1:]
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = query.shape[1] // k_cache.shape[2]
     out = torch.zeros_like(query)
     starts = query_start_loc.tolist()
     for b, seq_len in enumerate(seq_lens.tolist()):
@@ -103,11 +102,8 @@ def paged_attention_ref(query, k_cache, v_cache, block_tables, query_start_loc, 
         if end == start:
             continue
         positions = torch.arange(seq_len, device=query.device)
-        blocks = block_tables[b].long()[positions // block_size]
-        k = k_cache[blocks, positions % block_size].double()  # [S, Hkv, D]
-        v = v_cache[blocks, positions % block_size].double()
-        group = num_heads // num_kv_heads
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [S, Hq, D]
+        k, v = (c.double() for c in request_context(k_cache, v_cache, block_tables[b], seq_len,
+                                                    group))  # [S, Hq, D]
         scores = torch.einsum("lhd,shd->hls", query[start:end].double(), k) * scale
         q_pos = positions[seq_len - (end - start):]  # [L]
         visible = positions[None, :] <= q_pos[:, None]  # [L, S]
@@ -116,6 +112,16 @@ def paged_attention_ref(query, k_cache, v_cache, block_tables, query_start_loc, 
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         out[start:end] = torch.einsum("hls,shd->lhd", probs, v).to(query.dtype)
     return out
+
+
+def request_context(k_cache, v_cache, block_table, seq_len: int, group: int = 1):
+    """(k, v) [seq_len, Hkv * group, D]: a request's context read through its block table,
+    each KV head repeated for the ``group`` query heads that read it."""
+    block_size = k_cache.shape[1]
+    positions = torch.arange(seq_len, device=k_cache.device)
+    blocks = block_table.long()[positions // block_size]
+    k, v = k_cache[blocks, positions % block_size], v_cache[blocks, positions % block_size]
+    return k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
 
 
 def sampling_probs_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

@@ -1,7 +1,9 @@
-"""Linear and embedding layers whose weights come from a checkpoint, plain or tensor-parallel.
+"""The layers whose weights come from a checkpoint: linear (plain or tensor-parallel), embedding
+and RMS norm, each running on the kernel backend it is handed.
 
 A column-parallel layer is a plain ``Linear`` over this rank's rows of the weight; the two
-layers here are the ones whose forward changes when split (see ``actorlm.models.parallel``).
+parallel layers here are the ones whose forward changes when split (see
+``actorlm.models.parallel``).
 """
 
 from __future__ import annotations
@@ -10,32 +12,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actorlm.kernels.cpu.linear import packed_linear
+from actorlm.kernels import KernelBackend, Norm
 from actorlm.models.parallel import TensorParallel, all_reduce
 
 
 class Linear(nn.Module):
-    """nn.Linear without the random init: every weight comes from the checkpoint."""
+    """nn.Linear without the random init: every weight comes from the checkpoint. Once loaded,
+    ``prepare`` hands it to the backend, which lays it out for its GEMM; the layer then runs
+    on that and lets its own reference to the weight go (the model holds each weight once)."""
 
     def __init__(self, in_features, out_features, bias, dtype, device):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), False) if bias else None
-        self.packed = None  # x -> linear(x), over a weight laid out for the device's GEMM
+        self.prepared = None  # x -> linear(x): the backend's, once the weights are loaded
 
-    def pack(self) -> None:
-        """Once the weights are loaded: run on a packed copy where the device gains by it."""
-        self.packed = packed_linear(self.weight, self.bias)
-
-    def drop_plain_weight(self) -> None:
-        """Where a packed copy runs the layer, let the plain weight go: the model then holds
-        each weight once (a packing that still needs it keeps its own reference)."""
-        if self.packed is not None:
-            self.weight = None
+    def prepare(self, backend: KernelBackend) -> None:
+        self.prepared = backend.prepare_linear(self.weight, self.bias)
+        self.weight = None  # a tied LM head's is the embedding's: it stays there
 
     def forward(self, x):
-        if self.packed is not None:
-            return self.packed(x)
+        if self.prepared is not None:
+            return self.prepared(x)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -47,12 +45,13 @@ class RowParallelLinear(Linear):
         super().__init__(in_features // tp.size, out_features, bias, dtype, device)
         self.tp = tp
 
-    def pack(self) -> None:
-        self.packed = packed_linear(self.weight, None)  # the bias comes after the reduce
+    def prepare(self, backend: KernelBackend) -> None:
+        self.prepared = backend.prepare_linear(self.weight, None)  # the bias: after the reduce
+        self.weight = None
 
     def forward(self, x):
         # x: [T, in / size] -> [T, out]
-        y = self.packed(x) if self.packed is not None else F.linear(x, self.weight)
+        y = self.prepared(x) if self.prepared is not None else F.linear(x, self.weight)
         all_reduce(self.tp, y)
         return y if self.bias is None else y + self.bias
 
@@ -77,3 +76,24 @@ class VocabParallelEmbedding(nn.Module):
         x = F.embedding(local.masked_fill(outside, 0), self.weight)
         x.masked_fill_(outside[:, None], 0)
         return all_reduce(self.tp, x)
+
+
+class RMSNorm(nn.Module):
+    """An RMS norm (``kernels.Norm`` says how it scales), fused with the residual add before it
+    where the layer has one."""
+
+    def __init__(self, dim, eps, unit_offset: bool, backend: KernelBackend, dtype, device):
+        super().__init__()
+        self.backend, self.eps, self.unit_offset = backend, eps, unit_offset
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), False)
+
+    @property
+    def norm(self) -> Norm:
+        return Norm(self.weight, self.eps, self.unit_offset)
+
+    def forward(self, x, residual=None):
+        """``norm(x)``; with ``residual``: (norm(x + residual), x + residual), where x and
+        residual may be written."""
+        if residual is not None:
+            return self.backend.add_rms_norm(x, residual, self.norm)
+        return self.backend.rms_norm(x, self.norm)

@@ -1,9 +1,6 @@
-"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over the paged KV cache.
-
-Inputs are one flattened batch of T tokens (no padding, no batch dimension); every attention
-layer writes its new K/V into the paged cache and attends through the kernel backend, so the
-same module runs the Triton kernels on a GPU and their torch twins on a CPU. q/k/v and
-gate/up are merged into one matmul each; ``load_weights`` maps Hugging Face names onto them.
+"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3): what its config says about
+each decoder layer (``layer_spec``), its checkpoints' weight names, and the model around the
+shared decoder layers of ``decoder.py`` (embedding, RoPE tables, final norm, LM head).
 
 Attention is always full causal: a sliding window (Mistral v0.1, Qwen with
 ``use_sliding_window``) is not applied, which is exact while contexts fit in the window.
@@ -16,13 +13,10 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from actorlm.kernels import KernelBackend
-from actorlm.kernels.cpu.decode_step import DecodeLayers
-from actorlm.kernels.cpu.fused import add_rms_norm, rms_norm, silu_and_mul
-from actorlm.models.layers import Linear, RowParallelLinear, VocabParallelEmbedding
-from actorlm.models.metadata import AttentionMetadata
-from actorlm.models.parallel import (TensorParallel, check_tensor_parallel, gather_last_dim,
-                                     num_kv_heads_per_rank)
+from actorlm.kernels import AttentionMetadata, KernelBackend
+from actorlm.models.decoder import DecoderLayer, LayerSpec
+from actorlm.models.layers import Linear, RMSNorm, VocabParallelEmbedding
+from actorlm.models.parallel import TensorParallel, check_tensor_parallel, gather_last_dim
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -34,20 +28,25 @@ _STACKED = {
     ".gate_proj.": (".gate_up_proj.", 0),
     ".up_proj.": (".gate_up_proj.", 1),
 }
+# HF checkpoint name fragment -> the shared decoder layer's (Llama's post-attention norm is the
+# one before the MLP)
+_RENAMED = {".input_layernorm.": ".attn_norm.", ".post_attention_layernorm.": ".mlp_norm."}
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim, eps, dtype, device):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), False)
-
-    def forward(self, x, residual=None):
-        """``norm(x)``; with ``residual``: (norm(x + residual), x + residual), fused on a CPU
-        (``kernels/cpu/fused.py``: x and residual may be written)."""
-        if residual is not None:
-            return add_rms_norm(x, residual, self.weight, self.eps)
-        return rms_norm(x, self.weight, self.eps)
+def layer_spec(config) -> LayerSpec:
+    """Every layer of a Llama-family model, as its config describes it."""
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+    is_qwen2 = config.model_type == "qwen2"
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    return LayerSpec(
+        hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        head_dim=_head_dim(config), intermediate_size=config.intermediate_size,
+        norm_eps=config.rms_norm_eps, qk_norm=config.model_type == "qwen3",
+        # Qwen2 always has a qkv bias (and none on o_proj); the others follow attention_bias
+        qkv_bias=is_qwen2 or attention_bias, o_bias=not is_qwen2 and attention_bias,
+        mlp_bias=bool(getattr(config, "mlp_bias", False)))
 
 
 def rope_inv_freq(config, device=None) -> tuple[torch.Tensor, float]:
@@ -75,111 +74,10 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def apply_rope(x, cos, sin_signed):
-    """x: [T, H, D]; cos, sin_signed: [T, 1, D]. HF's ``x * cos + rotate_half(x) * sin`` with
-    the negation of rotate_half moved into the table (``sin_signed`` is sin with its first half
-    negated): the same bits in four ops instead of seven."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
-
-
-def _row_linear(in_features, out_features, bias, tp: TensorParallel, dtype, device) -> Linear:
-    """A layer whose input features are split over the ranks (plain when there is one)."""
-    if tp.is_parallel:
-        return RowParallelLinear(in_features, out_features, bias, tp, dtype, device)
-    return Linear(in_features, out_features, bias, dtype, device)
-
-
-class Attention(nn.Module):
-    """Tensor-parallel: this rank's query heads and the KV heads they read."""
-
-    def __init__(self, config, backend: KernelBackend, dtype, device, tp: TensorParallel):
-        super().__init__()
-        self.backend = backend
-        self.num_heads = config.num_attention_heads // tp.size
-        self.num_kv_heads = num_kv_heads_per_rank(
-            getattr(config, "num_key_value_heads", None) or config.num_attention_heads, tp.size)
-        self.head_dim = _head_dim(config)
-        self.scale = self.head_dim**-0.5
-        hidden = config.hidden_size
-        is_qwen2 = config.model_type == "qwen2"
-        # Qwen2 always has a qkv bias (and none on o_proj); the others follow attention_bias.
-        qkv_bias = is_qwen2 or bool(getattr(config, "attention_bias", False))
-        o_bias = not is_qwen2 and bool(getattr(config, "attention_bias", False))
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias, dtype, device)
-        self.o_proj = _row_linear(self.q_size * tp.size, hidden, o_bias, tp, dtype, device)
-        self.q_norm = self.k_norm = None
-        if config.model_type == "qwen3":
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
-
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
-        # x: [T, hidden]; cos, sin: [T, 1, D] (sin with its first half negated, see apply_rope)
-        num_tokens, d = x.shape[0], self.head_dim
-        qkv = self.qkv_proj(x)  # [T, Hq*D + 2*Hkv*D]
-        k_cache, v_cache = kv_cache
-        if self.q_norm is None and self.backend.rope_attention is not None:
-            o = self.backend.rope_attention(qkv, cos, sin, k_cache, v_cache, meta, self.scale,
-                                            self.num_heads, self.num_kv_heads)
-            if o is not None:
-                return self.o_proj(o.reshape(num_tokens, self.q_size))
-        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, d)
-        if self.q_norm is None:  # q and k rotate as one tensor: [T, Hq + Hkv, D]
-            qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, -1, d)
-            qk = apply_rope(qk, cos, sin)
-            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        else:
-            q = self.q_norm(qkv[:, :self.q_size].view(num_tokens, self.num_heads, d))
-            k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size]
-                            .view(num_tokens, self.num_kv_heads, d))
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = self.backend.attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
-        return self.o_proj(o.reshape(num_tokens, self.q_size))
-
-
-class MLP(nn.Module):
-    """Tensor-parallel: this rank's share of the intermediate features."""
-
-    def __init__(self, config, dtype, device, tp: TensorParallel):
-        super().__init__()
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
-        bias = bool(getattr(config, "mlp_bias", False))
-        self.intermediate_size = config.intermediate_size // tp.size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias, dtype, device)
-        self.down_proj = _row_linear(config.intermediate_size, config.hidden_size, bias, tp,
-                                     dtype, device)
-
-    def forward(self, x):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, H]
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config, backend, dtype, device, tp):
-        super().__init__()
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
-        self.self_attn = Attention(config, backend, dtype, device, tp)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
-        self.mlp = MLP(config, dtype, device, tp)
-
-    def forward(self, x, residual, cos, sin, kv_cache, meta):
-        """(this layer's output, the residual stream before it): HF's ``x + attn(norm(x))``
-        and ``x + mlp(norm(x))``, with each add fused into the norm that follows it."""
-        if residual is None:  # the first layer
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
-
-
 class LlamaBody(nn.Module):
     """Named ``model`` inside LlamaForCausalLM so parameter names match HF checkpoints."""
 
-    def __init__(self, config, backend, dtype, device, tp):
+    def __init__(self, config, spec: LayerSpec, backend, dtype, device, tp):
         super().__init__()
         if tp.is_parallel:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp,
@@ -188,10 +86,10 @@ class LlamaBody(nn.Module):
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
                                              device=device)
             self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, dtype, device, tp) for _ in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(spec, backend, dtype, device, tp)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, False, backend, dtype,
+                            device)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -204,17 +102,15 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {config.model_type!r} is not supported (use one of {SUPPORTED_MODEL_TYPES})")
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        check_tensor_parallel(config.model_type, config.num_attention_heads, num_kv_heads,
-                              config.intermediate_size, tp.size)
-        self.config = config
-        self.dtype = dtype
-        self.tp = tp
+        spec = layer_spec(config)
+        check_tensor_parallel(config.model_type, spec.num_heads, spec.num_kv_heads,
+                              spec.intermediate_size, tp.size)
+        self.config, self.backend, self.dtype, self.tp = config, backend, dtype, tp
         self.num_layers = config.num_hidden_layers
-        self.head_dim = _head_dim(config)
+        self.head_dim = spec.head_dim
         self.vocab_size = config.vocab_size
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = LlamaBody(config, backend, dtype, device, tp)
+        self.model = LlamaBody(config, spec, backend, dtype, device, tp)
         attn = self.model.layers[0].self_attn
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads  # this rank's
         vocab_rows = -(-config.vocab_size // tp.size)  # this rank's slice, padded
@@ -234,23 +130,23 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", (emb.cos() * scaling).to(dtype), persistent=False)
         self.register_buffer("rope_sin", (emb.sin() * scaling).to(dtype) * sign.to(dtype),
                              persistent=False)
-        self.decode_layers: DecodeLayers | None = None  # set once the weights are packed
+        self.decode_step = None  # the backend's one-call decode step, once the weights load
 
-    def rope(self, positions):
-        """cos, sin_signed: [T, 1, D] for ``apply_rope``."""
-        return self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
+    def ropes(self, positions) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The step's RoPE tables, (cos, sin_signed) [T, 1, D] each (one for this family)."""
+        return [(self.rope_cos[positions][:, None], self.rope_sin[positions][:, None])]
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] int64; kv_caches: per layer (k_cache, v_cache) -> [T, hidden]."""
-        cos, sin = self.rope(positions)
+        ropes = self.ropes(positions)
         x, residual = self.model.embed_tokens(input_ids), None  # [T, hidden]
-        fused = None if self.decode_layers is None else \
-            self.decode_layers(x, cos, sin, kv_caches, meta)
-        if fused is not None:  # a decode step on a CPU: every layer in one C++ call
+        fused = None if self.decode_step is None else \
+            self.decode_step(x, ropes, kv_caches, meta)
+        if fused is not None:  # every layer in one call (a decode step on a CPU)
             x, residual = fused
         else:
             for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-                x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+                x, residual = layer(x, residual, ropes, kv_cache, meta)
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -265,19 +161,18 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy HF-named tensors into the (merged) parameters, raising if any is left unset, then
-        pack the linear layers where the device gains by it (the packed copies replace the plain
-        weights). Tensor-parallel: only this rank's part of each tensor is taken; a safetensors
-        slice (``safe_open(...).get_slice``) in place of a tensor then reads only that part from
-        the file."""
+        ``prepare_kernels``. Tensor-parallel: only this rank's part of each tensor is taken; a
+        safetensors slice (``safe_open(...).get_slice``) in place of a tensor then reads only
+        that part from the file."""
         params = dict(self.named_parameters())  # a tied lm_head appears once, as embed_tokens
         missing = {key for name in params for key in _load_keys(name)}
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue  # recomputed at init / shared with embed_tokens
-            target, shard = name, None
+            target, shard = _renamed(name), None
             for fragment, (merged, index) in _STACKED.items():
-                if fragment in name:
-                    target, shard = name.replace(fragment, merged), index
+                if fragment in target:
+                    target, shard = target.replace(fragment, merged), index
                     break
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
@@ -295,12 +190,18 @@ class LlamaForCausalLM(nn.Module):
                 dst.copy_(tensor.to(dtype=dst.dtype, device=dst.device))
             missing.discard(target if shard is None else f"{target}#{shard}")
         if missing:
-            raise ValueError(f"checkpoint is missing weights: {sorted(missing)}")
+            raise ValueError(f"checkpoint is missing weights: {sorted(map(_hf_name, missing))}")
+        self.prepare_kernels()
+
+    def prepare_kernels(self) -> None:
+        """Once every weight is in place: hand the linear layers to the backend and ask it for
+        a one-call decode step over the layers' plans."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack()
-                module.drop_plain_weight()  # a tied LM head's is the embedding's: it stays
-        self.decode_layers = DecodeLayers.build(self)
+                module.prepare(self.backend)
+        if not self.tp.is_parallel:  # (a step of parallel layers needs their collectives)
+            self.decode_step = self.backend.decode_step(
+                [layer.plan() for layer in self.model.layers], self.dtype)
 
     def _shard_range(self, merged_name, shard) -> tuple[int, int]:
         """(first row, rows) of shard ``shard`` inside a merged weight or bias."""
@@ -345,6 +246,19 @@ def _narrow(tensor, dim, start, length) -> torch.Tensor:
     if length is None:
         return tensor[:]
     return tensor[(slice(None),) * dim + (slice(start, start + length),)]
+
+
+def _renamed(name: str) -> str:
+    for fragment, ours in _RENAMED.items():
+        name = name.replace(fragment, ours)
+    return name
+
+
+def _hf_name(key: str) -> str:
+    """A parameter's (or merged shard's) name as the checkpoint spells it."""
+    for fragment, ours in _RENAMED.items():
+        key = key.replace(ours, fragment)
+    return key
 
 
 def _load_keys(param_name) -> list[str]:

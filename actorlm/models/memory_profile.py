@@ -78,7 +78,7 @@ def num_blocks_needed(step: ScheduleStep) -> int:
 
 
 def run_dummy_step(runner, step: ScheduleStep) -> StepResult:
-    """Execute ``step`` on ``runner`` and forget its requests: the persistent batch is left as
+    """Execute ``step`` on ``runner`` and forget its requests: the cached request state is left as
     it was (empty, for a fresh runner)."""
     try:
         return runner.execute(step)

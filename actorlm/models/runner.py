@@ -1,4 +1,4 @@
-"""The model runner: one device's persistent batch, input preparation, forward and sampling.
+"""The model runner: one device's cached request state, input preparation, forward and sampling.
 
 The worker keeps every request it has been sent (``_CachedState``) and receives only deltas for
 them, so a decode step moves a handful of integers per request. Each step's scheduled tokens
@@ -22,7 +22,6 @@ import torch
 from actorlm.kernels import KernelBackend
 from actorlm.messages import (GrammarBitmask, NewRequestData, PromptLogprobs, ScheduleStep,
                               StepResult)
-from actorlm.models.metadata import AttentionMetadata
 from actorlm.models.parallel import TensorParallel
 from actorlm.models.sampler import sample, token_logprobs
 from actorlm.sampling_params import SamplingParams
@@ -150,8 +149,8 @@ class ModelRunner:
             seq_lens.append(end)
             query_start.append(query_start[-1] + n)
         dev = self.device
-        meta = AttentionMetadata.build(self.backend, num_scheduled, seq_lens,
-                                       [s.block_ids for s in states], self.block_size, dev)
+        meta = self.backend.attention_metadata(num_scheduled, seq_lens,
+                                               [s.block_ids for s in states], self.block_size)
         input_ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         positions = torch.tensor(positions, dtype=torch.int64, device=dev)
         t_prepared = time.perf_counter()

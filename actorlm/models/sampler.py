@@ -15,7 +15,6 @@ from typing import Protocol, Sequence
 
 import torch
 
-from actorlm.kernels.cpu.fused import argmax
 from actorlm.messages import PositionLogprobs
 from actorlm.sampling_params import SamplingParams
 
@@ -37,7 +36,7 @@ def sample(logits: torch.Tensor, states: Sequence[SamplingState], backend,
     raw = logits.clone() if any(k is not None for k in wanted) else None  # logprobs see raw logits
     logits = apply_processors(logits, states, eos_token_ids)
     if all(p.is_greedy for p in params):
-        tokens = argmax(logits)  # skips building per-row parameter tensors
+        tokens = backend.argmax(logits)  # skips building per-row parameter tensors
     else:
         def column(values, dtype):
             return torch.tensor(values, dtype=dtype, device=logits.device)

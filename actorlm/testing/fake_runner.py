@@ -1,6 +1,6 @@
 """FakeModelRunner: ``ModelRunner.execute(step) -> StepResult`` without a model.
 
-It keeps the same persistent batch as the real runner (new requests arrive in full, cached
+It keeps the same cached request state as the real runner (new requests arrive in full, cached
 ones as deltas, ``finished_request_ids`` are dropped before the step runs) and samples by the
 same rule: a request samples exactly when the step completes its context. The token it
 "samples" is a pure function of the request and the position — by default of the prompt's
@@ -98,7 +98,7 @@ class FakeModelRunner:
         self.block_size, self.num_blocks = block_size, num_blocks
         self.token_fn = token_fn
         self.clock, self.step_latency = clock, step_latency
-        self.requests: dict[str, _State] = {}  # the persistent batch
+        self.requests: dict[str, _State] = {}  # the cached request state
         self.steps: list[FakeStepLog] = []
         self.violations: list[str] = []
         self._kv: dict[int, tuple[int, int]] = {}  # slot -> (token id, position) written there

@@ -12,7 +12,7 @@ plan. Steps are counted over every wrapped runner, from 0, in the order they exe
 - ``poison(request_id)``: every step that runs that request raises (a poison request).
 
 A faulting step raises before the wrapped runner sees it, so a fake runner shared between
-restarts keeps a persistent batch that agrees with the scheduler.
+restarts keeps cached request state that agrees with the scheduler.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The whole engine on the Triton kernels (CPU interpreter) gives the torch backend's tokens."""
+"""The whole engine on the Triton kernels (CPU interpreter) gives the CPU backend's tokens."""
 
 import pytest
 
@@ -22,18 +22,30 @@ def run(model_dir, monkeypatch, backend, params):
 
 
 @pytest.mark.slow
-def test_triton_backend_matches_torch_backend(tiny_llama_dir, monkeypatch):
+def test_triton_backend_matches_cpu_backend(tiny_llama_dir, monkeypatch):
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    torch_tokens, torch_stats = run(tiny_llama_dir, monkeypatch, "torch", greedy)
+    cpu_tokens, cpu_stats = run(tiny_llama_dir, monkeypatch, "cpu", greedy)
     triton_tokens, triton_stats = run(tiny_llama_dir, monkeypatch, "triton", greedy)
-    assert triton_tokens == torch_tokens
-    assert torch_stats["num_preemptions"] > 0 and triton_stats["num_preemptions"] > 0
+    assert triton_tokens == cpu_tokens
+    assert cpu_stats["num_preemptions"] > 0 and triton_stats["num_preemptions"] > 0
 
 
 @pytest.mark.slow
 def test_logit_processing_is_shared_by_both_backends(tiny_llama_dir, monkeypatch):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
                             repetition_penalty=1.4, frequency_penalty=0.5, logit_bias={9: 3.0})
-    torch_tokens, _ = run(tiny_llama_dir, monkeypatch, "torch", params)
+    cpu_tokens, _ = run(tiny_llama_dir, monkeypatch, "cpu", params)
     triton_tokens, _ = run(tiny_llama_dir, monkeypatch, "triton", params)
-    assert triton_tokens == torch_tokens
+    assert triton_tokens == cpu_tokens
+
+
+@pytest.mark.slow
+def test_the_triton_sampler_draws_in_the_engine_and_honours_seeds(tiny_llama_dir, monkeypatch):
+    # temperature > 0, so the Triton sampling kernel runs: a seeded request draws the same
+    # tokens in another run (recomputed after preemption alike), and they are not greedy's
+    sampled = SamplingParams(max_tokens=12, temperature=1.5, top_k=50, seed=3, ignore_eos=True)
+    first, _ = run(tiny_llama_dir, monkeypatch, "triton", sampled)
+    again, _ = run(tiny_llama_dir, monkeypatch, "triton", sampled)
+    greedy, _ = run(tiny_llama_dir, monkeypatch, "cpu",
+                    SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert first == again and first != greedy

@@ -1,8 +1,11 @@
 """A decode step through all layers in one C++ call (``kernels/cpu/decode_step.py``) computes
-what the Python layers compute, bit for bit, in fp32 and (for one or two requests) bf16, and
-steps it does not take fall back to them."""
+what the Python layers compute, bit for bit, in fp32 and (for one or two requests) bf16; it
+executes each layer's description, so a family with q/k norms (Qwen3), or one that describes
+other norms and activations, takes it as Llama does; steps it does not take fall back."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -10,95 +13,117 @@ from test_model_vs_hf import PROMPTS, PagedContexts
 
 from actorlm.kernels import select_backend
 from actorlm.kernels.cpu import linear as cpu_linear
-from actorlm.models.loader import load_model
+from actorlm.models import llama
+from actorlm.models.loader import load_hf_config, load_model
 
 needs_kernels = pytest.mark.skipif(cpu_linear._kernel() is None,
                                    reason="the fp32 panel GEMM needs AVX-512 and a C++ compiler")
 needs_bf16_kernels = pytest.mark.skipif(cpu_linear._kernel(torch.bfloat16) is None,
                                         reason="the bf16 panel GEMM needs avx512_bf16")
-
-
-def _counting(model) -> list[int]:
-    """Counts the fused calls: [number of steps the one C++ call ran]."""
-    calls, function = [0], model.decode_layers.function
-
-    def counted(*args):
-        calls[0] += 1
-        return function(*args)
-
-    model.decode_layers.function = counted
-    return calls
+PROMPT_IDS = [[5, 9, 2, 7, 1], [3, 3, 8], [4, 1, 6, 2, 2, 9, 5, 3, 7]]
 
 
 def _twin_runs(model, prompts, steps):
     """Logits of the same prefill and decode steps with the one call and with the Python
     layers, each on its own (identically allocated) cache."""
-    fused_layers, outputs = model.decode_layers, []
-    for fused in (fused_layers, None):
-        model.decode_layers = fused
+    one_call, outputs = model.decode_step, []
+    for fused in (one_call, None):
+        model.decode_step = fused
         cache, logits = PagedContexts(model, seed=3), []
         logits.append(cache.step(model, list(enumerate(prompts))))
         for step in steps:
             logits.append(cache.step(model, step))
         outputs.append((logits, cache.kv_caches))
-    model.decode_layers = fused_layers
+    model.decode_step = one_call
     return outputs
 
 
-@needs_kernels
-@pytest.mark.parametrize("checkpoint", ["tiny_llama_dir", "tiny_qwen2_dir"])  # qwen2: qkv bias
-def test_decode_steps_in_one_call_have_the_python_layers_bits(checkpoint, request):
-    model = load_model(request.getfixturevalue(checkpoint), torch.float32, "cpu",
-                       select_backend("cpu"))
-    assert model.decode_layers is not None
-    calls = _counting(model)
-    prompts = [[5, 9, 2, 7, 1], [3, 3, 8], [4, 1, 6, 2, 2, 9, 5, 3, 7]]
-    steps = [[(rid, [10 + step + rid]) for rid in range(3)] for step in range(6)]
-    steps.append([(1, [12]), (2, [13])])  # a request sits out: rows are still in order
+def _assert_twins(model, prompts, steps):
     (fused, fused_caches), (plain, plain_caches) = _twin_runs(model, prompts, steps)
-    assert calls[0] == len(steps)  # every decode step took the one call, the prefill did not
     for got, expected in zip(fused, plain):
         assert torch.equal(got, expected)
     for (k, v), (k_ref, v_ref) in zip(fused_caches, plain_caches):
         assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+
+def _decode_steps(num_requests, num_steps):
+    return [[(rid, [10 + step + rid]) for rid in range(num_requests)] for step in range(num_steps)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("checkpoint", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
+def test_decode_steps_in_one_call_have_the_python_layers_bits(checkpoint, request):
+    # qwen2: qkv bias; qwen3: q/k norms
+    model = load_model(request.getfixturevalue(checkpoint), torch.float32, "cpu",
+                       select_backend("cpu"))
+    assert model.decode_step is not None
+    steps = _decode_steps(3, 6)
+    steps.append([(1, [12]), (2, [13])])  # a request sits out: rows are still in order
+    _assert_twins(model, PROMPT_IDS, steps)
+    assert model.decode_step.num_steps == len(steps)  # every decode step, not the prefill
 
 
 @needs_kernels
 def test_steps_that_are_not_pure_decode_run_the_python_layers(tiny_llama_dir):
     model = load_model(tiny_llama_dir, torch.float32, "cpu", select_backend("cpu"))
-    calls = _counting(model)
-    prompts = [[5, 9, 2, 7, 1], [3, 3, 8]]
     steps = [[(0, [11]), (1, [12, 13, 14])],  # a decode row beside a prefill chunk
              [(2, [1, 2, 3]), (0, [15])]]  # a new prompt first: the decode row is not row 0
-    (fused, _), (plain, _) = _twin_runs(model, prompts, steps)
-    assert calls[0] == 0
-    for got, expected in zip(fused, plain):
-        assert torch.equal(got, expected)
+    _assert_twins(model, PROMPT_IDS[:2], steps)
+    assert model.decode_step.num_steps == 0
 
 
 @needs_bf16_kernels
-def test_bf16_decode_steps_of_one_or_two_requests_have_the_python_layers_bits(tiny_qwen2_dir):
-    model = load_model(tiny_qwen2_dir, torch.bfloat16, "cpu", select_backend("cpu"))
-    assert model.decode_layers is not None
-    calls = _counting(model)
-    prompts = [[5, 9, 2, 7, 1], [3, 3, 8], [4, 1, 6, 2, 2, 9, 5, 3, 7]]
+@pytest.mark.parametrize("checkpoint", ["tiny_qwen2_dir", "tiny_qwen3_dir"])
+def test_bf16_decode_steps_of_one_or_two_requests_have_the_python_layers_bits(checkpoint,
+                                                                              request):
+    model = load_model(request.getfixturevalue(checkpoint), torch.bfloat16, "cpu",
+                       select_backend("cpu"))
     steps = [[(0, [11]), (1, [12])], [(2, [13])],  # two rows, one row: the one call
              [(rid, [14 + rid]) for rid in range(3)]]  # three rows: oneDNN's GEMM, in Python
-    (fused, fused_caches), (plain, plain_caches) = _twin_runs(model, prompts, steps)
-    assert calls[0] == 2
-    for got, expected in zip(fused, plain):
-        assert torch.equal(got, expected)
-    for (k, v), (k_ref, v_ref) in zip(fused_caches, plain_caches):
-        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    _assert_twins(model, PROMPT_IDS, steps)
+    assert model.decode_step.num_steps == 2
 
 
-def test_models_without_qk_norms_take_the_one_call_where_their_kernels_are_built(
-        tiny_llama_dir, tiny_qwen3_dir):
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32,
+                                   pytest.param(torch.bfloat16, marks=needs_bf16_kernels)],
+                         ids=str)
+def test_a_layer_described_otherwise_takes_the_one_call_with_the_python_layers_bits(
+        tiny_qwen3_dir, monkeypatch, dtype):
+    # a family with output norms after attention and MLP, unit-offset norms (1 + weight) and
+    # GeLU-tanh (Gemma's layer): a description, no new kernel
+    spec = llama.layer_spec(load_hf_config(tiny_qwen3_dir))
+    described = dataclasses.replace(spec, output_norms=True, norm_unit_offset=True,
+                                    activation="gelu_tanh", attention_scale=0.2)
+    monkeypatch.setattr(llama, "layer_spec", lambda config: described)
+    model = llama.LlamaForCausalLM(load_hf_config(tiny_qwen3_dir), select_backend("cpu"),
+                                   dtype=dtype)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * (0.3 if "norm" in name else 1))
+    model.prepare_kernels()
+    assert model.decode_step is not None
+    steps = _decode_steps(2, 4)
+    _assert_twins(model, PROMPT_IDS[:2], steps)
+    assert model.decode_step.num_steps == len(steps)
+
+
+def test_the_one_call_is_built_where_its_kernels_are(tiny_llama_dir, tiny_qwen3_dir):
     backend = select_backend("cpu")
-    assert load_model(tiny_qwen3_dir, torch.float32, "cpu", backend).decode_layers is None
-    for dtype in (torch.float32, torch.bfloat16):
-        model = load_model(tiny_llama_dir, dtype, "cpu", backend)
-        assert (model.decode_layers is not None) == (cpu_linear._kernel(dtype) is not None)
+    for checkpoint in (tiny_llama_dir, tiny_qwen3_dir):
+        for dtype in (torch.float32, torch.bfloat16):
+            model = load_model(checkpoint, dtype, "cpu", backend)
+            assert (model.decode_step is not None) == (cpu_linear._kernel(dtype) is not None)
+
+
+@needs_kernels
+def test_a_sliding_window_keeps_the_python_layers(tiny_llama_dir, monkeypatch):
+    spec = llama.layer_spec(load_hf_config(tiny_llama_dir))
+    monkeypatch.setattr(llama, "layer_spec",
+                        lambda config: dataclasses.replace(spec, window=8))
+    model = load_model(tiny_llama_dir, torch.float32, "cpu", select_backend("cpu"))
+    assert model.decode_step is None  # no C++ kernel for a window yet
 
 
 @needs_kernels
@@ -109,8 +134,8 @@ def test_prompts_of_the_oracle_decode_alike(tiny_llama_dir):
     model = load_model(tiny_llama_dir, torch.float32, "cpu", select_backend("cpu"))
     prompts = [AutoTokenizer.from_pretrained(tiny_llama_dir)(p).input_ids for p in PROMPTS]
     tokens = {}
-    for fused in (model.decode_layers, None):
-        model.decode_layers, cache = fused, PagedContexts(model, seed=4)
+    for fused in (model.decode_step, None):
+        model.decode_step, cache = fused, PagedContexts(model, seed=4)
         logits = cache.step(model, list(enumerate(prompts)))
         last = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
         out = [[t] for t in logits[last].argmax(-1).tolist()]

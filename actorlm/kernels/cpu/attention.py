@@ -27,8 +27,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from actorlm.kernels.cpu import decode_attention, fused
-from actorlm.models.metadata import padded_block_table
+from actorlm.kernels.cpu import decode_attention
+from actorlm.kernels.metadata import padded_block_table
 
 
 class _Group(NamedTuple):
@@ -111,28 +111,6 @@ def _decode_rows(decodes, num_requests, seq_lens, starts, block_ids, device, gro
                                             device=device),
         padded_block_table([block_ids[b] for b in decodes], device),
         torch.tensor([seq_lens[b] for b in decodes], dtype=torch.int32, device=device), groups)
-
-
-def write_and_attend(q, k, v, k_cache, v_cache, meta, scale) -> torch.Tensor:
-    """One layer's step: its new K/V into the paged cache (``meta.slot_mapping``, all valid
-    slots), then attention through ``meta.plan``."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-    return attend(q, k_cache, v_cache, meta.plan, scale)
-
-
-def rope_write_and_attend(qkv, cos, sin_signed, k_cache, v_cache, meta, scale, num_heads,
-                          num_kv_heads) -> torch.Tensor | None:
-    """``write_and_attend`` from the fused projection qkv [T, (Hq + 2 Hkv) * D], q and k
-    rotated and the new K/V written in one C++ pass (``fused.rope_and_write_kv``); None,
-    with nothing done, where that kernel does not run."""
-    if not fused.rope_and_write_kv(qkv, cos, sin_signed, k_cache, v_cache, meta.slot_mapping,
-                                       num_heads, num_kv_heads):
-        return None
-    head_dim = k_cache.shape[-1]
-    query = qkv[:, :num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
-    return attend(query, k_cache, v_cache, meta.plan, scale)
 
 
 def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -16,19 +16,13 @@ import torch
 
 from actorlm.kernels.cpu import native
 
-_SYMBOLS = {torch.float32: "actorlm_decode_f32", torch.bfloat16: "actorlm_decode_bf16"}
-_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-             ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float]
-
-
 class _Library:
-    def __init__(self, cdll: ctypes.CDLL):
+    def __init__(self, limits_function):
         limits = [ctypes.c_int() for _ in range(3)]
-        cdll.actorlm_decode_limits(*map(ctypes.byref, limits))
+        limits_function(*map(ctypes.byref, limits))
         self.max_group, self.max_head_dim, self.max_block_size = (v.value for v in limits)
-        self.functions = {dtype: native.function(name, _ARGTYPES)
-                          for dtype, name in _SYMBOLS.items()}
+        self.functions = {dtype: native.function(f"actorlm_decode_{native.dtype_suffix(dtype)}")
+                          for dtype in (torch.float32, torch.bfloat16)}
 
 
 def is_built(block_size: int) -> bool:
@@ -84,5 +78,5 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 @functools.cache
 def _library() -> _Library | None:
-    cdll = native.library()
-    return None if cdll is None else _Library(cdll)
+    limits = native.function("actorlm_decode_limits")
+    return None if limits is None else _Library(limits)

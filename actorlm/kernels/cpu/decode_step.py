@@ -1,82 +1,58 @@
 """A decode step through every decoder layer in one C++ call (``csrc/decode_step.cpp``).
 
-The layers run the kernels the Python layers call, in the same order with the same bits; only
-the Python between them goes. A decode step streams the weights through the caches, evicting
-the interpreter's working set, so each Python-level op after a GEMV costs tens of microseconds
-of cache misses: ten per layer were a fifth of a one-request SmolLM2 step.
+The C++ side executes the layers' descriptions (``kernels.backend.DecoderLayerPlan``), which
+the model family gives: the kernels the Python layers call, in the same order with the same
+bits; only the Python between them goes. A decode step streams the weights through the caches,
+evicting the interpreter's working set, so each Python-level op after a GEMV costs tens of
+microseconds of cache misses: ten per layer were a fifth of a one-request SmolLM2 step.
 
-It takes a model on a CPU whose every piece has its C++ kernel here (the panel GEMM, which
-needs AVX-512, and for bf16 avx512_bf16; RoPE; decode attention for this head shape), on one
-rank, without q/k norms (Qwen3), and a step whose every request decodes one token (in bf16, one
-or two requests: beyond, oneDNN's AMX GEMM runs the linear layers); anything else runs the
-Python layers.
+It takes layers whose every piece has its C++ kernel here (linear layers on the panel GEMM,
+which needs AVX-512, and for bf16 avx512_bf16; RoPE and decode attention for their head shape;
+no sliding window yet), and a step whose every request decodes one token, in request order (in
+bf16, one or two requests: beyond, oneDNN's AMX GEMM runs the linear layers); for anything else
+``DecodeStep`` answers None and the Python layers run.
 """
 
 from __future__ import annotations
 
 import ctypes
+from typing import Sequence
 
 import torch
 
-from actorlm.kernels.cpu import decode_attention, fused, native
+from actorlm.kernels.backend import ACTIVATIONS, DecoderLayerPlan, Norm
+from actorlm.kernels.cpu import abi, decode_attention, fused, native
 from actorlm.kernels.cpu.attention import AttentionPlan
 from actorlm.kernels.cpu.linear import PanelLinear
 
-_P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+_NormStruct = abi.STRUCT_TYPES["actorlm_norm"]
+_LinearStruct = abi.STRUCT_TYPES["actorlm_linear"]
+_LayerStruct = abi.STRUCT_TYPES["actorlm_decoder_layer"]
+_StepStruct = abi.STRUCT_TYPES["actorlm_decode_step"]
 
 
-class _Layer(ctypes.Structure):
-    _fields_ = [(name, _P) for name in (
-        "input_norm", "post_attention_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up",
-        "gate_up_bias", "down", "down_bias", "k_cache", "v_cache")]
+class DecodeStep:
+    """``layers`` as one call for pure decode steps; ``build`` says whether the layers qualify,
+    ``__call__`` whether the step does. ``num_steps`` counts the steps it ran."""
 
-
-class _Shape(ctypes.Structure):
-    _fields_ = [("hidden", _I64), ("intermediate", _I64), ("num_heads", _I32),
-                ("num_kv_heads", _I32), ("head_dim", _I32), ("block_size", _I32),
-                ("eps", _F), ("scale", _F)]
-
-
-class _Step(ctypes.Structure):
-    _fields_ = [("rows", _I64), ("cos", _P), ("sin_signed", _P), ("slots", _P),
-                ("block_tables", _P), ("max_blocks", _I32), ("seq_lens", _P), ("qkv", _P),
-                ("attention", _P), ("gate_up", _P), ("activation", _P)]
-
-
-class DecodeLayers:
-    """``model``'s decoder layers as one call for pure decode steps; ``build`` says whether the
-    model qualifies, ``__call__`` whether the step does."""
-
-    def __init__(self, model, function, max_rows: int | None):
-        attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-        self.layers = model.model.layers
-        self.function, self.max_rows, self.dtype = function, max_rows, model.dtype
-        self.q_size, self.kv_size = attn.q_size, attn.kv_size
-        self.intermediate = mlp.intermediate_size
-        self.head_dim = attn.head_dim
-        self.shape = _Shape(model.config.hidden_size, self.intermediate, attn.num_heads,
-                            attn.num_kv_heads, attn.head_dim, 0,
-                            model.model.layers[0].input_layernorm.eps, attn.scale)
-        self._array, self._caches = None, None  # the layers' structs, for these KV caches
+    def __init__(self, layers: Sequence[DecoderLayerPlan], dtype: torch.dtype, function,
+                 max_rows: int | None):
+        self.layers, self.dtype, self.function = list(layers), dtype, function
+        self.max_rows = max_rows
+        self.num_steps = 0
+        self._structs, self._caches = None, None  # the layers' structs, for these KV caches
 
     @classmethod
-    def build(cls, model) -> DecodeLayers | None:
-        suffix = native.dtype_suffix(model.dtype)
-        attn = model.model.layers[0].self_attn
-        if suffix is None or model.tp.is_parallel or attn.head_dim % 2 or \
-                attn.head_dim > fused.rope_max_head_dim():
+    def build(cls, layers: Sequence[DecoderLayerPlan], dtype: torch.dtype) -> DecodeStep | None:
+        suffix = native.dtype_suffix(dtype)
+        function = None if suffix is None else native.function(f"actorlm_decode_layers_{suffix}")
+        if function is None or not layers or not all(_runs_here(layer, dtype) for layer in layers):
             return None
-        function = native.function(f"actorlm_decode_layers_{suffix}",
-                                   [_P, ctypes.c_int, _P, _P, _P, _P])
-        linears = [linear for layer in model.model.layers for linear in _packed_linears(layer)]
-        if function is None or any(layer.self_attn.q_norm is not None
-                                   for layer in model.model.layers) or \
-                not all(isinstance(linear, PanelLinear) for linear in linears):
-            return None
-        limits = [linear.max_rows for linear in linears if linear.max_rows is not None]
-        return cls(model, function, min(limits, default=None))
+        limits = [linear.max_rows for layer in layers for linear in _linears(layer)
+                  if linear.max_rows is not None]
+        return cls(layers, dtype, function, min(limits, default=None))
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+    def __call__(self, x: torch.Tensor, ropes: Sequence[tuple[torch.Tensor, torch.Tensor]],
                  kv_caches, meta) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the last layer's output, the residual stream before it) for the embeddings x
         [T, hidden], as the Python layers compute them, bit for bit; None, with nothing done,
@@ -84,55 +60,97 @@ class DecodeLayers:
         is beyond the kernel)."""
         plan, rows = meta.plan, x.shape[0]
         if not isinstance(plan, AttentionPlan) or plan.groups or plan.decode is None or \
-                plan.decode.rows is not None or rows == 0 or \
+                plan.decode.rows is not None or rows == 0 or x.dtype != self.dtype or \
                 (self.max_rows is not None and rows > self.max_rows) or \
                 meta.slot_mapping.dtype != torch.int64 or not meta.slot_mapping.is_contiguous():
             return None
-        layers = self._layers(kv_caches)
-        if layers is None:
+        structs = self._layer_structs(kv_caches)
+        if structs is None:
             return None
+        x = x.contiguous()
+        tables = [(cos.contiguous(), sin.contiguous()) for cos, sin in ropes]  # [T, 1, D] each
+        cos_tables, sin_tables = ((ctypes.c_void_p * len(tables))(*(t[i].data_ptr()
+                                                                     for t in tables))
+                                  for i in (0, 1))  # alive until the call returns
         decode = plan.decode
-        widths = [self.q_size + 2 * self.kv_size, self.q_size, 2 * self.intermediate,
-                  self.intermediate]
-        qkv, attention, gate_up, activation = x.new_empty(rows * sum(widths)).split(
-            [rows * width for width in widths])  # each [rows, width], dense
-        cos, sin_signed = cos.contiguous(), sin_signed.contiguous()
-        step = _Step(rows, cos.data_ptr(), sin_signed.data_ptr(), meta.slot_mapping.data_ptr(),
-                     decode.block_tables.data_ptr(), decode.block_tables.shape[1],
-                     decode.seq_lens.data_ptr(), qkv.data_ptr(), attention.data_ptr(),
-                     gate_up.data_ptr(), activation.data_ptr())
-        x, residual = self.layers[0].input_layernorm(x), x  # as the first Python layer does
-        self.function(layers, len(self.layers), ctypes.byref(self.shape), ctypes.byref(step),
-                      x.data_ptr(), residual.data_ptr())
+        step = _StepStruct(rows, kv_caches[0][0].shape[1], decode.block_tables.shape[1],
+                           ctypes.cast(cos_tables, ctypes.c_void_p),
+                           ctypes.cast(sin_tables, ctypes.c_void_p),
+                           meta.slot_mapping.data_ptr(), decode.block_tables.data_ptr(),
+                           decode.seq_lens.data_ptr())
+        residual = torch.empty_like(x)
+        self.function(structs, len(self.layers), ctypes.byref(step), x.data_ptr(),
+                      residual.data_ptr())
+        self.num_steps += 1
         return x, residual
 
-    def _layers(self, kv_caches) -> ctypes.Array | None:
+    def _layer_structs(self, kv_caches) -> ctypes.Array | None:
         """The layers' structs over these caches (built once per cache set), or None where the
         decode kernel does not take their shape."""
         caches = [(k.data_ptr(), v.data_ptr()) for k, v in kv_caches]
         if caches == self._caches:
-            return self._array
-        self._array, self._caches = None, caches
+            return self._structs
+        self._structs, self._caches = None, caches
         block_size = kv_caches[0][0].shape[1]
-        if not decode_attention.supports(self.dtype, self.shape.num_heads, self.shape.num_kv_heads,
-                                   self.head_dim, block_size) or \
-                any(k.dtype != self.dtype or not k.is_contiguous() or not v.is_contiguous() or
-                    k.shape[1:] != (block_size, self.shape.num_kv_heads, self.head_dim) or
-                    v.shape != k.shape for k, v in kv_caches):
+        if len(kv_caches) != len(self.layers) or any(
+                not _caches_fit(layer, k, v, self.dtype, block_size)
+                for layer, (k, v) in zip(self.layers, kv_caches)):
             return None
-        self.shape.block_size = block_size
-        array = (_Layer * len(self.layers))()
-        for i, (layer, (k, v)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                       *(t for linear in _packed_linears(layer)
-                         for t in (linear.packed, linear.padded_bias)),
-                       k, v]  # in _Layer's order
-            array[i] = _Layer(*(None if t is None else t.data_ptr() for t in tensors))
-        self._array = array
-        return array
+        self._structs = (_LayerStruct * len(self.layers))(*(
+            _layer_struct(layer, k, v) for layer, (k, v) in zip(self.layers, kv_caches)))
+        return self._structs
 
 
-def _packed_linears(layer) -> list:
-    """A decoder layer's linear layers as packed, in the order the kernel runs them."""
-    return [layer.self_attn.qkv_proj.packed, layer.self_attn.o_proj.packed,
-            layer.mlp.gate_up_proj.packed, layer.mlp.down_proj.packed]
+def _runs_here(layer: DecoderLayerPlan, dtype: torch.dtype) -> bool:
+    """Whether the C++ step has a kernel for every piece of ``layer``, and its pieces fit
+    together (the C++ side trusts the shapes)."""
+    a, linears = layer.attention, _linears(layer)
+    norms = [n for n in (layer.attn_norm, layer.attn_out_norm, layer.mlp_norm,
+                         layer.mlp_out_norm, a.q_norm, a.k_norm) if n is not None]
+    if a.window is not None or layer.activation not in ACTIVATIONS or a.head_dim % 2 or \
+            a.head_dim > fused.rope_max_head_dim() or (a.q_norm is None) != (a.k_norm is None) or \
+            (a.q_norm is not None and a.q_norm[1:] != a.k_norm[1:]) or \
+            not all(isinstance(linear, PanelLinear) and linear.dtype == dtype
+                    for linear in linears) or \
+            not all(n.weight.dtype == dtype and n.weight.is_contiguous() for n in norms):
+        return False
+    qkv, o, gate_up, down = linears
+    hidden, q_size = qkv.in_features, a.num_heads * a.head_dim
+    return o.out_features == gate_up.in_features == down.out_features == hidden and \
+        qkv.out_features == q_size + 2 * a.num_kv_heads * a.head_dim and \
+        o.in_features == q_size and gate_up.out_features == 2 * down.in_features
+
+
+def _caches_fit(layer: DecoderLayerPlan, k: torch.Tensor, v: torch.Tensor, dtype,
+                block_size: int) -> bool:
+    a = layer.attention
+    return decode_attention.supports(dtype, a.num_heads, a.num_kv_heads, a.head_dim,
+                                     block_size) and \
+        k.dtype == dtype and k.is_contiguous() and v.is_contiguous() and v.shape == k.shape and \
+        k.shape[1:] == (block_size, a.num_kv_heads, a.head_dim)
+
+
+def _linears(layer: DecoderLayerPlan) -> list:
+    return [layer.qkv, layer.o, layer.gate_up, layer.down]
+
+
+def _norm_struct(norm: Norm | None) -> _NormStruct:
+    if norm is None:
+        return _NormStruct(None, 0.0, 0)
+    return _NormStruct(norm.weight.data_ptr(), norm.eps, int(norm.unit_offset))
+
+
+def _linear_struct(linear: PanelLinear) -> _LinearStruct:
+    bias = linear.padded_bias
+    return _LinearStruct(linear.packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                         linear.out_features, linear.in_features)
+
+
+def _layer_struct(layer: DecoderLayerPlan, k_cache, v_cache) -> _LayerStruct:
+    a = layer.attention
+    return _LayerStruct(
+        *map(_norm_struct, (layer.attn_norm, layer.attn_out_norm, layer.mlp_norm,
+                            layer.mlp_out_norm, a.q_norm, a.k_norm)),
+        *map(_linear_struct, _linears(layer)), k_cache.data_ptr(), v_cache.data_ptr(),
+        a.num_heads, a.num_kv_heads, a.head_dim, ACTIVATIONS.index(layer.activation),
+        layer.rope, a.scale)

@@ -1,75 +1,84 @@
-"""A decoder layer's elementwise steps fused into one pass each on a CPU
-(``csrc/fused.cpp``), each with its torch twin, which runs where the C++ library is not
-built (``native``) or the tensors are not what it takes (another device or dtype, strided).
+"""A decoder layer's elementwise steps fused into one pass each on a CPU (``csrc/fused.cpp``).
 
-Each replaces several torch ops (each a dispatch, and for bf16 a round trip through fp32
-copies): ``add_rms_norm`` nine, ``silu_and_mul`` three, ``rope_and_write_kv`` (RoPE on q and k,
-then the new K/V into the paged cache) six. ``argmax`` is a greedy step's pick over
-the vocabulary, which torch runs on one thread per row here.
+Each falls back to its torch twin in ``kernels/portable.py`` where the C++ library is not built
+(``native``) or the tensors are not what it takes (another device or dtype, strided). Each
+replaces several torch ops (each a dispatch, and for bf16 a round trip through fp32 copies):
+``add_rms_norm`` nine, ``act_and_mul`` three, ``rope_and_write_kv`` (RoPE on q and k, then the
+new K/V into the paged cache) six. ``argmax`` is a greedy step's pick over the vocabulary,
+which torch runs on one thread per row here.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import torch
-import torch.nn.functional as F
 
+from actorlm.kernels import portable
+from actorlm.kernels.backend import ACTIVATIONS, Norm, check_activation
 from actorlm.kernels.cpu import native
 
-_P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight * rms_norm(x + residual), x + residual), as HF's layer computes them: x and
-    residual [T, H], weight [H]. May write into x and residual."""
-    fn = _function("actorlm_add_rms_norm", x, residual, weight)
-    if fn is None:
-        return add_rms_norm_ref(x, residual, weight, eps)
-    fn(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps)
-    return x, residual
-
-
-def add_rms_norm_ref(x, residual, weight, eps):
-    residual = x + residual
-    return rms_norm(residual, weight, eps), residual
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm with its bits: x [T, H] * rsqrt(mean(x^2) + eps), in fp32, times weight."""
-    if x.dtype == torch.float32:  # one op (torch.rms_norm has HF's fp32 bits)
-        return torch.rms_norm(x, weight.shape, weight, eps)
-    # normalise in fp32, cast back, then scale (HF's order: it changes bf16 results)
-    return weight * torch.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [T, 2I] (each row [gate | up]) -> silu(gate) * up [T, I]."""
-    fn = _function("actorlm_silu_and_mul", gate_up)
-    if fn is None:
-        return silu_and_mul_ref(gate_up)
-    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-    fn(gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1])
+def rms_norm(x: torch.Tensor, norm: Norm) -> torch.Tensor:
+    """``norm`` of each row of x [T, H] (rows may be strided) -> a new [T, H] tensor."""
+    fn = _function("actorlm_rms_norm", x, norm.weight, dense_rows=False)
+    if fn is None or x.dim() != 2:
+        return portable.rms_norm(x, norm)
+    out = x.new_empty(x.shape)
+    fn(x.data_ptr(), x.stride(0), out.data_ptr(), norm.weight.data_ptr(), x.shape[0],
+       x.shape[1], norm.eps, norm.unit_offset)
     return out
 
 
-def silu_and_mul_ref(gate_up):
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor,
+                 norm: Norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual): x and residual [T, H], both may be written."""
+    fn = _function("actorlm_add_rms_norm", x, residual, norm.weight)
+    if fn is None:
+        return portable.add_rms_norm(x, residual, norm)
+    fn(x.data_ptr(), residual.data_ptr(), norm.weight.data_ptr(), x.shape[0], x.shape[1],
+       norm.eps, norm.unit_offset)
+    return x, residual
+
+
+def head_rms_norm(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                  q_norm: Norm, k_norm: Norm) -> bool:
+    """Each q head and k head of the fused projection qkv [T, (Hq + 2 Hkv) * D] normed in
+    place (q heads by ``q_norm``, k heads by ``k_norm``, alike but for their weights). False,
+    with nothing done, where the kernel does not take these tensors."""
+    fn = _function("actorlm_head_rms_norm", qkv, q_norm.weight, k_norm.weight,
+                   dense_rows=False)
+    if fn is None or (q_norm.eps, q_norm.unit_offset) != (k_norm.eps, k_norm.unit_offset) or \
+            qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
+        return False
+    fn(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], num_heads, num_kv_heads, head_dim,
+       q_norm.weight.data_ptr(), k_norm.weight.data_ptr(), q_norm.eps, q_norm.unit_offset)
+    return True
+
+
+def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """gate_up [T, 2I] (each row [gate | up]) -> act(gate) * up [T, I]."""
+    check_activation(activation)
+    fn = _function("actorlm_act_and_mul", gate_up)
+    if fn is None:
+        return portable.act_and_mul(gate_up, activation)
+    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    fn(gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1],
+       ACTIVATIONS.index(activation))
+    return out
 
 
 def rope_and_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                       num_heads: int, num_kv_heads: int) -> bool:
     """In one pass: the q and k heads of each row of a fused projection qkv
-    [T, (Hq + 2 Hkv) * D] rotated in place as ``apply_rope`` rotates them (cos, sin_signed:
-    [T, 1, D]), and each row's k and v heads written into the paged caches
+    [T, (Hq + 2 Hkv) * D] rotated in place as ``portable.apply_rope`` rotates them (cos,
+    sin_signed: [T, 1, D]), and each row's k and v heads written into the paged caches
     ([num_blocks, block_size, Hkv, D]) at its slot. False, with nothing done, where the kernel
     does not take these tensors; the caller then runs the torch ops."""
     head_dim = k_cache.shape[-1]
-    fn = _function("actorlm_rope_write_kv", qkv, cos, sin_signed, k_cache, v_cache)
+    fn = _function("actorlm_rope_write_kv", qkv, cos, sin_signed, k_cache, v_cache,
+                   dense_rows=False)
     if fn is None or head_dim % 2 or head_dim > rope_max_head_dim() or \
             qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or \
             k_cache.shape != v_cache.shape or k_cache.shape[-2] != num_kv_heads or \
@@ -86,15 +95,13 @@ def rope_and_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Te
 @functools.cache
 def rope_max_head_dim() -> int:
     """The largest head size ``rope_and_write_kv`` takes (0 without the library)."""
-    lib = native.library()
-    return 0 if lib is None else lib.actorlm_rope_max_head_dim()
+    fn = native.function("actorlm_rope_max_head_dim")
+    return 0 if fn is None else fn()
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits [N, V] fp32 (no NaN) -> [N] int64, the first index of each row's maximum."""
-    if logits.dtype != torch.float32:
-        return logits.argmax(dim=-1)
-    fn = _function("actorlm_argmax", logits)
+    fn = _function("actorlm_argmax", logits) if logits.dtype == torch.float32 else None
     if fn is None:
         return logits.argmax(dim=-1)
     out = torch.empty(logits.shape[0], dtype=torch.int64)
@@ -102,20 +109,13 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _function(name: str, *tensors: torch.Tensor):
-    """The C++ function for these tensors (CPU, contiguous, one dtype it takes), or None."""
-    first = tensors[0]
+def _function(name: str, first: torch.Tensor, *others: torch.Tensor, dense_rows: bool = True):
+    """The C++ function ``name`` for these tensors — on the CPU, of one dtype it has a
+    function for, contiguous (``first`` with only its last dimension dense where
+    ``dense_rows`` is False) — or None."""
     suffix = native.dtype_suffix(first.dtype)
     if first.device.type != "cpu" or suffix is None or first.shape[0] == 0 or \
-            any(t.dtype != first.dtype or not t.is_contiguous() for t in tensors):
+            first.stride(-1) != 1 or (dense_rows and not first.is_contiguous()) or \
+            any(t.dtype != first.dtype or not t.is_contiguous() for t in others):
         return None
-    return _load(f"{name}_{suffix}")
-
-
-@functools.cache
-def _load(symbol: str):
-    argtypes = {"actorlm_add_rms_norm": [_P, _P, _P, _I64, _INT, _F],
-                "actorlm_silu_and_mul": [_P, _P, _I64, _INT],
-                "actorlm_argmax": [_P, _P, _I64, _I64],
-                "actorlm_rope_write_kv": [_P, _I64, _P, _P, _P, _P, _P, _I64, _INT, _INT, _INT]}
-    return native.function(symbol, argtypes[symbol.rsplit("_", 1)[0]])
+    return native.function(f"{name}_{suffix}")

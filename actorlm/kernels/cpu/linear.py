@@ -20,7 +20,6 @@ reordered once runs faster where it matters:
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from typing import Callable
 
@@ -63,6 +62,16 @@ def _onednn_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable 
     # The batch size is only a layout hint; every batch size runs on the packed weight.
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class PlainLinear:
+    """``F.linear`` over the weight as it is: where no packing applies."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight, self.bias = weight.detach(), None if bias is None else bias.detach()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 class PanelLinear:
@@ -112,19 +121,17 @@ class PanelLinear:
 
 
 class _Kernel:
-    def __init__(self, cdll: ctypes.CDLL, suffix: str):
-        P, I64 = ctypes.c_void_p, ctypes.c_int64
-        self.panel = getattr(cdll, f"actorlm_linear_panel_{suffix}")()
-        self.pack = native.function(f"actorlm_linear_pack_{suffix}", [P, P, I64, I64])
-        self.run = native.function(f"actorlm_linear_{suffix}", [P, I64, P, P, P, I64, I64, I64])
+    def __init__(self, suffix: str):
+        self.panel = native.function(f"actorlm_linear_panel_{suffix}")()
+        self.pack = native.function(f"actorlm_linear_pack_{suffix}")
+        self.run = native.function(f"actorlm_linear_{suffix}")
 
 
 @functools.cache
 def _kernel(dtype: torch.dtype = torch.float32) -> _Kernel | None:
     """The panel GEMM for ``dtype`` (fp32 or bf16), or None where this build has none."""
-    cdll = native.library()
     suffix = native.dtype_suffix(dtype)
-    kernel = None if cdll is None or suffix is None else _Kernel(cdll, suffix)
+    kernel = None if native.library() is None or suffix is None else _Kernel(suffix)
     return kernel if kernel is not None and kernel.panel > 0 else None
 
 

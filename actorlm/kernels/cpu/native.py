@@ -2,7 +2,8 @@
 
 They are compiled with the system's C++ compiler (``$CXX``, else ``g++``: a couple of seconds)
 for this very CPU (``-march=native``), cached under ``~/.cache/actorlm/kernels`` keyed by the
-sources, the flags, the compiler and the CPU's features, and loaded with ctypes. The library
+sources, the ABI (``abi.py``, whose header every source includes), the flags, the compiler and
+the CPU's features, and loaded with ctypes. The library
 links the libgomp that torch has already loaded (the same soname), so its parallel loops run
 on torch's own OpenMP pool rather than a second one fighting it for the cores.
 
@@ -24,6 +25,7 @@ import tempfile
 
 import torch
 
+from actorlm.kernels.cpu import abi
 from actorlm.paths import cache_root
 
 log = logging.getLogger(__name__)
@@ -47,13 +49,15 @@ def library() -> ctypes.CDLL | None:
         return None
 
 
-def function(name: str, argtypes: list) -> ctypes._CFuncPtr | None:
-    """``name`` from the library with its argument types set, or None without a library."""
+@functools.cache
+def function(name: str) -> ctypes._CFuncPtr | None:
+    """The exported function ``name`` with its ctypes signature from ``abi``, or None without
+    a library."""
     lib = library()
     if lib is None:
         return None
     fn = getattr(lib, name)
-    fn.restype, fn.argtypes = None, argtypes
+    fn.restype, fn.argtypes = abi.signature(name)
     return fn
 
 
@@ -70,8 +74,9 @@ def _build() -> pathlib.Path:
         raise OSError("no C++ compiler (set CXX or install g++)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=True, timeout=30).stdout
+    header = abi.header()
     key = hashlib.sha256("\0".join(
-        [*(f.read_text() for f in _FILES), " ".join(_COMPILE_FLAGS), version,
+        [*(f.read_text() for f in _FILES), header, " ".join(_COMPILE_FLAGS), version,
          _cpu_features()]).encode())
     target = cache_root() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if target.is_file():
@@ -80,9 +85,10 @@ def _build() -> pathlib.Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         objects = [pathlib.Path(tmp, f"{source.stem}.o") for source in _SOURCES]
         lib = pathlib.Path(tmp, "kernels.so")
+        pathlib.Path(tmp, "actorlm_abi.h").write_text(header)
         # -ffast-math only to compile: linking with it would add crtfastmath.o (flush-to-zero
         # for the whole process, torch included)
-        commands = [[compiler, "-c", *_COMPILE_FLAGS, str(source), "-o", str(obj)]
+        commands = [[compiler, "-c", *_COMPILE_FLAGS, f"-I{tmp}", str(source), "-o", str(obj)]
                     for source, obj in zip(_SOURCES, objects)]
         commands.append([compiler, "-shared", "-fopenmp", *map(str, objects), "-o", str(lib),
                          "-lmvec"])

@@ -10,7 +10,7 @@ tile size does not depend on the cache block size. Softmax is online, in fp32, i
 Long decode contexts can be split over several programs (flash-decoding): each split writes
 an unnormalised partial result with its running max and sum, and a second kernel merges them.
 
-The torch twins live in ``reference.py`` (``write_kv_ref``, ``paged_attention_ref``).
+The oracles are ``write_kv_ref`` and ``paged_attention_ref`` in ``reference.py``.
 """
 
 from __future__ import annotations

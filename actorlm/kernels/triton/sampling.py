@@ -12,8 +12,9 @@ proportional to ``q_i`` and needs no cumulative sum. ``E = -log(u)`` with ``u`` 
 by the row's seed, with counter (token index, position): a pure function of (seed, position,
 token), so a seeded row draws the same token whatever its batch neighbours.
 
-The torch twin is ``sample_ref`` in ``reference.py``; it draws from the same distribution with a
-different noise source, so the two agree on greedy rows and in distribution, not draw by draw.
+The CPU sampler (``kernels/cpu/sampler.py``) draws from the same distribution
+(``reference.sampling_probs_ref``) with a different noise source, so the two agree on greedy
+rows and in distribution, not draw by draw.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@
 
 #include <omp.h>
 
+#include "actorlm_abi.h"
 #include "dtype.h"
 
 #ifdef __AVX512F__
@@ -74,6 +75,20 @@ inline void prefetch_rows(const T* k_cache, const T* v_cache, int64_t first,
   }
 }
 
+// Block j of an item that ends at position `end`: the offset of its first K/V row in the cache,
+// with its number of positions in `n`; the next block, if the item reads one, is prefetched.
+template <typename T>
+inline int64_t enter_block(const T* k_cache, const T* v_cache, const int32_t* block_table, int j,
+                           int end, int block_size, int64_t first_position,
+                           int64_t position_stride, int dim, int& n) {
+  const int64_t block_stride = int64_t(block_size) * position_stride;
+  n = std::min(block_size, end - j * block_size);
+  if ((j + 1) * block_size < end)
+    prefetch_rows(k_cache, v_cache, block_table[j + 1] * block_stride + first_position,
+                  position_stride, block_size, dim);
+  return block_table[j] * block_stride + first_position;
+}
+
 // One work item: a request's G query heads that share one KV head, over positions
 // [begin, end) of its context (begin on a block boundary), into `partial` (G partial_size()s).
 // kHeadDim is the head size where it is one of the common ones (then every loop over it has a
@@ -94,13 +109,10 @@ void attend_item(const T* query, const T* k_cache, const T* v_cache, const int32
     running_max[g] = -1e30f;
     running_sum[g] = 0.f;
   }
-  const int64_t block_stride = int64_t(block_size) * position_stride;
   for (int j = begin / block_size; j * block_size < end; ++j) {
-    const int n = std::min(block_size, end - j * block_size);
-    const int64_t first = block_table[j] * block_stride + first_position;
-    if ((j + 1) * block_size < end)
-      prefetch_rows(k_cache, v_cache, block_table[j + 1] * block_stride + first_position,
-                    position_stride, block_size, dim);
+    int n;
+    const int64_t first = enter_block(k_cache, v_cache, block_table, j, end, block_size,
+                                      first_position, position_stride, dim, n);
     for (int g = 0; g < group; ++g) {  // scores
       for (int t = 0; t < n; ++t) {
         const T* k = k_cache + first + t * position_stride;
@@ -182,13 +194,10 @@ void attend_item_avx512(const T* query, const T* k_cache, const T* v_cache,
     running_max[g] = -1e30f;
     running_sum[g] = 0.f;
   }
-  const int64_t block_stride = int64_t(block_size) * position_stride;
   for (int j = begin / block_size; j * block_size < end; ++j) {
-    const int n = std::min(block_size, end - j * block_size);
-    const int64_t first = block_table[j] * block_stride + first_position;
-    if ((j + 1) * block_size < end)
-      prefetch_rows(k_cache, v_cache, block_table[j + 1] * block_stride + first_position,
-                    position_stride, block_size, dim);
+    int n;
+    const int64_t first = enter_block(k_cache, v_cache, block_table, j, end, block_size,
+                                      first_position, position_stride, dim, n);
     for (int t0 = 0; t0 < n; t0 += 16) {  // scores, sixteen positions at a time
       __m512 dots[kGroup][16];
       for (int t = 0; t < 16; ++t) {

@@ -2,13 +2,15 @@
 // decode_attention.cpp for how this library is built and linked).
 //
 // Each follows the rounding of the torch ops it replaces (HF's order): in bf16 the residual
-// sum is rounded to bf16, the normalisation runs in fp32 and is rounded before the weight
-// multiplies it; silu(gate) is rounded before it multiplies up. Only the order of the fp32
-// sum of squares differs from torch's, which moves the last bits.
+// sum is rounded to bf16; an RMS norm normalises in fp32 and, scaled by its weight, rounds the
+// normed value before the weight multiplies it (a unit-offset norm multiplies by 1 + weight in
+// fp32 and rounds once); act(gate) is rounded before it multiplies up. Only the order of the
+// fp32 sum of squares differs from torch's, which moves the last bits.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
+#include "actorlm_abi.h"
 #include "dtype.h"
 
 namespace {
@@ -18,10 +20,45 @@ using actorlm::store;
 using actorlm::to_float;
 
 constexpr int kMaxRopeDim = 512;  // head sizes the RoPE kernel takes
+enum Activation { kSilu = 0, kGeluTanh = 1 };  // the order of kernels.backend.ACTIVATIONS
 
-// residual += x; x = weight * rms_norm(residual)   (rows of `dim`, both contiguous)
 template <typename T>
-void add_rms_norm(T* x, T* residual, const T* weight, int64_t rows, int dim, float eps) {
+inline float inverse_rms(const T* x, int dim, float eps) {
+  float sum_sq = 0.f;
+#pragma omp simd reduction(+ : sum_sq)
+  for (int d = 0; d < dim; ++d) sum_sq += to_float(x[d]) * to_float(x[d]);
+  return 1.f / std::sqrt(sum_sq / dim + eps);
+}
+
+// out = x * inv_rms, scaled by weight (or by 1 + weight); out may be x
+template <typename T>
+inline void scale_row(const T* x, float inv_rms, const T* weight, bool unit_offset, int dim,
+                      T* out) {
+  if (unit_offset) {
+#pragma omp simd
+    for (int d = 0; d < dim; ++d)
+      store(to_float(x[d]) * inv_rms * (1.f + to_float(weight[d])), out + d);
+  } else {
+#pragma omp simd
+    for (int d = 0; d < dim; ++d)
+      store(rounded(to_float(x[d]) * inv_rms, out) * to_float(weight[d]), out + d);
+  }
+}
+
+template <typename T>
+void rms_norm(const T* x, int64_t x_stride, T* out, const T* weight, int64_t rows, int dim,
+              float eps, int unit_offset) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* row = x + r * x_stride;
+    scale_row(row, inverse_rms(row, dim, eps), weight, unit_offset, dim, out + r * dim);
+  }
+}
+
+// residual += x; x = norm(residual)   (rows of `dim`, both contiguous)
+template <typename T>
+void add_rms_norm(T* x, T* residual, const T* weight, int64_t rows, int dim, float eps,
+                  int unit_offset) {
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     T* xr = x + r * dim;
@@ -33,27 +70,47 @@ void add_rms_norm(T* x, T* residual, const T* weight, int64_t rows, int dim, flo
       store(sum, res + d);
       sum_sq += sum * sum;
     }
-    const float inv_rms = 1.f / std::sqrt(sum_sq / dim + eps);
-#pragma omp simd
-    for (int d = 0; d < dim; ++d) {
-      const float normed = rounded(to_float(res[d]) * inv_rms, xr);
-      store(normed * to_float(weight[d]), xr + d);
+    scale_row(res, 1.f / std::sqrt(sum_sq / dim + eps), weight, unit_offset, dim, xr);
+  }
+}
+
+// Each q head and k head of the fused projection's rows normed in place, by its own weight.
+template <typename T>
+void head_rms_norm(T* qkv, int64_t row_stride, int64_t rows, int num_heads, int num_kv_heads,
+                   int head_dim, const T* q_weight, const T* k_weight, float eps,
+                   int unit_offset) {
+#pragma omp parallel for schedule(static) collapse(2)
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int h = 0; h < num_heads + num_kv_heads; ++h) {
+      T* x = qkv + r * row_stride + int64_t(h) * head_dim;
+      scale_row(x, inverse_rms(x, head_dim, eps), h < num_heads ? q_weight : k_weight,
+                unit_offset, head_dim, x);
     }
   }
 }
 
-// out[r] = silu(gate[r]) * up[r], where row r of gate_up is [gate | up]
+// out[r] = act(gate[r]) * up[r], where row r of gate_up is [gate | up]
 template <typename T>
-void silu_and_mul(const T* gate_up, T* out, int64_t rows, int dim) {
+void act_and_mul(const T* gate_up, T* out, int64_t rows, int dim, int activation) {
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     const T* gate = gate_up + r * 2 * dim;
     const T* up = gate + dim;
     T* o = out + r * dim;
+    if (activation == kSilu) {
 #pragma omp simd
-    for (int d = 0; d < dim; ++d) {
-      const float g = to_float(gate[d]);
-      store(rounded(g / (1.f + expf(-g)), o) * to_float(up[d]), o + d);
+      for (int d = 0; d < dim; ++d) {
+        const float g = to_float(gate[d]);
+        store(rounded(g / (1.f + expf(-g)), o) * to_float(up[d]), o + d);
+      }
+    } else {  // torch's gelu(approximate="tanh")
+      constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+#pragma omp simd
+      for (int d = 0; d < dim; ++d) {
+        const float g = to_float(gate[d]);
+        const float act = 0.5f * g * (1.f + tanhf(kBeta * (g + 0.044715f * g * g * g)));
+        store(rounded(act, o) * to_float(up[d]), o + d);
+      }
     }
   }
 }
@@ -95,20 +152,36 @@ void rope_write_kv(T* qkv, int64_t row_stride, const T* cos, const T* sin_signed
 
 extern "C" {
 
-void actorlm_add_rms_norm_f32(float* x, float* residual, const float* weight, int64_t rows,
-                              int dim, float eps) {
-  add_rms_norm(x, residual, weight, rows, dim, eps);
-}
-void actorlm_add_rms_norm_bf16(uint16_t* x, uint16_t* residual, const uint16_t* weight,
-                               int64_t rows, int dim, float eps) {
-  add_rms_norm(x, residual, weight, rows, dim, eps);
-}
-void actorlm_silu_and_mul_f32(const float* gate_up, float* out, int64_t rows, int dim) {
-  silu_and_mul(gate_up, out, rows, dim);
-}
-void actorlm_silu_and_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int dim) {
-  silu_and_mul(gate_up, out, rows, dim);
-}
+#define ACTORLM_FUSED(S, T)                                                                      \
+  void actorlm_rms_norm_##S(const T* x, int64_t x_stride, T* out, const T* weight,             \
+                            int64_t rows, int dim, float eps, int unit_offset) {               \
+    rms_norm(x, x_stride, out, weight, rows, dim, eps, unit_offset);                            \
+  }                                                                                             \
+  void actorlm_add_rms_norm_##S(T* x, T* residual, const T* weight, int64_t rows, int dim,     \
+                                float eps, int unit_offset) {                                  \
+    add_rms_norm(x, residual, weight, rows, dim, eps, unit_offset);                             \
+  }                                                                                             \
+  void actorlm_head_rms_norm_##S(T* qkv, int64_t row_stride, int64_t rows, int num_heads,      \
+                                 int num_kv_heads, int head_dim, const T* q_weight,            \
+                                 const T* k_weight, float eps, int unit_offset) {              \
+    head_rms_norm(qkv, row_stride, rows, num_heads, num_kv_heads, head_dim, q_weight, k_weight, \
+                  eps, unit_offset);                                                            \
+  }                                                                                             \
+  void actorlm_act_and_mul_##S(const T* gate_up, T* out, int64_t rows, int dim,                \
+                               int activation) {                                               \
+    act_and_mul(gate_up, out, rows, dim, activation);                                           \
+  }                                                                                             \
+  void actorlm_rope_write_kv_##S(T* qkv, int64_t row_stride, const T* cos,                     \
+                                 const T* sin_signed, T* k_cache, T* v_cache,                  \
+                                 const int64_t* slots, int64_t rows, int num_heads,            \
+                                 int num_kv_heads, int head_dim) {                             \
+    rope_write_kv(qkv, row_stride, cos, sin_signed, k_cache, v_cache, slots, rows, num_heads,   \
+                  num_kv_heads, head_dim);                                                      \
+  }
+ACTORLM_FUSED(f32, float)
+ACTORLM_FUSED(bf16, uint16_t)
+
+int actorlm_rope_max_head_dim() { return kMaxRopeDim; }
 
 // out[r] = the first index of the largest of row r's n values (fp32 logits, no NaN)
 void actorlm_argmax_f32(const float* x, int64_t* out, int64_t rows, int64_t n) {
@@ -122,22 +195,6 @@ void actorlm_argmax_f32(const float* x, int64_t* out, int64_t rows, int64_t n) {
     while (row[index] != best) ++index;
     out[r] = index;
   }
-}
-
-int actorlm_rope_max_head_dim() { return kMaxRopeDim; }
-void actorlm_rope_write_kv_f32(float* qkv, int64_t row_stride, const float* cos,
-                               const float* sin_signed, float* k_cache, float* v_cache,
-                               const int64_t* slots, int64_t rows, int num_heads,
-                               int num_kv_heads, int head_dim) {
-  rope_write_kv(qkv, row_stride, cos, sin_signed, k_cache, v_cache, slots, rows, num_heads,
-                num_kv_heads, head_dim);
-}
-void actorlm_rope_write_kv_bf16(uint16_t* qkv, int64_t row_stride, const uint16_t* cos,
-                                const uint16_t* sin_signed, uint16_t* k_cache,
-                                uint16_t* v_cache, const int64_t* slots, int64_t rows,
-                                int num_heads, int num_kv_heads, int head_dim) {
-  rope_write_kv(qkv, row_stride, cos, sin_signed, k_cache, v_cache, slots, rows, num_heads,
-                num_kv_heads, head_dim);
 }
 
 }  // extern "C"

@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "actorlm_abi.h"
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif

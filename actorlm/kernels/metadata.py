@@ -1,9 +1,10 @@
-"""The flattened description of one step's batch that every attention layer reads."""
+"""The flattened description of one step's batch that every attention layer reads, built once
+per step by the backend (``KernelBackend.attention_metadata``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -22,13 +23,16 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32
     max_query_len: int
     max_seq_len: int
-    plan: Any = None  # the backend's per-step attention plan (``KernelBackend.plan``)
+    plan: Any = None  # the backend's own plan of the step's attention
 
     @classmethod
-    def build(cls, backend, q_lens: list[int], seq_lens: list[int],
-              block_ids: list[list[int]], block_size: int, device) -> AttentionMetadata:
+    def build(cls, q_lens: Sequence[int], seq_lens: Sequence[int],
+              block_ids: Sequence[Sequence[int]], block_size: int, device,
+              plan: Callable | None = None) -> AttentionMetadata:
         """From the step's Python lists: request b computes the last ``q_lens[b]`` positions of
-        its ``seq_lens[b]``-token context, stored in the blocks ``block_ids[b]``."""
+        its ``seq_lens[b]``-token context, stored in the blocks ``block_ids[b]``. ``plan``, if
+        given, is called as ``plan(q_lens, seq_lens, block_ids, block_size, tables)`` with the
+        block table and seq_lens tensors, and its result rides along."""
         slots, starts = [], [0]
         for q_len, seq_len, blocks in zip(q_lens, seq_lens, block_ids):
             slots += [blocks[p // block_size] * block_size + p % block_size
@@ -42,7 +46,7 @@ class AttentionMetadata:
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
             seq_lens=tables[1],
             max_query_len=max(q_lens), max_seq_len=max(seq_lens),
-            plan=backend.plan(q_lens, seq_lens, block_ids, block_size, device, tables=tables))
+            plan=None if plan is None else plan(q_lens, seq_lens, block_ids, block_size, tables))
 
 
 def padded_block_table(block_ids: Sequence[Sequence[int]], device) -> torch.Tensor:

@@ -1,0 +1,170 @@
+"""The door: what a model layer and the runner may ask of the kernels, whatever the device.
+
+A model never imports a device wing (``kernels/cpu/``, ``kernels/triton/``): it is handed a
+``KernelBackend`` and calls its methods, with the small types below as their vocabulary. Each
+wing implements every method; ``reference.py`` states what each must compute.
+
+The types describe, they do not compute: a ``Norm`` is a weight and how it scales; an
+``AttentionLayer`` a layer's heads and options; a ``DecoderLayerPlan`` one decoder layer as a
+whole, which a model family gives so that a backend may run a decode step through every layer
+at once (``decode_step``) without knowing the family.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+
+from actorlm.kernels.metadata import AttentionMetadata
+
+ACTIVATIONS = ("silu", "gelu_tanh")  # act_and_mul's: SiLU, GeLU's tanh approximation
+
+
+class Norm(NamedTuple):
+    """An RMS norm over the last dimension: ``x * rsqrt(mean(x^2) + eps)`` in fp32, then
+    scaled. ``unit_offset`` False (Llama, Qwen, Mistral): by ``weight``, after the normed value
+    is rounded to x's dtype; True (Gemma): by ``1 + weight``, in fp32, rounded once."""
+
+    weight: torch.Tensor  # [H]
+    eps: float
+    unit_offset: bool = False
+
+
+class AttentionLayer(NamedTuple):
+    """One layer's attention as the kernels see it (this rank's heads)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    window: int | None = None  # sliding window (positions a query sees); None: all before it
+    q_norm: Norm | None = None  # per-head norms of q and k, before RoPE (Qwen3, Gemma 3)
+    k_norm: Norm | None = None
+
+
+class QuantizedWeight(NamedTuple):
+    """A linear layer's weight kept in a quantized block format (GGUF's ``Q4_0``, ``Q8_0``…):
+    ``blocks`` its raw bytes, ``shape`` the (out_features, in_features) they encode."""
+
+    type_name: str
+    blocks: torch.Tensor  # uint8
+    shape: tuple[int, int]
+
+
+class DecoderLayerPlan(NamedTuple):
+    """A pre-norm decoder layer, as ``decode_step`` runs it:
+
+        h = attn_norm(stream)                 (the stream: the residual, in the model dtype)
+        a = o(attention(rope(qkv(h))))        (q/k norms before RoPE, if the layer has them)
+        stream += attn_out_norm(a) or a
+        m = down(act_and_mul(gate_up(mlp_norm(stream))))
+        out = mlp_out_norm(m) or m            (the next layer adds it to the stream)
+
+    The linear layers are what ``KernelBackend.prepare_linear`` returned; ``rope`` picks which
+    of the step's RoPE tables the layer rotates by (families with one table: 0)."""
+
+    attn_norm: Norm
+    attention: AttentionLayer
+    qkv: Callable
+    o: Callable
+    mlp_norm: Norm
+    gate_up: Callable
+    down: Callable
+    activation: str = "silu"
+    attn_out_norm: Norm | None = None
+    mlp_out_norm: Norm | None = None
+    rope: int = 0
+
+
+class KernelBackend:
+    """The kernels of one device. Tensors are flattened batches of T tokens ([T, ...]); a
+    method may write into the tensors its docstring says it may."""
+
+    name: str
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+
+    # --- norms and activations ----------------------------------------------------------------
+
+    def rms_norm(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
+        """``norm`` of each row of x [T, H] (a new tensor)."""
+        raise NotImplementedError
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                     norm: Norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), the sum rounded to the dtype: x and residual
+        [T, H]; both may be written."""
+        raise NotImplementedError
+
+    def act_and_mul(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+        """gate_up [T, 2I], each row [gate | up] -> act(gate) * up [T, I], act(gate) rounded to
+        the dtype first (HF's two ops); ``activation`` one of ``ACTIVATIONS``."""
+        raise NotImplementedError
+
+    # --- linear layers ------------------------------------------------------------------------
+
+    def prepare_linear(self, weight: torch.Tensor | QuantizedWeight,
+                       bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Once, at load: ``x [..., in] -> x @ weight.T + bias`` over the weight laid out as
+        this device runs it fastest. The result keeps what it needs; the caller may let its
+        own reference to the weight go."""
+        raise NotImplementedError
+
+    # --- attention ----------------------------------------------------------------------------
+
+    def attention_metadata(self, q_lens: Sequence[int], seq_lens: Sequence[int],
+                           block_ids: Sequence[Sequence[int]],
+                           block_size: int) -> AttentionMetadata:
+        """Once per step, from its Python lists: request b computes the last ``q_lens[b]``
+        positions of its ``seq_lens[b]``-token context, stored in the blocks ``block_ids[b]``.
+        The metadata carries this backend's plan of the step (``AttentionMetadata.plan``)."""
+        return AttentionMetadata.build(q_lens, seq_lens, block_ids, block_size, self.device,
+                                       self._plan)
+
+    def _plan(self, q_lens, seq_lens, block_ids, block_size, tables):
+        return None
+
+    def attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                  kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                  layer: AttentionLayer) -> torch.Tensor:
+        """One layer's attention from its fused projection qkv [T, (Hq + 2 Hkv) * D]: q and k
+        normed per head (if the layer says so) and rotated (cos, sin_signed: [T, 1, D], sin's
+        first half negated), the new K and V written into the paged caches
+        ([num_blocks, block_size, Hkv, D]) at ``meta.slot_mapping``, then causal attention
+        over each request's context -> [T, Hq * D]. qkv may be written."""
+        raise NotImplementedError
+
+    # --- sampling -----------------------------------------------------------------------------
+
+    def sample(self, logits, temperature, top_k, top_p, min_p, seeds,
+               positions) -> torch.Tensor:
+        """One token per row of logits [B, V] fp32 (``reference.sampling_probs_ref`` says from
+        which distribution), with noise that is a pure function of (seed, position)."""
+        raise NotImplementedError
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] -> [B] int64, each row's first maximum (a greedy step)."""
+        return logits.argmax(dim=-1)
+
+    # --- a decode step through every layer ----------------------------------------------------
+
+    def decode_step(self, layers: Sequence[DecoderLayerPlan],
+                    dtype: torch.dtype) -> Callable | None:
+        """Once, at load: ``step(x, ropes, kv_caches, meta) -> (out, stream) | None`` running a
+        step in which every request decodes one token through all ``layers`` at once, as the
+        layers would one by one (x [T, hidden] the embeddings; ``ropes`` the step's
+        (cos, sin_signed) tables; None for a step it does not take) — or None where this
+        backend has no such path for these layers."""
+        return None
+
+
+def check_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def no_quantized_kernels(weight: QuantizedWeight, backend: str) -> NotImplementedError:
+    return NotImplementedError(f"the {backend} backend has no kernel for {weight.type_name} "
+                               f"quantized weights yet")

@@ -1,0 +1,156 @@
+"""The C ABI of the C++ kernels, declared once: this table.
+
+From it come both sides of the boundary: the header every ``csrc/*.cpp`` includes
+(``actorlm_abi.h``, written by ``header()`` into the build, so the compiler checks each
+definition against its declaration: a C function defined with other parameters than declared
+does not compile) and the ctypes types (``function``'s argtypes, ``STRUCT_TYPES``). Print the
+header with ``python -m actorlm.kernels.cpu.abi``.
+
+``T`` is the element type: a function whose signature names it exists once per dtype, its name
+suffixed ``_f32`` (``float``) or ``_bf16`` (``uint16_t``, bf16's bits).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+_DTYPES = {"f32": "float", "bf16": "uint16_t"}
+
+# Structs of the one-call decode step (``decode_step.py``): a layer's description and a step.
+STRUCTS = {
+    "actorlm_norm": [  # weight null: the layer has no norm there
+        ("const void*", "weight"), ("float", "eps"), ("int32_t", "unit_offset")],
+    "actorlm_linear": [  # a PanelLinear: packed weight, fp32 bias padded to the panels or null
+        ("const void*", "packed"), ("const float*", "bias"), ("int64_t", "out_features"),
+        ("int64_t", "in_features")],
+    "actorlm_decoder_layer": [
+        ("actorlm_norm", "attn_norm"), ("actorlm_norm", "attn_out_norm"),
+        ("actorlm_norm", "mlp_norm"), ("actorlm_norm", "mlp_out_norm"),
+        ("actorlm_norm", "q_norm"), ("actorlm_norm", "k_norm"),
+        ("actorlm_linear", "qkv"), ("actorlm_linear", "o"), ("actorlm_linear", "gate_up"),
+        ("actorlm_linear", "down"),
+        ("void*", "k_cache"), ("void*", "v_cache"),  # [num_blocks, block_size, Hkv, D]
+        ("int32_t", "num_heads"), ("int32_t", "num_kv_heads"), ("int32_t", "head_dim"),
+        ("int32_t", "activation"),  # an index into ACTIVATIONS
+        ("int32_t", "rope"), ("float", "scale")],
+    "actorlm_decode_step": [  # one query token per request, request r on row r
+        ("int64_t", "rows"), ("int32_t", "block_size"), ("int32_t", "max_blocks"),
+        ("const void* const*", "cos"), ("const void* const*", "sin_signed"),  # per RoPE table
+        ("const int64_t*", "slots"), ("const int32_t*", "block_tables"),
+        ("const int32_t*", "seq_lens")],
+}
+
+# (return type, name, parameters)
+FUNCTIONS = [
+    # fused.cpp: a decoder layer's elementwise steps
+    ("void", "actorlm_rms_norm", [
+        ("const T*", "x"), ("int64_t", "x_stride"), ("T*", "out"), ("const T*", "weight"),
+        ("int64_t", "rows"), ("int", "dim"), ("float", "eps"), ("int", "unit_offset")]),
+    ("void", "actorlm_add_rms_norm", [
+        ("T*", "x"), ("T*", "residual"), ("const T*", "weight"), ("int64_t", "rows"),
+        ("int", "dim"), ("float", "eps"), ("int", "unit_offset")]),
+    ("void", "actorlm_head_rms_norm", [
+        ("T*", "qkv"), ("int64_t", "row_stride"), ("int64_t", "rows"), ("int", "num_heads"),
+        ("int", "num_kv_heads"), ("int", "head_dim"), ("const T*", "q_weight"),
+        ("const T*", "k_weight"), ("float", "eps"), ("int", "unit_offset")]),
+    ("void", "actorlm_act_and_mul", [
+        ("const T*", "gate_up"), ("T*", "out"), ("int64_t", "rows"), ("int", "dim"),
+        ("int", "activation")]),
+    ("void", "actorlm_rope_write_kv", [
+        ("T*", "qkv"), ("int64_t", "row_stride"), ("const T*", "cos"),
+        ("const T*", "sin_signed"), ("T*", "k_cache"), ("T*", "v_cache"),
+        ("const int64_t*", "slots"), ("int64_t", "rows"), ("int", "num_heads"),
+        ("int", "num_kv_heads"), ("int", "head_dim")]),
+    ("int", "actorlm_rope_max_head_dim", []),
+    ("void", "actorlm_argmax_f32", [
+        ("const float*", "x"), ("int64_t*", "out"), ("int64_t", "rows"), ("int64_t", "n")]),
+    # decode_attention.cpp
+    ("int", "actorlm_decode_limits", [
+        ("int*", "max_group"), ("int*", "max_head_dim"), ("int*", "max_block_size")]),
+    ("void", "actorlm_decode", [
+        ("const T*", "query"), ("int64_t", "query_row_stride"), ("const int32_t*", "rows"),
+        ("const T*", "k_cache"), ("const T*", "v_cache"), ("const int32_t*", "block_tables"),
+        ("int", "max_blocks"), ("const int32_t*", "seq_lens"), ("T*", "out"),
+        ("int", "num_requests"), ("int", "num_heads"), ("int", "num_kv_heads"),
+        ("int", "head_dim"), ("int", "block_size"), ("float", "scale")]),
+    # linear.cpp
+    ("int", "actorlm_linear_panel_f32", []),
+    ("int", "actorlm_linear_panel_bf16", []),
+    ("void", "actorlm_linear_pack", [
+        ("const T*", "weight"), ("T*", "packed"), ("int64_t", "n"), ("int64_t", "k")]),
+    ("void", "actorlm_linear", [
+        ("const T*", "x"), ("int64_t", "x_stride"), ("const T*", "packed"),
+        ("const float*", "bias"), ("T*", "y"), ("int64_t", "m"), ("int64_t", "n"),
+        ("int64_t", "k")]),
+    # decode_step.cpp
+    ("void", "actorlm_decode_layers", [
+        ("const actorlm_decoder_layer*", "layers"), ("int", "num_layers"),
+        ("const actorlm_decode_step*", "step"), ("T*", "x"), ("T*", "residual")]),
+]
+
+
+def _concrete() -> dict[str, tuple[str, list[tuple[str, str]]]]:
+    """Every exported function's name -> (return type, parameters), T spelled out."""
+    out = {}
+    for restype, name, params in FUNCTIONS:
+        if not any("T*" in ctype for ctype, _ in params):
+            out[name] = (restype, params)
+            continue
+        for suffix, element in _DTYPES.items():
+            out[f"{name}_{suffix}"] = (restype, [(ctype.replace("T*", f"{element}*"), p)
+                                                 for ctype, p in params])
+    return out
+
+
+def header() -> str:
+    """The text of ``actorlm_abi.h``."""
+    lines = ["// Generated from actorlm/kernels/cpu/abi.py: the C ABI of the CPU kernels.",
+             "#pragma once", "#include <cstdint>", "", 'extern "C" {', ""]
+    for name, fields in STRUCTS.items():
+        body = " ".join(f"{ctype} {field};" for ctype, field in fields)
+        lines.append(f"typedef struct {name} {{ {body} }} {name};")
+    lines.append("")
+    for name, (restype, params) in _concrete().items():
+        args = ", ".join(f"{ctype} {p}" for ctype, p in params) or "void"
+        lines.append(f"{restype} {name}({args});")
+    lines += ["", '}  // extern "C"', ""]
+    return "\n".join(lines)
+
+
+_SCALARS = {"void": None, "float": ctypes.c_float, "int": ctypes.c_int,
+            "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64}
+
+
+def _ctype(ctype: str):
+    """The ctypes type of a C type of the table: a struct, a pointer to one, any other pointer
+    (c_void_p: tensors pass their data_ptr()), or a scalar."""
+    words = ctype.replace("const", "").split()
+    base = words[0].rstrip("*")
+    if base in STRUCTS:
+        struct = STRUCT_TYPES[base]
+        return ctypes.POINTER(struct) if "*" in ctype else struct
+    return ctypes.c_void_p if "*" in ctype else _SCALARS[base]
+
+
+def _struct_types() -> dict[str, type]:
+    types: dict[str, type] = {}
+    for name, fields in STRUCTS.items():  # in order: a struct names only those before it
+        types[name] = type(name, (ctypes.Structure,), {"_fields_": [
+            (field, types[ctype] if ctype in types else _ctype(ctype))
+            for ctype, field in fields]})
+    return types
+
+
+STRUCT_TYPES = _struct_types()
+
+
+@functools.cache
+def signature(name: str) -> tuple:
+    """(restype, argtypes) of the exported function ``name`` (with its dtype suffix)."""
+    restype, params = _concrete()[name]
+    return _SCALARS[restype], [_ctype(ctype) for ctype, _ in params]
+
+
+if __name__ == "__main__":
+    print(header(), end="")

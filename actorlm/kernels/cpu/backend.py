@@ -1,0 +1,61 @@
+"""The CPU backend: the C++ kernels of this wing, each with its torch path for where the library
+is not built or the tensors are not what a kernel takes."""
+
+from __future__ import annotations
+
+import torch
+
+from actorlm.kernels import portable
+from actorlm.kernels.backend import (AttentionLayer, KernelBackend, Norm, QuantizedWeight,
+                                     no_quantized_kernels)
+from actorlm.kernels.cpu import attention, fused, linear, sampler
+from actorlm.kernels.cpu.decode_step import DecodeStep
+
+
+class CpuBackend(KernelBackend):
+    name = "cpu"
+
+    def rms_norm(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
+        return fused.rms_norm(x, norm)
+
+    def add_rms_norm(self, x, residual, norm):
+        return fused.add_rms_norm(x, residual, norm)
+
+    def act_and_mul(self, gate_up, activation):
+        return fused.act_and_mul(gate_up, activation)
+
+    def prepare_linear(self, weight, bias):
+        if isinstance(weight, QuantizedWeight):
+            raise no_quantized_kernels(weight, self.name)
+        return linear.packed_linear(weight, bias) or linear.PlainLinear(weight, bias)
+
+    def _plan(self, q_lens, seq_lens, block_ids, block_size, tables):
+        return attention.plan_attention(q_lens, seq_lens, block_ids, block_size, self.device,
+                                        tables=tables)
+
+    def attention(self, qkv, cos, sin_signed, kv_cache, meta, layer: AttentionLayer):
+        if layer.window is not None:
+            raise NotImplementedError(f"sliding-window attention (window {layer.window}) has "
+                                      f"no CPU kernel yet")
+        k_cache, v_cache = kv_cache
+        num_tokens, heads = qkv.shape[0], (layer.num_heads, layer.num_kv_heads, layer.head_dim)
+        q_norm, k_norm = layer.q_norm, layer.k_norm
+        if q_norm is not None and fused.head_rms_norm(qkv, *heads, q_norm, k_norm):
+            q_norm = k_norm = None  # normed in place
+        if fused.rope_and_write_kv(qkv, cos, sin_signed, k_cache, v_cache, meta.slot_mapping,
+                                   *heads[:2]):
+            query = qkv[:, :layer.num_heads * layer.head_dim].view(num_tokens, *heads[::2])
+        else:
+            query, k, v = portable.split_qkv(qkv, cos, sin_signed, *heads, q_norm, k_norm)
+            portable.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = attention.attend(query, k_cache, v_cache, meta.plan, layer.scale)  # [T, Hq, D]
+        return out.reshape(num_tokens, -1)
+
+    def sample(self, logits, temperature, top_k, top_p, min_p, seeds, positions):
+        return sampler.sample(logits, temperature, top_k, top_p, min_p, seeds, positions)
+
+    def argmax(self, logits):
+        return fused.argmax(logits)
+
+    def decode_step(self, layers, dtype):
+        return DecodeStep.build(layers, dtype)

@@ -1,0 +1,69 @@
+"""Torch ops that run on any device with the bits of HF transformers' layers: the CPU wing's
+path where its C++ library is not built (or the tensors are not what a kernel takes), and the
+GPU wing's where no Triton kernel is worth it (RoPE).
+
+HF's order matters in bf16: the residual sum is rounded to bf16, an RMS norm normalises in fp32
+and rounds before the weight multiplies (``1 + weight`` in fp32, rounded once, for a
+unit-offset norm), and act(gate) is rounded before it multiplies up.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from actorlm.kernels.backend import Norm, check_activation
+
+
+def rms_norm(x: torch.Tensor, norm: Norm) -> torch.Tensor:
+    shape = norm.weight.shape
+    if norm.unit_offset:
+        normed = torch.rms_norm(x.float(), shape, None, norm.eps)
+        return (normed * (1.0 + norm.weight.float())).to(x.dtype)
+    if x.dtype == torch.float32:  # one op, with HF's fp32 bits
+        return torch.rms_norm(x, shape, norm.weight, norm.eps)
+    return norm.weight * torch.rms_norm(x.float(), shape, None, norm.eps).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor,
+                 norm: Norm) -> tuple[torch.Tensor, torch.Tensor]:
+    residual = x + residual
+    return rms_norm(residual, norm), residual
+
+
+def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    check_activation(activation)
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    return act * up
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos, sin_signed: [T, 1, D]. HF's ``x * cos + rotate_half(x) * sin`` with
+    the negation of rotate_half moved into the table (``sin_signed`` is sin with its first half
+    negated): the same bits in four ops instead of seven."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """key, value [T, Hkv, D] into the paged caches at ``slot_mapping`` [T] (all valid)."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def split_qkv(qkv, cos, sin_signed, num_heads, num_kv_heads, head_dim, q_norm=None,
+              k_norm=None):
+    """(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) from a fused projection, q and k normed
+    per head (where given) and rotated."""
+    num_tokens, q_size, kv_size = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
+    v = qkv[:, q_size + kv_size:].view(num_tokens, num_kv_heads, head_dim)
+    if q_norm is None:  # q and k rotate as one tensor: [T, Hq + Hkv, D]
+        qk = apply_rope(qkv[:, :q_size + kv_size].view(num_tokens, -1, head_dim), cos,
+                        sin_signed)
+        return qk[:, :num_heads], qk[:, num_heads:], v
+    q = rms_norm(qkv[:, :q_size].view(num_tokens, num_heads, head_dim), q_norm)
+    k = rms_norm(qkv[:, q_size:q_size + kv_size].view(num_tokens, num_kv_heads, head_dim),
+                 k_norm)
+    return apply_rope(q, cos, sin_signed), apply_rope(k, cos, sin_signed), v

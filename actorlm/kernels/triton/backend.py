@@ -1,0 +1,65 @@
+"""The GPU backend: Triton kernels for the norms, activations, the K/V write, paged attention
+and sampling; cuBLAS (``F.linear``) for the linear layers and torch ops for RoPE."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from actorlm.kernels import portable
+from actorlm.kernels.backend import (AttentionLayer, KernelBackend, QuantizedWeight,
+                                     no_quantized_kernels)
+
+
+class TritonBackend(KernelBackend):
+    name = "triton"
+
+    def rms_norm(self, x, norm):
+        from actorlm.kernels.triton.norms import rms_norm
+
+        if x.dim() != 2:  # per-head norms of [T, H, D]: rows of D
+            return rms_norm(x.reshape(-1, x.shape[-1]), norm.weight, norm.eps,
+                            norm.unit_offset).view(x.shape)
+        return rms_norm(x, norm.weight, norm.eps, norm.unit_offset)
+
+    def add_rms_norm(self, x, residual, norm):
+        from actorlm.kernels.triton.norms import add_rms_norm
+
+        return add_rms_norm(x, residual, norm.weight, norm.eps, norm.unit_offset)
+
+    def act_and_mul(self, gate_up, activation):
+        from actorlm.kernels.triton.activation import act_and_mul
+
+        return act_and_mul(gate_up, activation)
+
+    def prepare_linear(self, weight, bias):
+        if isinstance(weight, QuantizedWeight):
+            raise no_quantized_kernels(weight, self.name)
+        weight = weight.detach()
+        bias = None if bias is None else bias.detach()
+        return lambda x: F.linear(x, weight, bias)
+
+    def attention(self, qkv, cos, sin_signed, kv_cache, meta, layer: AttentionLayer):
+        from actorlm.kernels.triton.paged_attention import paged_attention, write_kv
+
+        if layer.window is not None:
+            raise NotImplementedError(f"sliding-window attention (window {layer.window}) has "
+                                      f"no Triton kernel yet")
+        num_tokens, d = qkv.shape[0], layer.head_dim
+        q_size, kv_size = layer.num_heads * d, layer.num_kv_heads * d
+        q = qkv[:, :q_size].view(num_tokens, layer.num_heads, d)
+        k = qkv[:, q_size:q_size + kv_size].view(num_tokens, layer.num_kv_heads, d)
+        v = qkv[:, q_size + kv_size:].view(num_tokens, layer.num_kv_heads, d)
+        if layer.q_norm is not None:
+            q, k = self.rms_norm(q, layer.q_norm), self.rms_norm(k, layer.k_norm)
+        q, k = portable.apply_rope(q, cos, sin_signed), portable.apply_rope(k, cos, sin_signed)
+        k_cache, v_cache = kv_cache
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                              meta.seq_lens, layer.scale, max_query_len=meta.max_query_len,
+                              max_seq_len=meta.max_seq_len)
+        return out.reshape(num_tokens, q_size)
+
+    def sample(self, logits, temperature, top_k, top_p, min_p, seeds, positions):
+        from actorlm.kernels.triton.sampling import sample
+
+        return sample(logits, temperature, top_k, top_p, min_p, seeds, positions)

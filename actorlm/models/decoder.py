@@ -1,0 +1,144 @@
+"""A dense decoder layer over the paged KV cache, built from its family's description.
+
+A family (``llama.py``) describes each of its layers with a ``LayerSpec``: which norms sit where
+and how they scale, q/k norms, the activation, biases, the attention scale, a sliding window.
+The modules here build exactly those parts and run them through the kernel backend; ``plan()``
+hands the same description, with the loaded weights, to the backend's one-call decode step
+(``KernelBackend.decode_step``). So a new dense family takes both paths by describing itself.
+
+Inputs are one flattened batch of T tokens (no padding, no batch dimension). q/k/v and
+gate/up are merged into one matmul each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from actorlm.kernels import AttentionLayer, DecoderLayerPlan, KernelBackend
+from actorlm.models.layers import Linear, RMSNorm, RowParallelLinear
+from actorlm.models.parallel import TensorParallel, num_kv_heads_per_rank
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One decoder layer of a family, as its config says (whole model sizes, before a
+    tensor-parallel split)."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm_eps: float
+    norm_unit_offset: bool = False  # norms scale by 1 + weight (kernels.Norm)
+    qk_norm: bool = False  # per-head norms of q and k before RoPE
+    output_norms: bool = False  # norms on the attention's and the MLP's outputs too
+    activation: str = "silu"
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    window: int | None = None  # sliding window; None: full causal attention
+
+
+def _row_linear(in_features, out_features, bias, tp: TensorParallel, dtype, device) -> Linear:
+    """A layer whose input features are split over the ranks (plain when there is one)."""
+    if tp.is_parallel:
+        return RowParallelLinear(in_features, out_features, bias, tp, dtype, device)
+    return Linear(in_features, out_features, bias, dtype, device)
+
+
+class Attention(nn.Module):
+    """Tensor-parallel: this rank's query heads and the KV heads they read."""
+
+    def __init__(self, spec: LayerSpec, backend: KernelBackend, dtype, device,
+                 tp: TensorParallel):
+        super().__init__()
+        self.backend = backend
+        self.num_heads = spec.num_heads // tp.size
+        self.num_kv_heads = num_kv_heads_per_rank(spec.num_kv_heads, tp.size)
+        self.head_dim = d = spec.head_dim
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, spec.qkv_bias,
+                               dtype, device)
+        self.o_proj = _row_linear(spec.num_heads * d, spec.hidden_size, spec.o_bias, tp, dtype,
+                                  device)
+        self.q_norm = self.k_norm = None
+        if spec.qk_norm:
+            self.q_norm, self.k_norm = (RMSNorm(d, spec.norm_eps, spec.norm_unit_offset,
+                                                backend, dtype, device) for _ in range(2))
+        self.layer = AttentionLayer(
+            self.num_heads, self.num_kv_heads, d,
+            spec.attention_scale if spec.attention_scale is not None else d**-0.5, spec.window,
+            *(None if n is None else n.norm for n in (self.q_norm, self.k_norm)))
+
+    def forward(self, x, cos, sin_signed, kv_cache, meta):
+        # x: [T, hidden]; cos, sin_signed: [T, 1, D]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+        o = self.backend.attention(qkv, cos, sin_signed, kv_cache, meta, self.layer)
+        return self.o_proj(o)  # [T, Hq D] -> [T, hidden]
+
+
+class MLP(nn.Module):
+    """Tensor-parallel: this rank's share of the intermediate features."""
+
+    def __init__(self, spec: LayerSpec, backend: KernelBackend, dtype, device,
+                 tp: TensorParallel):
+        super().__init__()
+        self.backend, self.activation = backend, spec.activation
+        self.intermediate_size = spec.intermediate_size // tp.size
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * self.intermediate_size, spec.mlp_bias,
+                                   dtype, device)
+        self.down_proj = _row_linear(spec.intermediate_size, spec.hidden_size, spec.mlp_bias, tp,
+                                     dtype, device)
+
+    def forward(self, x):
+        # [T, H] -> [T, 2I] -> [T, I] -> [T, H]
+        return self.down_proj(self.backend.act_and_mul(self.gate_up_proj(x), self.activation))
+
+
+class DecoderLayer(nn.Module):
+    """``kernels.DecoderLayerPlan``'s layer: norms before attention and MLP (and after each,
+    with ``output_norms``), each residual add fused into the norm that follows it."""
+
+    def __init__(self, spec: LayerSpec, backend, dtype, device, tp, rope: int = 0):
+        super().__init__()
+        self.rope = rope  # which of the model's RoPE tables this layer rotates by
+
+        def norm():
+            return RMSNorm(spec.hidden_size, spec.norm_eps, spec.norm_unit_offset, backend,
+                           dtype, device)
+
+        self.attn_norm, self.mlp_norm = norm(), norm()
+        self.attn_out_norm = self.mlp_out_norm = None
+        if spec.output_norms:
+            self.attn_out_norm, self.mlp_out_norm = norm(), norm()
+        self.self_attn = Attention(spec, backend, dtype, device, tp)
+        self.mlp = MLP(spec, backend, dtype, device, tp)
+
+    def forward(self, x, residual, ropes, kv_cache, meta):
+        """(this layer's output, the residual stream before it); ``residual`` is None at the
+        first layer, whose x is the embeddings."""
+        if residual is None:
+            x, residual = self.attn_norm(x), x
+        else:
+            x, residual = self.attn_norm(x, residual)
+        x = self.self_attn(x, *ropes[self.rope], kv_cache, meta)
+        if self.attn_out_norm is not None:
+            x = self.attn_out_norm(x)
+        x, residual = self.mlp_norm(x, residual)
+        x = self.mlp(x)
+        if self.mlp_out_norm is not None:
+            x = self.mlp_out_norm(x)
+        return x, residual
+
+    def plan(self) -> DecoderLayerPlan:
+        """This layer for the backend's one-call decode step (once the weights are loaded)."""
+        attn, mlp = self.self_attn, self.mlp
+        return DecoderLayerPlan(
+            self.attn_norm.norm, attn.layer, attn.qkv_proj.prepared, attn.o_proj.prepared,
+            self.mlp_norm.norm, mlp.gate_up_proj.prepared, mlp.down_proj.prepared,
+            mlp.activation, *(None if n is None else n.norm
+                              for n in (self.attn_out_norm, self.mlp_out_norm)), self.rope)
