@@ -7,6 +7,7 @@ import torch
 
 from actorlm.kernels.triton.paged_attention import write_kv
 from actorlm.kernels.reference import write_kv_ref
+from paged_batches import dtype_id
 
 
 @pytest.mark.parametrize(
@@ -18,7 +19,7 @@ from actorlm.kernels.reference import write_kv_ref
         (torch.float32, 128, 8, 32),
         (torch.bfloat16, 128, 2, 32),
     ],
-    ids=lambda v: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else None,
+    ids=dtype_id,
 )
 def test_write_kv_matches_reference(dtype, head_dim, num_kv_heads, block_size):
     gen = torch.Generator().manual_seed(head_dim * 31 + num_kv_heads)
