@@ -23,5 +23,7 @@ $(STAMP): pyproject.toml Makefile
 serve: install
 	$(VENV)/bin/actorlm serve --host 127.0.0.1 --port 8000
 
+# the layer rules first (pyproject.toml's import-linter contracts), then the suite
 test: install browser
+	$(VENV)/bin/lint-imports
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q
