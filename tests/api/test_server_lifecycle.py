@@ -49,18 +49,16 @@ def test_503_until_ready_then_fatal_fault(tiny_llama_dir):
         answers = []
         plain = threading.Thread(target=lambda: answers.append(
             httpx.post(base + "/v1/completions", json=body, timeout=30)))
+        # a stream the engine's death left open would end in a read timeout, not [DONE]
         with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True},
-                          timeout=30) as response:
+                          timeout=httpx.Timeout(30, read=10)) as response:
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
             plain.start()
             while not engine.stats()["num_running"] == 2:
                 time.sleep(0.005)
-            killed_at = time.monotonic()
             engine.engine.scheduler.tell("no handler knows this")  # the scheduler raises
             rest = [line[6:] for line in lines if line.startswith("data: ")]
-            ended_at = time.monotonic()
-        assert ended_at - killed_at < 1.0
         assert rest[-1] == "[DONE]"
         error = json.loads(rest[-2])["error"]  # the error event, then [DONE]
         assert error["code"] == 500 and "scheduler" in error["message"]
