@@ -279,15 +279,37 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _choose_num_kv_splits(device: torch.device, num_programs: int, max_seq_len: int) -> int:
+def _choose_num_kv_splits(device: torch.device, num_programs: int, max_seq_len: int | None,
+                          seq_lens: torch.Tensor) -> int:
     """Split the KV range only when the grid leaves most SMs idle and contexts are long."""
     if device.type != "cuda":
         return 1
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
     num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     if num_programs >= num_sms:
         return 1
     by_length = max_seq_len // _MIN_KV_PER_SPLIT
     return max(1, min(_MAX_KV_SPLITS, by_length, triton.cdiv(2 * num_sms, num_programs)))
+
+
+def _check_layouts(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens) -> None:
+    assert query.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads, cache_dim = k_cache.shape[2:]
+    assert cache_dim == head_dim, (query.shape, k_cache.shape)
+    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads for {num_kv_heads} KV heads"
+    assert query.dtype in _FLOAT_DTYPES and k_cache.dtype == query.dtype == v_cache.dtype, (
+        query.dtype, k_cache.dtype, v_cache.dtype)
+    for t in (query, k_cache, v_cache):
+        assert t.stride(-1) == 1, "the head dimension must be contiguous"
+    num_seqs = seq_lens.shape[0]
+    assert query_start_loc.shape == (num_seqs + 1,), (query_start_loc.shape, num_seqs)
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, block_tables.shape
+    assert block_tables.stride(1) == 1
+    for t in (block_tables, query_start_loc, seq_lens):
+        assert t.dtype == torch.int32, t.dtype
+        assert t.device == query.device
 
 
 def paged_attention(
@@ -311,23 +333,10 @@ def paged_attention(
     Returns [T, Hq, D] in query's dtype. ``num_kv_splits`` forces the number of KV splits
     (None: chosen from the grid size and ``max_seq_len``).
     """
-    assert query.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape
+    _check_layouts(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
     num_tokens, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, cache_dim = k_cache.shape
-    assert cache_dim == head_dim, (query.shape, k_cache.shape)
-    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads for {num_kv_heads} KV heads"
-    assert query.dtype in _FLOAT_DTYPES and k_cache.dtype == query.dtype == v_cache.dtype, (
-        query.dtype, k_cache.dtype, v_cache.dtype)
-    for t in (query, k_cache, v_cache):
-        assert t.stride(-1) == 1, "the head dimension must be contiguous"
+    _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    assert query_start_loc.shape == (num_seqs + 1,), (query_start_loc.shape, num_seqs)
-    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, block_tables.shape
-    assert block_tables.stride(1) == 1
-    for t in (block_tables, query_start_loc, seq_lens):
-        assert t.dtype == torch.int32, t.dtype
-        assert t.device == query.device
-
     out = torch.empty_like(query)  # [T, Hq, D]
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -344,14 +353,9 @@ def paged_attention(
     num_q_tiles = triton.cdiv(max_query_len, block_q)
     head_dim_pad = triton.next_power_of_2(head_dim)
 
-    num_programs = num_seqs * num_q_tiles * num_kv_heads
     if num_kv_splits is None:
-        if query.device.type == "cuda":
-            if max_seq_len is None:
-                max_seq_len = int(seq_lens.max())
-            num_kv_splits = _choose_num_kv_splits(query.device, num_programs, max_seq_len)
-        else:
-            num_kv_splits = 1
+        num_kv_splits = _choose_num_kv_splits(query.device, num_seqs * num_q_tiles * num_kv_heads,
+                                              max_seq_len, seq_lens)
     assert num_kv_splits >= 1
 
     if num_kv_splits > 1:
