@@ -159,6 +159,8 @@ class AsyncLLM:
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         self.model_path = self.engine.model_path
+        self.sampling_defaults = self.engine.sampling_defaults  # generation_config's
+        self.reasoning = self.engine.reasoning  # the reasoning parser's tags, or None
         self.max_model_len: int = self.config.max_model_len
         self.max_num_waiting = max_num_waiting
         self.stats_listener = None  # metrics: observe_first_token, observe_inter_token, …
@@ -185,7 +187,7 @@ class AsyncLLM:
         queue: asyncio.Queue = asyncio.Queue()
         sink = _AsyncSink(loop, queue)
         arrival = time.monotonic()
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         submit = loop.run_in_executor(self._submitter, self._submit, request_id,
                                       prompt_input(prompt), params, sink)
         try:
@@ -215,6 +217,10 @@ class AsyncLLM:
                 yield output
         finally:
             stream.abort()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The model's sampling defaults (``generation_config``) on top of SamplingParams'."""
+        return self.sampling_defaults.sampling_params()
 
     def abort(self, request_id: str) -> None:
         """Ask the engine to abort a request (non-blocking; unknown ids are ignored)."""

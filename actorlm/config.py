@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from actorlm.generation_config import check_setting as check_generation_config
+from actorlm.reasoning import reasoning_parser
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                   "half": "float16"}
@@ -42,6 +45,15 @@ class EngineConfig:
     # how the workers run: uni (a thread in this process), mp (a process per rank), ray (a Ray
     # actor per rank); None: uni for one rank, mp for more (``actorlm serve``: always mp)
     distributed_executor_backend: str | None = None
+    # weights in GGUF blocks: gguf (a .gguf model's own, implied by one), or q8_0 / q4_0 (a
+    # Hugging Face directory's linear layers, quantized as they load); None: as the model is
+    quantization: str | None = None
+    # the sampling defaults of requests that leave a field out: auto (the model's
+    # generation_config.json), vllm (vLLM's own) or a directory holding a generation_config.json
+    generation_config: str = "auto"
+    # deepseek_r1 | qwen3: chat answers' <think>...</think> goes to reasoning_content, and a
+    # grammar constrains only what follows it; None: no reasoning parser
+    reasoning_parser: str | None = None
 
     def __post_init__(self):
         dtype = _DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower())
@@ -74,6 +86,9 @@ class EngineConfig:
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or \
                 not 0.0 < utilization <= 1.0:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization!r}")
+        check_generation_config(self.generation_config)
+        if self.reasoning_parser is not None:
+            reasoning_parser(self.reasoning_parser)  # unknown: an error listing the known ones
 
     @classmethod
     def from_flags(cls, model: str | None = None, **flags) -> EngineConfig:

@@ -27,6 +27,8 @@ class LLM:
     ``max_num_batched_tokens``, ``block_size``, ``seed``, …) plus ``num_kv_blocks``.
     ``trace_file``: record the run (``actorlm.trace``) as JSON lines there; the file is
     complete whenever ``generate`` returns. ``llm.trace`` is the recorder (None when off).
+    ``generation_config`` (``auto``, ``vllm`` or a directory) picks the sampling defaults that
+    ``generate`` uses when given no ``sampling_params`` (``get_default_sampling_params()``).
 
     Like vLLM's, it needs no ``shutdown()``: the engine stops when the object is collected or
     the process ends (``shutdown()`` and ``with LLM(...) as llm:`` stop it sooner). If the
@@ -60,9 +62,11 @@ class LLM:
 
         A prompt is text, a list of token ids, or ``{"prompt_token_ids": [...]}``. If any prompt
         or parameter is refused, nothing of this call keeps running and the error is raised.
+        Without ``sampling_params`` the model's defaults apply (``get_default_sampling_params``).
         """
         prompts = _as_list(prompts)
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = sampling_params if sampling_params is not None else \
+            self.get_default_sampling_params()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
@@ -130,6 +134,11 @@ class LLM:
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt=True) -> list[int]:
         return self.engine.apply_chat_template(conversation, add_generation_prompt)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The model's sampling defaults (its generation_config.json, per ``generation_config``)
+        on top of SamplingParams' own, as vLLM's ``LLM.get_default_sampling_params``."""
+        return self.engine.sampling_defaults.sampling_params()
 
     def stats(self) -> dict:
         """Scheduler and KV pool counters (for tests, metrics and the curious)."""

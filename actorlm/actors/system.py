@@ -27,9 +27,11 @@ from actorlm.actors.supervisor import Supervisor
 from actorlm.config import EngineConfig
 from actorlm.core.scheduler import Scheduler, SchedulerConfig
 from actorlm.fsm.machine import Listener
+from actorlm.generation_config import load_sampling_defaults
 from actorlm.messages import (Connect, ExecutorStats, GetStats, KVStats, ResetPrefixCache,
                               SchedulerStats)
 from actorlm.models.parts import ModelParts, load_model_parts
+from actorlm.reasoning import ThinkTokens, reasoning_parser
 from actorlm.tokenizer import PerThreadTokenizer
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,14 @@ class EngineSystem:
         else:
             self.config = config
         self.tokenizer = PerThreadTokenizer(parts.tokenizer)
+        # both checked before any actor starts: a bad file or a model that cannot think in the
+        # parser's tags fails here, with nothing left running
+        self.sampling_defaults = load_sampling_defaults(self.config.generation_config,
+                                                        self.model_path, self.hf_config)
+        self.reasoning = None
+        if self.config.reasoning_parser is not None:
+            self.reasoning = ThinkTokens.for_tokenizer(
+                reasoning_parser(self.config.reasoning_parser), parts.tokenizer, parts.name)
         make_runner = parts.make_runner
         config = self.config
         if wrap_runner is not None:
@@ -93,7 +103,7 @@ class EngineSystem:
             trace.attach(policy)
             link = trace.wrap  # (ref, sender, receiver) -> a ref that records what it carries
         self.frontend = self.allocator = self.executor = None
-        grammars = GrammarCompiler(parts.tokenizer, parts.vocab_size)
+        grammars = GrammarCompiler(parts.tokenizer, parts.vocab_size, reasoning=self.reasoning)
         self.scheduler = SchedulerActor.start(policy, trace, on_death("scheduler"), grammars)
         to_scheduler = route("scheduler", self.scheduler)
         try:
@@ -121,6 +131,7 @@ class EngineSystem:
             link(route("executor", self.executor), "scheduler", "executor")))
         log.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d", parts.name,
                  config.num_kv_blocks, config.block_size, config.max_model_len)
+        log.info("%s", self.sampling_defaults.describe())
 
     def _load_model(self, config: EngineConfig) -> ModelParts:
         loaded = load_model_parts(config)

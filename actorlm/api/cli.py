@@ -109,8 +109,11 @@ def _generate(args) -> int:
     from actorlm.llm import LLM
     from actorlm.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     with LLM(args.model, **engine_flags(args)) as llm:
+        # the model's other sampling defaults (top_p, top_k, ...) apply under the flags
+        params = SamplingParams(**{**llm.engine.sampling_defaults.values,
+                                   "max_tokens": args.max_tokens,
+                                   "temperature": args.temperature})
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params,
                                use_tqdm=False)

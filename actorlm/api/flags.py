@@ -7,6 +7,15 @@ import dataclasses
 import typing
 
 from actorlm.config import EngineConfig
+from actorlm.reasoning import REASONING_PARSERS
+
+_HELP = {
+    "generation_config": "sampling defaults for the fields a request leaves out: auto (the "
+                         "model's generation_config.json), vllm (vLLM's own), or a directory "
+                         "holding a generation_config.json (default: auto)",
+    "reasoning_parser": f"split chat answers' <think>...</think> into reasoning_content, and "
+                        f"constrain only what follows it: {', '.join(REASONING_PARSERS)}",
+}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -17,12 +26,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         if field.name == "model":
             continue
         flag, hint = "--" + field.name.replace("_", "-"), hints[field.name]
+        help_text = _HELP.get(field.name)
         if hint is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_text)
         else:
             kinds = {hint, *typing.get_args(hint)}
             kind = int if int in kinds else float if float in kinds else str
-            parser.add_argument(flag, type=kind, default=None)
+            parser.add_argument(flag, type=kind, default=None, help=help_text)
 
 
 def engine_flags(args: argparse.Namespace) -> dict:

@@ -16,8 +16,10 @@ def check_token_ids(engine: AsyncLLM, token_ids: list[int], field: str) -> None:
 
 
 def max_tokens_for(num_prompt_tokens: int, requested: int | None, max_model_len: int,
-                   field: str = "max_tokens") -> int:
-    """vLLM's check of prompt + completion against the context; None means 'the rest of it'."""
+                   field: str = "max_tokens", default: int | None = None) -> int:
+    """vLLM's check of prompt + completion against the context; None means the model's
+    default (``max_new_tokens`` of its generation config) within the rest of the context, or
+    without one, the rest of it."""
     if requested is not None and requested < 1:
         raise p.ApiError(400, f"{field}: must be at least 1, got {requested}", field)
     if requested is None:
@@ -25,7 +27,8 @@ def max_tokens_for(num_prompt_tokens: int, requested: int | None, max_model_len:
             raise p.ApiError(400, f"This model's maximum context length is {max_model_len} tokens. "
                                   f"However, you requested {num_prompt_tokens} tokens in the "
                                   f"messages, Please reduce the length of the messages.")
-        return max_model_len - num_prompt_tokens
+        rest = max_model_len - num_prompt_tokens
+        return rest if default is None else min(default, rest)
     if num_prompt_tokens + requested > max_model_len:
         raise p.ApiError(400, f"This model's maximum context length is {max_model_len} tokens. "
                               f"However, you requested {num_prompt_tokens + requested} tokens "

@@ -20,6 +20,7 @@ from actorlm.api.errors import ApiError
 from actorlm.api.protocol_tools import DeltaToolCall, Tool, ToolCall, ToolChoice
 from actorlm.api.refused import CHAT_FIELDS
 from actorlm.api.structured import StructuredFields
+from actorlm.generation_config import SamplingDefaults
 from actorlm.sampling_params import MAX_LOGPROBS as MAX_TOP_LOGPROBS
 from actorlm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -82,9 +83,11 @@ class _SamplingRequest(StructuredFields, kw_only=True):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        structured_outputs: StructuredOutputsParams | None = None
-                        ) -> SamplingParams:
-        """The engine's SamplingParams; raises ValueError naming the field that is out of range."""
+                        structured_outputs: StructuredOutputsParams | None = None,
+                        defaults: SamplingDefaults | None = None) -> SamplingParams:
+        """The engine's SamplingParams; raises ValueError naming the field that is out of range.
+        A sampling field the request leaves out takes the model's default (``defaults``, from
+        its generation config), else vLLM's."""
         logit_bias = None
         if self.logit_bias:
             try:
@@ -93,12 +96,16 @@ class _SamplingRequest(StructuredFields, kw_only=True):
                 raise ValueError("logit_bias: keys must be token ids (integers as strings)") \
                     from None
         d = or_default
+        model = defaults or SamplingDefaults()
         return SamplingParams(
-            n=d(self.n, 1), temperature=d(self.temperature, 1.0), top_p=d(self.top_p, 1.0),
-            top_k=d(self.top_k, 0), min_p=d(self.min_p, 0.0),
+            n=d(self.n, 1), temperature=d(self.temperature, model.get("temperature", 1.0)),
+            top_p=d(self.top_p, model.get("top_p", 1.0)),
+            top_k=d(self.top_k, model.get("top_k", 0)),
+            min_p=d(self.min_p, model.get("min_p", 0.0)),
             presence_penalty=d(self.presence_penalty, 0.0),
             frequency_penalty=d(self.frequency_penalty, 0.0),
-            repetition_penalty=d(self.repetition_penalty, 1.0), seed=self.seed, stop=self.stop,
+            repetition_penalty=d(self.repetition_penalty, model.get("repetition_penalty", 1.0)),
+            seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, bad_words=self.bad_words,
             include_stop_str_in_output=d(self.include_stop_str_in_output, False),
             ignore_eos=d(self.ignore_eos, False), max_tokens=max_tokens,
@@ -343,6 +350,9 @@ class ChatResponseMessage(Struct):
     role: str
     content: str | None
     tool_calls: list[ToolCall] = []
+    # with --reasoning-parser: the think, under vLLM's older name and its newer one
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChoice(Struct):
@@ -366,6 +376,8 @@ class ChatCompletionResponse(Struct):
 class DeltaMessage(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # the same text as reasoning (vLLM's older name)
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -10,8 +10,10 @@ previous chunk, ``finish_reason`` rides on a choice's last chunk, a usage chunk 
 ``choices`` follows when asked, and ``data: [DONE]`` ends the stream. An error after the stream
 has started is sent as an error event before ``[DONE]``. Both kinds of answer watch the
 connection: a client that hangs up aborts its requests at once (the engine finishes them as
-``abort`` and frees their blocks). In chat, tool calls are read out of each choice's text by
-its ``tool_stream`` (``tool_choice``), whole or as it streams.
+``abort`` and frees their blocks). Sampling fields a request leaves out take the model's
+defaults (``--generation-config``). In chat, with ``--reasoning-parser``, each choice's think is
+split out first (``reasoning``: ``reasoning_content``, whole or as it streams); tool calls are
+then read out of the rest by its ``tool_stream`` (``tool_choice``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from actorlm.api.tool_choice import ToolUse, decoding_constraint, tool_use
 from actorlm.api.tool_stream import collect
 from actorlm.async_llm import AsyncLLM, RequestStream
 from actorlm.outputs import RequestOutput
+from actorlm.reasoning import ThinkTokens, split_reasoning
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +62,10 @@ async def create_completion(state, request: Request) -> Response:
     prompt_ids = [truncated(ids, req.truncate_prompt_tokens, engine.max_model_len)
                   for ids in prompt_ids]
     constraint = await checked_constraint(req)
-    params = [req.sampling_params(max_tokens_for(len(ids), req.max_tokens, engine.max_model_len),
-                                  req.logprobs, constraint) for ids in prompt_ids]
+    defaults = engine.sampling_defaults
+    params = [req.sampling_params(max_tokens_for(len(ids), req.max_tokens, engine.max_model_len,
+                                                 default=defaults.get("max_tokens", None)),
+                                  req.logprobs, constraint, defaults) for ids in prompt_ids]
     echo = None
     if req.echo:
         echo = await engine.run_blocking(
@@ -89,9 +94,11 @@ async def create_chat_completion(state, request: Request) -> Response:
                                     p.or_default(req.add_generation_prompt, True), **kwargs)
     ids = truncated(ids, req.truncate_prompt_tokens, engine.max_model_len)
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = max_tokens_for(len(ids), req.requested_max_tokens, engine.max_model_len, field)
-    params = req.sampling_params(max_tokens, req.num_logprobs, constraint)
-    gen = _Generation(engine, state.model_name, "chatcmpl", request, req, tools)
+    defaults = engine.sampling_defaults
+    max_tokens = max_tokens_for(len(ids), req.requested_max_tokens, engine.max_model_len, field,
+                                defaults.get("max_tokens", None))
+    params = req.sampling_params(max_tokens, req.num_logprobs, constraint, defaults)
+    gen = _Generation(engine, state.model_name, "chatcmpl", request, req, tools, engine.reasoning)
     await gen.start([ids], [params])
     if req.stream:
         return EventStream(gen.chat_events(), gen.abort)
@@ -127,9 +134,11 @@ class _Generation:
     """One API request's engine requests (one per prompt) and how to answer with them."""
 
     def __init__(self, engine: AsyncLLM, model_name: str, kind: str, request: Request, req,
-                 tools: ToolUse | None = None):
+                 tools: ToolUse | None = None, reasoning: ThinkTokens | None = None):
         self.engine, self.model_name, self.req = engine, model_name, req
         self.tools = tools if tools is not None and tools.reads_calls else None
+        self.reasoning = reasoning  # chat with --reasoning-parser: split the think out
+        self.prompt_token_ids: list[list[int]] = []
         # the API id carries the X-Request-Id; the engine's must be unique whatever clients
         # send, so a client's id gets a random suffix there
         self.request_id = f"{kind}-{request.state.request_id}"
@@ -141,6 +150,7 @@ class _Generation:
         self.streams: list[RequestStream] = []
 
     async def start(self, prompt_ids: list[list[int]], params: list) -> None:
+        self.prompt_token_ids = prompt_ids
         try:
             for i, (ids, sp) in enumerate(zip(prompt_ids, params)):
                 rid = self.engine_id if len(prompt_ids) == 1 else f"{self.engine_id}-{i}"
@@ -276,11 +286,15 @@ class _Generation:
         choices = []
         for c in final.outputs:
             lp = self._chat_logprobs(c, 0, len(c.token_ids))
-            content, calls = c.text, []
+            text, think = c.text, None
+            if self.reasoning is not None:
+                think, text = split_reasoning(self._think_stream(), text)
+            content, calls = text, []
             if self.tools is not None:
-                content, calls = collect(self.tools.new_stream(), c.text)
-            message = p.ChatResponseMessage(
-                "assistant", None if calls and not content.strip() else content, calls)
+                content, calls = collect(self.tools.new_stream(), text)
+            if (calls and not content.strip()) or (self.reasoning is not None and not content):
+                content = None
+            message = p.ChatResponseMessage("assistant", content, calls, think, think)
             choices.append(p.ChatChoice(c.index, message, lp,
                                         _finish_reason(c.finish_reason, bool(calls)),
                                         c.stop_reason))
@@ -295,6 +309,9 @@ class _Generation:
         return chat_logprobs(c.token_ids[start:end], c.logprobs[start:end], num_top,
                              self.engine.decode)
 
+    def _think_stream(self):
+        return self.reasoning.text_stream(self.prompt_token_ids[0])
+
     def _chunk(self, choices: list, usage=None) -> bytes:
         return event(p.ChatCompletionChunk(self.request_id, "chat.completion.chunk",
                                             self.created, self.model_name, choices, usage))
@@ -302,6 +319,7 @@ class _Generation:
     async def chat_events(self) -> AsyncIterator[bytes]:
         progress = [_Progress() for _ in range(self.n)]
         calls = [self.tools.new_stream() for _ in range(self.n)] if self.tools else None
+        thinks = [self._think_stream() for _ in range(self.n)] if self.reasoning else None
         made_calls = [False] * self.n
         logprobs_from = [0] * self.n  # the first token whose logprobs are not sent yet
         final = None
@@ -321,16 +339,29 @@ class _Generation:
                         continue
                     text, _, end = step
                     done = prog.finished
+                    think = None
+                    if thinks is not None:  # the think first: tools read only the content
+                        think, text = thinks[c.index].feed(text)
+                        if done:
+                            more_think, more_text = thinks[c.index].finish()
+                            think, text = think + more_think, text + more_text
+                        think = think or None
                     delta = p.DeltaMessage(content=text)
                     if calls is not None:
                         content, deltas = calls[c.index].feed(text)
                         if done:
                             more, last = calls[c.index].finish()
                             content, deltas = content + more, deltas + last
-                        if not (content or deltas or done):
+                        if not (content or deltas or think or done):
                             continue  # held back: a call may be starting
                         made_calls[c.index] |= bool(deltas)
-                        delta = p.DeltaMessage(content=content or None, tool_calls=deltas or None)
+                        delta = p.DeltaMessage(content=content or None, reasoning_content=think,
+                                               reasoning=think, tool_calls=deltas or None)
+                    elif thinks is not None:
+                        if not (text or think or done):
+                            continue  # held back: a tag may be starting
+                        delta = p.DeltaMessage(content=text or None, reasoning_content=think,
+                                               reasoning=think)
                     start, logprobs_from[c.index] = logprobs_from[c.index], end
                     finish = _finish_reason(c.finish_reason, made_calls[c.index])
                     yield self._chunk([p.ChatChunkChoice(

@@ -93,7 +93,7 @@ class StepLoop:
             if constraint is not None:
                 for request_id in engine_request_ids(message.request_id,
                                                      message.sampling_params.n):
-                    self.grammars.submit(request_id, constraint)
+                    self.grammars.submit(request_id, constraint, message.prompt_token_ids)
         except Exception as exc:  # noqa: BLE001 — a duplicate id, bad data: refuse it alone
             log.warning("refused request %s: %s", message.request_id, exc)
             refusal = RequestDelta(message.request_id, [], "error", None, str(exc))

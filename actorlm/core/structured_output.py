@@ -10,6 +10,11 @@ the request's row of the step's token bitmask while the worker runs the forward,
 the matcher with every token sampled. A preempted request is recomputed, not resampled: its
 output tokens stay and its matcher stays where they left it.
 
+With a reasoning parser (``--reasoning-parser``) a request's grammar applies only after its
+think: the compiler hands each request a ``GatedGrammar`` (the grammar and where the prompt
+leaves the think, ``reasoning.ThinkTokens``), whose ``GatedMatcher`` allows every token and
+feeds none to the grammar until the end-of-think token (vLLM's behaviour).
+
 xgrammar is imported lazily: an engine that never sees a constrained request never loads it.
 """
 
@@ -19,9 +24,11 @@ import importlib.metadata
 import json
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 from actorlm.messages import GrammarCompiled
+from actorlm.reasoning import Phase, ThinkGate, ThinkTokens
 from actorlm.sampling_params import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
@@ -31,21 +38,29 @@ CACHE_BYTES = 256 << 20  # compiled grammars kept for reuse: a server sees many 
 
 class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int,
-                 notify: Callable[[GrammarCompiled], None] | None = None):
+                 notify: Callable[[GrammarCompiled], None] | None = None,
+                 reasoning: ThinkTokens | None = None):
         self.tokenizer, self.vocab_size, self.notify = tokenizer, vocab_size, notify
+        self.reasoning = reasoning  # grammars wait for the end of the think
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="actorlm-grammar")
         self._compiler = None  # built on the pool's thread at the first constraint
 
-    def submit(self, request_id: str, params: StructuredOutputsParams) -> None:
-        """Compile (or find) the request's grammar; ``notify`` hears when it is ready."""
+    def submit(self, request_id: str, params: StructuredOutputsParams,
+               prompt_token_ids: Sequence[int] = ()) -> None:
+        """Compile (or find) the request's grammar; ``notify`` hears when it is ready. With a
+        reasoning parser the prompt says whether the output starts inside a think."""
         future = self._pool.submit(self._compile, params)
+        phase = None if self.reasoning is None else self.reasoning.initial_phase(prompt_token_ids)
 
         def done(f: Future) -> None:
             error = f.exception()
             if error is not None:
                 self.notify(GrammarCompiled(request_id, error=f"structured_outputs: {error}"))
-            else:
+            elif phase is None:
                 self.notify(GrammarCompiled(request_id, grammar=f.result()))
+            else:
+                self.notify(GrammarCompiled(request_id, grammar=GatedGrammar(
+                    f.result(), self.reasoning, phase)))
 
         future.add_done_callback(done)
 
@@ -88,9 +103,47 @@ def json_schema_grammar(schema: str) -> str:
     return ebnf.replace(r'[^\"\\\r\n]', r'[^\0-\x1f\"\\]')
 
 
+@dataclass(frozen=True)
+class GatedGrammar:
+    """One request's compiled grammar that applies only after its think."""
+
+    grammar: object  # xgrammar.CompiledGrammar
+    tokens: ThinkTokens
+    phase: Phase  # where the prompt leaves the think
+
+
+class GatedMatcher:
+    """An ``xgrammar.GrammarMatcher`` behind a ``ThinkGate``: inside the think every token is
+    allowed and none reaches the grammar; before any think the grammar's tokens and the start
+    tag are allowed; after it, the grammar's alone."""
+
+    def __init__(self, matcher, gate: ThinkGate):
+        self.matcher, self.gate = matcher, gate
+
+    def accept_token(self, token_id: int) -> bool:
+        return self.matcher.accept_token(token_id) if self.gate.on_token(token_id) else True
+
+    def is_terminated(self) -> bool:
+        return not self.gate.is_reasoning and self.matcher.is_terminated()
+
+    def fill_next_token_bitmask(self, bitmask, row: int) -> None:
+        # bitmask: [rows, ceil(vocab / 32)] int32, bit t of a row set when token t is allowed
+        if self.gate.is_reasoning:
+            bitmask[row] = -1
+            return
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.gate.may_open:
+            token_id = self.gate.start_token_id
+            bit = 1 << (token_id & 31)
+            bitmask[row, token_id >> 5] |= bit - (1 << 32) if bit >= 1 << 31 else bit
+
+
 def new_matcher(grammar):
     import xgrammar
 
+    if isinstance(grammar, GatedGrammar):
+        return GatedMatcher(xgrammar.GrammarMatcher(grammar.grammar),
+                            grammar.tokens.gate(grammar.phase))
     return xgrammar.GrammarMatcher(grammar)
 
 
