@@ -44,8 +44,9 @@ class AttentionLayer(NamedTuple):
 
 
 class QuantizedWeight(NamedTuple):
-    """A linear layer's weight kept in a quantized block format (GGUF's ``Q4_0``, ``Q8_0``…):
-    ``blocks`` its raw bytes, ``shape`` the (out_features, in_features) they encode."""
+    """A weight kept in a GGUF block format (``Q4_0``, ``Q8_0``, ``Q4_K``…): ``blocks`` its raw
+    bytes, one row of blocks per output feature, as the file stores them; ``shape`` the
+    (out_features, in_features) they encode."""
 
     type_name: str
     blocks: torch.Tensor  # uint8
@@ -105,12 +106,19 @@ class KernelBackend:
 
     # --- linear layers ------------------------------------------------------------------------
 
-    def prepare_linear(self, weight: torch.Tensor | QuantizedWeight,
+    def prepare_linear(self, weight: torch.Tensor | QuantizedWeight | Sequence[QuantizedWeight],
                        bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
         """Once, at load: ``x [..., in] -> x @ weight.T + bias`` over the weight laid out as
-        this device runs it fastest. The result keeps what it needs; the caller may let its
-        own reference to the weight go."""
+        this device runs it fastest (a sequence of weights in blocks: their rows stacked, a
+        merged layer whose parts came in different formats). The result keeps what it needs;
+        the caller may let its own reference to the weight go."""
         raise NotImplementedError
+
+    def prepare_embedding(self, weight: QuantizedWeight,
+                          dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Once, at load: ``ids [T] -> rows [T, dim]`` of an embedding kept in blocks, in
+        ``dtype``."""
+        raise no_quantized_kernels(weight, self.name)
 
     # --- attention ----------------------------------------------------------------------------
 

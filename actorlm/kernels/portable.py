@@ -12,7 +12,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from actorlm.kernels.backend import Norm, check_activation
+from actorlm.kernels.backend import Norm, QuantizedWeight, check_activation
+
+
+def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The values [out, in] of a weight in GGUF blocks, by the ``gguf`` package (numpy, on the
+    CPU), rounded once to ``dtype``: at load, where no kernel takes the blocks."""
+    import gguf
+
+    blocks = weight.blocks.detach().cpu().contiguous().view(torch.uint8).numpy()
+    values = gguf.quants.dequantize(blocks.reshape(weight.shape[0], -1),
+                                    gguf.GGMLQuantizationType[weight.type_name])
+    return torch.from_numpy(values).view(weight.shape).to(dtype)
 
 
 def rms_norm(x: torch.Tensor, norm: Norm) -> torch.Tensor:

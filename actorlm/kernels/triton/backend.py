@@ -1,13 +1,13 @@
-"""The GPU backend: Triton kernels for the norms, activations, the K/V write, paged attention
-and sampling; cuBLAS (``F.linear``) for the linear layers and torch ops for RoPE."""
+"""The GPU backend: Triton kernels for the norms, activations, the K/V write, paged attention,
+sampling and the linear layers in GGUF blocks; cuBLAS (``F.linear``) for the dense linear layers
+and torch ops for RoPE."""
 
 from __future__ import annotations
 
 import torch.nn.functional as F
 
 from actorlm.kernels import portable
-from actorlm.kernels.backend import (AttentionLayer, KernelBackend, QuantizedWeight,
-                                     no_quantized_kernels)
+from actorlm.kernels.backend import AttentionLayer, KernelBackend, QuantizedWeight
 
 
 class TritonBackend(KernelBackend):
@@ -32,11 +32,19 @@ class TritonBackend(KernelBackend):
         return act_and_mul(gate_up, activation)
 
     def prepare_linear(self, weight, bias):
-        if isinstance(weight, QuantizedWeight):
-            raise no_quantized_kernels(weight, self.name)
+        if isinstance(weight, (QuantizedWeight, tuple, list)):
+            from actorlm.kernels.triton.quant_linear import TritonQuantLinear
+
+            return TritonQuantLinear(weight, bias, self.device)
         weight = weight.detach()
         bias = None if bias is None else bias.detach()
         return lambda x: F.linear(x, weight, bias)
+
+    def prepare_embedding(self, weight, dtype):
+        from actorlm.kernels import portable
+
+        table = portable.dequantize(weight, dtype).to(self.device)  # once: GPU memory is ample
+        return lambda ids: F.embedding(ids, table)
 
     def attention(self, qkv, cos, sin_signed, kv_cache, meta, layer: AttentionLayer):
         from actorlm.kernels.triton.paged_attention import paged_attention, write_kv
