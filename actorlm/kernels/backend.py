@@ -43,6 +43,10 @@ class AttentionLayer(NamedTuple):
     k_norm: Norm | None = None
 
 
+# the GGUF block formats both wings have kernels for (others are dequantized at load)
+QUANTIZED_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+
+
 class QuantizedWeight(NamedTuple):
     """A weight kept in a GGUF block format (``Q4_0``, ``Q8_0``, ``Q4_K``…): ``blocks`` its raw
     bytes, one row of blocks per output feature, as the file stores them; ``shape`` the

@@ -21,9 +21,14 @@ _DTYPES = {"f32": "float", "bf16": "uint16_t"}
 STRUCTS = {
     "actorlm_norm": [  # weight null: the layer has no norm there
         ("const void*", "weight"), ("float", "eps"), ("int32_t", "unit_offset")],
-    "actorlm_linear": [  # a PanelLinear: packed weight, fp32 bias padded to the panels or null
+    "actorlm_quant_part": [  # rows of a weight in one GGML block format (its ggml_type id)
+        ("const void*", "blocks"), ("int32_t", "type"), ("int64_t", "rows")],
+    # A linear layer: a PanelLinear (packed weight, fp32 bias padded to the panels or null) or
+    # a QuantLinear (packed null; its parts stacked row-wise, fp32 bias of out_features or null)
+    "actorlm_linear": [
         ("const void*", "packed"), ("const float*", "bias"), ("int64_t", "out_features"),
-        ("int64_t", "in_features")],
+        ("int64_t", "in_features"), ("const actorlm_quant_part*", "parts"),
+        ("int32_t", "num_parts")],
     "actorlm_decoder_layer": [
         ("actorlm_norm", "attn_norm"), ("actorlm_norm", "attn_out_norm"),
         ("actorlm_norm", "mlp_norm"), ("actorlm_norm", "mlp_out_norm"),
@@ -87,6 +92,21 @@ FUNCTIONS = [
     ("void", "actorlm_decode_layers", [
         ("const actorlm_decoder_layer*", "layers"), ("int", "num_layers"),
         ("const actorlm_decode_step*", "step"), ("T*", "x"), ("T*", "residual")]),
+    # quant.cpp: linear layers over GGML blocks (isa: 0 scalar, 1 avx2, 2 avx512_vnni)
+    ("int", "actorlm_quant_isa", []),
+    ("int", "actorlm_quant_set_isa", [("int", "isa")]),  # -1 where this CPU or build lacks it
+    ("int", "actorlm_quant_kept", [("int32_t", "type")]),  # a ggml_type id
+    # x rows from which a layer runs the dequantized-panel path (0: never); the setter's rows
+    # for every layer (< 1: the measured defaults)
+    ("int", "actorlm_quant_panel_from_rows", [
+        ("const actorlm_linear*", "linear"), ("int", "bf16")]),
+    ("void", "actorlm_quant_set_panel_from_rows", [("int", "rows")]),
+    ("void", "actorlm_quant_linear", [  # y [m, out_features] contiguous, not overlapping x
+        ("const actorlm_linear*", "linear"), ("const T*", "x"), ("int64_t", "x_stride"),
+        ("T*", "y"), ("int64_t", "m")]),
+    ("void", "actorlm_quant_dequantize_rows", [
+        ("const actorlm_quant_part*", "part"), ("int64_t", "in_features"),
+        ("const int64_t*", "rows"), ("int64_t", "num_rows"), ("T*", "out")]),
 ]
 
 
@@ -122,13 +142,13 @@ _SCALARS = {"void": None, "float": ctypes.c_float, "int": ctypes.c_int,
             "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64}
 
 
-def _ctype(ctype: str):
+def _ctype(ctype: str, structs: dict[str, type]):
     """The ctypes type of a C type of the table: a struct, a pointer to one, any other pointer
     (c_void_p: tensors pass their data_ptr()), or a scalar."""
     words = ctype.replace("const", "").split()
     base = words[0].rstrip("*")
     if base in STRUCTS:
-        struct = STRUCT_TYPES[base]
+        struct = structs[base]
         return ctypes.POINTER(struct) if "*" in ctype else struct
     return ctypes.c_void_p if "*" in ctype else _SCALARS[base]
 
@@ -137,8 +157,7 @@ def _struct_types() -> dict[str, type]:
     types: dict[str, type] = {}
     for name, fields in STRUCTS.items():  # in order: a struct names only those before it
         types[name] = type(name, (ctypes.Structure,), {"_fields_": [
-            (field, types[ctype] if ctype in types else _ctype(ctype))
-            for ctype, field in fields]})
+            (field, _ctype(ctype, types)) for ctype, field in fields]})
     return types
 
 
@@ -149,7 +168,7 @@ STRUCT_TYPES = _struct_types()
 def signature(name: str) -> tuple:
     """(restype, argtypes) of the exported function ``name`` (with its dtype suffix)."""
     restype, params = _concrete()[name]
-    return _SCALARS[restype], [_ctype(ctype) for ctype, _ in params]
+    return _SCALARS[restype], [_ctype(ctype, STRUCT_TYPES) for ctype, _ in params]
 
 
 if __name__ == "__main__":

@@ -6,9 +6,8 @@ from __future__ import annotations
 import torch
 
 from actorlm.kernels import portable
-from actorlm.kernels.backend import (AttentionLayer, KernelBackend, Norm, QuantizedWeight,
-                                     no_quantized_kernels)
-from actorlm.kernels.cpu import attention, fused, linear, sampler
+from actorlm.kernels.backend import AttentionLayer, KernelBackend, Norm, QuantizedWeight
+from actorlm.kernels.cpu import attention, fused, linear, quant, sampler
 from actorlm.kernels.cpu.decode_step import DecodeStep
 
 
@@ -25,9 +24,13 @@ class CpuBackend(KernelBackend):
         return fused.act_and_mul(gate_up, activation)
 
     def prepare_linear(self, weight, bias):
-        if isinstance(weight, QuantizedWeight):
-            raise no_quantized_kernels(weight, self.name)
+        if isinstance(weight, (QuantizedWeight, tuple, list)):
+            return quant.QuantLinear([weight] if isinstance(weight, QuantizedWeight) else weight,
+                                     bias)
         return linear.packed_linear(weight, bias) or linear.PlainLinear(weight, bias)
+
+    def prepare_embedding(self, weight, dtype):
+        return lambda ids: quant.dequantize_rows(weight, ids, dtype)
 
     def _plan(self, q_lens, seq_lens, block_ids, block_size, tables):
         return attention.plan_attention(q_lens, seq_lens, block_ids, block_size, self.device,

@@ -7,7 +7,7 @@ evicting the interpreter's working set, so each Python-level op after a GEMV cos
 microseconds of cache misses: ten per layer were a fifth of a one-request SmolLM2 step.
 
 It takes layers whose every piece has its C++ kernel here (linear layers on the panel GEMM,
-which needs AVX-512, and for bf16 avx512_bf16; RoPE and decode attention for their head shape;
+which needs AVX-512, and for bf16 avx512_bf16, or in GGML blocks on the quantized one; RoPE and decode attention for their head shape;
 no sliding window yet), and a step whose every request decodes one token, in request order (in
 bf16, one or two requests: beyond, oneDNN's AMX GEMM runs the linear layers); for anything else
 ``DecodeStep`` answers None and the Python layers run.
@@ -24,6 +24,7 @@ from actorlm.kernels.backend import ACTIVATIONS, DecoderLayerPlan, Norm
 from actorlm.kernels.cpu import abi, decode_attention, fused, native
 from actorlm.kernels.cpu.attention import AttentionPlan
 from actorlm.kernels.cpu.linear import PanelLinear
+from actorlm.kernels.cpu.quant import QuantLinear
 
 _NormStruct = abi.STRUCT_TYPES["actorlm_norm"]
 _LinearStruct = abi.STRUCT_TYPES["actorlm_linear"]
@@ -110,7 +111,8 @@ def _runs_here(layer: DecoderLayerPlan, dtype: torch.dtype) -> bool:
     if a.window is not None or layer.activation not in ACTIVATIONS or a.head_dim % 2 or \
             a.head_dim > fused.rope_max_head_dim() or (a.q_norm is None) != (a.k_norm is None) or \
             (a.q_norm is not None and a.q_norm[1:] != a.k_norm[1:]) or \
-            not all(isinstance(linear, PanelLinear) and linear.dtype == dtype
+            not all(isinstance(linear, QuantLinear) or
+                    isinstance(linear, PanelLinear) and linear.dtype == dtype
                     for linear in linears) or \
             not all(n.weight.dtype == dtype and n.weight.is_contiguous() for n in norms):
         return False
@@ -140,7 +142,9 @@ def _norm_struct(norm: Norm | None) -> _NormStruct:
     return _NormStruct(norm.weight.data_ptr(), norm.eps, int(norm.unit_offset))
 
 
-def _linear_struct(linear: PanelLinear) -> _LinearStruct:
+def _linear_struct(linear: PanelLinear | QuantLinear) -> _LinearStruct:
+    if isinstance(linear, QuantLinear):
+        return linear.struct
     bias = linear.padded_bias
     return _LinearStruct(linear.packed.data_ptr(), None if bias is None else bias.data_ptr(),
                          linear.out_features, linear.in_features)

@@ -31,6 +31,7 @@ struct Kernels;
     static constexpr auto rope_write_kv = actorlm_rope_write_kv_##S;      \
     static constexpr auto decode = actorlm_decode_##S;                    \
     static constexpr auto linear = actorlm_linear_##S;                    \
+    static constexpr auto quant_linear = actorlm_quant_linear_##S;        \
   };
 ACTORLM_KERNELS_OF(float, f32)
 ACTORLM_KERNELS_OF(uint16_t, bf16)
@@ -38,9 +39,14 @@ ACTORLM_KERNELS_OF(uint16_t, bf16)
 template <typename T>
 inline const T* weight_of(const actorlm_norm& n) { return static_cast<const T*>(n.weight); }
 
-// y [rows, out_features] = x [rows, in_features] (rows `x_stride` apart) through a linear layer
+// y [rows, out_features] = x [rows, in_features] (rows `x_stride` apart) through a linear layer:
+// the panel GEMM's, or the quantized one's (weights in GGML blocks)
 template <typename T>
 inline void linear(const actorlm_linear& l, const T* x, int64_t x_stride, T* y, int64_t rows) {
+  if (l.parts) {
+    Kernels<T>::quant_linear(&l, x, x_stride, y, rows);
+    return;
+  }
   Kernels<T>::linear(x, x_stride, static_cast<const T*>(l.packed), l.bias, y, rows,
                      l.out_features, l.in_features);
 }

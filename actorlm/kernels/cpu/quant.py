@@ -1,0 +1,196 @@
+"""Linear layers and embedding rows over weights in GGML's block formats (a GGUF file's Q4_0,
+Q8_0, Q4_K...), on the C++ kernels of ``csrc/quant.cpp``. For few rows of x (decode) x is
+quantized to int8 per block once per call and dotted with the weights' integers straight from
+their blocks, as ggml does, so decode reads a fraction of a dense weight's bytes; from a few
+dozen rows on (prefill) the weights are dequantized panel by panel into x's dtype for a dense
+GEMM tile (with AVX-512; ``QuantLinear.panel_from_rows``).
+
+``ACTORLM_CPU_ISA=vnni|avx2|scalar`` forces one of the kernels' instruction-set paths (to
+compare them; a lesser one than the CPU's best also turns the dense path off, as on a CPU
+without AVX-512); by default the best this CPU has runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from typing import Sequence
+
+import gguf
+import torch
+import torch.nn.functional as F
+
+from actorlm.kernels import portable
+from actorlm.kernels.backend import QUANTIZED_FORMATS, QuantizedWeight
+from actorlm.kernels.cpu import abi, native
+
+log = logging.getLogger(__name__)
+
+KEPT_TYPES = QUANTIZED_FORMATS
+ISAS = ("scalar", "avx2", "vnni")  # the index is the library's isa number
+_MAX_PARTS = 8  # csrc/quant.cpp's kMaxParts
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+def _set_isa(name: str, what: str) -> None:
+    index = ISAS.index(name) if name in ISAS else -1
+    if index < 0 or native.function("actorlm_quant_set_isa")(index) != index:
+        has = [isa for i, isa in enumerate(ISAS) if _can_run(i)]
+        raise ValueError(f"{what}={name!r}: this CPU and build run {', '.join(has)} "
+                         f"(the choices: {', '.join(ISAS)}; CPU flags avx2: "
+                         f"{'avx2' in _cpu_flags()}, avx512_vnni: "
+                         f"{'avx512_vnni' in _cpu_flags()})")
+
+
+def _can_run(index: int) -> bool:
+    set_isa_fn, current = native.function("actorlm_quant_set_isa"), _isa_index()
+    can = set_isa_fn(index) == index
+    set_isa_fn(current)
+    return can
+
+
+def _isa_index() -> int:
+    return native.function("actorlm_quant_isa")()
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The library, with ``ACTORLM_CPU_ISA`` applied on first use."""
+    lib = native.library()
+    if lib is not None and os.environ.get("ACTORLM_CPU_ISA"):
+        _set_isa(os.environ["ACTORLM_CPU_ISA"].strip(), "ACTORLM_CPU_ISA")
+    return lib
+
+
+def isa() -> str:
+    """The instruction-set path the kernels run."""
+    _library()
+    return ISAS[_isa_index()]
+
+
+def set_isa(name: str) -> None:
+    """Run the kernels on ``name`` (one of ``ISAS``); ValueError where this CPU lacks it."""
+    _library()
+    _set_isa(name, "isa")
+
+
+def set_panel_from_rows(rows: int | None) -> None:
+    """Run every layer's many-row path from ``rows`` rows of x (to compare the two paths, and
+    in tests); None: back to each layer's measured default."""
+    _library()
+    native.function("actorlm_quant_set_panel_from_rows")(rows or 0)
+
+
+def _type_id(type_name: str) -> int:
+    if type_name not in KEPT_TYPES:
+        raise NotImplementedError(f"GGUF type {type_name} has no CPU kernel (kept: "
+                                  f"{', '.join(KEPT_TYPES)})")
+    return int(gguf.GGMLQuantizationType[type_name])
+
+
+def _part(weight: QuantizedWeight, in_features: int) -> tuple[torch.Tensor, object]:
+    """The weight's blocks (contiguous uint8) and their ``actorlm_quant_part``."""
+    rows, k = weight.shape
+    type_id = _type_id(weight.type_name)
+    values, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[weight.type_name]]
+    if k != in_features or k % values:
+        raise ValueError(f"a {weight.type_name} part of shape {weight.shape}: in_features must "
+                         f"be {in_features} and a multiple of {values}")
+    blocks = weight.blocks.detach().contiguous().view(torch.uint8).reshape(-1)
+    if blocks.numel() != rows * k // values * size:
+        raise ValueError(f"{weight.type_name} blocks of {blocks.numel()} bytes for shape "
+                         f"{weight.shape}, not {rows * k // values * size}")
+    return blocks, abi.STRUCT_TYPES["actorlm_quant_part"](blocks.data_ptr(), type_id, rows)
+
+
+class QuantLinear:
+    """``x [..., in] -> x @ W.T + bias``, W the rows of ``parts`` stacked (a merged layer whose
+    parts came in different formats), on ``csrc/quant.cpp``. ``struct`` is its
+    ``actorlm_linear`` for the one-call decode step; it keeps the blocks it points to."""
+
+    max_rows = None  # every batch size runs here
+
+    def __init__(self, parts: Sequence[QuantizedWeight], bias: torch.Tensor | None):
+        if not 1 <= len(parts) <= _MAX_PARTS:
+            raise ValueError(f"a quantized linear layer takes 1 to {_MAX_PARTS} parts, not "
+                             f"{len(parts)}")
+        self.parts = list(parts)
+        self.in_features = self.parts[0].shape[1]
+        self.out_features = sum(p.shape[0] for p in self.parts)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        built = [_part(p, self.in_features) for p in self.parts]
+        self._blocks = [blocks for blocks, _ in built]
+        self._part_array = (abi.STRUCT_TYPES["actorlm_quant_part"] * len(built))(
+            *(part for _, part in built))
+        self.struct = abi.STRUCT_TYPES["actorlm_linear"](
+            None, None if self.bias is None else self.bias.data_ptr(), self.out_features,
+            self.in_features, ctypes.cast(self._part_array, ctypes.POINTER(
+                abi.STRUCT_TYPES["actorlm_quant_part"])), len(built))
+        self._dense: dict[torch.dtype, torch.Tensor] = {}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        suffix = native.dtype_suffix(x.dtype)
+        if _library() is None or suffix is None or x.device.type != "cpu":
+            return self._torch_path(x)
+        rows = x.reshape(-1, self.in_features)  # [M, in], a view where x's layout allows
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        y = x.new_empty(rows.shape[0], self.out_features)  # [M, out]
+        native.function(f"actorlm_quant_linear_{suffix}")(
+            ctypes.byref(self.struct), rows.data_ptr(), rows.stride(0), y.data_ptr(),
+            rows.shape[0])
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def panel_from_rows(self, dtype: torch.dtype) -> int | None:
+        """The rows of x from which this layer runs in ``dtype`` on dense tiles over weight
+        panels it dequantizes (``csrc/quant_panel.h``) instead of integer dot products; None:
+        never (no AVX-512, a lesser ISA forced, or no library)."""
+        if _library() is None:
+            return None
+        rows = native.function("actorlm_quant_panel_from_rows")(
+            ctypes.byref(self.struct), int(dtype == torch.bfloat16))
+        return rows or None
+
+    def _torch_path(self, x: torch.Tensor) -> torch.Tensor:
+        # Without the library: the weight dequantized once per dtype and kept (as large as a
+        # dense model's, and slower than the kernels: correct only, a stopgap).
+        if x.dtype not in self._dense:
+            if not self._dense:
+                log.warning("no C++ CPU kernels: a quantized layer %s runs dequantized with "
+                            "F.linear (slower, and its memory as a dense layer's)",
+                            [p.type_name for p in self.parts])
+            self._dense[x.dtype] = torch.cat([portable.dequantize(p, x.dtype) for p in self.parts])
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self._dense[x.dtype].to(x.device), bias)
+
+
+def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """``weight``'s rows ``rows`` (an embedding lookup) dequantized to ``dtype``, [*rows.shape,
+    in_features], as gguf.quants dequantizes them (then rounded once to ``dtype``)."""
+    in_features = weight.shape[1]
+    suffix = native.dtype_suffix(dtype)
+    if _library() is None or suffix is None:
+        picked = weight.blocks.contiguous().view(torch.uint8).reshape(weight.shape[0], -1)
+        picked = picked[rows.reshape(-1).long().cpu()]
+        values = portable.dequantize(QuantizedWeight(weight.type_name, picked,
+                                                     (picked.shape[0], in_features)), dtype)
+        return values.reshape(*rows.shape, in_features)
+    blocks, part = _part(weight, in_features)
+    ids = rows.reshape(-1).to(torch.int64).contiguous()
+    if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < weight.shape[0]):
+        raise IndexError(f"row ids out of range [0, {weight.shape[0]})")
+    out = torch.empty(ids.numel(), in_features, dtype=dtype)
+    native.function(f"actorlm_quant_dequantize_rows_{suffix}")(
+        ctypes.byref(part), in_features, ids.data_ptr(), ids.numel(), out.data_ptr())
+    del blocks  # kept alive until here: the part points into it
+    return out.view(*rows.shape, in_features)
