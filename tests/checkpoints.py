@@ -12,7 +12,7 @@ import pytest
 import torch
 
 __all__ = ["tiny_tokenizer_dir", "tiny_llama_dir", "tiny_llama_long_dir", "tiny_qwen2_dir",
-           "tiny_qwen3_dir", "smollm2_dir"]
+           "tiny_qwen3_dir", "smollm2_dir", "smollm2_gguf", "smollm2_dense_dir"]
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a
@@ -145,7 +145,27 @@ def tiny_qwen3_dir(tmp_path_factory, tiny_tokenizer_dir):
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
-    """The embedded default model as an HF directory (dequantized once, then cached)."""
+    """The embedded default model's cached directory (config and tokenizer; its weights stay
+    in the GGUF file, in their blocks)."""
     from actorlm.models.loader import resolve_model
 
     return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """The embedded default model's GGUF file (Q4_1, its embedding Q8_0)."""
+    from actorlm.models.loader import default_gguf_path
+
+    return default_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dense_dir(tmp_path_factory, smollm2_gguf):
+    """The same weights dequantized by transformers (fp32 safetensors): the oracle's model, and
+    the engine's dense twin."""
+    from actorlm.models.gguf_file import write_dense_copy
+
+    path = tmp_path_factory.mktemp("smollm2_dense")
+    write_dense_copy(smollm2_gguf, path)
+    return path

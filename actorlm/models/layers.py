@@ -1,5 +1,6 @@
 """The layers whose weights come from a checkpoint: linear (plain or tensor-parallel), embedding
-and RMS norm, each running on the kernel backend it is handed.
+and RMS norm, each running on the kernel backend it is handed. A linear layer's or the
+embedding's weight may arrive in GGUF blocks (``QuantizedWeight``) and stay in them.
 
 A column-parallel layer is a plain ``Linear`` over this rank's rows of the weight; the two
 parallel layers here are the ones whose forward changes when split (see
@@ -8,28 +9,59 @@ parallel layers here are the ones whose forward changes when split (see
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actorlm.kernels import KernelBackend, Norm
+from actorlm.kernels import KernelBackend, Norm, QuantizedWeight, portable
 from actorlm.models.parallel import TensorParallel, all_reduce
+
+log = logging.getLogger(__name__)
 
 
 class Linear(nn.Module):
-    """nn.Linear without the random init: every weight comes from the checkpoint. Once loaded,
-    ``prepare`` hands it to the backend, which lays it out for its GEMM; the layer then runs
-    on that and lets its own reference to the weight go (the model holds each weight once)."""
+    """nn.Linear without the random init: every weight comes from the checkpoint, as floats
+    into ``weight`` or in blocks through ``load_quantized``. Once loaded, ``prepare`` hands it
+    to the backend, which lays it out for its GEMM; the layer then runs on that and lets its
+    own reference to the weight go (the model holds each weight once)."""
 
     def __init__(self, in_features, out_features, bias, dtype, device):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), False) if bias else None
+        self.quantized: dict[int, QuantizedWeight] = {}  # first row -> rows in blocks
         self.prepared = None  # x -> linear(x): the backend's, once the weights are loaded
 
+    def load_quantized(self, first_row: int, weight: QuantizedWeight) -> None:
+        """Rows ``first_row:`` in blocks (a merged layer's parts arrive one by one, each in its
+        own format)."""
+        self.quantized[first_row] = weight
+
+    bias_in_kernel = True  # the bias is added by the prepared GEMM
+
     def prepare(self, backend: KernelBackend) -> None:
-        self.prepared = backend.prepare_linear(self.weight, self.bias)
+        self.prepared = backend.prepare_linear(self._weight_to_prepare(),
+                                               self.bias if self.bias_in_kernel else None)
         self.weight = None  # a tied LM head's is the embedding's: it stays there
+
+    def _weight_to_prepare(self) -> torch.Tensor | QuantizedWeight | tuple[QuantizedWeight, ...]:
+        """The weight whole: its parts in blocks, stacked; or, where some rows came as floats,
+        all of it as floats (a merged layer's GEMM takes one kind)."""
+        if not self.quantized:
+            return self.weight
+        parts = tuple(part for _, part in sorted(self.quantized.items()))
+        if sum(part.shape[0] for part in parts) == self.weight.shape[0]:
+            return parts[0] if len(parts) == 1 else parts
+        log.info("a layer with rows both in blocks and in floats runs in %s",
+                 str(self.weight.dtype).removeprefix("torch."))
+        with torch.no_grad():
+            for first, part in self.quantized.items():
+                self.weight[first:first + part.shape[0]] = \
+                    portable.dequantize(part, self.weight.dtype).to(self.weight.device)
+        self.quantized = {}
+        return self.weight
 
     def forward(self, x):
         if self.prepared is not None:
@@ -41,13 +73,11 @@ class RowParallelLinear(Linear):
     """This rank's ``in_features / size`` input columns: partial outputs summed over the ranks,
     then the bias added once (on the sum, identically on every rank)."""
 
+    bias_in_kernel = False  # added once, after the reduce
+
     def __init__(self, in_features, out_features, bias, tp: TensorParallel, dtype, device):
         super().__init__(in_features // tp.size, out_features, bias, dtype, device)
         self.tp = tp
-
-    def prepare(self, backend: KernelBackend) -> None:
-        self.prepared = backend.prepare_linear(self.weight, None)  # the bias: after the reduce
-        self.weight = None
 
     def forward(self, x):
         # x: [T, in / size] -> [T, out]
@@ -56,24 +86,48 @@ class RowParallelLinear(Linear):
         return y if self.bias is None else y + self.bias
 
 
-class VocabParallelEmbedding(nn.Module):
+class Embedding(nn.Module):
+    """The token embeddings: rows of ``weight``, or of its blocks (``load_quantized``) looked
+    up through the backend. Its weight also serves as a tied LM head's."""
+
+    def __init__(self, vocab_size, dim, dtype, device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, dim, dtype=dtype, device=device), False)
+        self.quantized: QuantizedWeight | None = None
+        self.lookup = None  # ids -> rows: the backend's, for a weight in blocks
+
+    def load_quantized(self, first_row: int, weight: QuantizedWeight) -> None:
+        self.quantized = weight
+
+    def prepare(self, backend: KernelBackend) -> None:
+        if self.quantized is not None:
+            self.lookup = backend.prepare_embedding(self.quantized, self.weight.dtype)
+            self.weight = None
+
+    def forward(self, input_ids):
+        # input_ids: [T] -> [T, hidden]
+        if self.lookup is not None:
+            return self.lookup(input_ids)
+        return F.embedding(input_ids, self.weight)
+
+
+class VocabParallelEmbedding(Embedding):
     """This rank's contiguous slice of the vocabulary, padded up to an equal share per rank:
     tokens outside the slice embed as zeros and the ranks' embeddings are summed. Its weight
     [V_pad / size, hidden] also serves as a tied LM head's."""
 
     def __init__(self, vocab_size, dim, tp: TensorParallel, dtype, device):
-        super().__init__()
-        self.tp = tp
         self.num_rows = -(-vocab_size // tp.size)
+        super().__init__(self.num_rows, dim, dtype, device)
+        self.weight.data.zero_()  # the padding rows past the vocabulary are never loaded
+        self.tp = tp
         self.start = tp.rank * self.num_rows
-        # zeros: the padding rows past the vocabulary are never loaded
-        self.weight = nn.Parameter(torch.zeros(self.num_rows, dim, dtype=dtype, device=device), False)
 
     def forward(self, input_ids):
         # input_ids: [T] -> [T, hidden]
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.num_rows)  # [T]
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x = super().forward(local.masked_fill(outside, 0))
         x.masked_fill_(outside[:, None], 0)
         return all_reduce(self.tp, x)
 

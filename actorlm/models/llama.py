@@ -13,9 +13,10 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from actorlm.kernels import AttentionMetadata, KernelBackend
+from actorlm.kernels import AttentionMetadata, KernelBackend, QuantizedWeight
+from actorlm.models import quantized
 from actorlm.models.decoder import DecoderLayer, LayerSpec
-from actorlm.models.layers import Linear, RMSNorm, VocabParallelEmbedding
+from actorlm.models.layers import Embedding, Linear, RMSNorm, VocabParallelEmbedding
 from actorlm.models.parallel import TensorParallel, check_tensor_parallel, gather_last_dim
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -83,9 +84,7 @@ class LlamaBody(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp,
                                                        dtype, device)
         else:
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
-                                             device=device)
-            self.embed_tokens.weight.requires_grad_(False)
+            self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
         self.layers = nn.ModuleList(DecoderLayer(spec, backend, dtype, device, tp)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, False, backend, dtype,
@@ -161,7 +160,8 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy HF-named tensors into the (merged) parameters, raising if any is left unset, then
-        ``prepare_kernels``. Tensor-parallel: only this rank's part of each tensor is taken; a
+        ``prepare_kernels``. A ``QuantizedWeight`` is kept in its blocks by the layer it
+        belongs to. Tensor-parallel: only this rank's part of each tensor is taken; a
         safetensors slice (``safe_open(...).get_slice``) in place of a tensor then reads only
         that part from the file."""
         params = dict(self.named_parameters())  # a tied lm_head appears once, as embed_tokens
@@ -176,18 +176,26 @@ class LlamaForCausalLM(nn.Module):
                     break
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            dst = params[target]
+            dst, first_row = params[target], 0
             if shard is not None:
-                start, size = self._shard_range(target, shard)
-                dst = dst.narrow(0, start, size)
+                first_row, size = self._shard_range(target, shard)
+                dst = dst.narrow(0, first_row, size)
+            vocabulary = target in ("model.embed_tokens.weight", "lm_head.weight")
             if self.tp.is_parallel:
                 tensor = self._rank_part(name, tensor)
-                if target == "model.embed_tokens.weight" or target == "lm_head.weight":
-                    dst = dst.narrow(0, 0, tensor.shape[0])  # the last slice may be short
+                if vocabulary:
+                    if isinstance(tensor, QuantizedWeight):  # zero rows: the padding
+                        tensor = quantized.pad_rows(tensor, dst.shape[0])
+                    else:
+                        dst = dst.narrow(0, 0, tensor.shape[0])  # the last slice may be short
             if dst.shape != tensor.shape:
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            with torch.no_grad():
-                dst.copy_(tensor.to(dtype=dst.dtype, device=dst.device))
+            if isinstance(tensor, QuantizedWeight):
+                self.get_submodule(target.removesuffix(".weight")).load_quantized(first_row,
+                                                                                  tensor)
+            else:
+                with torch.no_grad():
+                    dst.copy_(tensor.to(dtype=dst.dtype, device=dst.device))
             missing.discard(target if shard is None else f"{target}#{shard}")
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(map(_hf_name, missing))}")
@@ -196,8 +204,11 @@ class LlamaForCausalLM(nn.Module):
     def prepare_kernels(self) -> None:
         """Once every weight is in place: hand the linear layers to the backend and ask it for
         a one-call decode step over the layers' plans."""
+        embedding = self.model.embed_tokens
+        if self.tie_word_embeddings and embedding.quantized is not None:
+            self.lm_head.load_quantized(0, embedding.quantized)  # the same blocks, held once
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, Embedding)):
                 module.prepare(self.backend)
         if not self.tp.is_parallel:  # (a step of parallel layers needs their collectives)
             self.decode_step = self.backend.decode_step(
@@ -240,7 +251,9 @@ class LlamaForCausalLM(nn.Module):
 
 def _narrow(tensor, dim, start, length) -> torch.Tensor:
     """``start:start + length`` along ``dim`` (everything when ``length`` is None) of a tensor,
-    or read from a safetensors slice."""
+    a weight in blocks, or read from a safetensors slice."""
+    if isinstance(tensor, QuantizedWeight):
+        return tensor if length is None else quantized.narrow(tensor, dim, start, length)
     if isinstance(tensor, torch.Tensor):
         return tensor if length is None else tensor.narrow(dim, start, length)
     if length is None:

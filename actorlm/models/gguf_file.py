@@ -1,0 +1,263 @@
+"""A GGUF file as a model, read in place: its weights stay in the file's blocks.
+
+The file is taken apart once into a small cached directory, ``$XDG_CACHE_HOME/actorlm/<name>``
+(no weights in it): the transformers config, tokenizer and generation config rebuilt from the
+file's metadata (a few seconds: the tokenizer conversion and the metadata parse are what is
+slow), and ``gguf.json``, which names the file and lists its tensors (name, type, shape, byte
+offset). Loading then memory-maps the file and hands each tensor over under its Hugging Face
+name: the block formats this engine has kernels for as ``QuantizedWeight`` (the raw blocks,
+one row per output feature), the float ones as tensors, the others dequantized (logged once).
+
+llama.cpp stores a Llama's q and k rows permuted (each head's two rotary halves interleaved);
+the permutation is undone here on whole rows of blocks, which quantization never crosses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import shutil
+import struct
+import tempfile
+from collections import Counter
+from typing import Iterator, NamedTuple
+
+import numpy as np
+import torch
+
+from actorlm.kernels import QUANTIZED_FORMATS, QuantizedWeight
+from actorlm.paths import cache_root
+
+log = logging.getLogger(__name__)
+
+# GGUF architecture -> the Hugging Face model_type transformers converts it to (Mistral files
+# say "llama")
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_INDEX = "gguf.json"
+_INDEX_VERSION = 3
+
+# GGUF tensor name (after "blk.N.") -> the Hugging Face one (after "model.layers.N.")
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+              "output": "lm_head"}
+
+
+class TensorInfo(NamedTuple):
+    name: str  # the Hugging Face name
+    type_name: str  # GGML's: Q4_1, F32...
+    shape: tuple[int, ...]  # torch order: (out_features, in_features) for a matrix
+    offset: int  # of its data in the file
+    num_bytes: int
+
+
+def is_gguf_dir(path: pathlib.Path) -> bool:
+    """Whether ``path`` is the cached directory of a GGUF file (weights in the file)."""
+    return (pathlib.Path(path) / _INDEX).is_file()
+
+
+def architecture(gguf: pathlib.Path) -> str:
+    """``general.architecture`` of the file, read from its header alone (milliseconds, where
+    parsing all its metadata takes seconds)."""
+    with open(gguf, "rb") as f:
+        magic, version, _, num_kv = struct.unpack("<4sIQQ", f.read(24))
+        if magic != b"GGUF" or version < 2:
+            raise ValueError(f"{str(gguf)!r} is not a GGUF file of version 2 or later")
+        for _ in range(num_kv):
+            key = _read_string(f)
+            (value_type,) = struct.unpack("<I", f.read(4))
+            if key == "general.architecture" and value_type == _STRING:
+                return _read_string(f)
+            _skip_value(f, value_type)
+    raise ValueError(f"{str(gguf)!r} has no general.architecture")
+
+
+def check_architecture(gguf: pathlib.Path) -> None:
+    arch = architecture(gguf)
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"GGUF file {str(gguf)!r} has architecture {arch!r}; supported: "
+                         f"{', '.join(ARCHITECTURES)}")
+
+
+def cached_dir(gguf: pathlib.Path) -> pathlib.Path:
+    """The directory of ``gguf``'s config, tokenizer and tensor index, built on first use."""
+    check_architecture(gguf)  # before anything slow
+    # name + size: a different file with the same name gets its own entry
+    target = cache_root() / f"{gguf.stem}-{gguf.stat().st_size}-gguf"
+    if _index_is_current(target, gguf):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("reading the metadata of %s into %s (once)", gguf, target)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        _write_dir(gguf, tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary directory
+        shutil.rmtree(target, ignore_errors=True)  # an index of an older version
+        try:
+            os.replace(tmp, target)  # atomic: readers never see a half-written directory
+        except OSError:
+            if not _index_is_current(target, gguf):  # not just another process winning
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def tensor_infos(path: pathlib.Path) -> tuple[pathlib.Path, list[TensorInfo]]:
+    """(the GGUF file, its tensors) of the cached directory ``path``."""
+    index = json.loads((pathlib.Path(path) / _INDEX).read_text())
+    return pathlib.Path(index["file"]), [TensorInfo(t[0], t[1], tuple(t[2]), t[3], t[4])
+                                         for t in index["tensors"]]
+
+
+def read_tensors(path: pathlib.Path, config, dtype: torch.dtype
+                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """Every tensor of the cached directory ``path``'s file under its Hugging Face name: the
+    kept block formats as ``QuantizedWeight`` over the memory-mapped file, float tensors as
+    they are, other formats dequantized to ``dtype``."""
+    import gguf as gguf_package
+
+    file, infos = tensor_infos(path)
+    # copy-on-write: torch wants a writable array; nothing writes, so the pages stay the file's
+    data = np.memmap(file, dtype=np.uint8, mode="c")
+    dequantized = Counter()
+    for info in infos:
+        raw = torch.from_numpy(data[info.offset:info.offset + info.num_bytes])  # no copy
+        rows = int(np.prod(info.shape[:-1]))
+        if info.type_name in QUANTIZED_FORMATS and len(info.shape) == 2:
+            blocks = _unpermuted(info.name, raw.view(rows, -1), config)
+            yield info.name, QuantizedWeight(info.type_name, blocks, info.shape)
+        elif info.type_name in _FLOAT_TYPES:
+            values = raw.view(_FLOAT_TYPES[info.type_name]).view(info.shape)
+            yield info.name, _unpermuted(info.name, values, config)
+        else:
+            kind = gguf_package.GGMLQuantizationType[info.type_name]
+            values = torch.from_numpy(gguf_package.quants.dequantize(raw.numpy(), kind))
+            dequantized[info.type_name] += 1
+            yield info.name, _unpermuted(info.name, values.view(info.shape).to(dtype), config)
+    if dequantized:
+        log.info("%s: dequantized at load to %s (no kernels for them): %s", file.name,
+                 str(dtype).removeprefix("torch."),
+                 ", ".join(f"{n} x {t}" for t, n in sorted(dequantized.items())))
+
+
+def write_dense_copy(gguf: pathlib.Path, out: pathlib.Path) -> None:
+    """The file dequantized by transformers into a Hugging Face directory ``out`` (fp32
+    safetensors): the same weights as floats, for comparisons (benchmarks, the tests' oracle)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 dtype=torch.float32, local_files_only=True)
+    state = model.state_dict()
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    out.mkdir(parents=True, exist_ok=True)
+    # save_pretrained refuses GGUF-quantized models, so the weights are written by hand
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                  local_files_only=True).save_pretrained(out)
+
+
+def _unpermuted(name: str, rows: torch.Tensor, config) -> torch.Tensor:
+    """Rows of q_proj / k_proj back in Hugging Face's order (a Llama's, as llama.cpp permutes
+    them); any other tensor as it is."""
+    if config.model_type not in ("llama", "mistral") or \
+            not name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
+        return rows
+    heads = config.num_attention_heads if "q_proj" in name else \
+        getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    half = rows.shape[0] // heads // 2  # each head's rows: [half, 2] in the file, [2, half] here
+    return rows.reshape(heads, half, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+
+
+def _hf_name(name: str) -> str:
+    stem, _, kind = name.rpartition(".")  # kind: weight or bias
+    if stem.startswith("blk."):
+        _, layer, part = stem.split(".", 2)
+        if part not in _LAYER_NAMES:
+            raise ValueError(f"GGUF tensor {name!r} is not one this engine knows")
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    if stem not in _TOP_NAMES:
+        raise ValueError(f"GGUF tensor {name!r} is not one this engine knows")
+    return f"{_TOP_NAMES[stem]}.{kind}"
+
+
+def _write_dir(gguf: pathlib.Path, out: pathlib.Path) -> None:
+    from gguf import GGUFReader
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    reader = GGUFReader(gguf)
+    tensors = [[_hf_name(t.name), t.tensor_type.name, [int(n) for n in reversed(t.shape)],
+                int(t.data_offset), int(t.n_bytes)]  # data_offset: from the file's start
+               for t in reader.tensors]
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    if config.model_type == "llama":  # the metadata has no such keys: the tensors tell
+        names = [t[0] for t in tensors]
+        config.attention_bias = any(n.endswith("o_proj.bias") for n in names)
+        config.mlp_bias = any(n.endswith("down_proj.bias") for n in names)
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                              local_files_only=True)
+    tokenizer.save_pretrained(out)
+    (out / _INDEX).write_text(json.dumps({
+        "version": _INDEX_VERSION, "file": str(gguf.resolve()), **_identity(gguf),
+        "tensors": tensors}))
+
+
+def _index_is_current(target: pathlib.Path, gguf: pathlib.Path) -> bool:
+    try:
+        index = json.loads((target / _INDEX).read_text())
+    except (OSError, ValueError):
+        return False
+    return index.get("version") == _INDEX_VERSION and \
+        all(index.get(key) == value for key, value in _identity(gguf).items())
+
+
+def _identity(gguf: pathlib.Path) -> dict:
+    """What tells a file from another of its name: a rewritten file gets a fresh entry."""
+    stat = gguf.stat()
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+# --- the header's key-value pairs (GGUF v2+: little-endian, 64-bit lengths) -------------------
+
+_STRING, _ARRAY = 8, 9
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def _read_string(f) -> str:
+    (length,) = struct.unpack("<Q", f.read(8))
+    return f.read(length).decode("utf-8", errors="replace")
+
+
+def _skip_value(f, value_type: int) -> None:
+    if value_type == _STRING:
+        (length,) = struct.unpack("<Q", f.read(8))
+        f.seek(length, os.SEEK_CUR)
+    elif value_type == _ARRAY:
+        item_type, count = struct.unpack("<IQ", f.read(12))
+        if item_type in _SCALAR_SIZES:
+            f.seek(count * _SCALAR_SIZES[item_type], os.SEEK_CUR)
+        else:
+            for _ in range(count):
+                _skip_value(f, item_type)
+    elif value_type in _SCALAR_SIZES:
+        f.seek(_SCALAR_SIZES[value_type], os.SEEK_CUR)
+    else:
+        raise ValueError(f"unknown GGUF value type {value_type}")

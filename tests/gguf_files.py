@@ -1,0 +1,145 @@
+"""Tiny GGUF files written with the ``gguf`` package's writer, as llama.cpp's converter lays
+them out: a tiny Hugging Face checkpoint's weights in one block format (q and k rows permuted
+for a Llama), its tokenizer as GGUF metadata. transformers reads them back (dequantized) as the
+oracle.
+
+The 32-value formats are quantized from the checkpoint's weights with ``gguf.quants.quantize``;
+the K formats, which gguf cannot quantize, get random valid blocks (every quant value drawn,
+small scales) whose dequantized values become the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import torch
+
+# GGUF name of each Hugging Face tensor (after "model.layers.N." / the top-level names)
+_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+          "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+          "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+          "mlp.down_proj": "ffn_down"}
+_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def gguf_name(hf_name: str) -> str:
+    stem, _, kind = hf_name.rpartition(".")
+    if stem.startswith("model.layers."):
+        _, _, layer, part = stem.split(".", 3)
+        return f"blk.{layer}.{_LAYER[part]}.{kind}"
+    return f"{_TOP[stem]}.{kind}"
+
+
+def random_blocks(type_name: str, rows: int, columns: int, seed: int) -> np.ndarray:
+    """Valid random blocks of a K format: random quant bits and sub-block scales, the f16
+    super-scales 0.3 / (largest sub-block scale x largest quant), so that values stay within
+    about +-0.3, as a tiny model's do; [rows, bytes per row] uint8."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType[type_name]
+    per_block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * columns // per_block, block_bytes), dtype=np.uint8)
+    scale = np.float16(0.3 / {"Q4_K": 63 * 15, "Q5_K": 63 * 31, "Q6_K": 128 * 32}[type_name])
+    scales = np.full(len(blocks), scale, dtype=np.float16).view(np.uint8).reshape(-1, 2)
+    if type_name == "Q6_K":  # d is the block's last two bytes; its int8 scales stay random
+        blocks[:, -2:] = scales
+    else:  # d, dmin first
+        blocks[:, 0:2] = scales
+        blocks[:, 2:4] = scales
+    return blocks.reshape(rows, -1)
+
+
+def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str) -> pathlib.Path:
+    """The checkpoint ``hf_dir`` (Llama, Qwen2 or Qwen3) as a GGUF file whose matrices are all
+    ``type_name`` blocks (norms and biases F32); returns the file."""
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    arch = config["model_type"]
+    state = {}
+    for file in sorted(hf_dir.glob("*.safetensors")):
+        state.update(load_file(file))
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    writer = gguf.GGUFWriter(out, arch)
+    _write_config(writer, config)
+    _write_tokenizer(writer, hf_dir)
+    kind = gguf.GGMLQuantizationType[type_name]
+    for seed, (name, tensor) in enumerate(sorted(state.items())):
+        values = tensor.float().numpy()
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config["num_attention_heads"] if "q_proj" in name else \
+                config["num_key_value_heads"]
+            values = _permute(values, heads)
+        if values.ndim == 1:
+            writer.add_tensor(gguf_name(name), values)
+        elif type_name in K_TYPES:
+            writer.add_tensor(gguf_name(name), random_blocks(type_name, *values.shape, seed),
+                              raw_dtype=kind)
+        else:
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(values, kind),
+                              raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k permutation: each head's two rotary halves interleaved."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]) \
+        .swapaxes(1, 2).reshape(rows.shape)
+
+
+def _write_config(writer, config: dict) -> None:
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_rope_dimension_count(config["head_dim"])
+    writer.add_rope_freq_base(config.get("rope_theta")
+                              or config.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+
+
+def _write_tokenizer(writer, hf_dir: pathlib.Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    spec = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    special = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
+    tokens = [None] * len(tokenizer)
+    for token, index in {**vocab, **special}.items():
+        tokens[index] = token
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if token in special else 1 for token in tokens])
+    merges = spec["model"]["merges"]
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_pad_token_id(tokenizer.pad_token_id)
+    writer.add_chat_template(tokenizer.chat_template)
+
+
+def dequantized_model(gguf_path: pathlib.Path):
+    """transformers' model of the file, dequantized to fp32: the oracle."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                dtype=torch.float32,
+                                                local_files_only=True).eval()

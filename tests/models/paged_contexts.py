@@ -1,0 +1,40 @@
+"""A paged KV cache and block tables for driving a model step by step, as a worker does."""
+
+from __future__ import annotations
+
+import torch
+
+
+class PagedContexts:
+    """A freshly allocated paged cache and per-request block tables, as the worker keeps them."""
+
+    def __init__(self, model, num_blocks=96, block_size=4, seed=0):
+        shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+                          for _ in range(model.num_layers)]
+        self.block_size = block_size
+        # Shuffled so a request's blocks are not contiguous; block 0 is the table padding.
+        self.free = (torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1).tolist()
+        self.blocks: dict[int, list[int]] = {}
+        self.lens: dict[int, int] = {}
+
+    def step(self, model, chunks: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """Run one flattened step of (request id, new token ids) chunks; returns logits [T, V]."""
+        ids, positions, q_lens, seq_lens = [], [], [], []
+        for rid, tokens in chunks:
+            start = self.lens.get(rid, 0)
+            end = start + len(tokens)
+            blocks = self.blocks.setdefault(rid, [])
+            while len(blocks) * self.block_size < end:
+                blocks.append(self.free.pop())
+            ids += tokens
+            positions += range(start, end)
+            q_lens.append(len(tokens))
+            seq_lens.append(end)
+            self.lens[rid] = end
+        meta = model.backend.attention_metadata(q_lens, seq_lens,
+                                                [self.blocks[rid] for rid, _ in chunks],
+                                                self.block_size)
+        with torch.inference_mode():
+            hidden = model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, meta)
+            return model.compute_logits(hidden)

