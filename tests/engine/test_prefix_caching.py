@@ -12,10 +12,14 @@ from actorlm import SamplingParams
 NUM_TOKENS = 12
 
 
-def multi_turn(on, off, model_dir, first_prompts, follow_ups, num_tokens=NUM_TOKENS):
+def multi_turn(on, off, model_dir, first_prompts, follow_ups, num_tokens=NUM_TOKENS,
+               same_bits=True):
     """Drive the turns through both engines; returns the share of prefill computed with caching
     on versus off. Each turn's prompts are the previous turn's prompts, the answers caching on
-    gave and a follow-up, so both engines (and transformers) see the same prompts."""
+    gave and a follow-up, so both engines (and transformers) see the same prompts. Without
+    ``same_bits`` (weights in blocks: a step's row count picks the kernel, int8 activations
+    below a threshold, dequantized tiles above, and a prefix hit changes the rows) the two
+    engines' answers need only agree by vLLM's rule."""
     params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True,
                             logprobs=TOP)
     prompts, answers = first_prompts, []
@@ -26,7 +30,10 @@ def multi_turn(on, off, model_dir, first_prompts, follow_ups, num_tokens=NUM_TOK
         answers = engine_greedy(on.generate(inputs, params, use_tqdm=False))
         without = engine_greedy(off.generate(inputs, params, use_tqdm=False))
         # the same answers with and without the cache, and transformers' answers
-        assert [a[0] for a in answers] == [w[0] for w in without]
+        if same_bits:
+            assert [a[0] for a in answers] == [w[0] for w in without]
+        else:
+            check_logprobs_close(answers, without)
         check_logprobs_close(answers, hf_greedy(model_dir, prompts, num_tokens))
     return on.stats()["num_prefill_tokens"] / off.stats()["num_prefill_tokens"]
 
@@ -65,7 +72,7 @@ def test_multi_turn_with_and_without_the_cache(arch, setting, make_llm, tiny_lla
 
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", ["roomy", "tight"])
-def test_multi_turn_chat_on_smollm2(setting, smollm2_dir, make_llm):
+def test_multi_turn_chat_on_smollm2(setting, smollm2_dir, smollm2_dense_dir, make_llm):
     # tight: 64-token prefill chunks, and 12 blocks of 16 tokens for two conversations that
     # grow past 100 tokens each, so the third turn preempts
     flags = {} if setting == "roomy" else dict(max_num_batched_tokens=64, num_kv_blocks=12,
@@ -82,7 +89,9 @@ def test_multi_turn_chat_on_smollm2(setting, smollm2_dir, make_llm):
     follow = [[on.tokenizer.encode(f"<|im_end|>\n<|im_start|>user\n{q[t]}<|im_end|>\n"
                                           f"<|im_start|>assistant\n", add_special_tokens=False)
                for q in questions] for t in (1, 2)]
-    ratio = multi_turn(on, off, smollm2_dir, first, follow, num_tokens=16)
+    # transformers reads the file's weights dequantized
+    ratio = multi_turn(on, off, smollm2_dense_dir, first, follow, num_tokens=16,
+                       same_bits=False)
     assert ratio < 0.5 if setting == "roomy" else ratio < 1.0, ratio
     if setting == "tight":
         assert on.stats()["num_preemptions"] > 0
