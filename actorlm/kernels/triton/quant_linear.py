@@ -143,14 +143,20 @@ def _k_scale_min(scales, s, mask):
 
 
 @triton.jit
+def _k_value(block, s, q, mask):
+    """A Q4_K/Q5_K value from its quant q in sub-block s: d * scale * q - dmin * min."""
+    scale, minimum = _k_scale_min(block + 4, s, mask)
+    return (_f16(block, mask) * scale) * q - _f16(block + 2, mask) * minimum
+
+
+@triton.jit
 def _q4_k(row, k, mask):
     # d, dmin: f16, scales[12], qs[128]: sub-block s (32 elements) in nibble s % 2 of
     # bytes 32 (s // 2) ...
     block, i = row + (k // 256) * 144, k % 256
     s, j = i // 32, i % 32
     q = _nibble(block + 16 + (s // 2) * 32 + j, s % 2, mask).to(tl.float32)
-    scale, minimum = _k_scale_min(block + 4, s, mask)
-    return (_f16(block, mask) * scale) * q - _f16(block + 2, mask) * minimum
+    return _k_value(block, s, q, mask)
 
 
 @triton.jit
@@ -161,8 +167,7 @@ def _q5_k(row, k, mask):
     s, j = i // 32, i % 32
     high = (_byte(block + 16 + j, mask) >> s) & 1
     q = (_nibble(block + 48 + (s // 2) * 32 + j, s % 2, mask) | (high << 4)).to(tl.float32)
-    scale, minimum = _k_scale_min(block + 4, s, mask)
-    return (_f16(block, mask) * scale) * q - _f16(block + 2, mask) * minimum
+    return _k_value(block, s, q, mask)
 
 
 @triton.jit
