@@ -120,6 +120,7 @@ class QuantLinear:
     max_rows = None  # every batch size runs here
 
     def __init__(self, parts: Sequence[QuantizedWeight], bias: torch.Tensor | None):
+        _library()  # ACTORLM_CPU_ISA applied now: a bad value fails the load, not a step
         if not 1 <= len(parts) <= _MAX_PARTS:
             raise ValueError(f"a quantized linear layer takes 1 to {_MAX_PARTS} parts, not "
                              f"{len(parts)}")
