@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 import pathlib
-import re
 import time
 from typing import Callable
 
@@ -40,6 +39,7 @@ from actorlm.api.prompt_limits import check_token_ids
 from actorlm.api.responses import as_api_error, error_response, json_response
 from actorlm.api.security import RequestGuard
 from actorlm.async_llm import AsyncLLM
+from actorlm.models import gguf_file
 from actorlm.trace import render_html
 
 log = logging.getLogger(__name__)
@@ -136,8 +136,7 @@ def default_model_name(engine: AsyncLLM | None) -> str:
     if engine.config.model:
         path = pathlib.Path(engine.config.model)
         return path.stem if path.suffix == ".gguf" else path.name
-    # the embedded default lives in a cache directory named "<gguf stem>-<file size>"
-    return re.sub(r"-\d+$", "", engine.model_path.name)
+    return gguf_file.model_name(engine.model_path)  # the embedded default: its GGUF's stem
 
 
 def max_token_chars(engine: AsyncLLM) -> int:

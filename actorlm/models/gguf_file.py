@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 import shutil
 import struct
 import tempfile
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _INDEX = "gguf.json"
+_DIR_SUFFIX = "-gguf"  # of a cached directory: <file stem>-<file size>-gguf
 _INDEX_VERSION = 3
 
 # GGUF tensor name (after "blk.N.") -> the Hugging Face one (after "model.layers.N.")
@@ -57,6 +59,11 @@ class TensorInfo(NamedTuple):
     shape: tuple[int, ...]  # torch order: (out_features, in_features) for a matrix
     offset: int  # of its data in the file
     num_bytes: int
+
+
+def model_name(path: pathlib.Path) -> str:
+    """The name of the model in directory ``path``: a cached GGUF's is its file's stem."""
+    return re.sub(rf"-\d+{_DIR_SUFFIX}$", "", pathlib.Path(path).name)
 
 
 def is_gguf_dir(path: pathlib.Path) -> bool:
@@ -91,7 +98,7 @@ def cached_dir(gguf: pathlib.Path) -> pathlib.Path:
     """The directory of ``gguf``'s config, tokenizer and tensor index, built on first use."""
     check_architecture(gguf)  # before anything slow
     # name + size: a different file with the same name gets its own entry
-    target = cache_root() / f"{gguf.stem}-{gguf.stat().st_size}-gguf"
+    target = cache_root() / f"{gguf.stem}-{gguf.stat().st_size}{_DIR_SUFFIX}"
     if _index_is_current(target, gguf):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -88,3 +88,7 @@ def test_cache_honours_xdg_cache_home(smollm2_dir, tmp_path, monkeypatch):
     shutil.copytree(smollm2_dir, entry)
     monkeypatch.setattr(gguf_file, "_write_dir", None)  # would fail if called
     assert resolve_model(None) == entry
+
+
+def test_the_default_model_is_named_after_its_gguf_file(smollm2_dir):
+    assert gguf_file.model_name(smollm2_dir) == "SmolLM2-135M-Instruct.Q4_1"
