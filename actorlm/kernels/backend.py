@@ -67,7 +67,8 @@ class DecoderLayerPlan(NamedTuple):
         out = mlp_out_norm(m) or m            (the next layer adds it to the stream)
 
     The linear layers are what ``KernelBackend.prepare_linear`` returned; ``rope`` picks which
-    of the step's RoPE tables the layer rotates by (families with one table: 0)."""
+    of the step's RoPE tables the layer rotates by (families with one table: 0), ``kv_group``
+    which of the step's attention metadata it reads its KV blocks through (``kv_groups``)."""
 
     attn_norm: Norm
     attention: AttentionLayer
@@ -80,6 +81,7 @@ class DecoderLayerPlan(NamedTuple):
     attn_out_norm: Norm | None = None
     mlp_out_norm: Norm | None = None
     rope: int = 0
+    kv_group: int = 0
 
 
 class KernelBackend:

@@ -103,9 +103,11 @@ class DecoderLayer(nn.Module):
     """``kernels.DecoderLayerPlan``'s layer: norms before attention and MLP (and after each,
     with ``output_norms``), each residual add fused into the norm that follows it."""
 
-    def __init__(self, spec: LayerSpec, backend, dtype, device, tp, rope: int = 0):
+    def __init__(self, spec: LayerSpec, backend, dtype, device, tp, rope: int = 0,
+                 kv_group: int = 0):
         super().__init__()
         self.rope = rope  # which of the model's RoPE tables this layer rotates by
+        self.kv_group = kv_group  # which of the step's attention metadata it reads
 
         def norm():
             return RMSNorm(spec.hidden_size, spec.norm_eps, spec.norm_unit_offset, backend,
@@ -118,14 +120,15 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(spec, backend, dtype, device, tp)
         self.mlp = MLP(spec, backend, dtype, device, tp)
 
-    def forward(self, x, residual, ropes, kv_cache, meta):
+    def forward(self, x, residual, ropes, kv_cache, metas):
         """(this layer's output, the residual stream before it); ``residual`` is None at the
-        first layer, whose x is the embeddings."""
+        first layer, whose x is the embeddings. ``ropes`` and ``metas``: the step's RoPE
+        tables and its attention metadata per KV-cache group."""
         if residual is None:
             x, residual = self.attn_norm(x), x
         else:
             x, residual = self.attn_norm(x, residual)
-        x = self.self_attn(x, *ropes[self.rope], kv_cache, meta)
+        x = self.self_attn(x, *ropes[self.rope], kv_cache, metas[self.kv_group])
         if self.attn_out_norm is not None:
             x = self.attn_out_norm(x)
         x, residual = self.mlp_norm(x, residual)
@@ -141,4 +144,5 @@ class DecoderLayer(nn.Module):
             self.attn_norm.norm, attn.layer, attn.qkv_proj.prepared, attn.o_proj.prepared,
             self.mlp_norm.norm, mlp.gate_up_proj.prepared, mlp.down_proj.prepared,
             mlp.activation, *(None if n is None else n.norm
-                              for n in (self.attn_out_norm, self.mlp_out_norm)), self.rope)
+                              for n in (self.attn_out_norm, self.mlp_out_norm)), self.rope,
+            self.kv_group)

@@ -8,7 +8,7 @@ Attention is always full causal: a sliding window (Mistral v0.1, Qwen with
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -48,6 +48,19 @@ def layer_spec(config) -> LayerSpec:
         # Qwen2 always has a qkv bias (and none on o_proj); the others follow attention_bias
         qkv_bias=is_qwen2 or attention_bias, o_bias=not is_qwen2 and attention_bias,
         mlp_bias=bool(getattr(config, "mlp_bias", False)))
+
+
+def layer_windows(config) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), as transformers applies them:
+    ``layer_types`` where the config has them (Qwen2/3 with ``use_sliding_window``, Gemma),
+    else a ``sliding_window`` on every layer (Mistral)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return [window] * config.num_hidden_layers
+    if "sliding_attention" in layer_types and not window:
+        raise ValueError("layer_types name sliding_attention layers but sliding_window is unset")
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
 
 
 def rope_inv_freq(config, device=None) -> tuple[torch.Tensor, float]:
@@ -135,17 +148,19 @@ class LlamaForCausalLM(nn.Module):
         """The step's RoPE tables, (cos, sin_signed) [T, 1, D] each (one for this family)."""
         return [(self.rope_cos[positions][:, None], self.rope_sin[positions][:, None])]
 
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T] int64; kv_caches: per layer (k_cache, v_cache) -> [T, hidden]."""
+    def forward(self, input_ids, positions, kv_caches,
+                metas: Sequence[AttentionMetadata]) -> torch.Tensor:
+        """input_ids, positions: [T] int64; kv_caches: per layer (k_cache, v_cache); metas: the
+        step's attention metadata, one per KV-cache group (``kv_groups``) -> [T, hidden]."""
         ropes = self.ropes(positions)
         x, residual = self.model.embed_tokens(input_ids), None  # [T, hidden]
         fused = None if self.decode_step is None else \
-            self.decode_step(x, ropes, kv_caches, meta)
+            self.decode_step(x, ropes, kv_caches, metas[0])
         if fused is not None:  # every layer in one call (a decode step on a CPU)
             x, residual = fused
         else:
             for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-                x, residual = layer(x, residual, ropes, kv_cache, meta)
+                x, residual = layer(x, residual, ropes, kv_cache, metas)
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -154,7 +154,7 @@ class ModelRunner:
         input_ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         positions = torch.tensor(positions, dtype=torch.int64, device=dev)
         t_prepared = time.perf_counter()
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        hidden = self.model(input_ids, positions, self.kv_caches, [meta])  # [T, hidden]
         t_forward = time.perf_counter()
         prompt_logprobs = self._prompt_logprobs(hidden, request_ids, states, num_scheduled,
                                                 query_start)

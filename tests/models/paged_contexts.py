@@ -36,5 +36,5 @@ class PagedContexts:
                                                 [self.blocks[rid] for rid, _ in chunks],
                                                 self.block_size)
         with torch.inference_mode():
-            hidden = model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, meta)
+            hidden = model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, [meta])
             return model.compute_logits(hidden)
