@@ -41,6 +41,7 @@ class AttentionLayer(NamedTuple):
     window: int | None = None  # sliding window (positions a query sees); None: all before it
     q_norm: Norm | None = None  # per-head norms of q and k, before RoPE (Qwen3, Gemma 3)
     k_norm: Norm | None = None
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
 
 
 # the GGUF block formats both wings have kernels for (others are dequantized at load)
@@ -166,11 +167,12 @@ class KernelBackend:
 
     def decode_step(self, layers: Sequence[DecoderLayerPlan],
                     dtype: torch.dtype) -> Callable | None:
-        """Once, at load: ``step(x, ropes, kv_caches, meta) -> (out, stream) | None`` running a
-        step in which every request decodes one token through all ``layers`` at once, as the
+        """Once, at load: ``step(x, ropes, kv_caches, metas) -> (out, stream) | None`` running
+        a step in which every request decodes one token through all ``layers`` at once, as the
         layers would one by one (x [T, hidden] the embeddings; ``ropes`` the step's
-        (cos, sin_signed) tables; None for a step it does not take) — or None where this
-        backend has no such path for these layers."""
+        (cos, sin_signed) tables; ``kv_caches`` per layer; ``metas`` the step's attention
+        metadata per KV-cache group, layer L reading ``metas[L.kv_group]``; None for a step it
+        does not take) — or None where this backend has no such path for these layers."""
         return None
 
 

@@ -82,15 +82,16 @@ def write_kv_ref(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 def paged_attention_ref(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                         scale: float, *, max_query_len: int | None = None,
-                        max_seq_len: int | None = None,
-                        window: int | None = None) -> torch.Tensor:
+                        max_seq_len: int | None = None, window: int | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
     """Causal attention of each request's query rows over its paged context, request by request.
 
     query: [T, Hq, D] (Hq a multiple of Hkv: query head h reads KV head h // (Hq / Hkv));
     block_tables: [B, max_blocks]; query_start_loc: [B + 1]; seq_lens: [B]. The query at
-    position p sees positions 0..p (the last ``window`` of them, with a window). Returns
-    [T, Hq, D] in query's dtype. ``max_query_len`` and ``max_seq_len`` are the launchers'
-    host-side hints, unused here.
+    position p sees positions 0..p (the last ``window`` of them, with a window: those past
+    p - window). With a ``softcap``, the scaled scores become ``softcap * tanh(s / softcap)``
+    before the mask and the softmax (Gemma 2). Returns [T, Hq, D] in query's dtype.
+    ``max_query_len`` and ``max_seq_len`` are the launchers' host-side hints, unused here.
     """
     group = query.shape[1] // k_cache.shape[2]
     out = torch.zeros_like(query)
@@ -103,6 +104,8 @@ def paged_attention_ref(query, k_cache, v_cache, block_tables, query_start_loc, 
         k, v = (c.double() for c in request_context(k_cache, v_cache, block_tables[b], seq_len,
                                                     group))  # [S, Hq, D]
         scores = torch.einsum("lhd,shd->hls", query[start:end].double(), k) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = positions[seq_len - (end - start):]  # [L]
         visible = positions[None, :] <= q_pos[:, None]  # [L, S]
         if window is not None:

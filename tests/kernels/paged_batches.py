@@ -3,15 +3,19 @@
 Every kernel is compared with ``paged_attention_ref`` (float64, rounded once) within
 ``tolerance.attention_error``: what the kernel's own rounding can move, from each request's
 head size, context length, scores and values, and from whether the kernel rounds the
-probabilities to the input dtype before P @ V.
+probabilities to the input dtype before P @ V. With a sliding window the same bound holds over
+the positions the window leaves visible; with capped scores, ``capped_attention_error``.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from actorlm.kernels.reference import paged_attention_ref, request_context
-from tolerance import assert_within, attention_error
+from tolerance import (_oracle_rounding, _subnormal_error, assert_within, attention_error,
+                       rounding_error, sum_error, unit_roundoff)
 
 
 def dtype_id(value):
@@ -49,11 +53,13 @@ def make_batch(lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, see
     return query, k_cache, v_cache, block_tables, query_start_loc, torch.tensor(seq_lens, dtype=torch.int32)
 
 
-def attention_bound(inputs, scale, expected, probs=None):
+def attention_bound(inputs, scale, expected, probs=None, window=None, softcap=None):
     """[T, Hq, D]: ``attention_error`` of each request of the paged batch ``inputs`` (as
     ``paged_attention_ref`` takes them), its context gathered through its block table; the
     kernel keeps scores and sums in fp32 and rounds P to ``probs`` (None: keeps it in fp32)."""
     query, k_cache, v_cache, block_tables, query_start_loc, seq_lens = inputs
+    error = attention_error if softcap is None else \
+        functools.partial(capped_attention_error, softcap=softcap)
     group = query.shape[1] // k_cache.shape[2]
     bound = torch.zeros(query.shape, dtype=torch.float64, device=query.device)
     starts = query_start_loc.tolist()
@@ -65,17 +71,55 @@ def attention_bound(inputs, scale, expected, probs=None):
         k, v = request_context(k_cache, v_cache, block_tables[b], seq_len, group)  # [S, Hq, D]
         q_pos = positions[seq_len - (end - start):]  # [L]
         visible = positions[None, :] <= q_pos[:, None]  # [L, S]
-        bound[start:end] = attention_error(query[start:end], k, v, scale, visible,
-                                           expected[start:end], probs=probs,
-                                           output=query.dtype)
+        if window is not None:
+            visible &= positions[None, :] > q_pos[:, None] - window
+        bound[start:end] = error(query[start:end], k, v, scale, visible, expected[start:end],
+                                 probs=probs, output=query.dtype)
     return bound
 
 
-def assert_matches_reference(out, inputs, scale, probs=None, rows=None):
+def capped_attention_error(query, key, value, scale, visible, expected, softcap,
+                           accumulate=torch.float32, probs=None, output=None):
+    """``tolerance.attention_error`` of attention whose scores s are capped at
+    c = softcap * tanh(s / softcap) before the softmax. The cap's slope is at most 1, so an
+    error of s passes through it no larger (step 1's D + 3 roundings); the cap adds its own:
+    s / softcap (u |s| <= u A_j through that slope), tanh (a libm tanhf, torch's, or Triton's
+    1 - 2 / (e^2x + 1): under 8 ulps of 1) and the product by softcap (u |c| <= u softcap),
+    so 9 u softcap + u A_j more per score. The rest is ``attention_error``'s, over the capped
+    scores."""
+    q, k, v = query.double(), key.double(), value.double()
+    u = unit_roundoff(accumulate)
+    raw = torch.einsum("lhd,shd->hls", q, k) * scale  # [H, L, S]
+    abs_scores = torch.einsum("lhd,shd->hls", q.abs(), k.abs()) * abs(scale)
+    scores = (softcap * torch.tanh(raw / softcap)).masked_fill(~visible, float("-inf"))
+    p = scores.softmax(-1)  # [H, L, S]
+    o = torch.einsum("hls,shd->hld", p, v)  # [H, L, D]
+    num_visible = visible.sum(-1).double()[None, :, None]  # [1, L, 1]
+    below_max = (scores.amax(-1, keepdim=True) - scores).nan_to_num(0.0, posinf=0.0)
+    delta = sum_error(q.shape[-1] + 3, abs_scores, accumulate) + u * abs_scores + \
+        9 * u * softcap + u * below_max + 4 * u
+    weight = torch.where(visible, p * delta, 0.0)  # [H, L, S]
+    v_hsd = v.transpose(0, 1)  # [H, S, D]
+    bound = (weight[..., None] * (v_hsd[:, None] - o[:, :, None]).abs()).sum(2)
+    if probs is not None and probs != accumulate:
+        e = torch.where(visible, torch.clamp(unit_roundoff(probs) * p,
+                                             min=_subnormal_error(probs)), 0.0)
+        bound = bound + e @ v_hsd.abs() + e.sum(-1, keepdim=True) * o.abs()
+    num_roundings = 2 * num_visible + 2
+    bound = bound + sum_error(num_roundings, p @ v_hsd.abs(), accumulate)
+    bound = bound + o.abs() * (sum_error(num_roundings, 1.0, accumulate) + 2 * u)
+    bound = bound.transpose(0, 1) + _oracle_rounding(expected)  # [L, H, D]
+    if output is not None and output != accumulate:
+        bound = bound + rounding_error(o.transpose(0, 1), output)
+    return bound
+
+
+def assert_matches_reference(out, inputs, scale, probs=None, rows=None, window=None,
+                             softcap=None):
     """``out`` within ``attention_bound`` of ``paged_attention_ref`` (on ``rows`` of it, or
-    every row), in the query's dtype."""
-    expected = paged_attention_ref(*inputs, scale)
-    bound = attention_bound(inputs, scale, expected, probs)
+    every row), in the query's dtype; ``window`` and ``softcap`` as the reference takes them."""
+    expected = paged_attention_ref(*inputs, scale, window=window, softcap=softcap)
+    bound = attention_bound(inputs, scale, expected, probs, window, softcap)
     if rows is not None:
         out, expected, bound = out[rows], expected[rows], bound[rows]
     dtype = inputs[0].dtype

@@ -1,4 +1,5 @@
-"""Choosing the backend, and what the door refuses rather than computing wrong."""
+"""Choosing the backend, what the door refuses rather than computing wrong, and what each wing
+computes through it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import pytest
 import torch
 
 from actorlm.kernels import AttentionLayer, QuantizedWeight, select_backend
+from actorlm.kernels.reference import write_kv_ref
+from paged_batches import assert_matches_reference
 
 
 def test_a_cpu_gets_the_cpu_backend_and_the_variable_overrides_it(monkeypatch):
@@ -32,19 +35,38 @@ def test_an_unknown_backend_is_refused_naming_the_choices(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["cpu", "triton"])
-def test_formats_without_kernels_and_sliding_windows_are_refused_by_name(name, monkeypatch):
+def test_formats_without_kernels_are_refused_by_name(name, monkeypatch):
     monkeypatch.setenv("ACTORLM_ATTENTION_BACKEND", name)
     backend = select_backend("cpu")
     weight = QuantizedWeight("Q2_K", torch.zeros(84, dtype=torch.uint8), (1, 256))
     with pytest.raises(NotImplementedError, match="Q2_K"):
         backend.prepare_linear(weight, None)
-    layer = AttentionLayer(2, 1, 16, 0.25, window=64)
-    qkv = torch.randn(1, 4 * 16)
-    caches = (torch.zeros(2, 4, 1, 16), torch.zeros(2, 4, 1, 16))
-    meta = backend.attention_metadata([1], [1], [[0]], 4)
-    with pytest.raises(NotImplementedError, match="window 64"):
-        backend.attention(qkv, torch.ones(1, 1, 16), torch.zeros(1, 1, 16), caches, meta, layer)
-    assert not caches[0].any()  # nothing was written
+
+
+@pytest.mark.parametrize("name", ["cpu", "triton"])
+def test_both_wings_attend_through_a_sliding_window_with_capped_scores(name, monkeypatch):
+    # the door's whole attention (the K/V write, then attention) for a layer with a window and
+    # a score cap, against the oracle's; RoPE by the identity (cos 1, sin 0)
+    monkeypatch.setenv("ACTORLM_ATTENTION_BACKEND", name)
+    backend = select_backend("cpu")
+    layer = AttentionLayer(4, 2, 16, 0.25, window=5, softcap=2.0)
+    # a chunk of 9 queries over 3 cached tokens, and a decode at position 13; blocks of 4
+    q_lens, seq_lens, block_ids = [9, 1], [12, 14], [[3, 1, 5], [2, 6, 0, 4]]
+    gen = torch.Generator().manual_seed(0)
+    caches = tuple(torch.randn(7, 4, 2, 16, generator=gen) for _ in range(2))
+    qkv = torch.randn(10, (4 + 2 * 2) * 16, generator=gen)
+    meta = backend.attention_metadata(q_lens, seq_lens, block_ids, 4)
+    expected_caches = tuple(c.clone() for c in caches)
+    key, value = qkv[:, 64:96].view(10, 2, 16), qkv[:, 96:].view(10, 2, 16)
+    write_kv_ref(key, value, *expected_caches, meta.slot_mapping)
+    out = backend.attention(qkv.clone(), torch.ones(10, 1, 16), torch.zeros(10, 1, 16), caches,
+                            meta, layer)
+    assert torch.equal(caches[0], expected_caches[0]) and torch.equal(caches[1],
+                                                                      expected_caches[1])
+    inputs = (qkv[:, :64].reshape(10, 4, 16), *caches, meta.block_tables, meta.query_start_loc,
+              meta.seq_lens)
+    assert_matches_reference(out.view(10, 4, 16), inputs, 0.25, probs=torch.float32, window=5,
+                             softcap=2.0)  # fp32 throughout
 
 
 @pytest.mark.parametrize("name", ["cpu", "triton"])

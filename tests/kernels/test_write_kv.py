@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actorlm.kernels.triton.paged_attention import write_kv
+from actorlm.kernels.triton.write_kv import write_kv
 from actorlm.kernels.reference import write_kv_ref
 from paged_batches import dtype_id
 

@@ -1,7 +1,8 @@
 """A decode step through all layers in one C++ call (``kernels/cpu/decode_step.py``) computes
 what the Python layers compute, bit for bit, in fp32 and (for one or two requests) bf16; it
 executes each layer's description, so a family with q/k norms (Qwen3), or one that describes
-other norms and activations, takes it as Llama does; steps it does not take fall back."""
+other norms and activations, a sliding window or capped scores, takes it as Llama does; layers
+of two KV-cache groups read each their own group's blocks; steps it does not take fall back."""
 
 from __future__ import annotations
 
@@ -93,10 +94,11 @@ def test_a_layer_described_otherwise_takes_the_one_call_with_the_python_layers_b
         tiny_qwen3_dir, monkeypatch, dtype):
     # a family with output norms after attention and MLP, unit-offset norms (1 + weight) and
     # GeLU-tanh (Gemma's layer): a description, no new kernel
-    spec = llama.layer_spec(load_hf_config(tiny_qwen3_dir))
-    described = dataclasses.replace(spec, output_norms=True, norm_unit_offset=True,
-                                    activation="gelu_tanh", attention_scale=0.2)
-    monkeypatch.setattr(llama, "layer_spec", lambda config: described)
+    specs = llama.layer_specs(load_hf_config(tiny_qwen3_dir))
+    described = [dataclasses.replace(spec, output_norms=True, norm_unit_offset=True,
+                                     activation="gelu_tanh", attention_scale=0.2)
+                 for spec in specs]
+    monkeypatch.setattr(llama, "layer_specs", lambda config: described)
     model = llama.LlamaForCausalLM(load_hf_config(tiny_qwen3_dir), select_backend("cpu"),
                                    dtype=dtype)
     gen = torch.Generator().manual_seed(5)
@@ -118,13 +120,121 @@ def test_the_one_call_is_built_where_its_kernels_are(tiny_llama_dir, tiny_qwen3_
             assert (model.decode_step is not None) == (cpu_linear._kernel(dtype) is not None)
 
 
+def _describe(model, kv_groups=None, **attention):
+    """The model's layers described otherwise (``attention``: AttentionLayer fields for every
+    layer, or per layer as lists; ``kv_groups``: each layer's group), and its one-call step
+    rebuilt over them as ``prepare_kernels`` builds it."""
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.layer = layer.self_attn.layer._replace(**{
+            name: value[i] if isinstance(value, list) else value
+            for name, value in attention.items()})
+        if kv_groups is not None:
+            layer.kv_group = kv_groups[i]
+    model.decode_step = model.backend.decode_step([layer.plan() for layer in model.model.layers],
+                                                  model.dtype)
+    return model
+
+
 @needs_kernels
-def test_a_sliding_window_keeps_the_python_layers(tiny_llama_dir, monkeypatch):
-    spec = llama.layer_spec(load_hf_config(tiny_llama_dir))
-    monkeypatch.setattr(llama, "layer_spec",
-                        lambda config: dataclasses.replace(spec, window=8))
-    model = load_model(tiny_llama_dir, torch.float32, "cpu", select_backend("cpu"))
-    assert model.decode_step is None  # no C++ kernel for a window yet
+@pytest.mark.parametrize("dtype", [torch.float32,
+                                   pytest.param(torch.bfloat16, marks=needs_bf16_kernels)],
+                         ids=str)
+def test_a_sliding_window_and_capped_scores_take_the_one_call_with_the_python_layers_bits(
+        tiny_llama_dir, dtype):
+    # a window of 6 positions over blocks of 4, contexts up to 16: the window cuts most reads
+    model = _describe(load_model(tiny_llama_dir, dtype, "cpu", select_backend("cpu")),
+                      window=6, softcap=2.0)
+    assert model.decode_step is not None
+    rows = 3 if dtype == torch.float32 else 2  # (bf16 beyond two rows: oneDNN, in Python)
+    steps = _decode_steps(rows, 7)
+    _assert_twins(model, PROMPT_IDS[:rows], steps)
+    assert model.decode_step.num_steps == len(steps)
+
+
+class GroupedContexts:
+    """``PagedContexts`` with a block table per KV-cache group (``windows``: each group's) and
+    request, as the allocator keeps them: after each step, a sliding group's blocks that hold
+    only positions before the next query's window are freed (with ``free``): their entries
+    become the placeholder block 0, the block goes back to the pool, first in line for the next
+    request that needs one, and its memory is NaN in every layer until rewritten. Block 0 is
+    NaN from the start. So a kernel that reads one freed block, even to mask it, returns NaN."""
+
+    def __init__(self, model, windows, free=True, num_blocks=128, block_size=4, seed=0):
+        shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        self.kv_caches = [tuple(torch.zeros(shape, dtype=model.dtype) for _ in range(2))
+                          for _ in range(model.num_layers)]
+        self.windows, self.free, self.block_size = windows, free, block_size
+        self.pool = (torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed))
+                     + 1).tolist()
+        self.tables: list[dict[int, list[int]]] = [{} for _ in windows]  # group -> rid -> ids
+        self.lens: dict[int, int] = {}
+        if free:
+            self._poison(0)
+
+    def step(self, model, chunks: list[tuple[int, list[int]]]) -> torch.Tensor:
+        ids, positions, q_lens, seq_lens = [], [], [], []
+        for rid, tokens in chunks:
+            start = self.lens.get(rid, 0)
+            end = start + len(tokens)
+            for tables in self.tables:
+                blocks = tables.setdefault(rid, [])
+                while len(blocks) * self.block_size < end:
+                    blocks.append(self.pool.pop())
+            ids += tokens
+            positions += range(start, end)
+            q_lens.append(len(tokens))
+            seq_lens.append(end)
+            self.lens[rid] = end
+        metas = [model.backend.attention_metadata(q_lens, seq_lens,
+                                                  [tables[rid] for rid, _ in chunks],
+                                                  self.block_size) for tables in self.tables]
+        with torch.inference_mode():
+            logits = model.compute_logits(model(torch.tensor(ids), torch.tensor(positions),
+                                                self.kv_caches, metas))
+        if self.free:
+            self._free_out_of_window()
+        return logits
+
+    def _free_out_of_window(self):
+        for window, tables in zip(self.windows, self.tables):
+            for rid, blocks in tables.items():
+                first_seen = 0 if window is None else max(0, self.lens[rid] - window + 1)
+                for j in range(first_seen // self.block_size):
+                    if blocks[j] != 0:
+                        self._poison(blocks[j])
+                        self.pool.append(blocks[j])
+                        blocks[j] = 0
+
+    def _poison(self, block: int):
+        for k, v in self.kv_caches:
+            k[block], v[block] = float("nan"), float("nan")
+
+
+@needs_kernels
+def test_layers_of_two_kv_groups_read_their_own_groups_blocks_and_never_freed_ones(
+        tiny_llama_dir):
+    # layer 0 attends over everything (group 0), layer 1 through a window of 6 (group 1);
+    # each group's tables name other blocks, and group 1 frees what its window leaves
+    model = _describe(load_model(tiny_llama_dir, torch.float32, "cpu", select_backend("cpu")),
+                      kv_groups=[0, 1], window=[None, 6], softcap=[None, 2.0])
+    windows = [None, 6]
+    steps = _decode_steps(3, 3) + [[(0, [11]), (1, list(range(12, 20)))]] + _decode_steps(3, 4)
+    one_call, runs = model.decode_step, []
+    # the one call and the Python layers with blocks freed, the Python layers with none
+    for model.decode_step, free in ((one_call, True), (None, True), (None, False)):
+        contexts = GroupedContexts(model, windows, free=free)
+        runs.append(([contexts.step(model, list(enumerate(PROMPT_IDS)))] +
+                     [contexts.step(model, step) for step in steps], contexts))
+    model.decode_step = one_call
+    (fused, contexts), (plain, plain_contexts), (clean, _) = runs
+    assert model.decode_step.num_steps == len(steps) - 1  # every decode step
+    assert contexts.tables[0] != contexts.tables[1] and 0 in contexts.tables[1][2]
+    for got, expected, unfreed in zip(fused, plain, clean):
+        assert torch.isfinite(got).all()
+        assert torch.equal(got, expected) and torch.equal(got, unfreed)
+    for (k, v), (k_ref, v_ref) in zip(contexts.kv_caches, plain_contexts.kv_caches):
+        torch.testing.assert_close(k, k_ref, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(v, v_ref, rtol=0, atol=0, equal_nan=True)
 
 
 @needs_kernels

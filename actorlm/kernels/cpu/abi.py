@@ -38,11 +38,17 @@ STRUCTS = {
         ("void*", "k_cache"), ("void*", "v_cache"),  # [num_blocks, block_size, Hkv, D]
         ("int32_t", "num_heads"), ("int32_t", "num_kv_heads"), ("int32_t", "head_dim"),
         ("int32_t", "activation"),  # an index into ACTIVATIONS
-        ("int32_t", "rope"), ("float", "scale")],
-    "actorlm_decode_step": [  # one query token per request, request r on row r
-        ("int64_t", "rows"), ("int32_t", "block_size"), ("int32_t", "max_blocks"),
-        ("const void* const*", "cos"), ("const void* const*", "sin_signed"),  # per RoPE table
+        ("int32_t", "rope"), ("float", "scale"),
+        ("int32_t", "window"), ("float", "softcap"),  # 0: none
+        ("int32_t", "kv_group")],  # an index into the step's groups
+    # one KV-cache group's view of a step: its slot per row, its block table [rows, max_blocks]
+    "actorlm_kv_group": [
         ("const int64_t*", "slots"), ("const int32_t*", "block_tables"),
+        ("int32_t", "max_blocks")],
+    "actorlm_decode_step": [  # one query token per request, request r on row r
+        ("int64_t", "rows"), ("int32_t", "block_size"),
+        ("const void* const*", "cos"), ("const void* const*", "sin_signed"),  # per RoPE table
+        ("const actorlm_kv_group*", "groups"),  # per KV-cache group
         ("const int32_t*", "seq_lens")],
 }
 
@@ -78,7 +84,8 @@ FUNCTIONS = [
         ("const T*", "k_cache"), ("const T*", "v_cache"), ("const int32_t*", "block_tables"),
         ("int", "max_blocks"), ("const int32_t*", "seq_lens"), ("T*", "out"),
         ("int", "num_requests"), ("int", "num_heads"), ("int", "num_kv_heads"),
-        ("int", "head_dim"), ("int", "block_size"), ("float", "scale")]),
+        ("int", "head_dim"), ("int", "block_size"), ("float", "scale"),
+        ("int", "window"), ("float", "softcap")]),  # 0: none (a sliding window, a score cap)
     # linear.cpp
     ("int", "actorlm_linear_panel_f32", []),
     ("int", "actorlm_linear_panel_bf16", []),

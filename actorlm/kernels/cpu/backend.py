@@ -37,9 +37,6 @@ class CpuBackend(KernelBackend):
                                         tables=tables)
 
     def attention(self, qkv, cos, sin_signed, kv_cache, meta, layer: AttentionLayer):
-        if layer.window is not None:
-            raise NotImplementedError(f"sliding-window attention (window {layer.window}) has "
-                                      f"no CPU kernel yet")
         k_cache, v_cache = kv_cache
         num_tokens, heads = qkv.shape[0], (layer.num_heads, layer.num_kv_heads, layer.head_dim)
         q_norm, k_norm = layer.q_norm, layer.k_norm
@@ -51,7 +48,8 @@ class CpuBackend(KernelBackend):
         else:
             query, k, v = portable.split_qkv(qkv, cos, sin_signed, *heads, q_norm, k_norm)
             portable.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = attention.attend(query, k_cache, v_cache, meta.plan, layer.scale)  # [T, Hq, D]
+        out = attention.attend(query, k_cache, v_cache, meta.plan, layer.scale, layer.window,
+                               layer.softcap)  # [T, Hq, D]
         return out.reshape(num_tokens, -1)
 
     def sample(self, logits, temperature, top_k, top_p, min_p, seeds, positions):

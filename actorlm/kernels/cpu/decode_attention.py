@@ -44,14 +44,18 @@ def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: in
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            rows: torch.Tensor | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, *, window: int | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
     """Attention of one query token per request over its paged context.
 
     query: [T, Hq, D] (rows may be strided); caches: [num_blocks, block_size, Hkv, D];
     block_tables: [B, max_blocks] int32; seq_lens: [B] int32 (>= 1); rows: [B] int32, the
     query row of each request (None: row b is request b, T == B). Writes those rows of
-    ``out`` ([T, Hq, D], contiguous; allocated if None) and returns it. Only where
-    ``supports(...)`` holds."""
+    ``out`` ([T, Hq, D], contiguous; allocated if None) and returns it. With a ``window``,
+    request b reads its last ``window`` positions only, from position
+    max(0, seq_lens[b] - window): the table entries of the blocks before that one are never
+    read (they may name any block). A ``softcap`` caps the scaled scores at
+    ``softcap * tanh(s / softcap)``. Only where ``supports(...)`` holds."""
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_requests = block_tables.shape[0]
@@ -61,6 +65,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     assert block_tables.dtype == seq_lens.dtype == torch.int32 and \
         block_tables.is_contiguous() and seq_lens.is_contiguous()
     assert seq_lens.shape == (num_requests,)
+    assert window is None or window > 0, window
+    assert softcap is None or softcap > 0, softcap
     if rows is None:
         assert num_tokens == num_requests
     else:
@@ -72,7 +78,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         query.data_ptr(), query.stride(0), None if rows is None else rows.data_ptr(),
         k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
         seq_lens.data_ptr(), out.data_ptr(), num_requests, num_heads, num_kv_heads, head_dim,
-        block_size, scale)
+        block_size, scale, 0 if window is None else window,
+        0.0 if softcap is None else softcap)
     return out
 
 

@@ -7,10 +7,15 @@ evicting the interpreter's working set, so each Python-level op after a GEMV cos
 microseconds of cache misses: ten per layer were a fifth of a one-request SmolLM2 step.
 
 It takes layers whose every piece has its C++ kernel here (linear layers on the panel GEMM,
-which needs AVX-512, and for bf16 avx512_bf16, or in GGML blocks on the quantized one; RoPE and decode attention for their head shape;
-no sliding window yet), and a step whose every request decodes one token, in request order (in
-bf16, one or two requests: beyond, oneDNN's AMX GEMM runs the linear layers); for anything else
-``DecodeStep`` answers None and the Python layers run.
+which needs AVX-512, and for bf16 avx512_bf16, or in GGML blocks on the quantized one; RoPE and
+decode attention for their head shape, with or without a sliding window and a score cap), and a
+step whose every request decodes one token, in request order (in bf16, one or two requests:
+beyond, oneDNN's AMX GEMM runs the linear layers); for anything else ``DecodeStep`` answers None
+and the Python layers run.
+
+Layers of different KV-cache groups (``kv_groups``: full-attention layers and sliding ones) read
+their blocks through their own group's block table and write their new K/V at its slots: the
+step hands the C++ side one (slots, block table) pair per group, and each layer its index.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ from actorlm.kernels.cpu import abi, decode_attention, fused, native
 from actorlm.kernels.cpu.attention import AttentionPlan
 from actorlm.kernels.cpu.linear import PanelLinear
 from actorlm.kernels.cpu.quant import QuantLinear
+from actorlm.kernels.metadata import AttentionMetadata
 
 _NormStruct = abi.STRUCT_TYPES["actorlm_norm"]
 _LinearStruct = abi.STRUCT_TYPES["actorlm_linear"]
 _LayerStruct = abi.STRUCT_TYPES["actorlm_decoder_layer"]
+_GroupStruct = abi.STRUCT_TYPES["actorlm_kv_group"]
 _StepStruct = abi.STRUCT_TYPES["actorlm_decode_step"]
 
 
@@ -40,6 +47,8 @@ class DecodeStep:
                  max_rows: int | None):
         self.layers, self.dtype, self.function = list(layers), dtype, function
         self.max_rows = max_rows
+        self.num_groups = max(layer.kv_group for layer in self.layers) + 1  # metas it reads
+        self._groups_type = _GroupStruct * self.num_groups
         self.num_steps = 0
         self._structs, self._caches = None, None  # the layers' structs, for these KV caches
 
@@ -54,16 +63,18 @@ class DecodeStep:
         return cls(layers, dtype, function, min(limits, default=None))
 
     def __call__(self, x: torch.Tensor, ropes: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                 kv_caches, meta) -> tuple[torch.Tensor, torch.Tensor] | None:
+                 kv_caches, metas: Sequence[AttentionMetadata]
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the last layer's output, the residual stream before it) for the embeddings x
-        [T, hidden], as the Python layers compute them, bit for bit; None, with nothing done,
-        if the step is not one decode token per request in request order (or the caches' shape
-        is beyond the kernel)."""
-        plan, rows = meta.plan, x.shape[0]
-        if not isinstance(plan, AttentionPlan) or plan.groups or plan.decode is None or \
-                plan.decode.rows is not None or rows == 0 or x.dtype != self.dtype or \
+        [T, hidden], as the Python layers compute them, bit for bit; ``metas``: the step's
+        attention metadata per KV-cache group (they share ``query_start_loc`` and
+        ``seq_lens``), layer L reading ``metas[L.kv_group]``. None, with nothing done, if the
+        step is not one decode token per request in request order (or the caches' shape is
+        beyond the kernel)."""
+        rows = x.shape[0]
+        if len(metas) < self.num_groups or rows == 0 or x.dtype != self.dtype or \
                 (self.max_rows is not None and rows > self.max_rows) or \
-                meta.slot_mapping.dtype != torch.int64 or not meta.slot_mapping.is_contiguous():
+                not all(map(_is_plain_decode, metas[:self.num_groups])):
             return None
         structs = self._layer_structs(kv_caches)
         if structs is None:
@@ -73,12 +84,14 @@ class DecodeStep:
         cos_tables, sin_tables = ((ctypes.c_void_p * len(tables))(*(t[i].data_ptr()
                                                                      for t in tables))
                                   for i in (0, 1))  # alive until the call returns
-        decode = plan.decode
-        step = _StepStruct(rows, kv_caches[0][0].shape[1], decode.block_tables.shape[1],
+        groups = self._groups_type(*[  # alive until the call returns
+            _GroupStruct(m.slot_mapping.data_ptr(), m.plan.decode.block_tables.data_ptr(),
+                         m.plan.decode.block_tables.shape[1])
+            for m in metas[:self.num_groups]])
+        step = _StepStruct(rows, kv_caches[0][0].shape[1],
                            ctypes.cast(cos_tables, ctypes.c_void_p),
-                           ctypes.cast(sin_tables, ctypes.c_void_p),
-                           meta.slot_mapping.data_ptr(), decode.block_tables.data_ptr(),
-                           decode.seq_lens.data_ptr())
+                           ctypes.cast(sin_tables, ctypes.c_void_p), groups,
+                           metas[0].plan.decode.seq_lens.data_ptr())
         residual = torch.empty_like(x)
         self.function(structs, len(self.layers), ctypes.byref(step), x.data_ptr(),
                       residual.data_ptr())
@@ -102,13 +115,23 @@ class DecodeStep:
         return self._structs
 
 
+def _is_plain_decode(meta: AttentionMetadata) -> bool:
+    """Whether every row of the step decodes, row b for request b, on the C++ kernel."""
+    plan = meta.plan
+    return isinstance(plan, AttentionPlan) and not plan.groups and plan.decode is not None and \
+        plan.decode.rows is None and meta.slot_mapping.dtype == torch.int64 and \
+        meta.slot_mapping.is_contiguous()
+
+
 def _runs_here(layer: DecoderLayerPlan, dtype: torch.dtype) -> bool:
     """Whether the C++ step has a kernel for every piece of ``layer``, and its pieces fit
     together (the C++ side trusts the shapes)."""
     a, linears = layer.attention, _linears(layer)
     norms = [n for n in (layer.attn_norm, layer.attn_out_norm, layer.mlp_norm,
                          layer.mlp_out_norm, a.q_norm, a.k_norm) if n is not None]
-    if a.window is not None or layer.activation not in ACTIVATIONS or a.head_dim % 2 or \
+    if layer.activation not in ACTIVATIONS or a.head_dim % 2 or layer.kv_group < 0 or \
+            (a.window is not None and a.window <= 0) or \
+            (a.softcap is not None and a.softcap <= 0) or \
             a.head_dim > fused.rope_max_head_dim() or (a.q_norm is None) != (a.k_norm is None) or \
             (a.q_norm is not None and a.q_norm[1:] != a.k_norm[1:]) or \
             not all(isinstance(linear, QuantLinear) or
@@ -157,4 +180,4 @@ def _layer_struct(layer: DecoderLayerPlan, k_cache, v_cache) -> _LayerStruct:
                             layer.mlp_out_norm, a.q_norm, a.k_norm)),
         *map(_linear_struct, _linears(layer)), k_cache.data_ptr(), v_cache.data_ptr(),
         a.num_heads, a.num_kv_heads, a.head_dim, ACTIVATIONS.index(layer.activation),
-        layer.rope, a.scale)
+        layer.rope, a.scale, a.window or 0, a.softcap or 0.0, layer.kv_group)

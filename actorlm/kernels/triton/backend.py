@@ -47,11 +47,9 @@ class TritonBackend(KernelBackend):
         return lambda ids: F.embedding(ids, table)
 
     def attention(self, qkv, cos, sin_signed, kv_cache, meta, layer: AttentionLayer):
-        from actorlm.kernels.triton.paged_attention import paged_attention, write_kv
+        from actorlm.kernels.triton.paged_attention import paged_attention
+        from actorlm.kernels.triton.write_kv import write_kv
 
-        if layer.window is not None:
-            raise NotImplementedError(f"sliding-window attention (window {layer.window}) has "
-                                      f"no Triton kernel yet")
         num_tokens, d = qkv.shape[0], layer.head_dim
         q_size, kv_size = layer.num_heads * d, layer.num_kv_heads * d
         q = qkv[:, :q_size].view(num_tokens, layer.num_heads, d)
@@ -64,7 +62,8 @@ class TritonBackend(KernelBackend):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                               meta.seq_lens, layer.scale, max_query_len=meta.max_query_len,
-                              max_seq_len=meta.max_seq_len)
+                              max_seq_len=meta.max_seq_len, window=layer.window,
+                              softcap=layer.softcap)
         return out.reshape(num_tokens, q_size)
 
     def sample(self, logits, temperature, top_k, top_p, min_p, seeds, positions):

@@ -1,4 +1,4 @@
-"""Triton kernels over the paged KV cache: writing new K/V into slots, and attention.
+"""Triton attention over the paged KV cache (``write_kv.py`` writes new K/V into its slots).
 
 ``paged_attention`` runs one kernel over a flattened batch that mixes prefill chunks (whose
 requests may already have cached context) and decodes. Each program owns one request, one
@@ -10,7 +10,13 @@ tile size does not depend on the cache block size. Softmax is online, in fp32, i
 Long decode contexts can be split over several programs (flash-decoding): each split writes
 an unnormalised partial result with its running max and sum, and a second kernel merges them.
 
-The oracles are ``write_kv_ref`` and ``paged_attention_ref`` in ``reference.py``.
+A sliding window starts a tile's KV range at the first position its earliest query sees: the
+positions before it are never loaded, nor their block-table entries (the allocator frees those
+blocks; the entries may name any block), and the rest of the window is masked per query. A
+score cap (Gemma 2's ``softcap * tanh(s / softcap)``) applies to the scaled scores before the
+mask. Both are constexpr switches, so a layer without them compiles the kernel as before.
+
+The oracle is ``paged_attention_ref`` in ``reference.py``.
 """
 
 from __future__ import annotations
@@ -29,95 +35,6 @@ _MIN_KV_PER_SPLIT = 256
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-# --------------------------------------------------------------------------------------
-# write_kv
-# --------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _write_kv_kernel(
-    key_ptr,  # [T, Hkv, D]
-    value_ptr,  # [T, Hkv, D]
-    k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
-    v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
-    slot_mapping_ptr,  # [T] int64
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_kcb,
-    stride_kcs,
-    stride_kch,
-    stride_vcb,
-    stride_vcs,
-    stride_vch,
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot < 0:  # padding token: nothing to write
-        return
-    block_id = slot // BLOCK_SIZE
-    block_offset = slot % BLOCK_SIZE
-
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]  # [BLOCK_H, BLOCK_D]
-
-    k = tl.load(key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-    v = tl.load(value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    k_dst = k_cache_ptr + block_id * stride_kcb + block_offset * stride_kcs
-    v_dst = v_cache_ptr + block_id * stride_vcb + block_offset * stride_vcs
-    tl.store(k_dst + offs_h[:, None] * stride_kch + offs_d[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst + offs_h[:, None] * stride_vch + offs_d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
-
-
-def write_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Write ``key``/``value`` of each token into its cache slot, in place; slot < 0 is skipped.
-
-    key, value: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D];
-    slot_mapping: [T] int64 with slot = block_id * block_size + offset.
-    """
-    assert key.dim() == 3 and key.shape == value.shape, (key.shape, value.shape)
-    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (k_cache.shape, v_cache.shape)
-    num_tokens, num_kv_heads, head_dim = key.shape
-    _, block_size, cache_heads, cache_dim = k_cache.shape
-    assert (cache_heads, cache_dim) == (num_kv_heads, head_dim), (k_cache.shape, key.shape)
-    assert slot_mapping.shape == (num_tokens,), (slot_mapping.shape, num_tokens)
-    assert slot_mapping.dtype in (torch.int64, torch.int32), slot_mapping.dtype
-    for t in (key, value, k_cache, v_cache):
-        assert t.stride(-1) == 1, "the head dimension must be contiguous"
-    assert k_cache.dtype == v_cache.dtype and key.dtype == value.dtype
-    if num_tokens == 0:
-        return
-    _write_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
-    )
-
-
-# --------------------------------------------------------------------------------------
-# paged_attention
-# --------------------------------------------------------------------------------------
-
-
 @triton.jit
 def _dot(a, b, IN_FP32: tl.constexpr):
     # fp32 operands use exact (ieee) products: tf32 would miss the fp32 tolerance.
@@ -132,6 +49,13 @@ def _dot(a, b, IN_FP32: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    # 1 - 2 / (e^2x + 1): exact at both ends (e^2x overflowing to inf gives 1), and absolutely
+    # accurate to a few ulps near 0, which is what the softmax of the capped scores needs
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr,  # [T, Hq, D]; unused when NUM_SPLITS > 1
     part_acc_ptr,  # [T, Hq, NUM_SPLITS, HEAD_DIM_PAD] fp32; used when NUM_SPLITS > 1
@@ -143,6 +67,8 @@ def _paged_attention_kernel(
     query_start_loc_ptr,  # [B + 1] int32
     seq_lens_ptr,  # [B] int32
     scale_log2,  # softmax scale * log2(e)
+    window,  # positions each query sees (with HAS_WINDOW)
+    softcap_log2,  # the score cap * log2(e) (with HAS_SOFTCAP)
     num_heads,  # Hq
     stride_qt,
     stride_qh,
@@ -165,6 +91,8 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     seq_idx = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -190,12 +118,15 @@ def _paged_attention_kernel(
     q_rows = (q_start + q_idx).to(tl.int64) * stride_qt + q_head * stride_qh  # [BLOCK_M]
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
 
-    # KV range this tile needs; a split takes a contiguous share of whole BLOCK_N steps.
+    # KV range this tile needs (from its first query's window); a split takes a contiguous
+    # share of whole BLOCK_N steps.
     kv_stop = context_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
     kv_start = 0
+    if HAS_WINDOW:
+        kv_start = tl.maximum(0, context_len + q_tile * BLOCK_Q - window + 1)
     if NUM_SPLITS > 1:
-        steps_per_split = tl.cdiv(tl.cdiv(kv_stop, BLOCK_N), NUM_SPLITS)
-        kv_start = split * steps_per_split * BLOCK_N
+        steps_per_split = tl.cdiv(tl.cdiv(kv_stop - kv_start, BLOCK_N), NUM_SPLITS)
+        kv_start = kv_start + split * steps_per_split * BLOCK_N
         kv_stop = tl.minimum(kv_stop, kv_start + steps_per_split * BLOCK_N)
 
     # A finite floor keeps fully masked rows free of inf - inf.
@@ -213,7 +144,11 @@ def _paged_attention_kernel(
         k = tl.load(k_cache_ptr + k_off[None, :] + offs_d[:, None], mask=kv_mask, other=0.0)  # [D, N]
 
         s = _dot(q, k, DOT_IN_FP32) * scale_log2  # [BLOCK_M, BLOCK_N]
+        if HAS_SOFTCAP:  # softcap * tanh(s / softcap), on the scores in log2 units
+            s = _tanh(s / softcap_log2) * softcap_log2
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -324,16 +259,22 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     num_kv_splits: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flattened batch of queries over the paged KV cache.
 
     query: [T, Hq, D] (Hq a multiple of Hkv); k_cache, v_cache: [num_blocks, block_size, Hkv, D];
     block_tables: [B, max_blocks] int32; query_start_loc: [B + 1] int32; seq_lens: [B] int32.
     Request b's queries are the last q_len_b of its seq_lens[b] tokens, whose K/V are all cached.
-    Returns [T, Hq, D] in query's dtype. ``num_kv_splits`` forces the number of KV splits
-    (None: chosen from the grid size and ``max_seq_len``).
+    With a ``window``, the query at position p sees positions p - window + 1 .. p only (and
+    nothing before its request's earliest window is read); a ``softcap`` caps the scaled scores
+    at ``softcap * tanh(s / softcap)``. Returns [T, Hq, D] in query's dtype. ``num_kv_splits``
+    forces the number of KV splits (None: chosen from the grid size and ``max_seq_len``).
     """
     _check_layouts(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
+    assert window is None or window > 0, window
+    assert softcap is None or softcap > 0, softcap
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -354,6 +295,8 @@ def paged_attention(
     head_dim_pad = triton.next_power_of_2(head_dim)
 
     if num_kv_splits is None:
+        if window is not None:  # what a decode reads
+            max_seq_len = min(window, max_seq_len or int(seq_lens.max()))
         num_kv_splits = _choose_num_kv_splits(query.device, num_seqs * num_q_tiles * num_kv_heads,
                                               max_seq_len, seq_lens)
     assert num_kv_splits >= 1
@@ -369,7 +312,7 @@ def paged_attention(
     grid = (num_seqs, num_q_tiles, num_kv_heads * num_kv_splits)
     _paged_attention_kernel[grid](
         out, part_acc, part_ml, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-        scale * _LOG2E, num_heads,
+        scale * _LOG2E, window or 0, (softcap or 0.0) * _LOG2E, num_heads,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -384,6 +327,8 @@ def paged_attention(
         BLOCK_N=_BLOCK_N,
         NUM_SPLITS=num_kv_splits,
         DOT_IN_FP32=query.dtype == torch.bfloat16 and query.device.type != "cuda",
+        HAS_WINDOW=window is not None,
+        HAS_SOFTCAP=softcap is not None,
     )
     if num_kv_splits > 1:
         _merge_kv_splits_kernel[(num_tokens, num_heads)](

@@ -10,6 +10,10 @@
 // already loaded (same soname), so it runs on torch's own pool instead of a second one that
 // would fight it for the cores.
 //
+// A sliding window starts a request at max(0, seq_len - window): no block before it is read
+// (the allocator frees them; their table entries may name any block), nor the positions
+// before it in its block. A cap (softcap * tanh(s / softcap)) bends the scores before softmax.
+//
 // Built by actorlm/kernels/cpu/native.py with -O3 -march=native -ffast-math at compile time
 // only: the link step leaves out crtfastmath.o, which would set flush-to-zero for the whole
 // process. Every value stays finite (the running max starts at -1e30, not -inf), as
@@ -60,6 +64,13 @@ inline float softmax_block(float* p, int n, float& running_max, float& running_s
   return rescale;
 }
 
+inline void cap_scores(float* p, int n, float softcap) {  // where the layer caps them
+  if (softcap <= 0.f) return;
+  const float inv_softcap = 1.f / softcap;
+#pragma omp simd
+  for (int t = 0; t < n; ++t) p[t] = softcap * tanhf(p[t] * inv_softcap);
+}
+
 // Every K and V row of the block that starts at `first` into the cache, while the one before it
 // is attended: blocks are scattered, so no hardware prefetcher guesses the next.
 template <typename T>
@@ -75,28 +86,30 @@ inline void prefetch_rows(const T* k_cache, const T* v_cache, int64_t first,
   }
 }
 
-// Block j of an item that ends at position `end`: the offset of its first K/V row in the cache,
-// with its number of positions in `n`; the next block, if the item reads one, is prefetched.
+// Block j of an item over positions [begin, end): the offset in the cache of its first K/V row
+// the item reads (at `begin` in the item's first block), with the number of them in `n`; the
+// next block, if the item reads one, is prefetched.
 template <typename T>
 inline int64_t enter_block(const T* k_cache, const T* v_cache, const int32_t* block_table, int j,
-                           int end, int block_size, int64_t first_position,
+                           int begin, int end, int block_size, int64_t first_position,
                            int64_t position_stride, int dim, int& n) {
   const int64_t block_stride = int64_t(block_size) * position_stride;
-  n = std::min(block_size, end - j * block_size);
+  const int skip = std::max(0, begin - j * block_size);
+  n = std::min(block_size, end - j * block_size) - skip;
   if ((j + 1) * block_size < end)
     prefetch_rows(k_cache, v_cache, block_table[j + 1] * block_stride + first_position,
                   position_stride, block_size, dim);
-  return block_table[j] * block_stride + first_position;
+  return block_table[j] * block_stride + first_position + skip * position_stride;
 }
 
 // One work item: a request's G query heads that share one KV head, over positions
-// [begin, end) of its context (begin on a block boundary), into `partial` (G partial_size()s).
+// [begin, end) of its context, into `partial` (G partial_size()s).
 // kHeadDim is the head size where it is one of the common ones (then every loop over it has a
 // trip count the compiler knows, and is unrolled and vectorised whole), else 0 and head_dim.
 template <typename T, int kHeadDim>
 void attend_item(const T* query, const T* k_cache, const T* v_cache, const int32_t* block_table,
                  int begin, int end, int64_t first_position, int64_t position_stride, int group,
-                 int head_dim, int block_size, float scale, float* partial) {
+                 int head_dim, int block_size, float scale, float softcap, float* partial) {
   const int dim = kHeadDim ? kHeadDim : head_dim;
   alignas(64) float q[kMaxGroup][kMaxHeadDim], acc[kMaxGroup][kMaxHeadDim];
   alignas(64) float p[kMaxGroup][kMaxBlockSize];
@@ -111,7 +124,7 @@ void attend_item(const T* query, const T* k_cache, const T* v_cache, const int32
   }
   for (int j = begin / block_size; j * block_size < end; ++j) {
     int n;
-    const int64_t first = enter_block(k_cache, v_cache, block_table, j, end, block_size,
+    const int64_t first = enter_block(k_cache, v_cache, block_table, j, begin, end, block_size,
                                       first_position, position_stride, dim, n);
     for (int g = 0; g < group; ++g) {  // scores
       for (int t = 0; t < n; ++t) {
@@ -123,6 +136,7 @@ void attend_item(const T* query, const T* k_cache, const T* v_cache, const int32
       }
     }
     for (int g = 0; g < group; ++g) {
+      cap_scores(p[g], n, softcap);
       const float rescale = softmax_block(p[g], n, running_max[g], running_sum[g]);
       // one head's sum at a time: with a known head size it stays in registers over the block
       alignas(64) float sum[kMaxHeadDim];
@@ -181,7 +195,7 @@ template <typename T, int kVectors, int kGroup>
 void attend_item_avx512(const T* query, const T* k_cache, const T* v_cache,
                         const int32_t* block_table, int begin, int end, int64_t first_position,
                         int64_t position_stride, int, int, int block_size, float scale,
-                        float* partial) {
+                        float softcap, float* partial) {
   constexpr int dim = 16 * kVectors;
   __m512 q[kGroup][kVectors], acc[kGroup][kVectors];
   float running_max[kGroup], running_sum[kGroup];
@@ -196,7 +210,7 @@ void attend_item_avx512(const T* query, const T* k_cache, const T* v_cache,
   }
   for (int j = begin / block_size; j * block_size < end; ++j) {
     int n;
-    const int64_t first = enter_block(k_cache, v_cache, block_table, j, end, block_size,
+    const int64_t first = enter_block(k_cache, v_cache, block_table, j, begin, end, block_size,
                                       first_position, position_stride, dim, n);
     for (int t0 = 0; t0 < n; t0 += 16) {  // scores, sixteen positions at a time
       __m512 dots[kGroup][16];
@@ -216,6 +230,7 @@ void attend_item_avx512(const T* query, const T* k_cache, const T* v_cache,
       for (int g = 0; g < kGroup; ++g) _mm512_store_ps(p[g] + t0, sum_each(dots[g]));
     }
     for (int g = 0; g < kGroup; ++g) {
+      cap_scores(p[g], n, softcap);
       const float rescale = softmax_block(p[g], n, running_max[g], running_sum[g]);
       for (int i = 0; i < kVectors; ++i) acc[g][i] = _mm512_mul_ps(acc[g][i], _mm512_set1_ps(rescale));
     }
@@ -240,7 +255,7 @@ void attend_item_avx512(const T* query, const T* k_cache, const T* v_cache,
 
 template <typename T>
 using Item = void (*)(const T*, const T*, const T*, const int32_t*, int, int, int64_t, int64_t,
-                      int, int, int, float, float*);
+                      int, int, int, float, float, float*);
 
 #ifdef __AVX512F__
 template <typename T, int kVectors, int... kGroups>
@@ -291,19 +306,26 @@ template <typename T>
 void decode(const T* query, int64_t query_row_stride, const int32_t* rows, const T* k_cache,
             const T* v_cache, const int32_t* block_tables, int max_blocks, const int32_t* seq_lens,
             T* out, int num_requests, int num_heads, int num_kv_heads, int head_dim,
-            int block_size, float scale) {
+            int block_size, float scale, int window, float softcap) {
   const int group = num_heads / num_kv_heads;
   const auto item = pick_item<T>(head_dim, group);
+  // request b reads positions [first[b], seq_lens[b]), in spans from the start of first[b]'s
+  // block (so that every span but its first starts on a block boundary)
+  std::unique_ptr<int[]> first(new int[num_requests]);
+  int64_t total = 0;
+  for (int b = 0; b < num_requests; ++b) {
+    first[b] = window > 0 ? std::max(0, seq_lens[b] - window) : 0;
+    total += seq_lens[b] - first[b];
+  }
+  auto base = [&](int b) { return first[b] / block_size * block_size; };
   // spans of a quarter of a thread's share of the work (never under kMinSpan, in whole blocks):
   // short contexts stay whole, a long one is spread over the team
-  int64_t total = 0;
-  for (int b = 0; b < num_requests; ++b) total += seq_lens[b];
   const int64_t share = total * num_kv_heads / (4 * omp_get_max_threads());
   const int64_t span = (std::max<int64_t>(kMinSpan, share) + block_size - 1) / block_size * block_size;
   std::unique_ptr<int[]> first_span(new int[num_requests + 1]);  // request b: spans [first, next)
   first_span[0] = 0;
   for (int b = 0; b < num_requests; ++b)
-    first_span[b + 1] = first_span[b] + int((seq_lens[b] + span - 1) / span);
+    first_span[b + 1] = first_span[b] + int((seq_lens[b] - base(b) + span - 1) / span);
   const int num_spans = first_span[num_requests];
   std::unique_ptr<int[]> span_request(new int[num_spans]);
   for (int b = 0; b < num_requests; ++b)
@@ -316,14 +338,15 @@ void decode(const T* query, int64_t query_row_stride, const int32_t* rows, const
     const int s = int(i / num_kv_heads), kv_head = int(i % num_kv_heads), b = span_request[s];
     const int64_t row = rows ? rows[b] : b;
     const int64_t first_head = int64_t(kv_head) * group;
-    const int begin = int((s - first_span[b]) * span);
+    const int64_t span_start = base(b) + (s - first_span[b]) * span;
+    const int begin = int(std::max<int64_t>(first[b], span_start));
     const bool whole = first_span[b + 1] - first_span[b] == 1;
     alignas(64) float own[kMaxGroup * (kMaxHeadDim + 2)];  // a whole context's, merged at once
     float* partial = whole ? own : partials.get() + s * span_stride + first_head * head_stride;
     item(query + row * query_row_stride + first_head * head_dim, k_cache, v_cache,
          block_tables + int64_t(b) * max_blocks, begin,
-         int(std::min<int64_t>(seq_lens[b], begin + span)), int64_t(kv_head) * head_dim,
-         int64_t(num_kv_heads) * head_dim, group, head_dim, block_size, scale, partial);
+         int(std::min<int64_t>(seq_lens[b], span_start + span)), int64_t(kv_head) * head_dim,
+         int64_t(num_kv_heads) * head_dim, group, head_dim, block_size, scale, softcap, partial);
     for (int g = 0; whole && g < group; ++g) {  // normalised by its own sum
       const float* mine = own + g * head_stride;
       T* o = out + (row * num_heads + first_head + g) * head_dim;
@@ -369,9 +392,10 @@ int actorlm_decode_limits(int* max_group, int* max_head_dim, int* max_block_size
   void NAME(const T* query, int64_t query_row_stride, const int32_t* rows, const T* k_cache,    \
             const T* v_cache, const int32_t* block_tables, int max_blocks,                     \
             const int32_t* seq_lens, T* out, int num_requests, int num_heads, int num_kv_heads, \
-            int head_dim, int block_size, float scale) {                                       \
+            int head_dim, int block_size, float scale, int window, float softcap) {            \
     decode(query, query_row_stride, rows, k_cache, v_cache, block_tables, max_blocks, seq_lens, \
-           out, num_requests, num_heads, num_kv_heads, head_dim, block_size, scale);           \
+           out, num_requests, num_heads, num_kv_heads, head_dim, block_size, scale, window,     \
+           softcap);                                                                            \
   }
 
 ACTORLM_DECODE(actorlm_decode_f32, float)

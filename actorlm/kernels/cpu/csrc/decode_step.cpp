@@ -2,8 +2,9 @@
 // for the rows the bf16 panel GEMM takes.
 //
 // It executes the layers' descriptions (actorlm_decoder_layer: which norms sit where and how
-// they scale, q/k norms, the activation, biases, the attention scale, the RoPE table), which a
-// model family gives (kernels.backend.DecoderLayerPlan); nothing here knows a family. Each
+// they scale, q/k norms, the activation, biases, the attention scale, window and score cap, the
+// RoPE table, the KV-cache group whose slots and block table it reads), which a model family
+// gives (kernels.backend.DecoderLayerPlan); nothing here knows a family. Each
 // layer runs the kernels the Python layers call one by one, in their order, with their bits.
 // What goes is the Python between them: a decode step streams hundreds of MB of weights
 // through the caches, which evicts the interpreter's working set, so each Python-level op
@@ -97,6 +98,7 @@ void decode_layers(const actorlm_decoder_layer* layers, int num_layers,
     const int64_t q_size = int64_t(l.num_heads) * l.head_dim, qkv_size = l.qkv.out_features;
     T* const k_cache = static_cast<T*>(l.k_cache);
     T* const v_cache = static_cast<T*>(l.v_cache);
+    const actorlm_kv_group& g = s.groups[l.kv_group];
     if (i == 0) {  // the stream starts as the embeddings
       std::memcpy(residual, x, rows * hidden * sizeof(T));
       K::rms_norm(residual, hidden, x, weight_of<T>(l.attn_norm), rows, int(hidden),
@@ -111,11 +113,11 @@ void decode_layers(const actorlm_decoder_layer* layers, int num_layers,
                        weight_of<T>(l.q_norm), weight_of<T>(l.k_norm), l.q_norm.eps,
                        l.q_norm.unit_offset);
     K::rope_write_kv(t.qkv, qkv_size, static_cast<const T*>(s.cos[l.rope]),
-                     static_cast<const T*>(s.sin_signed[l.rope]), k_cache, v_cache, s.slots,
+                     static_cast<const T*>(s.sin_signed[l.rope]), k_cache, v_cache, g.slots,
                      rows, l.num_heads, l.num_kv_heads, l.head_dim);
-    K::decode(t.qkv, qkv_size, nullptr, k_cache, v_cache, s.block_tables, s.max_blocks,
+    K::decode(t.qkv, qkv_size, nullptr, k_cache, v_cache, g.block_tables, g.max_blocks,
               s.seq_lens, t.attention, int(rows), l.num_heads, l.num_kv_heads, l.head_dim,
-              s.block_size, l.scale);
+              s.block_size, l.scale, l.window, l.softcap);
     linear(l.o, t.attention, q_size, x, rows);
     norm_in_place(l.attn_out_norm, x, rows, hidden);
     K::add_rms_norm(x, residual, weight_of<T>(l.mlp_norm), rows, int(hidden), l.mlp_norm.eps,
