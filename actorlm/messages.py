@@ -124,12 +124,15 @@ class Candidate(_StepMessage):
 
 class AllocateSlots(_StepMessage):
     """One step's block traffic, proposed by the scheduler and decided by the allocator, in
-    this order: blocks completed by the last step enter the prefix cache; finished requests
-    release theirs; with ``reset_prefix_cache`` every cached prefix is forgotten; each running
-    request (``request_ids``, in priority order) grows to hold ``num_tokens[i]`` tokens, and
-    when blocks run short the last ones in that order are preempted (their blocks released)
-    to make room; then, only if nobody was preempted, the candidates are admitted in order
-    while blocks last, each starting at its prefix-cache hit.
+    this order: blocks completed by the last step enter the prefix cache (in every KV-cache
+    group); finished requests release theirs; with ``reset_prefix_cache`` every cached prefix
+    is forgotten; the sliding-window groups of each running request let go of the blocks its
+    window has left (it has ``num_computed_tokens[i]`` computed before this step; empty: none
+    known, nothing is let go); each running request (``request_ids``, in priority order)
+    grows to hold ``num_tokens[i]`` tokens, and when blocks run short the last ones in that
+    order are preempted (their blocks released) to make room; then, only if nobody was
+    preempted, the candidates are admitted in order while blocks last, each starting at its
+    prefix-cache hit.
 
     The allocator decides with its own counts, so the grant never fails: it may only preempt
     from the tail and admit fewer candidates than proposed.
@@ -142,41 +145,46 @@ class AllocateSlots(_StepMessage):
     candidates: list[Candidate] = []
     computed_blocks: list[ComputedBlocks] = []
     reset_prefix_cache: bool = False
+    num_computed_tokens: list[int] = []
 
 
 class Admitted(_StepMessage):
-    """A candidate that got its blocks: ``block_ids`` is its whole table; it has
-    ``num_cached_tokens`` computed already (the hit) and computes ``num_new_tokens`` now."""
+    """A candidate that got its blocks: ``block_ids[g]`` is its whole table in KV-cache group
+    ``g`` (block 0 where a sliding-window group needs no block); it has ``num_cached_tokens``
+    computed already (the hit) and computes ``num_new_tokens`` now."""
 
     request_id: str
-    block_ids: list[int]
+    block_ids: list[list[int]]
     num_cached_tokens: int
     num_new_tokens: int
 
 
 class SlotsGranted(_StepMessage):
-    """``new_block_ids[i]`` extends the table of the step's running request ``i``; the
-    running requests past ``len(new_block_ids)`` were preempted (``preempted_ids``, newest
-    first)."""
+    """``new_block_ids[i][g]`` extends the table in KV-cache group ``g`` of the step's running
+    request ``i`` (``new_block_ids[i]`` empty: no new block in any group); the running
+    requests past ``len(new_block_ids)`` were preempted (``preempted_ids``, newest first).
+    ``num_used_blocks[g]``: blocks group ``g`` holds after the grant."""
 
     step_id: int
-    new_block_ids: list[list[int]]
+    new_block_ids: list[list[list[int]]]
     preempted_ids: list[str]
     admitted: list[Admitted]
     num_free_blocks: int
     num_cached_blocks: int
+    num_used_blocks: list[int] = []
 
 
 # --- scheduler -> executor -> workers --------------------------------------------------------
 
 
 class NewRequestData(_StepMessage):
-    """A request the workers have not seen (or forgot after a preemption): sent in full."""
+    """A request the workers have not seen (or forgot after a preemption): sent in full.
+    ``block_ids[g]`` is its block table in KV-cache group ``g``."""
 
     request_id: str
     token_ids: list[int]  # prompt followed by any output already produced (recompute)
     num_prompt_tokens: int
-    block_ids: list[int]
+    block_ids: list[list[int]]
     num_computed_tokens: int
     sampling_params: SamplingParams
     seed: int
@@ -184,10 +192,13 @@ class NewRequestData(_StepMessage):
 
 
 class CachedRequestData(_StepMessage):
-    """A request the workers already hold: only what changed since the last step."""
+    """A request the workers already hold: only what changed since the last step.
+    ``new_block_ids[g]`` extends its table in KV-cache group ``g`` (empty: nothing new in any
+    group, a decode step's usual case). Entries a sliding-window group let go of are not
+    sent: no query reads them."""
 
     request_id: str
-    new_block_ids: list[int]
+    new_block_ids: list[list[int]]
     num_computed_tokens: int
 
 
@@ -322,11 +333,12 @@ class ExecutorStats(_Message):
 
 class KVStats(_Message):
     num_free_blocks: int  # held by no request (cached ones included: they are evictable)
-    num_total_blocks: int
+    num_total_blocks: int  # (with a sliding-window group, block 0 the placeholder is not one)
     num_requests_holding_blocks: int
     num_cached_blocks: int = 0  # free blocks whose KV is still a cached prefix
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache, since start
     prefix_cache_hits: int = 0  # of those, tokens found
+    num_used_blocks: list[int] = []  # blocks held by requests, per KV-cache group
 
 
 class ResetPrefixCache(_Message):

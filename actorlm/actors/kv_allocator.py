@@ -22,7 +22,8 @@ class KVAllocatorActor(EngineActor):
         elif isinstance(message, GetStats):
             p = self.pool
             return KVStats(p.num_free_blocks, p.num_total_blocks, p.num_requests_holding_blocks,
-                           p.num_cached_blocks, p.prefix_cache_queries, p.prefix_cache_hits)
+                           p.num_cached_blocks, p.prefix_cache_queries, p.prefix_cache_hits,
+                           p.num_used_blocks)
         elif isinstance(message, ResetPrefixCache):
             self.pool.reset_prefix_cache()
             return True

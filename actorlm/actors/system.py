@@ -20,7 +20,7 @@ import pykka
 from actorlm.actors.executor import ExecutorActor
 from actorlm.actors.frontend import FrontendActor
 from actorlm.actors.kv_allocator import KVAllocatorActor
-from actorlm.core.block_pool import BlockPool
+from actorlm.core.block_pool import BlockPool, max_blocks_per_sequence
 from actorlm.core.structured_output import GrammarCompiler
 from actorlm.actors.scheduler import SchedulerActor
 from actorlm.actors.supervisor import Supervisor
@@ -37,6 +37,20 @@ from actorlm.tokenizer import PerThreadTokenizer
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 5.0  # per actor; a worker mid-step finishes the step first
+
+
+def _check_pool_holds_a_sequence(config: EngineConfig, windows: list[int | None]) -> None:
+    """With KV-cache groups a sequence holds blocks in each of them (the config checked one)."""
+    if windows == [None]:
+        return
+    needed = max_blocks_per_sequence(windows, config.max_model_len, config.block_size,
+                                     config.max_num_batched_tokens)
+    if config.num_kv_blocks < needed:
+        raise ValueError(
+            f"the KV pool ({config.num_kv_blocks} blocks of {config.block_size} tokens) cannot "
+            f"hold one {config.max_model_len}-token sequence in the model's {len(windows)} "
+            f"KV-cache groups (windows {windows}), which takes up to {needed} blocks; raise "
+            f"--num-kv-blocks or --kv-cache-memory-bytes, or lower --max-model-len")
 
 
 def _direct(name: str, ref: pykka.ActorRef) -> pykka.ActorRef:
@@ -79,6 +93,9 @@ class EngineSystem:
                 reasoning_parser(self.config.reasoning_parser), parts.tokenizer, parts.name)
         make_runner = parts.make_runner
         config = self.config
+        # one window per KV-cache group (None: full attention); no groups: one full group
+        self.kv_cache_windows = [g.window for g in parts.kv_cache_groups] or [None]
+        _check_pool_holds_a_sequence(config, self.kv_cache_windows)
         if wrap_runner is not None:
             if config.executor_backend != "uni":
                 raise ValueError("wrap_runner wraps runners in this process: it needs "
@@ -99,7 +116,7 @@ class EngineSystem:
         self.trace = trace
         link = _direct_link
         if trace is not None:
-            trace.configure(config, parts.eos_token_ids, parts.name)
+            trace.configure(config, parts.eos_token_ids, parts.name, self.kv_cache_windows)
             trace.attach(policy)
             link = trace.wrap  # (ref, sender, receiver) -> a ref that records what it carries
         self.frontend = self.allocator = self.executor = None
@@ -108,7 +125,7 @@ class EngineSystem:
         to_scheduler = route("scheduler", self.scheduler)
         try:
             pool = BlockPool(config.num_kv_blocks, config.block_size,
-                             config.enable_prefix_caching)
+                             config.enable_prefix_caching, self.kv_cache_windows)
             self.allocator = KVAllocatorActor.start(
                 pool, link(to_scheduler, "allocator", "scheduler"),
                 on_death("allocator"))
@@ -131,6 +148,9 @@ class EngineSystem:
             link(route("executor", self.executor), "scheduler", "executor")))
         log.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d", parts.name,
                  config.num_kv_blocks, config.block_size, config.max_model_len)
+        if self.kv_cache_windows != [None]:
+            log.info("KV-cache groups: %s (windows; None: full attention), %d layers a block",
+                     self.kv_cache_windows, len(parts.kv_cache_groups[0].layers))
         log.info("%s", self.sampling_defaults.describe())
 
     def _load_model(self, config: EngineConfig) -> ModelParts:
@@ -180,6 +200,8 @@ class EngineSystem:
                 "num_free_blocks": kv.num_free_blocks, "num_total_blocks": kv.num_total_blocks,
                 "num_cached_blocks": kv.num_cached_blocks,
                 "num_requests_holding_blocks": kv.num_requests_holding_blocks,
+                "num_used_blocks_per_group": list(kv.num_used_blocks),
+                "kv_cache_windows": list(self.kv_cache_windows),
                 "prefix_cache_queries": kv.prefix_cache_queries,
                 "prefix_cache_hits": kv.prefix_cache_hits,
                 "num_worker_restarts": ex.num_worker_restarts}

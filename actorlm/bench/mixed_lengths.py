@@ -34,13 +34,18 @@ def step_costs(model_dir=None, dtype: str = "float32", num_short: int = 63,
     blocks_each = [-(-(n + 2 * num_steps + 2) // block_size) for n in lengths]
     backend = select_backend(device)
     model = load_model(resolve_model(model_dir), getattr(torch, dtype), device, backend)
-    runner = ModelRunner(model, backend, sum(blocks_each), block_size, model.dtype, device)
+    num_groups = len(getattr(model, "kv_cache_groups", None) or [None])
+    runner = ModelRunner(model, backend, num_groups * sum(blocks_each), block_size, model.dtype,
+                         device)
     greedy = SamplingParams(temperature=0.0, max_tokens=1 << 20)
     new, first = [], 0
     for i, (n, num_blocks) in enumerate(zip(lengths, blocks_each)):
-        new.append(NewRequestData(f"r{i}", [7 + (i + j) % 50 for j in range(n)], n,
-                                  list(range(first, first + num_blocks)), n - 1, greedy, 0))
-        first += num_blocks
+        tables = []  # one per KV-cache group
+        for _ in range(num_groups):
+            tables.append(list(range(first, first + num_blocks)))
+            first += num_blocks
+        new.append(NewRequestData(f"r{i}", [7 + (i + j) % 50 for j in range(n)], n, tables,
+                                  n - 1, greedy, 0))
     runner.execute(ScheduleStep(0, new, [], [1] * len(new), []))  # also the warm-up
 
     def median_step(ids: list[str]) -> float:

@@ -27,7 +27,9 @@ class Request:
         self.seed = seed
         self.arrival_time = arrival_time
         self.num_computed_tokens = 0
-        self.num_blocks = 0  # KV blocks the allocator has granted it (their ids travel on)
+        # table entries the allocator has granted it, in every KV-cache group (their ids travel
+        # on; a sliding-window group's entries still count once it lets their blocks go)
+        self.num_blocks = 0
         self.fsm = Machine(REQUEST_LIFECYCLE, name=request_id, listeners=listeners)
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None

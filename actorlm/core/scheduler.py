@@ -21,7 +21,9 @@ blocks. A plan is a proposal — every running request in priority order with th
 would compute, and the waiting requests that fit the token budget and ``max_num_seqs`` — and
 the allocator's grant decides it with the real counts: who is preempted when blocks run short
 (the newest first), which candidates are admitted, and where each admitted one starts (its
-prefix-cache hit). So a step costs one round trip and the grant never fails.
+prefix-cache hit). So a step costs one round trip and the grant never fails. Each running
+request's computed-token count goes with the proposal: from it the allocator knows which
+blocks a sliding-window group no longer reads (``actorlm.kv_groups``).
 
 The policy is pure and thread-free. Aborts are applied only between steps (``StepLoop`` defers
 them while a step is in flight), so a step's requests never change under it.
@@ -175,7 +177,8 @@ class Scheduler:
         new, cached, last_token_ids = [], [], []
         for request, num_tokens, block_ids in zip(plan.running, plan.running_tokens,
                                                   granted.new_block_ids):
-            request.num_blocks += len(block_ids)
+            for group_ids in block_ids:  # (empty: no group got a block)
+                request.num_blocks += len(group_ids)
             if num_tokens:
                 cached.append(CachedRequestData(request.request_id, block_ids,
                                                 request.num_computed_tokens))
@@ -265,7 +268,7 @@ class Scheduler:
         # computed from the hit on: the transition's record shows where it starts
         request.num_computed_tokens = admitted.num_cached_tokens
         request.num_cached_blocks = admitted.num_cached_tokens // self.config.block_size
-        request.num_blocks = len(admitted.block_ids)
+        request.num_blocks = sum(map(len, admitted.block_ids))
         if request.num_cached_tokens is None:
             request.num_cached_tokens = admitted.num_cached_tokens
         request.fire(RequestEvent.SCHEDULE)
@@ -404,7 +407,7 @@ class Scheduler:
                                                chunk.start + len(chunk.positions) - 1)
         return fresh or None
 
-    def _new_request_data(self, request: Request, block_ids: list[int]) -> NewRequestData:
+    def _new_request_data(self, request: Request, block_ids: list[list[int]]) -> NewRequestData:
         return NewRequestData(request.request_id, request.all_token_ids, request.num_prompt_tokens,
                               block_ids, request.num_computed_tokens, request.sampling_params,
                               request.seed, request.bad_words_token_ids)

@@ -41,10 +41,11 @@ class StepPlan:
                     or self.computed_blocks or self.reset_prefix_cache)
 
     def allocate_message(self, block_size: int) -> AllocateSlots:
-        lengths = [r.num_computed_tokens + n for r, n in zip(self.running, self.running_tokens)]
+        computed = [r.num_computed_tokens for r in self.running]  # sliding windows start here
+        lengths = [c + n for c, n in zip(computed, self.running_tokens)]
         candidates = [Candidate(r.request_id, r.num_tokens, n,
                                 r.block_hashes[:(r.num_tokens - 1) // block_size])
                       for r, n in self.candidates]
         return AllocateSlots(self.step_id, self.free_request_ids,
                              [r.request_id for r in self.running], lengths, candidates,
-                             self.computed_blocks, self.reset_prefix_cache)
+                             self.computed_blocks, self.reset_prefix_cache, computed)

@@ -50,11 +50,13 @@ def kv_cache_budget(total_bytes: int, used_bytes: int, peak_activation_bytes: in
 
 
 def largest_step(max_num_batched_tokens: int, max_num_seqs: int, block_size: int,
-                 max_model_len: int | None = None) -> ScheduleStep:
+                 max_model_len: int | None = None, num_kv_groups: int = 1) -> ScheduleStep:
     """The biggest step the scheduler can send: ``max_num_batched_tokens`` tokens (fewer if
     ``max_model_len`` caps every sequence) of fresh prompts spread evenly over
     ``min(max_num_seqs, max_num_batched_tokens)`` sequences, each completing its prompt and so
-    computing logits and sampling with every costly option on. Blocks are numbered from 0."""
+    computing logits and sampling with every costly option on. Each sequence has a table of
+    its own blocks in each of the ``num_kv_groups`` KV-cache groups; blocks are numbered
+    from 0."""
     num_seqs = min(max_num_seqs, max_num_batched_tokens)
     num_tokens = max_num_batched_tokens
     if max_model_len is not None:
@@ -64,17 +66,19 @@ def largest_step(max_num_batched_tokens: int, max_num_seqs: int, block_size: int
     for i in range(num_seqs):
         n = base + (i < extra)
         num_blocks = -(-n // block_size)
-        requests.append(NewRequestData(
-            f"profile-{i}", [0] * n, n, list(range(next_block, next_block + num_blocks)), 0,
-            _COSTLIEST_SAMPLING, seed=i))
+        tables = []
+        for _ in range(num_kv_groups):
+            tables.append(list(range(next_block, next_block + num_blocks)))
+            next_block += num_blocks
+        requests.append(NewRequestData(f"profile-{i}", [0] * n, n, tables, 0,
+                                       _COSTLIEST_SAMPLING, seed=i))
         num_scheduled.append(n)
-        next_block += num_blocks
     return ScheduleStep(0, requests, [], num_scheduled, [])
 
 
 def num_blocks_needed(step: ScheduleStep) -> int:
     """The smallest KV pool that holds every block ``step`` uses."""
-    return 1 + max(b for data in step.new_requests for b in data.block_ids)
+    return 1 + max(b for data in step.new_requests for table in data.block_ids for b in table)
 
 
 def run_dummy_step(runner, step: ScheduleStep) -> StepResult:

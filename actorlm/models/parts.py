@@ -1,7 +1,9 @@
 """A model as the engine's actors see it, and loading one from ``config.model``.
 
 ``load_model_parts`` resolves the model and the configuration against it (context length, KV
-pool size) and returns ``ModelParts``: the tokenizer, the vocabulary, the EOS ids, and
+pool size) and returns ``ModelParts``: the tokenizer, the vocabulary, the EOS ids, the KV-cache
+groups the block pool serves (``actorlm.kv_groups``: a block is one page in each layer of a
+group, so the pool's size counts a group's layers, not all of them), and
 ``make_runner(rank)``, which builds a worker's model runner (weights and KV cache). The weights
 load in ``make_runner`` — on a thread that exits, see ``actorlm.openmp`` — except on a GPU with
 no KV pool size given: there they load first, so that the largest step can be profiled and the
@@ -24,10 +26,12 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from actorlm.config import EngineConfig
 from actorlm.kernels import select_backend
+from actorlm.kv_groups import KVCacheGroup, kv_cache_groups
 from actorlm.models.loader import (check_block_split, check_quantization, load_hf_config,
                                    load_model, resolve_model)
 from actorlm.models.parallel import (TensorParallel, check_initialised, check_tensor_parallel,
                                      num_kv_heads_per_rank)
+from actorlm.models.families import layer_windows
 from actorlm.models.memory_profile import MemoryProfile, kv_cache_budget, largest_step, load_and_profile
 from actorlm.models.runner import ModelRunner
 from actorlm.openmp import on_passing_thread
@@ -63,6 +67,9 @@ class ModelParts:
     make_runner: Callable[[int], Any]  # rank -> an object with execute(ScheduleStep) -> StepResult
     vocab_size: int
     eos_token_ids: frozenset[int] = frozenset()
+    # the model's KV-cache groups (``actorlm.kv_groups``), which the block pool serves; empty:
+    # one full-attention group of every layer
+    kv_cache_groups: tuple[KVCacheGroup, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -127,7 +134,7 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
     """Resolve ``config.model`` and the config against it; see the module's docstring."""
     path = resolve_model(config.model)
     hf_config = load_hf_config(path)
-    num_layers, num_kv_heads, head_dim = model_geometry(hf_config)
+    _, num_kv_heads, head_dim = model_geometry(hf_config)
     tp_size = config.tensor_parallel_size
     check_tensor_parallel(path.name, hf_config.num_attention_heads, num_kv_heads,
                           hf_config.intermediate_size, tp_size)
@@ -138,8 +145,12 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
         log.info("--dtype auto: %s on this %s", str(dtype).removeprefix("torch."),
                  "CPU (native bf16)" if device.type == "cpu" and dtype == torch.bfloat16
                  else device.type.upper())
-    # each rank holds its share of the KV heads, so the pool is sized per rank
-    bytes_per_block = 2 * num_layers * config.block_size * \
+    # a block id is one page in each of a group's layers, and every group has as many layers
+    # (their KV tensors are shared); each rank holds its share of the KV heads, so the pool
+    # is sized per rank
+    groups = tuple(kv_cache_groups(layer_windows(hf_config)))
+    layers_per_block = max(len(g.layers) for g in groups)
+    bytes_per_block = 2 * layers_per_block * config.block_size * \
         num_kv_heads_per_rank(num_kv_heads, tp_size) * head_dim * \
         torch.empty((), dtype=dtype).element_size()
     profile_gpu = device.type == "cuda" and not config.is_kv_pool_sized_by_user
@@ -159,7 +170,7 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
     profile = None
     if profile_gpu:
         step = largest_step(resolved.max_num_batched_tokens, resolved.max_num_seqs,
-                            block_size, resolved.max_model_len)
+                            block_size, resolved.max_model_len, len(groups))
         runner, profile = on_passing_thread(  # off this thread, as make_runner (see openmp)
             load_and_profile,
             lambda: load_model(path, dtype, device, factory.backend, quantization=config.quantization),
@@ -176,5 +187,5 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
     factory = dataclasses.replace(factory, num_kv_blocks=resolved.num_kv_blocks)
 
     parts = ModelParts(f"{path.name} ({dtype}, {backend.name})", tokenizer, factory,
-                       hf_config.vocab_size, eos_ids)
+                       hf_config.vocab_size, eos_ids, groups)
     return LoadedModel(parts, resolved, path, hf_config, dtype, device, backend.name, profile)

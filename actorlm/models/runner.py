@@ -6,6 +6,12 @@ are flattened into one unpadded batch; logits are computed only at the last toke
 requests that complete their context in this step (the others are mid-prefill), plus the prompt
 positions of requests that asked for prompt logprobs.
 
+KV-cache groups (``actorlm.kv_groups``): the cache is ``group_size`` (k, v) tensor pairs, and
+layer ``i`` stores into pair ``slot_of[i]`` whichever group it is in, so a block id is the same
+page in every group. Each request has a block table per group (a sliding-window group's
+entries below its window may hold any id: no query reads them), and each step one attention
+metadata per group, which the layers of that group read.
+
 Tensor-parallel, every rank runs this same step over its shard of the model, logits included
 (they are gathered onto rank 0 by a collective, so every rank computes the same rows in the
 same order). Only rank 0 samples and answers; the others return an empty ``StepResult`` and
@@ -20,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from actorlm.kernels import KernelBackend
+from actorlm.kv_groups import KVCacheGroup, layer_slots
 from actorlm.messages import (GrammarBitmask, NewRequestData, PromptLogprobs, ScheduleStep,
                               StepResult)
 from actorlm.models.parallel import TensorParallel
@@ -31,17 +38,29 @@ from actorlm.sampling_params import SamplingParams
 class _CachedState:
     token_ids: list[int]  # prompt + output so far
     num_prompt_tokens: int
-    block_ids: list[int]
+    block_tables: list[list[int]]  # one per KV-cache group
     num_computed_tokens: int
     sampling_params: SamplingParams
     seed: int
     bad_words_token_ids: list[list[int]]
 
     @classmethod
-    def from_new(cls, data: NewRequestData) -> _CachedState:
-        return cls(list(data.token_ids), data.num_prompt_tokens, list(data.block_ids),
-                   data.num_computed_tokens, data.sampling_params, data.seed,
-                   data.bad_words_token_ids)
+    def from_new(cls, data: NewRequestData, num_groups: int) -> _CachedState:
+        return cls(list(data.token_ids), data.num_prompt_tokens,
+                   _block_tables(data, num_groups), data.num_computed_tokens,
+                   data.sampling_params, data.seed, data.bad_words_token_ids)
+
+
+def _block_tables(data: NewRequestData, num_groups: int) -> list[list[int]]:
+    """A new request's table per group."""
+    tables = data.block_ids
+    if not tables:
+        return [[] for _ in range(num_groups)]
+    if len(tables) != num_groups or isinstance(tables[0], int):
+        raise ValueError(f"{data.request_id}: block tables for {len(tables)} KV-cache groups "
+                         f"where the model has {num_groups}: the block pool and the model "
+                         f"disagree on the model's groups")
+    return [list(table) for table in tables]
 
 
 @dataclass
@@ -72,6 +91,9 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: bytes) -
 
 
 class ModelRunner:
+    """The KV-cache groups are the model's (``model.kv_cache_groups``, whose layers read their
+    group's metadata); a model without them has one full-attention group of every layer."""
+
     def __init__(self, model, backend: KernelBackend, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device,
                  eos_token_ids: frozenset[int] = frozenset(),
@@ -79,6 +101,14 @@ class ModelRunner:
         self.model, self.backend, self.tp = model, backend, tp
         self.block_size, self.dtype, self.device = block_size, dtype, device
         self.eos_token_ids = eos_token_ids
+        groups = getattr(model, "kv_cache_groups", None) or \
+            [KVCacheGroup(None, tuple(range(model.num_layers)))]
+        if sorted(layer for g in groups for layer in g.layers) != list(range(model.num_layers)):
+            raise ValueError(f"the KV-cache groups {groups} do not cover the model's "
+                             f"{model.num_layers} layers once each")
+        self.kv_cache_groups = list(groups)
+        self.num_kv_groups = len(groups)
+        self._slot_of = layer_slots(groups)[1]
         self.allocate_kv_cache(num_blocks)
         self.requests: dict[str, _CachedState] = {}
 
@@ -86,11 +116,14 @@ class ModelRunner:
         """A zeroed pool of ``num_blocks`` blocks in place of the current one, which is freed
         first (so the two never coexist on the device)."""
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         shape = (num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
-        # one (k, v) pair per layer: [num_blocks, block_size, Hkv, D]
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(self.model.num_layers)]
+        # one (k, v) pair per layer of a group: [num_blocks, block_size, Hkv, D]
+        self.kv_pairs = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                          torch.zeros(shape, dtype=self.dtype, device=self.device))
+                         for _ in range(max(len(g.layers) for g in self.kv_cache_groups))]
+        # per layer, as the model takes them: layer i stores into pair slot_of[i]
+        self.kv_caches = [self.kv_pairs[slot] for slot in self._slot_of]
 
     def execute(self, step: ScheduleStep) -> StepResult | None:
         """Run one step. A fault raises: the worker is then replaced and the step recomputed
@@ -101,10 +134,12 @@ class ModelRunner:
         for request_id in step.finished_request_ids:
             self.requests.pop(request_id, None)
         for data in step.new_requests:
-            self.requests[data.request_id] = _CachedState.from_new(data)
+            self.requests[data.request_id] = _CachedState.from_new(data, self.num_kv_groups)
         for delta in step.cached_requests:
             state = self.requests[delta.request_id]
-            state.block_ids.extend(delta.new_block_ids)
+            if delta.new_block_ids:  # (empty: no group got a block)
+                for table, new_ids in zip(state.block_tables, delta.new_block_ids, strict=True):
+                    table.extend(new_ids)
             state.num_computed_tokens = delta.num_computed_tokens
         if not self.tp.is_driver:
             self._learn_sampled_tokens(step)
@@ -149,12 +184,14 @@ class ModelRunner:
             seq_lens.append(end)
             query_start.append(query_start[-1] + n)
         dev = self.device
-        meta = self.backend.attention_metadata(num_scheduled, seq_lens,
-                                               [s.block_ids for s in states], self.block_size)
+        metas = [self.backend.attention_metadata(num_scheduled, seq_lens,
+                                                 [s.block_tables[g] for s in states],
+                                                 self.block_size)
+                 for g in range(self.num_kv_groups)]  # one per KV-cache group
         input_ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         positions = torch.tensor(positions, dtype=torch.int64, device=dev)
         t_prepared = time.perf_counter()
-        hidden = self.model(input_ids, positions, self.kv_caches, [meta])  # [T, hidden]
+        hidden = self.model(input_ids, positions, self.kv_caches, metas)  # [T, hidden]
         t_forward = time.perf_counter()
         prompt_logprobs = self._prompt_logprobs(hidden, request_ids, states, num_scheduled,
                                                 query_start)

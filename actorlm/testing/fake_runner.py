@@ -10,8 +10,13 @@ same tokens, as greedy decoding on a real model does.
 
 It is also an oracle. It simulates the paged KV cache at the level of "which token at which
 position sits in which slot", and checks on every step that each request's context is where
-its block table says it is; that its computed-token count agrees with the scheduler's; that it
-has enough blocks; that a cached request is known and a new one is not. A violation is recorded
+its block tables say it is; that its computed-token count agrees with the scheduler's; that it
+has enough blocks; that a cached request is known and a new one is not. With KV-cache groups
+(``windows``: one per group, None for full attention) it keeps a table per group, writes each
+token in every group's block, and reads back what each group's attention would read: all
+earlier positions for a full group, the last W for a sliding one; with a sliding group, block
+0 is the allocator's placeholder and must never be written. One slot space serves all groups,
+as one pool of block ids does. A violation is recorded
 in ``violations`` and fails the step (as a fault would), so the engine stays up while the test
 that reads ``violations`` (``EngineHarness`` does after every step) fails loudly.
 
@@ -55,7 +60,7 @@ class _State:
     request_id: str
     token_ids: list[int]  # prompt + output so far
     num_prompt_tokens: int
-    block_ids: list[int]
+    block_tables: list[list[int]]  # one per KV-cache group
     num_computed_tokens: int
     seed: int  # 0 for greedy requests: their tokens do not depend on it
     digest: int = 0
@@ -85,17 +90,21 @@ class FakeModelRunner:
 
     ``vocab_size``: tokens are drawn from ``[first_token_id, vocab_size)`` by the default
     ``token_fn``. ``block_size`` / ``num_blocks``: enable the KV-cache checks (None disables
-    them). ``clock`` + ``step_latency``: simulated time per step.
+    them). ``windows``: the KV-cache groups' windows (None: full attention), as the block pool
+    has them. ``clock`` + ``step_latency``: simulated time per step.
     """
 
     def __init__(self, *, vocab_size: int = 1000, block_size: int | None = None,
                  num_blocks: int | None = None, token_fn: TokenFn | None = None,
                  first_token_id: int = 10, clock=None,
-                 step_latency: float | Callable[[ScheduleStep], float] = 0.0):
+                 step_latency: float | Callable[[ScheduleStep], float] = 0.0,
+                 windows: Sequence[int | None] = (None,)):
         if not 0 <= first_token_id < vocab_size:
             raise ValueError(f"first_token_id {first_token_id} is outside [0, {vocab_size})")
         self.vocab_size, self.first_token_id = vocab_size, first_token_id
         self.block_size, self.num_blocks = block_size, num_blocks
+        self.windows = tuple(windows)
+        self._has_placeholder = any(w is not None for w in self.windows)
         self.token_fn = token_fn
         self.clock, self.step_latency = clock, step_latency
         self.requests: dict[str, _State] = {}  # the cached request state
@@ -167,8 +176,13 @@ class FakeModelRunner:
                 problems.append(f"{data.request_id}: sent in full but the worker still holds it "
                                 f"(missing from finished_request_ids)")
             seed = 0 if data.sampling_params.is_greedy else data.seed
+            if data.block_ids and len(data.block_ids) != len(self.windows):
+                problems.append(f"{data.request_id}: {len(data.block_ids)} block tables for "
+                                f"{len(self.windows)} KV-cache groups")
+                continue
+            tables = [list(table) for table in data.block_ids] or [[] for _ in self.windows]
             state = _State(data.request_id, list(data.token_ids), data.num_prompt_tokens,
-                           list(data.block_ids), data.num_computed_tokens, seed,
+                           tables, data.num_computed_tokens, seed,
                            prompt_digest(data.token_ids[:data.num_prompt_tokens]))
             self.requests[data.request_id] = state
             for p in range(state.num_prompt_tokens, len(state.token_ids)):  # a recompute
@@ -185,7 +199,12 @@ class FakeModelRunner:
             if delta.num_computed_tokens != state.num_computed_tokens:
                 problems.append(f"{delta.request_id}: scheduler says {delta.num_computed_tokens} "
                                 f"tokens computed, the worker has {state.num_computed_tokens}")
-            state.block_ids.extend(delta.new_block_ids)
+            if delta.new_block_ids and len(delta.new_block_ids) != len(self.windows):
+                problems.append(f"{delta.request_id}: new blocks for {len(delta.new_block_ids)} "
+                                f"KV-cache groups, the model has {len(self.windows)}")
+                continue
+            for table, new_ids in zip(state.block_tables, delta.new_block_ids):
+                table.extend(new_ids)
             state.num_computed_tokens = delta.num_computed_tokens
         request_ids = [d.request_id for d in step.new_requests] + \
                       [d.request_id for d in step.cached_requests]
@@ -231,22 +250,34 @@ class FakeModelRunner:
         if end > len(state.token_ids):
             return f"scheduled up to position {end} but only {len(state.token_ids)} tokens exist"
         if self.block_size is not None:
-            bs = self.block_size
-            if len(state.block_ids) * bs < end:
-                return f"{len(state.block_ids)} blocks of {bs} cannot hold {end} tokens"
-            if self.num_blocks is not None:
-                bad = [b for b in state.block_ids if not 0 <= b < self.num_blocks]
-                if bad:
-                    return f"block id {bad[0]} is outside the pool of {self.num_blocks}"
-            table = state.block_ids
-            for p in range(start, end):  # write this step's K/V
-                self._kv[table[p // bs] * bs + p % bs] = (state.token_ids[p], p)
-            for p in range(start):  # attention reads the context through the block table
-                found = self._kv.get(table[p // bs] * bs + p % bs)
-                if found != (state.token_ids[p], p):
-                    return (f"position {p} reads slot {table[p // bs] * bs + p % bs} holding "
-                            f"{found} (token, position), expected {(state.token_ids[p], p)}")
+            for group, (table, window) in enumerate(zip(state.block_tables, self.windows)):
+                problem = self._compute_group(state, table, window, start, end)
+                if problem:
+                    return problem if len(self.windows) == 1 else f"group {group}: {problem}"
         state.num_computed_tokens = end
+        return None
+
+    def _compute_group(self, state: _State, table: list[int], window: int | None, start: int,
+                       end: int) -> str | None:
+        """One KV-cache group's writes of positions [start, end) and the reads of its
+        attention: every earlier position, or those within the window of the first query."""
+        bs = self.block_size
+        if len(table) * bs < end:
+            return f"{len(table)} blocks of {bs} cannot hold {end} tokens"
+        if self.num_blocks is not None:
+            bad = [b for b in table if not 0 <= b < self.num_blocks]
+            if bad:
+                return f"block id {bad[0]} is outside the pool of {self.num_blocks}"
+        for p in range(start, end):  # write this step's K/V
+            if self._has_placeholder and table[p // bs] == 0:
+                return f"position {p} is written into block 0, the placeholder"
+            self._kv[table[p // bs] * bs + p % bs] = (state.token_ids[p], p)
+        first_read = 0 if window is None else max(0, start - window + 1)
+        for p in range(first_read, start):  # attention reads the context through the table
+            found = self._kv.get(table[p // bs] * bs + p % bs)
+            if found != (state.token_ids[p], p):
+                return (f"position {p} reads slot {table[p // bs] * bs + p % bs} holding "
+                        f"{found} (token, position), expected {(state.token_ids[p], p)}")
         return None
 
     def _take_request_faults(self, request_ids: list[str]) -> tuple[list[str], list[str]]:

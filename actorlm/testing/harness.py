@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from types import SimpleNamespace
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import pykka
 
@@ -32,6 +32,7 @@ from actorlm.actors.system import EngineSystem
 from actorlm.config import EngineConfig
 from actorlm.fsm import RequestEvent, RequestState
 from actorlm.fsm.machine import Machine, Transition
+from actorlm.kv_groups import KVCacheGroup
 from actorlm.messages import (AbortRequests, AddRequest, EngineOutputs, GetStats, KVStats,
                               ScheduleStep, SchedulerStats, StepResult, SubmitRequest)
 from actorlm.models.parts import ModelParts
@@ -70,7 +71,9 @@ class EngineHarness:
     the KV bookkeeping. With ``model`` (a path), the real model runs under the same control.
     Keyword flags are ``EngineConfig`` flags; the defaults are small so that chunking and
     preemption are easy to provoke. ``wrap_runner`` wraps each runner the workers get (a
-    ``FaultInjector``'s ``wrap`` makes them fault).
+    ``FaultInjector``'s ``wrap`` makes them fault). ``kv_cache_windows`` (fake runner only):
+    one KV-cache group per entry with that window (None: full attention), served by the block
+    pool and checked by the fake runner; default one full group.
     """
 
     def __init__(self, *, runner: FakeModelRunner | None = None, model: str | None = None,
@@ -78,7 +81,8 @@ class EngineHarness:
                  vocab_size: int = 1000, timeout: float = 60.0, num_kv_blocks: int = 64,
                  block_size: int = 4, max_model_len: int = 64,
                  max_num_batched_tokens: int | None = 32, max_num_seqs: int = 8, trace=None,
-                 wrap_runner=None, **engine_flags):
+                 wrap_runner=None, kv_cache_windows: Sequence[int | None] | None = None,
+                 **engine_flags):
         self.timeout = timeout
         self.max_messages_per_pump = 10_000  # more between two steps is a message storm
         self.clock = clock
@@ -110,6 +114,8 @@ class EngineHarness:
             if model is not None:
                 if runner is not None:
                     raise ValueError("pass either model (a real runner) or runner, not both")
+                if kv_cache_windows is not None:
+                    raise ValueError("a real model brings its own KV-cache groups")
                 self.runner = None
                 self.system = EngineSystem(EngineConfig.from_flags(model, **flags),
                                            **system_kwargs)
@@ -117,15 +123,24 @@ class EngineHarness:
                 config = EngineConfig.from_flags(None, **flags).resolve(
                     SimpleNamespace(max_position_embeddings=max_model_len), kv_bytes_per_block=1)
                 eos = frozenset(eos_token_ids)
+                windows = tuple(kv_cache_windows) if kv_cache_windows is not None else None
                 if runner is None:
                     runner = FakeModelRunner(vocab_size=vocab_size, block_size=block_size,
-                                             num_blocks=config.num_kv_blocks, clock=clock)
-                elif runner.clock is None:
-                    runner.clock = clock
+                                             num_blocks=config.num_kv_blocks, clock=clock,
+                                             windows=windows or (None,))
+                else:
+                    if windows is not None and runner.windows != windows:
+                        raise ValueError(f"the runner's KV-cache windows {runner.windows} are "
+                                         f"not kv_cache_windows {windows}")
+                    windows = runner.windows
+                    if runner.clock is None:
+                        runner.clock = clock
                 self.runner = runner
                 tokenizer = tokenizer or ToyTokenizer(vocab_size, min(eos) if eos else None)
+                # one (fake) layer per group
+                groups = tuple(KVCacheGroup(w, (g,)) for g, w in enumerate(windows or ()))
                 parts = ModelParts("FakeModelRunner", tokenizer, lambda rank: runner.fresh(),
-                                   vocab_size, eos)
+                                   vocab_size, eos, groups)
                 self.system = EngineSystem(config, parts=parts, **system_kwargs)
             self.config = self.system.config
             self.tokenizer = self.system.tokenizer

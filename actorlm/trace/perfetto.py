@@ -56,7 +56,8 @@ def write_perfetto(records: list[Record], path) -> None:
 
 def _config_items(config):
     for name in ("model", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
-                 "block_size", "num_kv_blocks", "enable_chunked_prefill", "num_dropped"):
+                 "block_size", "num_kv_blocks", "enable_chunked_prefill", "num_dropped",
+                 "kv_cache_windows"):
         yield name, getattr(config, name)
 
 
@@ -146,6 +147,8 @@ def _engine(timeline: Timeline, us, meta: list, events: list) -> None:
             "scheduled": dict(zip(s.request_ids, s.num_scheduled_tokens))}))
         ts = us(s.t_start)
         kv = {"used": s.kv_blocks_used, "free": s.kv_blocks_free, "cached": s.kv_blocks_cached}
+        if len(s.kv_blocks_per_group) > 1:  # KV-cache groups: what each holds
+            kv.update((f"group {g}", n) for g, n in enumerate(s.kv_blocks_per_group))
         if total:
             kv["total"] = total
         events.append({"name": "KV blocks", "ph": "C", "ts": ts, "pid": _ENGINE, "tid": 0,

@@ -32,6 +32,7 @@ from typing import Any, Iterable
 
 import msgspec
 
+from actorlm.core.block_pool import num_usable_blocks
 from actorlm.fsm import RequestEvent, RequestState
 from actorlm.messages import STEP_MESSAGE_TYPES, AbortRequests, AddRequest, StopRequests
 from actorlm.trace.records import (Abort, Arrival, MessageSent, Record, StateChange,
@@ -131,6 +132,7 @@ class TraceRecorder:
         self._num_reads = 0
         self._read_lock = threading.Lock()
         self.config: TraceConfig | None = None
+        self._num_usable_blocks = 0  # the pool's blocks, less the placeholder if it has one
         self.step = 0  # the step being planned, in flight or applied
         self.next_step_id = 0  # the next step the scheduler will plan
         self._scheduler = None
@@ -141,8 +143,12 @@ class TraceRecorder:
 
     # --- set-up -------------------------------------------------------------------------------
 
-    def configure(self, config, eos_token_ids: Iterable[int] = (), model: str = "") -> None:
-        """Record the engine configuration (an ``EngineConfig`` after ``resolve``)."""
+    def configure(self, config, eos_token_ids: Iterable[int] = (), model: str = "",
+                  kv_cache_windows: Iterable[int | None] = (None,)) -> None:
+        """Record the engine configuration (an ``EngineConfig`` after ``resolve``) and the
+        window of each KV-cache group the block pool serves."""
+        windows = list(kv_cache_windows)
+        self._num_usable_blocks = num_usable_blocks(config.num_kv_blocks, windows)
         self.config = TraceConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
@@ -150,7 +156,8 @@ class TraceRecorder:
             enable_chunked_prefill=config.enable_chunked_prefill,
             eos_token_ids=sorted(eos_token_ids),
             enable_prefix_caching=config.enable_prefix_caching, model=model, t0=self._now(),
-            wall_time=self._wall(), capacity=self.capacity)
+            wall_time=self._wall(), capacity=self.capacity,
+            kv_cache_windows=[] if windows == [None] else windows)
         if self._file is not None:
             with self._write_lock:
                 self._file.write(encode_line(msgspec.structs.replace(self.config, capacity=0))
@@ -304,15 +311,17 @@ class TraceRecorder:
         plan, granted = pending.plan, pending.granted
         counts = list(plan.num_scheduled_tokens)
         num_prefill = sum([n for n, p in zip(counts, plan.is_prefill) if p])
-        total = self.config.num_kv_blocks if self.config else 0
+        total = self._num_usable_blocks if self.config else 0
         free = granted.num_free_blocks if granted is not None else 0
+        per_group = list(granted.num_used_blocks) if granted is not None else []
         self._append(StepSummary(
             step=plan.step_id, t_start=pending.t_start, t_end=t_end,
             duration_s=t_end - pending.t_start,
             request_ids=[r.request_id for r in plan.requests], num_scheduled_tokens=counts,
             is_prefill=list(plan.is_prefill), num_prefill_tokens=num_prefill,
             num_decode_tokens=sum(counts) - num_prefill, preempted_ids=list(plan.preempted_ids),
-            failed_ids=failed_ids, kv_blocks_used=total - free, kv_blocks_free=free,
+            failed_ids=failed_ids, kv_blocks_used=sum(per_group) if per_group else total - free,
+            kv_blocks_free=free, kv_blocks_per_group=per_group,
             kv_blocks_cached=granted.num_cached_blocks if granted is not None else 0,
             num_running=pending.num_running, num_waiting=pending.num_waiting, error=error,
             fault=fault, blamed_ids=list(blamed_ids), num_cached_tokens=plan.num_cached_tokens,

@@ -46,6 +46,9 @@ class TraceConfig(_Record, tag="config"):
     capacity: int = 0  # ring-buffer size; 0: unbounded (a trace file)
     num_dropped: int = 0  # records the ring buffer lost before this export
     version: int = TRACE_VERSION
+    # the window of each KV-cache group the block pool served (None: full attention); empty:
+    # one full-attention group (traces from before the groups)
+    kv_cache_windows: list[int | None] = []
 
 
 class Arrival(_Record, tag="arrival"):
@@ -121,7 +124,8 @@ class StepSummary(_Record, tag="step"):
     ``prepare_s``, ``forward_s`` and ``sample_s`` are the runner's own timings of the step
     (input preparation, the model's forward, logits and sampling); the rest of a step's period
     is the engine's own work (see ``trace/step_breakdown.py``). ``rank_timings[r]`` are the same three
-    for worker rank ``r`` (rank 0's are the ones above).
+    for worker rank ``r`` (rank 0's are the ones above). ``kv_blocks_per_group[g]``: the blocks
+    KV-cache group ``g`` holds after the grant (they add up to ``kv_blocks_used``).
     """
 
     step: int
@@ -148,6 +152,7 @@ class StepSummary(_Record, tag="step"):
     sample_s: float = 0.0
     num_cached_tokens: int = 0  # found in the prefix cache by the requests admitted here
     rank_timings: list[list[float]] = []
+    kv_blocks_per_group: list[int] = []
 
     @property
     def num_requests(self) -> int:

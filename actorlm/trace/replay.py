@@ -11,7 +11,8 @@ are all recorded on the scheduler's thread, as it handles them. The replay walks
 recorded order — an ``arrival`` becomes an ``AddRequest``, an ``abort`` an ``AbortRequests``,
 a ``stop`` a ``StopRequests``, a ``step`` delivers the held grant (a plan that only freed
 blocks) or the step's result — and after each step compares the replay's plan with the
-recorded one: which requests, how many tokens each, which preemptions, KV blocks in use.
+recorded one: which requests, how many tokens each, which preemptions, KV blocks in use (and
+per KV-cache group: the pool serves the recorded groups' windows).
 
 Fake tokens are not the recorded ones, so no token may end a request: the replay runs without
 EOS or stop tokens, and a request that finished on its own (EOS, stop token, a length cap)
@@ -59,14 +60,16 @@ class SyncEngine:
 
     def __init__(self, config: TraceConfig | SchedulerConfig, num_kv_blocks: int | None = None,
                  *, recorder: TraceRecorder | None = None, runner: FakeModelRunner | None = None,
-                 check_kv: bool = True):
+                 check_kv: bool = True, kv_cache_windows: list[int | None] | None = None):
         if isinstance(config, TraceConfig):
             num_kv_blocks = config.num_kv_blocks
+            kv_cache_windows = config.kv_cache_windows
             config = SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
                                      config.max_model_len, config.block_size,
                                      config.enable_chunked_prefill, frozenset(config.eos_token_ids),
                                      config.enable_prefix_caching)
         self.recorder = recorder
+        windows = list(kv_cache_windows or [None])  # one per KV-cache group
         listeners = [recorder.on_transition] if recorder is not None else []
         self.scheduler = Scheduler(config, listeners=listeners)
         if recorder is not None:
@@ -74,12 +77,13 @@ class SyncEngine:
                 name: getattr(config, name) for name in (
                     "max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
                     "enable_chunked_prefill", "enable_prefix_caching")}),
-                config.eos_token_ids, "replay")
+                config.eos_token_ids, "replay", windows)
             recorder.attach(self.scheduler)
-        self.pool = BlockPool(num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.pool = BlockPool(num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                              windows)
         self.runner = runner or FakeModelRunner(
             block_size=config.block_size if check_kv else None,
-            num_blocks=num_kv_blocks if check_kv else None)
+            num_blocks=num_kv_blocks if check_kv else None, windows=windows)
         self._outbox: deque = deque()
         self.loop = StepLoop(self.scheduler, lambda peer, message:
                              self._outbox.append((peer, message)), recorder)
@@ -184,7 +188,8 @@ def replay_trace(records: list[Record], *, check_kv: bool = True) -> ReplayRepor
     finish_lengths = _natural_finish_lengths(records)
     chains = _hash_chains(records)
     recorder = TraceRecorder(capacity=2 * len(records) + 64)
-    runner = _ChainRunner(chains, config.block_size, check_kv and config.num_kv_blocks)
+    runner = _ChainRunner(chains, config.block_size, check_kv and config.num_kv_blocks,
+                          config.kv_cache_windows or [None])
     engine = SyncEngine(msgspec.structs.replace(config, eos_token_ids=[]), recorder=recorder,
                         runner=runner)
     report = ReplayReport(0, 0)
@@ -245,6 +250,9 @@ def _replay_step(engine: SyncEngine, recorder: TraceRecorder, recorded: StepSumm
                         ("preempted_ids", "preemptions"), ("kv_blocks_used", "KV blocks in use")):
         if getattr(recorded, name) != getattr(replayed, name):
             return Divergence(recorded.step, f"{label} differ", recorded, replayed)
+    if recorded.kv_blocks_per_group and \
+            recorded.kv_blocks_per_group != replayed.kv_blocks_per_group:  # (older traces lack it)
+        return Divergence(recorded.step, "KV blocks per group differ", recorded, replayed)
     return None
 
 
@@ -297,9 +305,10 @@ def _token_at(chain: list[int], position: int, block_size: int) -> int | None:
 class _ChainRunner(FakeModelRunner):
     """Samples, inside each request's recorded chain, the tokens the chain says were there."""
 
-    def __init__(self, chains: dict[str, list[int]], block_size: int, num_blocks: int | None):
+    def __init__(self, chains: dict[str, list[int]], block_size: int, num_blocks: int | None,
+                 windows: list[int | None]):
         super().__init__(block_size=block_size if num_blocks else None,
-                         num_blocks=num_blocks or None)
+                         num_blocks=num_blocks or None, windows=windows)
         self.chains, self.chain_block_size = chains, block_size
 
     def _sample(self, state, position: int) -> int:
@@ -333,4 +342,7 @@ def _describe_step(s: StepSummary) -> str:
     text = f"[{scheduled}]"
     if s.preempted_ids:
         text += f" preempted [{', '.join(s.preempted_ids)}]"
-    return text + f" kv_used={s.kv_blocks_used}"
+    text += f" kv_used={s.kv_blocks_used}"
+    if len(s.kv_blocks_per_group) > 1:
+        text += f" per group {s.kv_blocks_per_group}"
+    return text

@@ -10,11 +10,21 @@ from actorlm.testing import (FakeModelRunner, FaultInjector, InjectedDeath, Inje
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]
 
 
-def new(rid, token_ids, block_ids, num_prompt=None, computed=0, temperature=0.0, seed=0):
+def new(rid, token_ids, block_ids, num_prompt=None, computed=0, temperature=0.0, seed=0,
+        more_tables=()):
+    """``block_ids``: the table of the first KV-cache group; ``more_tables``: the others'."""
     return NewRequestData(request_id=rid, token_ids=list(token_ids),
-                          num_prompt_tokens=num_prompt or len(token_ids), block_ids=block_ids,
+                          num_prompt_tokens=num_prompt or len(token_ids),
+                          block_ids=[list(block_ids), *map(list, more_tables)],
                           num_computed_tokens=computed, seed=seed,
                           sampling_params=SamplingParams(temperature=temperature))
+
+
+def cached(rid, new_blocks, computed, more_groups=()):
+    """``new_blocks``: the first group's new blocks; ``more_groups``: the others' (all
+    empty: nothing new, sent as one empty list)."""
+    groups = [list(new_blocks), *map(list, more_groups)]
+    return CachedRequestData(rid, groups if any(groups) else [], computed)
 
 
 def step(step_id, new_requests=(), cached=(), counts=(), finished=()):
@@ -22,15 +32,14 @@ def step(step_id, new_requests=(), cached=(), counts=(), finished=()):
 
 
 def decode(runner, rid, step_id, computed, new_blocks=()):
-    return runner.execute(step(step_id, cached=[CachedRequestData(rid, list(new_blocks), computed)],
-                               counts=[1]))
+    return runner.execute(step(step_id, cached=[cached(rid, new_blocks, computed)], counts=[1]))
 
 
 def test_a_request_samples_only_when_its_context_is_complete():
     runner = FakeModelRunner(block_size=4, num_blocks=16)
     first = runner.execute(step(0, [new("a", PROMPT, [0, 1])], counts=[5]))
     assert (first.request_ids, first.sampled_token_ids) == ([], [])  # mid-prefill
-    second = runner.execute(step(1, cached=[CachedRequestData("a", [], 5)], counts=[3]))
+    second = runner.execute(step(1, cached=[cached("a", [], 5)], counts=[3]))
     third = decode(runner, "a", 2, 8, new_blocks=[2])
     assert second.request_ids == third.request_ids == ["a"]
     assert second.sampled_token_ids + third.sampled_token_ids == \
@@ -115,13 +124,46 @@ def test_the_oracle_catches_bookkeeping_faults(fault):
     bad = {
         # b is given a's block 1 and overwrites it; a then reads b's tokens
         "shared_block": [step(1, [new("b", [1, 2, 3, 4], [1])], counts=[4]),
-                         step(2, cached=[CachedRequestData("a", [2], 8)], counts=[1])],
-        "stale_count": [step(1, cached=[CachedRequestData("a", [2], 7)], counts=[1])],
-        "too_few_blocks": [step(1, cached=[CachedRequestData("a", [], 8)], counts=[1])],
-        "unknown_cached": [step(1, cached=[CachedRequestData("zz", [], 0)], counts=[1])],
+                         step(2, cached=[cached("a", [2], 8)], counts=[1])],
+        "stale_count": [step(1, cached=[cached("a", [2], 7)], counts=[1])],
+        "too_few_blocks": [step(1, cached=[cached("a", [], 8)], counts=[1])],
+        "unknown_cached": [step(1, cached=[cached("zz", [], 0)], counts=[1])],
         "not_dropped": [step(1, [new("a", PROMPT, [3, 4])], counts=[8])],
         "outside_pool": [step(1, [new("b", [1, 2], [9])], counts=[2])],
     }[fault]
     results = [runner.execute(s) for s in bad]
     assert runner.violations, fault
     assert results[-1].failed_request_ids  # the faulty step fails instead of lying
+
+
+def test_with_kv_cache_groups_each_group_reads_what_its_attention_reads():
+    runner = FakeModelRunner(block_size=4, num_blocks=16, windows=(None, 4))
+    # a: full-group blocks 1, 2 and sliding-group blocks 3, 4 (a block id is one page in any
+    # group's layers: one slot space)
+    runner.execute(step(0, [new("a", PROMPT, [1, 2], more_tables=[[3, 4]])], counts=[8]))
+    # a's window (4 positions) has left its sliding block 3: b may overwrite it
+    b = new("b", [1, 2, 3], [5], more_tables=[[3]])
+    result = runner.execute(step(1, [b], [cached("a", [6], 8, [[7]])], counts=[3, 1]))
+    assert result.request_ids == ["b", "a"] and runner.violations == []
+    assert result.sampled_token_ids[1] == runner.expected_tokens(PROMPT, 2)[1]
+
+
+@pytest.mark.parametrize("fault", ["full_block_reused", "window_block_reused", "placeholder",
+                                   "tables_per_group"])
+def test_the_oracle_catches_kv_cache_group_faults(fault):
+    runner = FakeModelRunner(block_size=4, num_blocks=16, windows=(None, 4))
+    runner.execute(step(0, [new("a", PROMPT, [1, 2], more_tables=[[3, 4]])], counts=[8]))
+    a_next = cached("a", [6], 8, [[7]])
+    steps = {
+        # a's full group still reads block 1 (positions 0-3)
+        "full_block_reused": [step(1, [new("b", [1, 2, 3], [1], more_tables=[[5]])], [a_next],
+                                   counts=[3, 1])],
+        # a query at 8 reads positions 5-7: sliding block 4 is still in the window
+        "window_block_reused": [step(1, [new("b", [1, 2, 3], [5], more_tables=[[4]])],
+                                     [a_next], counts=[3, 1])],
+        "placeholder": [step(1, [new("b", [1, 2, 3], [5], more_tables=[[0]])], counts=[3])],
+        "tables_per_group": [step(1, [new("b", [1, 2, 3], [5])], counts=[3])],
+    }[fault]
+    results = [runner.execute(s) for s in steps]
+    assert runner.violations, fault
+    assert results[-1].failed_request_ids

@@ -1,7 +1,8 @@
-"""Property: whatever arrives, whatever is aborted or fails, and however small the KV pool,
-the real actors end idle with every request finished exactly once, every block back, every
-step within its budgets, only legal state transitions, and greedy tokens that do not depend on
-batching, chunking or preemption."""
+"""Property: whatever arrives, whatever is aborted or fails, however small the KV pool and
+whatever its KV-cache groups (full attention, sliding windows, both), the real actors end idle
+with every request finished exactly once, every block back, every step within its budgets,
+only legal state transitions, and greedy tokens that do not depend on batching, chunking or
+preemption."""
 
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ class Engine:
     chunked: bool
     vocab_size: int
     eos: tuple[int, ...]
+    windows: tuple[int | None, ...]  # the KV-cache groups' (None: full attention)
 
 
 @st.composite
@@ -30,15 +32,20 @@ def engines(draw):
     # tight and prompts long enough that preemption and chunking are common
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
     max_model_len = draw(st.sampled_from([6, 12, 20, 32, 40]))
+    window = draw(st.sampled_from([1, 3, 5, 8, 13]))
+    windows = draw(st.sampled_from([(None,), (None,), (None, window), (window,),
+                                    (window, None, 2 * window)]))
     per_sequence = -(-max_model_len // block_size)
-    num_kv_blocks = per_sequence + draw(st.sampled_from(range(per_sequence // 2 + 1)))
+    # one sequence fits in every group (and block 0 is the placeholder with a sliding one)
+    num_kv_blocks = len(windows) * per_sequence + (windows != (None,)) + \
+        draw(st.sampled_from(range(per_sequence // 2 + 1)))
     chunked = draw(st.booleans())
     budgets = [1, 3, 8, 16, 32, 64] if chunked else [max_model_len, max_model_len + 7, 64]
     budget = draw(st.sampled_from([b for b in budgets if chunked or b >= max_model_len]))
     vocab_size = draw(st.sampled_from([16, 1000]))  # 16: EOS and stop tokens are frequent
     eos = tuple(draw(st.sets(st.integers(10, vocab_size - 1), max_size=1)))
     return Engine(block_size, max_model_len, num_kv_blocks, budget,
-                  draw(st.sampled_from(range(1, 9))), chunked, vocab_size, eos)
+                  draw(st.sampled_from(range(1, 9))), chunked, vocab_size, eos, windows)
 
 
 def events(engine: Engine):
@@ -81,7 +88,7 @@ def test_random_traffic_through_the_real_actors(data):
                        max_num_batched_tokens=engine.max_num_batched_tokens,
                        max_num_seqs=engine.max_num_seqs,
                        enable_chunked_prefill=engine.chunked, vocab_size=engine.vocab_size,
-                       eos_token_ids=engine.eos) as h:
+                       eos_token_ids=engine.eos, kv_cache_windows=engine.windows) as h:
         submitted, aborted, faulted = {}, set(), set()
         for action in script:
             kind = action[0]
@@ -110,6 +117,7 @@ def test_random_traffic_through_the_real_actors(data):
         chunked = any(n < len(d.token_ids) for step in h.scheduled_steps
                       for d, n in zip(step.new_requests, step.num_scheduled_tokens))
         event(f"chunked: {chunked}")
+        event(f"KV-cache groups: {engine.windows}")
         for reason in {r.finish_reason for r in h.requests.values()}:
             event(f"finished with {reason}")
 

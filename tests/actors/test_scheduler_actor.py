@@ -44,16 +44,17 @@ def test_one_request_end_to_end_message_by_message(wired):
     assert len(candidate.block_hashes) == 1  # the block of the last token is never a hit
     quiet(scheduler, frontend, executor)  # nothing runs before the grant
 
-    scheduler.tell(SlotsGranted(0, [], [], [Admitted("a", [5, 6], 0, 6)], 6, 0))
+    scheduler.tell(SlotsGranted(0, [], [], [Admitted("a", [[5, 6]], 0, 6)], 6, 0))
     step = executor.expect_message(ScheduleStep)
     assert step.step_id == 0 and step.num_scheduled_tokens == [6]
     [new] = step.new_requests
-    assert (new.request_id, new.block_ids, new.num_computed_tokens) == ("a", [5, 6], 0)
+    assert (new.request_id, new.block_ids, new.num_computed_tokens) == ("a", [[5, 6]], 0)
 
     scheduler.tell(StepResult(0, ["a"], [42]))
     # the next plan is sent before the outputs (blocks before callers), one message each
     ask = allocator.expect_message(AllocateSlots)
     assert (ask.step_id, ask.request_ids, ask.num_tokens) == (1, ["a"], [7])
+    assert ask.num_computed_tokens == [6]  # where a sliding window would start
     # the step completed a's first block: it enters the prefix cache
     assert [(c.request_id, c.first_block, len(c.block_hashes)) for c in ask.computed_blocks] \
         == [("a", 0, 1)]
@@ -80,7 +81,7 @@ def test_an_abort_during_a_step_waits_for_its_result(wired):
     scheduler, frontend, allocator, executor = wired
     scheduler.tell(add("a", 5, max_tokens=8))
     allocator.expect_message(AllocateSlots)
-    scheduler.tell(SlotsGranted(0, [], [], [Admitted("a", [0, 1], 0, 5)], 6, 0))
+    scheduler.tell(SlotsGranted(0, [], [], [Admitted("a", [[0, 1]], 0, 5)], 6, 0))
     executor.expect_message(ScheduleStep)
 
     scheduler.tell(AbortRequests(["a"]))
@@ -100,7 +101,7 @@ def test_the_allocators_preemption_and_admission_decide_the_step(wired):
     scheduler, frontend, allocator, executor = wired
     scheduler.tell(add("a", 4, max_tokens=8))
     allocator.expect_message(AllocateSlots)
-    scheduler.tell(SlotsGranted(0, [], [], [Admitted("a", [0], 0, 4)], 7, 0))
+    scheduler.tell(SlotsGranted(0, [], [], [Admitted("a", [[0]], 0, 4)], 7, 0))
     executor.expect_message(ScheduleStep)
     scheduler.tell(add("b", 4, max_tokens=8))
     scheduler.tell(StepResult(0, ["a"], [9]))
@@ -113,7 +114,7 @@ def test_the_allocators_preemption_and_admission_decide_the_step(wired):
     stats = scheduler.ask(GetStats())
     assert (stats.num_running, stats.num_waiting, stats.num_preemptions) == (0, 2, 1)
     # a comes back at its cache hit: only its newest token is computed
-    scheduler.tell(SlotsGranted(2, [], [], [Admitted("a", [3, 4], 4, 1)], 6, 0))
+    scheduler.tell(SlotsGranted(2, [], [], [Admitted("a", [[3, 4]], 4, 1)], 6, 0))
     step = executor.expect_message(ScheduleStep)
     [new] = step.new_requests
     assert (new.request_id, new.token_ids, new.num_computed_tokens, step.num_scheduled_tokens) \

@@ -20,7 +20,7 @@ from actorlm.testing import FakeRunnerFactory
 
 
 def new_request(rid: str, prompt: list[int], params: SamplingParams | None = None):
-    return NewRequestData(rid, prompt, len(prompt), [0], 0, params or SamplingParams(), seed=7)
+    return NewRequestData(rid, prompt, len(prompt), [[0]], 0, params or SamplingParams(), seed=7)
 
 
 def test_a_step_with_sampling_params_round_trips_typed():
@@ -29,7 +29,7 @@ def test_a_step_with_sampling_params_round_trips_typed():
                             logprobs=2, prompt_logprobs=1, bad_words=["x"],
                             structured_outputs=StructuredOutputsParams(regex="a+"))
     step = ScheduleStep(4, [new_request("a", [1, 2, 3], params)],
-                        [CachedRequestData("b", [9], 17)], [3, 1], ["z"], ["a"])
+                        [CachedRequestData("b", [[9]], 17)], [3, 1], ["z"], ["a"])
     codec = WireCodec()
     call = codec.decode_call(codec.encode_step(step))
     assert call == WorkerCall(step=step) and not call.shutdown

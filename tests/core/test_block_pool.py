@@ -42,13 +42,14 @@ def test_a_repeated_prompt_hits_every_full_block_but_the_last_token():
     pool = BlockPool(16, BS)
     prompt = list(range(10, 22))  # 12 tokens: 3 full blocks
     first = admit(pool, "a", prompt)
-    assert (first.num_cached_tokens, first.num_new_tokens, len(first.block_ids)) == (0, 12, 3)
+    assert (first.num_cached_tokens, first.num_new_tokens, len(first.block_ids[0])) == (0, 12, 3)
     compute_all(pool, "a", prompt)
     finish(pool, "a")
     again = admit(pool, "b", prompt)
     # the last block holds the last token, which must be computed: 2 blocks hit, 4 tokens to go
     assert (again.num_cached_tokens, again.num_new_tokens) == (8, 4)
-    assert again.block_ids[:2] == first.block_ids[:2] and again.block_ids[2] != first.block_ids[2]
+    [again_ids], [first_ids] = again.block_ids, first.block_ids  # one group
+    assert again_ids[:2] == first_ids[:2] and again_ids[2] != first_ids[2]
     assert (pool.prefix_cache_queries, pool.prefix_cache_hits) == (24, 8)
 
 
@@ -71,14 +72,14 @@ def test_a_live_request_shares_its_blocks_and_they_are_never_evicted():
     a = admit(pool, "a", prompt)
     compute_all(pool, "a", prompt)
     b = admit(pool, "b", prompt)
-    assert b.block_ids[:2] == a.block_ids[:2] and pool.num_free_blocks == 0
+    assert b.block_ids[0][:2] == a.block_ids[0][:2] and pool.num_free_blocks == 0
     # no room: the newcomer waits; nothing a live request holds is taken from it
     assert admit(pool, "c", [50, 51, 52]) is None
     assert pool.blocks_of("a") == a.block_ids and pool.blocks_of("b") == b.block_ids
     finish(pool, "a")  # b still holds the shared blocks: only a's own last block comes free
     assert pool.num_free_blocks == 1 and pool.num_cached_blocks == 0
     assert admit(pool, "c", [50, 51, 52]) is not None
-    assert set(pool.blocks_of("b")) & set(pool.blocks_of("c")) == set()
+    assert set(pool.blocks_of("b")[0]) & set(pool.blocks_of("c")[0]) == set()
 
 
 def test_eviction_takes_the_least_recently_used_and_the_deepest_block_first():
@@ -124,8 +125,8 @@ def test_preemption_takes_the_tail_and_admits_no_one():
                                        [Candidate("late", 1, 1)]))
     # first needs 2 more blocks: third (the tail) goes, then second
     assert granted.preempted_ids == ["third", "second"] and granted.admitted == []
-    assert [len(ids) for ids in granted.new_block_ids] == [2]
-    assert pool.blocks_of("second") == [] and len(pool.blocks_of("first")) == 3
+    assert [[len(ids) for ids in groups] for groups in granted.new_block_ids] == [[2]]
+    assert pool.blocks_of("second") == [] and len(pool.blocks_of("first")[0]) == 3
 
 
 def test_reset_forgets_every_prefix_but_keeps_blocks_in_use():
@@ -134,7 +135,7 @@ def test_reset_forgets_every_prefix_but_keeps_blocks_in_use():
     admit(pool, "a", prompt)
     compute_all(pool, "a", prompt)
     pool.grant(AllocateSlots(0, [], [], [], reset_prefix_cache=True))
-    assert len(pool.blocks_of("a")) == 3
+    assert len(pool.blocks_of("a")[0]) == 3
     assert admit(pool, "b", prompt).num_cached_tokens == 0
     finish(pool, "a")
     finish(pool, "b")

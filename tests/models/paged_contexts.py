@@ -36,5 +36,7 @@ class PagedContexts:
                                                 [self.blocks[rid] for rid, _ in chunks],
                                                 self.block_size)
         with torch.inference_mode():
-            hidden = model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, [meta])
+            # every KV-cache group reads the same tables: blocks are never freed here
+            metas = [meta] * len(model.kv_cache_groups)
+            hidden = model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, metas)
             return model.compute_logits(hidden)

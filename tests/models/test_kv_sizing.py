@@ -15,6 +15,7 @@ from actorlm.kernels import select_backend
 from actorlm.models.loader import load_model
 from actorlm.models.memory_profile import (kv_cache_budget, largest_step, num_blocks_needed,
                                     run_dummy_step)
+from actorlm.models.parts import load_model_parts
 from actorlm.models.runner import ModelRunner
 
 GIB = 1 << 30
@@ -73,24 +74,26 @@ def test_pool_size_precedence():
     assert exact.resolve(hf, per_block, 300 * per_block).num_kv_blocks == 7
 
 
-@pytest.mark.parametrize("batched,seqs,block_size,max_model_len,num_tokens,num_seqs", [
-    (2048, 256, 16, None, 2048, 256),
-    (50, 8, 4, None, 50, 8),  # uneven: two sequences get one token more
-    (6, 256, 4, None, 6, 6),  # never more sequences than tokens
-    (64, 2, 4, 16, 32, 2),  # no sequence longer than max_model_len
+@pytest.mark.parametrize("batched,seqs,block_size,max_model_len,num_tokens,num_seqs,groups", [
+    (2048, 256, 16, None, 2048, 256, 1),
+    (50, 8, 4, None, 50, 8, 1),  # uneven: two sequences get one token more
+    (6, 256, 4, None, 6, 6, 1),  # never more sequences than tokens
+    (64, 2, 4, 16, 32, 2, 1),  # no sequence longer than max_model_len
+    (50, 8, 4, None, 50, 8, 3),  # a table of its own blocks in each KV-cache group
 ])
 def test_largest_step_fills_the_token_budget(batched, seqs, block_size, max_model_len,
-                                             num_tokens, num_seqs):
-    step = largest_step(batched, seqs, block_size, max_model_len)
+                                             num_tokens, num_seqs, groups):
+    step = largest_step(batched, seqs, block_size, max_model_len, groups)
     assert sum(step.num_scheduled_tokens) == num_tokens
     assert len(step.new_requests) == num_seqs == len(set(step.request_ids))
     assert max(step.num_scheduled_tokens) - min(step.num_scheduled_tokens) <= 1
-    blocks = [b for data in step.new_requests for b in data.block_ids]
+    blocks = [b for data in step.new_requests for table in data.block_ids for b in table]
     assert sorted(blocks) == list(range(num_blocks_needed(step)))  # distinct, none wasted
     for data, n in zip(step.new_requests, step.num_scheduled_tokens):
         assert len(data.token_ids) == data.num_prompt_tokens == n  # whole prompt: it samples
         assert data.num_computed_tokens == 0
-        assert len(data.block_ids) * block_size >= n
+        assert len(data.block_ids) == groups
+        assert all(len(table) * block_size >= n for table in data.block_ids)
         assert data.sampling_params.logprobs and not data.sampling_params.is_greedy
 
 
@@ -114,3 +117,30 @@ def test_largest_step_runs_through_the_runner_and_leaves_no_request(tiny_llama_d
     assert runner.kv_caches[0][0].shape[0] == 32 and len(runner.kv_caches) == model.num_layers
     real = largest_step(8, 2, 4)
     assert runner.execute(real).request_ids == real.request_ids
+
+
+@pytest.mark.parametrize("name,windows,layers_per_block", [
+    ("gemma3", [None] + [16] * 5, 1),  # 5 sliding layers to 1 full: groups of one layer
+    ("gemma2", [None, 16], 2),  # sliding and full in turn
+    ("qwen2_window", [None, 16], 2),  # its upper 2 of 4 layers slide
+    ("mistral", [16], 2),  # every layer slides: one group of all
+])
+def test_a_block_is_a_page_in_each_layer_of_one_kv_cache_group(tiny_window_dirs, name, windows,
+                                                               layers_per_block):
+    budget = 1 << 20
+    config = EngineConfig(model=str(tiny_window_dirs[name]), dtype="float32", block_size=4,
+                          kv_cache_memory_bytes=budget, device="cpu")
+    loaded = load_model_parts(config)
+    groups = loaded.parts.kv_cache_groups
+    assert [g.window for g in groups] == windows
+    assert {len(g.layers) for g in groups} == {layers_per_block}
+    # 2 KV heads of 16 in fp32, k and v, 4 tokens a block: in each layer of a group
+    assert loaded.config.num_kv_blocks == budget // (2 * layers_per_block * 4 * 2 * 16 * 4)
+
+
+def test_a_model_of_full_attention_has_one_group_of_every_layer(tiny_llama_dir):
+    loaded = load_model_parts(EngineConfig(model=str(tiny_llama_dir), dtype="float32",
+                                           block_size=4, kv_cache_memory_bytes=1 << 20,
+                                           device="cpu"))
+    assert [(g.window, g.layers) for g in loaded.parts.kv_cache_groups] == [(None, (0, 1))]
+    assert loaded.config.num_kv_blocks == (1 << 20) // (2 * 2 * 4 * 2 * 16 * 4)

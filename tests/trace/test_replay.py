@@ -117,3 +117,29 @@ def test_replay_matches_a_fake_model_run_with_every_kind_of_ending():
     assert sum(r.num_cached_tokens for r in records if isinstance(r, StepSummary)) >= 8 * 5
     report = replay_trace(records)
     assert report.matched, report.describe()
+
+
+def test_replay_of_a_run_with_kv_cache_groups_matches_every_groups_blocks():
+    from actorlm.testing import EngineHarness
+
+    recorder = TraceRecorder()
+    with EngineHarness(trace=recorder, kv_cache_windows=(None, 8), num_kv_blocks=1 + 30,
+                       block_size=4, max_model_len=64, max_num_batched_tokens=16) as h:
+        shared = [5 + (7 * i) % 90 for i in range(13)]
+        for i in range(4):
+            h.add_request(shared + [50 + i] * (1 + i), max_tokens=30, ignore_eos=True)
+        h.run_until_idle()
+        h.check_invariants()
+    records = recorder.records()
+    assert records[0].kv_cache_windows == [None, 8]
+    steps = [r for r in records if isinstance(r, StepSummary)]
+    assert any(s.preempted_ids for s in steps)
+    assert all(len(s.kv_blocks_per_group) == 2 and
+               sum(s.kv_blocks_per_group) == s.kv_blocks_used for s in steps)
+    # the sliding group lets go of what its window left: the full group holds more
+    assert max(s.kv_blocks_per_group[0] - s.kv_blocks_per_group[1] for s in steps) > 4
+    report = replay_trace(records)
+    assert report.matched, report.describe()
+    # a pool of one full group would hold other blocks: the replay notices
+    one_group = [msgspec.structs.replace(records[0], kv_cache_windows=[]), *records[1:]]
+    assert not replay_trace(one_group).matched

@@ -1,0 +1,38 @@
+"""Sliding-window families through the whole engine, against transformers' greedy on the same
+weights: contexts run past the window (16 positions), so the block pool gives each sliding
+group's old blocks back while the requests decode, and a pool too small for full attention
+still serves them (tests/checkpoints.py's tiny Gemma 3, Gemma 2, Mistral, Qwen2 windows)."""
+
+import pytest
+from engine_helpers import TOP, check_logprobs_close, engine_greedy, hf_greedy
+
+from actorlm import SamplingParams
+from actorlm.trace import StepSummary, read_jsonl
+
+NUM_TOKENS = 40
+PROMPTS = [[5 + (i * 13 + j * 7) % 300 for j in range(6 + 9 * i)] for i in range(4)]
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma2", "qwen2_window", "mistral"])
+def test_past_the_window_the_engine_gives_transformers_greedy(tiny_window_dirs, make_llm, name,
+                                                              tmp_path):
+    path, trace = tiny_window_dirs[name], tmp_path / "trace.jsonl"
+    # 4 requests of up to 73 tokens: under full attention 61 blocks of 4 tokens in each layer,
+    # here room for 48 in 2 layers (one group of Mistral's, one of Gemma 2's, Qwen2's), or for
+    # 96 in 1 (Gemma 3's groups of one layer)
+    llm = make_llm(str(path), block_size=4, kv_cache_memory_bytes=48 * 2 * (2 * 4 * 2 * 16 * 4),
+                   max_model_len=96, max_num_batched_tokens=16, trace_file=str(trace))
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                           SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0,
+                                          ignore_eos=True, logprobs=TOP), use_tqdm=False)
+    check_logprobs_close(engine_greedy(outputs), hf_greedy(path, PROMPTS, NUM_TOKENS))
+    windows = llm.engine.kv_cache_windows
+    llm.engine.trace.flush()
+    steps = [r for r in read_jsonl(trace) if isinstance(r, StepSummary)]
+    assert all(len(s.kv_blocks_per_group) == len(windows) for s in steps)
+    if windows == [16]:  # Mistral: every layer slides, and nothing had to wait
+        assert llm.stats()["num_preemptions"] == 0
+    else:  # the full group holds every block, each sliding group only its window's
+        assert windows[0] is None and set(windows[1:]) == {16}
+        assert max(s.kv_blocks_per_group[0] - max(s.kv_blocks_per_group[1:])
+                   for s in steps) >= 8
