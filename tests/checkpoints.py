@@ -12,7 +12,8 @@ import pytest
 import torch
 
 __all__ = ["tiny_tokenizer_dir", "tiny_llama_dir", "tiny_llama_long_dir", "tiny_qwen2_dir",
-           "tiny_qwen3_dir", "smollm2_dir", "smollm2_gguf", "smollm2_dense_dir"]
+           "tiny_qwen3_dir", "tiny_window_dirs", "smollm2_dir", "smollm2_gguf",
+           "smollm2_dense_dir"]
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a
@@ -141,6 +142,36 @@ def tiny_qwen3_dir(tmp_path_factory, tiny_tokenizer_dir):
 
     config = Qwen3Config(**_common(tiny_tokenizer_dir), tie_word_embeddings=False, rope_theta=1000000.0)
     return _save_tiny(tmp_path_factory, tiny_tokenizer_dir, "tiny_qwen3", config, seed=2)
+
+
+WINDOW = 16  # the tiny sliding-window models' (not a multiple of every block size tried)
+
+
+@pytest.fixture(scope="session")
+def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
+    """The families beyond Llama's, by name: Gemma 3 (five sliding-window layers to one full,
+    q/k norms, two RoPE bases), Gemma 2 (sliding and full in turn, soft-capped attention and
+    logits), Mistral (every layer sliding), Qwen2 with ``use_sliding_window`` (its upper
+    layers), Phi-3 (q/k/v and gate/up fused in the checkpoint)."""
+    from transformers import (Gemma2Config, Gemma3TextConfig, MistralConfig, Phi3Config,
+                              Qwen2Config)
+
+    common = _common(tiny_tokenizer_dir)
+    gemma = dict(query_pre_attn_scalar=common["head_dim"], sliding_window=WINDOW,
+                 tie_word_embeddings=True)
+    configs = {
+        "gemma3": Gemma3TextConfig(**{**common, "num_hidden_layers": 6}, **gemma),
+        "gemma2": Gemma2Config(**{**common, "num_hidden_layers": 4}, **gemma,
+                               attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+        "mistral": MistralConfig(**common, sliding_window=WINDOW, tie_word_embeddings=False),
+        "qwen2_window": Qwen2Config(**{**common, "num_hidden_layers": 4}, use_sliding_window=True,
+                                    sliding_window=WINDOW, max_window_layers=2,
+                                    tie_word_embeddings=False),
+        "phi3": Phi3Config(**common, tie_word_embeddings=False),
+    }
+    return {name: _save_tiny(tmp_path_factory, tiny_tokenizer_dir, f"tiny_{name}", config,
+                             seed=10 + i)
+            for i, (name, config) in enumerate(configs.items())}
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""vLLM's rule for comparing greedy outputs with a reference's."""
+"""vLLM's rule for comparing greedy outputs with a reference's, and the reference's greedy."""
 
 TOP = 5  # vLLM's check_logprobs_close looks at the top 5
 
@@ -21,3 +21,20 @@ def check_logprobs_close(ours: list[tuple[list, list]], theirs: list[tuple[list,
             f"sequence {i} diverges at position {diverged}: ours {a} (top-5 {our_top[diverged]}), " \
             f"reference {b} (top-5 {their_top[diverged]})"
     return num_equal
+
+
+def hf_continuation(model, prompt: list[int], num_tokens: int) -> tuple[list, list]:
+    """A transformers model's greedy continuation of ``prompt`` (its own KV cache, EOS
+    ignored): (tokens, the top-5 token ids at each position)."""
+    import torch
+
+    with torch.inference_mode():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        tokens, tops = [], []
+        for _ in range(num_tokens):
+            last = out.logits[0, -1]
+            tokens.append(int(last.argmax()))
+            tops.append(set(last.topk(TOP).indices.tolist()))
+            out = model(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values,
+                        use_cache=True)
+    return tokens, tops

@@ -58,6 +58,15 @@ class _EngineCollector:
             metric = family(name, doc, labels=["model_name"])
             metric.add_metric([self.model_name], value)
             yield metric
+        # blocks held per KV-cache group: a sliding-window group's stay near its window
+        held = GaugeMetricFamily("actorlm:kv_cache_group_blocks",
+                                 "KV blocks held by requests, per KV-cache group.",
+                                 labels=["model_name", "kv_cache_group", "window"])
+        for group, (window, blocks) in enumerate(zip(stats["kv_cache_windows"],
+                                                     stats["num_used_blocks_per_group"])):
+            held.add_metric([self.model_name, str(group), "full" if window is None
+                             else str(window)], blocks)
+        yield held
 
 
 class ServerMetrics:

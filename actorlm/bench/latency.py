@@ -117,9 +117,9 @@ def _timed_batch(llm, prompts: list[list[int]], output_len: int) -> tuple[float,
 def _hf_runner(path, dtype, prompts: list[list[int]], output_len: int):
     """transformers' model loaded and warmed up; the returned function times one run: (seconds
     for a one-token generate, seconds for an output_len-token generate)."""
-    from transformers import AutoModelForCausalLM
+    from actorlm.models.gguf_file import transformers_model
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model = transformers_model(path, dtype).eval()
     input_ids = torch.tensor(prompts)  # identical lengths: no padding
     pad = model.generation_config.pad_token_id
     kwargs = dict(do_sample=False, pad_token_id=pad if isinstance(pad, int) else 0)

@@ -116,9 +116,9 @@ def run_throughput(model: str | None, flags: dict, num_prompts: int, output_len:
 
 def _hf_runner(path, dtype, prompt_ids: list[list[int]], output_len: int):
     """transformers' model loaded and warmed up; the returned function times one batched run."""
-    from transformers import AutoModelForCausalLM
+    from actorlm.models.gguf_file import transformers_model
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model = transformers_model(path, dtype).eval()
     pad = model.generation_config.pad_token_id
     pad = pad if isinstance(pad, int) else 0
     width = max(map(len, prompt_ids))

@@ -41,6 +41,7 @@ class LayerSpec:
     mlp_bias: bool = False
     attention_scale: float | None = None  # None: head_dim ** -0.5
     window: int | None = None  # sliding window; None: full causal attention
+    softcap: float | None = None  # attention scores soft-capped (Gemma 2)
 
 
 def _row_linear(in_features, out_features, bias, tp: TensorParallel, dtype, device) -> Linear:
@@ -72,7 +73,7 @@ class Attention(nn.Module):
         self.layer = AttentionLayer(
             self.num_heads, self.num_kv_heads, d,
             spec.attention_scale if spec.attention_scale is not None else d**-0.5, spec.window,
-            *(None if n is None else n.norm for n in (self.q_norm, self.k_norm)))
+            *(None if n is None else n.norm for n in (self.q_norm, self.k_norm)), spec.softcap)
 
     def forward(self, x, cos, sin_signed, kv_cache, meta):
         # x: [T, hidden]; cos, sin_signed: [T, 1, D]

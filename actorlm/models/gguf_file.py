@@ -9,7 +9,9 @@ name: the block formats this engine has kernels for as ``QuantizedWeight`` (the 
 one row per output feature), the float ones as tensors, the others dequantized (logged once).
 
 llama.cpp stores a Llama's q and k rows permuted (each head's two rotary halves interleaved);
-the permutation is undone here on whole rows of blocks, which quantization never crosses.
+the permutation is undone here on whole rows of blocks, which quantization never crosses. It
+stores a Gemma's norm weights plus one (what they scale by); they are handed over as the
+checkpoint has them.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ log = logging.getLogger(__name__)
 
 # GGUF architecture -> the Hugging Face model_type transformers converts it to (Mistral files
 # say "llama")
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+                 "gemma3": "gemma3_text"}
+_GEMMA_TYPES = ("gemma2", "gemma3_text")
 _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _INDEX = "gguf.json"
 _DIR_SUFFIX = "-gguf"  # of a cached directory: <file stem>-<file size>-gguf
@@ -49,6 +53,10 @@ _LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's four norms a layer (its "ffn_norm" is the one before the MLP, as a Llama's)
+_GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                      "ffn_norm": "pre_feedforward_layernorm",
+                      "post_ffw_norm": "post_feedforward_layernorm"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
               "output": "lm_head"}
 
@@ -144,6 +152,8 @@ def read_tensors(path: pathlib.Path, config, dtype: torch.dtype
             yield info.name, QuantizedWeight(info.type_name, blocks, info.shape)
         elif info.type_name in _FLOAT_TYPES:
             values = raw.view(_FLOAT_TYPES[info.type_name]).view(info.shape)
+            if config.model_type in _GEMMA_TYPES and info.name.endswith("norm.weight"):
+                values = values - 1
             yield info.name, _unpermuted(info.name, values, config)
         else:
             kind = gguf_package.GGMLQuantizationType[info.type_name]
@@ -160,10 +170,9 @@ def write_dense_copy(gguf: pathlib.Path, out: pathlib.Path) -> None:
     """The file dequantized by transformers into a Hugging Face directory ``out`` (fp32
     safetensors): the same weights as floats, for comparisons (benchmarks, the tests' oracle)."""
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                 dtype=torch.float32, local_files_only=True)
+    model = _transformers_gguf_model(gguf, torch.float32)
     state = model.state_dict()
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
@@ -180,6 +189,23 @@ def write_dense_copy(gguf: pathlib.Path, out: pathlib.Path) -> None:
                                   local_files_only=True).save_pretrained(out)
 
 
+def transformers_model(path: pathlib.Path, dtype: torch.dtype):
+    """transformers' own model of the directory ``path``; of a cached GGUF's, the file as
+    transformers reads it (dequantized to ``dtype``): the peer the benchmarks compare with."""
+    from transformers import AutoModelForCausalLM
+
+    if is_gguf_dir(path):
+        return _transformers_gguf_model(tensor_infos(path)[0], dtype)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+
+def _transformers_gguf_model(gguf: pathlib.Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype,
+                                                local_files_only=True)
+
+
 def _unpermuted(name: str, rows: torch.Tensor, config) -> torch.Tensor:
     """Rows of q_proj / k_proj back in Hugging Face's order (a Llama's, as llama.cpp permutes
     them); any other tensor as it is."""
@@ -192,13 +218,14 @@ def _unpermuted(name: str, rows: torch.Tensor, config) -> torch.Tensor:
     return rows.reshape(heads, half, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
 
 
-def _hf_name(name: str) -> str:
+def _hf_name(name: str, arch: str) -> str:
     stem, _, kind = name.rpartition(".")  # kind: weight or bias
     if stem.startswith("blk."):
         _, layer, part = stem.split(".", 2)
-        if part not in _LAYER_NAMES:
+        names = _GEMMA_LAYER_NAMES if arch in ("gemma2", "gemma3") else _LAYER_NAMES
+        if part not in names:
             raise ValueError(f"GGUF tensor {name!r} is not one this engine knows")
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        return f"model.layers.{layer}.{names[part]}.{kind}"
     if stem not in _TOP_NAMES:
         raise ValueError(f"GGUF tensor {name!r} is not one this engine knows")
     return f"{_TOP_NAMES[stem]}.{kind}"
@@ -209,7 +236,8 @@ def _write_dir(gguf: pathlib.Path, out: pathlib.Path) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     reader = GGUFReader(gguf)
-    tensors = [[_hf_name(t.name), t.tensor_type.name, [int(n) for n in reversed(t.shape)],
+    arch = architecture(gguf)
+    tensors = [[_hf_name(t.name, arch), t.tensor_type.name, [int(n) for n in reversed(t.shape)],
                 int(t.data_offset), int(t.n_bytes)]  # data_offset: from the file's start
                for t in reader.tensors]
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)

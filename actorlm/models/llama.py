@@ -1,9 +1,9 @@
-"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3): what its config says about
-each decoder layer (``layer_spec``), its checkpoints' weight names, and the model around the
-shared decoder layers of ``decoder.py`` (embedding, RoPE tables, final norm, LM head).
+"""The model of every dense decoder family (``families.py`` says how each differs): the
+embedding, the RoPE tables, the shared decoder layers of ``decoder.py`` over the paged KV
+cache, the final norm and the LM head, loaded straight from a checkpoint's tensors.
 
-Attention is always full causal: a sliding window (Mistral v0.1, Qwen with
-``use_sliding_window``) is not applied, which is exact while contexts fit in the window.
+Each layer reads its KV blocks through its KV-cache group's metadata (``actorlm.kv_groups``):
+a sliding-window layer's group holds only the blocks its window still reads.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ import torch
 from torch import nn
 
 from actorlm.kernels import AttentionMetadata, KernelBackend, QuantizedWeight
+from actorlm.kv_groups import kv_cache_groups, layer_slots
 from actorlm.models import quantized
-from actorlm.models.decoder import DecoderLayer, LayerSpec
+from actorlm.models.decoder import DecoderLayer
+from actorlm.models.families import (GEMMA_NORMS, LLAMA_NORMS,
+                                     checkpoint_tensors, is_gemma, layer_specs, layer_windows,
+                                     narrow, rope_inv_freq, rope_layer_types, text_config)
 from actorlm.models.layers import Embedding, Linear, RMSNorm, VocabParallelEmbedding
 from actorlm.models.parallel import TensorParallel, check_tensor_parallel, gather_last_dim
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 # HF checkpoint name fragment -> (merged parameter fragment, shard index)
 _STACKED = {
@@ -29,79 +31,22 @@ _STACKED = {
     ".gate_proj.": (".gate_up_proj.", 0),
     ".up_proj.": (".gate_up_proj.", 1),
 }
-# HF checkpoint name fragment -> the shared decoder layer's (Llama's post-attention norm is the
-# one before the MLP)
-_RENAMED = {".input_layernorm.": ".attn_norm.", ".post_attention_layernorm.": ".mlp_norm."}
-
-
-def layer_spec(config) -> LayerSpec:
-    """Every layer of a Llama-family model, as its config describes it."""
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
-    is_qwen2 = config.model_type == "qwen2"
-    attention_bias = bool(getattr(config, "attention_bias", False))
-    return LayerSpec(
-        hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        head_dim=_head_dim(config), intermediate_size=config.intermediate_size,
-        norm_eps=config.rms_norm_eps, qk_norm=config.model_type == "qwen3",
-        # Qwen2 always has a qkv bias (and none on o_proj); the others follow attention_bias
-        qkv_bias=is_qwen2 or attention_bias, o_bias=not is_qwen2 and attention_bias,
-        mlp_bias=bool(getattr(config, "mlp_bias", False)))
-
-
-def layer_windows(config) -> list[int | None]:
-    """Each layer's sliding window (None: full attention), as transformers applies them:
-    ``layer_types`` where the config has them (Qwen2/3 with ``use_sliding_window``, Gemma),
-    else a ``sliding_window`` on every layer (Mistral)."""
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is None:
-        return [window] * config.num_hidden_layers
-    if "sliding_attention" in layer_types and not window:
-        raise ValueError("layer_types name sliding_attention layers but sliding_window is unset")
-    return [window if kind == "sliding_attention" else None for kind in layer_types]
-
-
-def rope_inv_freq(config, device=None) -> tuple[torch.Tensor, float]:
-    """(inv_freq [D/2] fp32, attention_scaling) through transformers' own RoPE init functions.
-
-    transformers 5 keeps ``rope_theta`` and the scaling type in ``config.rope_parameters``;
-    older versions have ``rope_theta`` and ``rope_scaling`` attributes.
-    """
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type in ("dynamic", "longrope"):
-        # These switch frequencies with the running sequence length; not supported here.
-        raise ValueError(f"rope type {rope_type!r} is not supported")
-    if rope_type == "default" and "default" not in ROPE_INIT_FUNCTIONS:
-        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        dim = _head_dim(config)
-        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float().to(device) / dim))
-        return inv_freq, 1.0
-    return ROPE_INIT_FUNCTIONS[rope_type](config, device)
-
-
-def _head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class LlamaBody(nn.Module):
     """Named ``model`` inside LlamaForCausalLM so parameter names match HF checkpoints."""
 
-    def __init__(self, config, spec: LayerSpec, backend, dtype, device, tp):
+    def __init__(self, config, specs, ropes, groups, backend, dtype, device, tp):
         super().__init__()
         if tp.is_parallel:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp,
                                                        dtype, device)
         else:
             self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(spec, backend, dtype, device, tp)
-                                    for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, False, backend, dtype,
-                            device)
+        self.layers = nn.ModuleList(DecoderLayer(spec, backend, dtype, device, tp, rope, group)
+                                    for spec, rope, group in zip(specs, ropes, groups))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, is_gemma(config), backend,
+                            dtype, device)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -112,17 +57,26 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, backend: KernelBackend, dtype: torch.dtype = torch.float32,
                  device=None, tp: TensorParallel = TensorParallel()):
         super().__init__()
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {config.model_type!r} is not supported (use one of {SUPPORTED_MODEL_TYPES})")
-        spec = layer_spec(config)
+        config = text_config(config)
+        specs = layer_specs(config)  # refuses what the config asks for and is not implemented
+        spec = specs[0]
         check_tensor_parallel(config.model_type, spec.num_heads, spec.num_kv_heads,
                               spec.intermediate_size, tp.size)
+        self.kv_cache_groups = kv_cache_groups(layer_windows(config))
+        rope_types = rope_layer_types(config)
+        table_types = sorted(set(rope_types), key=str)  # one RoPE table per distinct type
         self.config, self.backend, self.dtype, self.tp = config, backend, dtype, tp
         self.num_layers = config.num_hidden_layers
         self.head_dim = spec.head_dim
         self.vocab_size = config.vocab_size
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = LlamaBody(config, spec, backend, dtype, device, tp)
+        self.norms = GEMMA_NORMS if is_gemma(config) else LLAMA_NORMS  # checkpoint -> ours
+        # Gemma scales the embeddings by sqrt(hidden), rounded to the model dtype as HF does
+        self.embed_scale = config.hidden_size**0.5 if is_gemma(config) else None
+        self.final_softcap = getattr(config, "final_logit_softcapping", None) \
+            if is_gemma(config) else None
+        self.model = LlamaBody(config, specs, [table_types.index(t) for t in rope_types],
+                               layer_slots(self.kv_cache_groups)[0], backend, dtype, device, tp)
         attn = self.model.layers[0].self_attn
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads  # this rank's
         vocab_rows = -(-config.vocab_size // tp.size)  # this rank's slice, padded
@@ -131,22 +85,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight.data.zero_()
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # cos and sin of every position, computed once as HF computes them per step (fp32
-        # angles, then the model dtype): [max_positions, D] each, sin's first half negated
-        inv_freq, scaling = rope_inv_freq(config, device)
         max_positions = getattr(config, "max_position_embeddings", None) or 2048
-        freqs = torch.arange(max_positions, device=device).float()[:, None] * inv_freq.float()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        half = emb.shape[-1] // 2
-        sign = torch.cat((-torch.ones(half, device=device), torch.ones(half, device=device)))
-        self.register_buffer("rope_cos", (emb.cos() * scaling).to(dtype), persistent=False)
-        self.register_buffer("rope_sin", (emb.sin() * scaling).to(dtype) * sign.to(dtype),
-                             persistent=False)
+        self.rope_tables = [_rope_table(config, t, max_positions, dtype, device)
+                            for t in table_types]
         self.decode_step = None  # the backend's one-call decode step, once the weights load
 
     def ropes(self, positions) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The step's RoPE tables, (cos, sin_signed) [T, 1, D] each (one for this family)."""
-        return [(self.rope_cos[positions][:, None], self.rope_sin[positions][:, None])]
+        """The step's RoPE tables, (cos, sin_signed) [T, 1, D] each (Gemma 3: two)."""
+        return [(cos[positions][:, None], sin[positions][:, None])
+                for cos, sin in self.rope_tables]
 
     def forward(self, input_ids, positions, kv_caches,
                 metas: Sequence[AttentionMetadata]) -> torch.Tensor:
@@ -154,8 +101,10 @@ class LlamaForCausalLM(nn.Module):
         step's attention metadata, one per KV-cache group (``kv_groups``) -> [T, hidden]."""
         ropes = self.ropes(positions)
         x, residual = self.model.embed_tokens(input_ids), None  # [T, hidden]
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         fused = None if self.decode_step is None else \
-            self.decode_step(x, ropes, kv_caches, metas[0])
+            self.decode_step(x, ropes, kv_caches, metas)
         if fused is not None:  # every layer in one call (a decode step on a CPU)
             x, residual = fused
         else:
@@ -167,11 +116,16 @@ class LlamaForCausalLM(nn.Module):
         """hidden: [N, hidden] -> logits [N, V] float32. Tensor-parallel: every rank must call
         it (a collective); rank 0 gets the logits, the others None."""
         if not self.tp.is_parallel:
-            return self.lm_head(hidden).float()
+            return self._soft_capped(self.lm_head(hidden).float())
         logits = gather_last_dim(self.tp, self.lm_head(hidden))  # [N, V_pad] on rank 0
         if logits is None:
             return None
-        return logits[:, :self.vocab_size].float().contiguous()  # without the padding
+        return self._soft_capped(logits[:, :self.vocab_size].float().contiguous())  # unpadded
+
+    def _soft_capped(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.final_softcap is None:
+            return logits
+        return torch.tanh(logits / self.final_softcap) * self.final_softcap
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy HF-named tensors into the (merged) parameters, raising if any is left unset, then
@@ -181,10 +135,10 @@ class LlamaForCausalLM(nn.Module):
         that part from the file."""
         params = dict(self.named_parameters())  # a tied lm_head appears once, as embed_tokens
         missing = {key for name in params for key in _load_keys(name)}
-        for name, tensor in weights:
+        for name, tensor in checkpoint_tensors(self.config, weights):
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue  # recomputed at init / shared with embed_tokens
-            target, shard = _renamed(name), None
+            target, shard = _renamed(name, self.norms), None
             for fragment, (merged, index) in _STACKED.items():
                 if fragment in target:
                     target, shard = target.replace(fragment, merged), index
@@ -213,7 +167,8 @@ class LlamaForCausalLM(nn.Module):
                     dst.copy_(tensor.to(dtype=dst.dtype, device=dst.device))
             missing.discard(target if shard is None else f"{target}#{shard}")
         if missing:
-            raise ValueError(f"checkpoint is missing weights: {sorted(map(_hf_name, missing))}")
+            raise ValueError(f"checkpoint is missing weights: "
+                             f"{sorted(_hf_name(key, self.norms) for key in missing)}")
         self.prepare_kernels()
 
     def prepare_kernels(self) -> None:
@@ -261,30 +216,29 @@ class LlamaForCausalLM(nn.Module):
             rows = self.lm_head.weight.shape[0]
             start = rank * rows
             length = max(0, min(rows, self.vocab_size - start))
-        return _narrow(tensor, dim, start, length)
+        return narrow(tensor, dim, start, length)
 
 
-def _narrow(tensor, dim, start, length) -> torch.Tensor:
-    """``start:start + length`` along ``dim`` (everything when ``length`` is None) of a tensor,
-    a weight in blocks, or read from a safetensors slice."""
-    if isinstance(tensor, QuantizedWeight):
-        return tensor if length is None else quantized.narrow(tensor, dim, start, length)
-    if isinstance(tensor, torch.Tensor):
-        return tensor if length is None else tensor.narrow(dim, start, length)
-    if length is None:
-        return tensor[:]
-    return tensor[(slice(None),) * dim + (slice(start, start + length),)]
+def _rope_table(config, layer_type, max_positions, dtype, device):
+    """(cos, sin_signed) of every position, computed once as HF computes them per step (fp32
+    angles, then the model dtype): [max_positions, D] each, sin's first half negated."""
+    inv_freq, scaling = rope_inv_freq(config, layer_type, device)
+    freqs = torch.arange(max_positions, device=device).float()[:, None] * inv_freq.float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    half = emb.shape[-1] // 2
+    sign = torch.cat((-torch.ones(half, device=device), torch.ones(half, device=device)))
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype) * sign.to(dtype)
 
 
-def _renamed(name: str) -> str:
-    for fragment, ours in _RENAMED.items():
+def _renamed(name: str, norms: dict[str, str]) -> str:
+    for fragment, ours in norms.items():
         name = name.replace(fragment, ours)
     return name
 
 
-def _hf_name(key: str) -> str:
+def _hf_name(key: str, norms: dict[str, str]) -> str:
     """A parameter's (or merged shard's) name as the checkpoint spells it."""
-    for fragment, ours in _RENAMED.items():
+    for fragment, ours in norms.items():
         key = key.replace(ours, fragment)
     return key
 

@@ -20,7 +20,8 @@ import torch
 
 from actorlm.kernels import QUANTIZED_FORMATS
 from actorlm.models import gguf_file, quantized
-from actorlm.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM
+from actorlm.models.families import SUPPORTED_MODEL_TYPES, text_config
+from actorlm.models.llama import LlamaForCausalLM
 from actorlm.models.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,8 @@ def resolve_model(model: str | os.PathLike | None) -> pathlib.Path:
 
 
 def load_hf_config(path):
-    """The transformers config of the directory ``path``; ValueError for unsupported types."""
+    """The transformers config of the directory ``path`` (of its text decoder, for a model
+    with a vision tower); ValueError for unsupported types."""
     from transformers import AutoConfig
 
     path = pathlib.Path(path)
@@ -61,7 +63,7 @@ def load_hf_config(path):
         raise ValueError(
             f"model {str(path)!r} has model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    return AutoConfig.from_pretrained(path, local_files_only=True)
+    return text_config(AutoConfig.from_pretrained(path, local_files_only=True))
 
 
 def check_quantization(path, quantization: str | None) -> None:
@@ -124,15 +126,34 @@ def _quantized(tensors, quantization: str):
         yield name, tensor
 
 
+def safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
+    """The checkpoint's weight files: those its ``model.safetensors.index.json`` names, else
+    every *.safetensors file but Mistral's ``consolidated.*`` (the same weights under Mistral's
+    own names, shipped beside the Hugging Face ones)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError) as e:
+            raise ValueError(f"cannot read the weight map of {str(index)!r}: {e!r}") from e
+        missing = [name for name in names if not (path / name).is_file()]
+        if missing:
+            raise ValueError(f"{str(index)!r} names files that are not there: {missing}")
+        return [path / name for name in names]
+    files = [f for f in sorted(path.glob("*.safetensors"))
+             if not f.name.startswith("consolidated.")]
+    if not files:
+        raise ValueError(f"model directory {str(path)!r} has no *.safetensors files")
+    return files
+
+
 def _safetensors(path: pathlib.Path, sliced: bool):
-    """(name, tensor) of every tensor of the directory's *.safetensors files; ``sliced``: a
-    slice to read part of each from (tensor parallelism), in place of the tensor."""
+    """(name, tensor) of every tensor of the checkpoint's files; ``sliced``: a slice to read
+    part of each from (tensor parallelism), in place of the tensor."""
     from safetensors import safe_open
     from tqdm.auto import tqdm
 
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model directory {str(path)!r} has no *.safetensors files")
+    files = safetensors_files(path)
     num_tensors = 0
     for file in files:  # reads only the headers
         with safe_open(file, framework="pt", device="cpu") as f:

@@ -77,6 +77,7 @@ def test_disconnects_abort_and_free_everything(server):
     assert values["vllm:num_requests_running"] == 0
     assert values["vllm:num_requests_waiting"] == 0
     assert values["vllm:kv_cache_usage_perc"] == 0.0
+    assert values["actorlm:kv_cache_group_blocks"] == 0  # (the one group's, here)
     finished = "vllm:request_success_total"
     aborted = values.get(finished, 0) - before.get(finished, 0)
     assert aborted >= 25  # those that got past submission were counted as they left

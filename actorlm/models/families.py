@@ -1,0 +1,199 @@
+"""The dense decoder families, as their configs and checkpoints describe them.
+
+Every family here runs on the one model of ``llama.py`` (``DecoderLayer``s over the paged KV
+cache); what differs is said here once: each layer's ``LayerSpec`` (norms, activation, q/k
+norms, biases, attention scale, window, soft-capping), the RoPE tables and which layer rotates
+by which, the embedding's scale, the final logits' soft-capping, and how the checkpoint names
+its tensors.
+
+- Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3: pre-norm, SiLU, RMSNorm by ``weight``.
+- Phi-3: a Llama whose checkpoint fuses q/k/v (``qkv_proj``) and gate/up (``gate_up_proj``).
+- Gemma 2 and Gemma 3: four norms a layer (before and after attention and MLP), RMSNorm by
+  ``1 + weight``, GeLU (tanh), the embedding scaled by sqrt(hidden), attention scaled by
+  ``query_pre_attn_scalar``; Gemma 2 soft-caps attention scores and the final logits, Gemma 3
+  norms q and k and gives its sliding layers their own RoPE base. A ``gemma3`` checkpoint
+  (text and vision) is served as its text tower.
+
+A config field that changes the math and is not implemented is refused by name
+(``check_config``), never dropped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from actorlm.kernels import QuantizedWeight
+from actorlm.models import quantized
+from actorlm.models.decoder import LayerSpec
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text",
+                         "gemma3")
+_GEMMA = ("gemma2", "gemma3_text")
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+# a checkpoint's norm names -> the shared decoder layer's (Llama's "post-attention" norm is
+# the one before the MLP; Gemma's is the attention output's own)
+LLAMA_NORMS = {".input_layernorm.": ".attn_norm.", ".post_attention_layernorm.": ".mlp_norm."}
+GEMMA_NORMS = {".input_layernorm.": ".attn_norm.", ".post_attention_layernorm.": ".attn_out_norm.",
+               ".pre_feedforward_layernorm.": ".mlp_norm.",
+               ".post_feedforward_layernorm.": ".mlp_out_norm."}
+# a gemma3 (text and vision) checkpoint's text tower -> a text model's names; both layouts
+# transformers has written
+_TEXT_TOWER = {"model.language_model.": "model.", "language_model.model.": "model.",
+               "language_model.lm_head.": "lm_head."}
+_VISION = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
+           "multi_modal_projector.")
+
+
+def text_config(config):
+    """The config of the text decoder: a ``gemma3`` checkpoint's ``text_config``."""
+    return config.text_config if config.model_type == "gemma3" else config
+
+
+def is_gemma(config) -> bool:
+    return config.model_type in _GEMMA
+
+
+def check_config(config) -> None:
+    """Refuse, by name, what ``config`` asks for that this engine does not compute."""
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {config.model_type!r} is not supported (use one of "
+                         f"{SUPPORTED_MODEL_TYPES})")
+    activation = activation_of(config)
+    if activation not in _ACTIVATIONS or is_gemma(config) != (activation != "silu"):
+        raise ValueError(f"{config.model_type}: activation {activation!r} is not implemented")
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    for params in (rope.values() if "sliding_attention" in rope else [rope]):
+        factor = (params or {}).get("partial_rotary_factor",
+                                    getattr(config, "partial_rotary_factor", 1.0))
+        if factor not in (None, 1.0):
+            raise ValueError(f"partial_rotary_factor {factor} (RoPE on part of each head) is "
+                             f"not implemented")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError("use_bidirectional_attention (an encoder, not a causal decoder) is "
+                         "not implemented")
+    if not is_gemma(config):
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(config, name, None) is not None:
+                raise ValueError(f"{name} is not implemented for {config.model_type}")
+
+
+def activation_of(config) -> str:
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+
+
+def layer_windows(config) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), as transformers applies them:
+    ``layer_types`` where the config has them (Qwen2/3 with ``use_sliding_window``, Gemma),
+    else a ``sliding_window`` on every layer (Mistral, Phi-3)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return [window] * config.num_hidden_layers
+    if "sliding_attention" in layer_types and not window:
+        raise ValueError("layer_types name sliding_attention layers but sliding_window is unset")
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
+
+
+def layer_specs(config) -> list[LayerSpec]:
+    """Every decoder layer of the model, as its config describes it."""
+    check_config(config)
+    gemma, model_type = is_gemma(config), config.model_type
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    head_dim = head_dim_of(config)
+    scalar = getattr(config, "query_pre_attn_scalar", None) if gemma else None
+    base = dict(
+        hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        head_dim=head_dim, intermediate_size=config.intermediate_size,
+        norm_eps=config.rms_norm_eps, norm_unit_offset=gemma, output_norms=gemma,
+        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        activation=_ACTIVATIONS[activation_of(config)],
+        # Qwen2 always has a qkv bias (and none on o_proj); the others follow attention_bias
+        qkv_bias=model_type == "qwen2" or attention_bias,
+        o_bias=model_type != "qwen2" and attention_bias,
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        attention_scale=None if scalar is None else scalar**-0.5,
+        softcap=getattr(config, "attn_logit_softcapping", None) if gemma else None)
+    return [LayerSpec(**base, window=window) for window in layer_windows(config)]
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rope_layer_types(config) -> list[str | None]:
+    """The RoPE table each layer rotates by: a layer type where the config keeps RoPE
+    parameters per type (Gemma 3), else None (one table for all)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if "sliding_attention" not in params:
+        return [None] * config.num_hidden_layers
+    return list(config.layer_types)
+
+
+def rope_inv_freq(config, layer_type: str | None = None,
+                  device=None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [D/2] fp32, attention_scaling) through transformers' own RoPE init functions,
+    for the layers of ``layer_type`` where the config has RoPE parameters per layer type.
+
+    transformers 5 keeps ``rope_theta`` and the scaling type in ``config.rope_parameters``;
+    older versions have ``rope_theta`` and ``rope_scaling`` attributes.
+    """
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if layer_type is not None:
+        params = params[layer_type]
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in ("dynamic", "longrope", "su"):
+        # These switch frequencies with the running sequence length; not implemented here.
+        raise ValueError(f"rope type {rope_type!r} is not implemented")
+    if rope_type == "default" and "default" not in ROPE_INIT_FUNCTIONS:
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        dim = head_dim_of(config)
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float().to(device) / dim))
+        return inv_freq, 1.0
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope type {rope_type!r} is not implemented")
+    kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    return ROPE_INIT_FUNCTIONS[rope_type](config, device, **kwargs)
+
+
+def checkpoint_tensors(config, tensors):
+    """The checkpoint's (name, tensor) pairs as the model loads them: a text tower's names as
+    a text model's (its vision tower left out), Phi-3's fused q/k/v and gate/up split into
+    the projections they fuse (so that they merge and shard as every family's do)."""
+    q_size = config.num_attention_heads * head_dim_of(config)
+    kv_size = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * \
+        head_dim_of(config)
+    for name, tensor in tensors:
+        if name.startswith(_VISION):
+            continue
+        for prefix, ours in _TEXT_TOWER.items():
+            if name.startswith(prefix):
+                name = ours + name.removeprefix(prefix)
+                break
+        if ".self_attn.qkv_proj." in name:
+            parts = [("q_proj", 0, q_size), ("k_proj", q_size, kv_size),
+                     ("v_proj", q_size + kv_size, kv_size)]
+        elif ".mlp.gate_up_proj." in name:
+            half = config.intermediate_size
+            parts = [("gate_proj", 0, half), ("up_proj", half, half)]
+        else:
+            yield name, tensor
+            continue
+        fused = name.split(".")[-2]
+        for part, start, length in parts:
+            yield name.replace(f".{fused}.", f".{part}."), narrow(tensor, 0, start, length)
+
+
+def narrow(tensor, dim, start, length):
+    """``start:start + length`` along ``dim`` (everything when ``length`` is None) of a tensor,
+    a weight in blocks, or read from a safetensors slice."""
+    if isinstance(tensor, QuantizedWeight):
+        return tensor if length is None else quantized.narrow(tensor, dim, start, length)
+    if isinstance(tensor, torch.Tensor):
+        return tensor if length is None else tensor.narrow(dim, start, length)
+    if length is None:
+        return tensor[:]
+    return tensor[(slice(None),) * dim + (slice(start, start + length),)]

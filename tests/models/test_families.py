@@ -1,0 +1,112 @@
+"""The families beyond Llama's (Gemma 3, Gemma 2, Mistral and Qwen2 with their windows, Phi-3)
+against transformers on the same tiny checkpoints: logits at every position of a 40-token
+prompt and 60 greedy tokens after it, far past the window of 16, and the greedy tokens
+themselves by vLLM's rule."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from checkpoints import WINDOW
+from greedy import TOP, check_logprobs_close, hf_continuation
+from paged_contexts import PagedContexts
+
+from actorlm.kernels import select_backend
+from actorlm.kernels.cpu import linear as cpu_linear
+from actorlm.models.loader import load_model
+
+FAMILIES = ["gemma3", "gemma2", "mistral", "qwen2_window", "phi3"]
+PROMPT_LEN, NUM_DECODED = 40, 60
+ATOL = {torch.float32: 2e-4, torch.bfloat16: None}  # bf16: judged by the greedy tokens only
+
+
+def _prompt(vocab_size: int) -> list[int]:
+    generator = torch.Generator().manual_seed(7)
+    return torch.randint(3, vocab_size, (PROMPT_LEN,), generator=generator).tolist()
+
+
+def _ours(model, prompt, num_tokens, block_size):
+    """Our logits at every position (prefill in two chunks, then one token a step), the greedy
+    tokens and each step's top 5."""
+    cache = PagedContexts(model, num_blocks=64, block_size=block_size)
+    cut = PROMPT_LEN // 2 + 3
+    logits = [cache.step(model, [(0, prompt[:cut])]), cache.step(model, [(0, prompt[cut:])])]
+    tokens, tops = [], []
+    for i in range(num_tokens):
+        last = logits[-1][-1]
+        tokens.append(int(last.argmax()))
+        tops.append(set(last.topk(TOP).indices.tolist()))
+        if i + 1 < num_tokens:
+            logits.append(cache.step(model, [(0, tokens[-1:])]))
+    return torch.cat(logits), tokens, tops
+
+
+@pytest.fixture(scope="module")
+def hf_models(tiny_window_dirs):
+    from transformers import AutoModelForCausalLM
+
+    return {name: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            for name, path in tiny_window_dirs.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_at_every_position_past_the_window_match_transformers(
+        family, dtype, tiny_window_dirs, hf_models):
+    theirs = hf_models[family]
+    ours = load_model(tiny_window_dirs[family], dtype, "cpu", select_backend("cpu"))
+    prompt = _prompt(ours.vocab_size)
+    logits, tokens, tops = _ours(ours, prompt, NUM_DECODED, block_size=8 if family == "phi3" else 4)
+    check_logprobs_close([(tokens, tops)], [hf_continuation(theirs, prompt, NUM_DECODED)])
+    if ATOL[dtype] is not None:
+        with torch.inference_mode():  # one forward over the whole sequence: every position
+            expected = theirs(torch.tensor([prompt + tokens[:-1]])).logits[0]
+        torch.testing.assert_close(logits, expected, atol=ATOL[dtype], rtol=0)
+
+
+@pytest.mark.skipif(cpu_linear._kernel() is None,
+                    reason="the fp32 panel GEMM needs AVX-512 and a C++ compiler")
+def test_each_family_takes_the_one_call_decode_step(tiny_window_dirs):
+    """A decode step of every family goes through the backend's one-call step (the layer
+    descriptions carry windows, four norms, soft-capping, two RoPE tables)."""
+    for family in FAMILIES:
+        ours = load_model(tiny_window_dirs[family], torch.float32, "cpu", select_backend("cpu"))
+        assert ours.decode_step is not None, family
+        _ours(ours, _prompt(ours.vocab_size), 4, block_size=4)
+        assert ours.decode_step.num_steps == 3, family
+
+
+def test_layers_are_grouped_by_their_window(tiny_window_dirs):
+    groups = {family: [(g.window, g.layers) for g in load_model(
+        tiny_window_dirs[family], torch.float32, "cpu", select_backend("cpu")).kv_cache_groups]
+        for family in FAMILIES}
+    assert groups["gemma3"] == [(None, (5,))] + [(WINDOW, (i,)) for i in range(5)]
+    assert groups["gemma2"] == [(None, (1, 3)), (WINDOW, (0, 2))]
+    assert groups["mistral"] == [(WINDOW, (0, 1))]
+    assert groups["qwen2_window"] == [(None, (0, 1)), (WINDOW, (2, 3))]
+    assert groups["phi3"] == [(None, (0, 1))]
+
+
+def test_a_gemma3_checkpoint_with_a_vision_tower_is_served_as_its_text_tower(
+        tiny_window_dirs, tmp_path):
+    """A ``gemma3`` (image and text) checkpoint: its text decoder's logits, as transformers'
+    whole model computes them for a prompt with no image."""
+    from transformers import AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = json.loads((tiny_window_dirs["gemma3"] / "config.json").read_text())
+    config = Gemma3Config(text_config=text, vision_config=dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        image_size=28, patch_size=14), mm_tokens_per_image=4, image_token_index=3)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        theirs = Gemma3ForConditionalGeneration(config).eval()
+    theirs.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tiny_window_dirs["gemma3"]).save_pretrained(tmp_path)
+    ours = load_model(tmp_path, torch.float32, "cpu", select_backend("cpu"))
+    prompt = _prompt(ours.vocab_size)
+    logits, tokens, _ = _ours(ours, prompt, 24, block_size=4)
+    with torch.inference_mode():
+        expected = theirs(input_ids=torch.tensor([prompt + tokens[:-1]])).logits[0]
+    torch.testing.assert_close(logits, expected, atol=ATOL[torch.float32], rtol=0)
