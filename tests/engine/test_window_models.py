@@ -36,3 +36,24 @@ def test_past_the_window_the_engine_gives_transformers_greedy(tiny_window_dirs, 
         assert windows[0] is None and set(windows[1:]) == {16}
         assert max(s.kv_blocks_per_group[0] - max(s.kv_blocks_per_group[1:])
                    for s in steps) >= 8
+
+
+SHARED = [7 + (j * 11) % 290 for j in range(30)]  # a prefix longer than the window
+FOLLOW_UPS = [SHARED + [40 + i, 90 + i, 140 + i] for i in range(3)]
+
+
+@pytest.mark.parametrize("caching", ["on", "off"])
+@pytest.mark.parametrize("name", ["gemma3", "gemma2", "qwen2_window", "mistral", "phi3"])
+def test_prefix_hits_across_the_window_give_transformers_greedy(tiny_window_dirs, make_llm,
+                                                                name, caching):
+    path = tiny_window_dirs[name]
+    llm = make_llm(str(path), block_size=4, max_model_len=96,
+                   enable_prefix_caching=caching == "on")
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=TOP)
+    first = llm.generate([{"prompt_token_ids": SHARED}], params, use_tqdm=False)
+    later = llm.generate([{"prompt_token_ids": p} for p in FOLLOW_UPS], params, use_tqdm=False)
+    # the follow-ups start from the shared prompt's blocks: every group's hit agrees on 28
+    # tokens (7 full blocks; a sliding group holds only those its window reads)
+    assert [o.num_cached_tokens for o in later] == ([28] * 3 if caching == "on" else [0] * 3)
+    check_logprobs_close(engine_greedy(first + later),
+                         hf_greedy(path, [SHARED, *FOLLOW_UPS], 24))
