@@ -15,7 +15,12 @@ from actorlm.api.errors import ErrorResponse
 from actorlm.api.security import OPEN_PATHS
 
 _REF = "#/components/schemas/{name}"
-_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+# one Server-Sent Event as OpenAPI models it (``schema`` per event before 3.2's ``itemSchema``):
+# ``data`` is a chunk's JSON, or "[DONE]"
+_SSE = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"},
+                   "id": {"type": "string"}, "retry": {"type": "integer"}}}}}
 _TEXT = {"schema": {"type": "string"}}
 
 # (method, path, summary, request type, response type or {media type: content})
