@@ -12,5 +12,5 @@ mkdir -p $OUT; lscpu > $OUT/lscpu.txt
   --input-len 128 --output-len 128 --num-iters 3 --compare hf --json 2>/dev/null | tail -1 \
   > $OUT/latency-1.json
 .venv/bin/actorlm bench throughput --model "$GEMMA" --dtype bfloat16 --num-prompts 16 \
-  --output-len 128 --compare hf --json 2>/dev/null | tail -1 > $OUT/throughput-16.json
+  --output-len 128 --num-iters 3 --compare hf --json 2>/dev/null | tail -1 > $OUT/throughput-16.json
 cat $OUT/*.json

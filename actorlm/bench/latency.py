@@ -11,6 +11,7 @@ per-step breakdown (see ``actorlm.trace.step_breakdown``).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import queue
 import statistics
@@ -18,7 +19,7 @@ import time
 
 import torch
 
-from actorlm.bench.throughput import bench_prompts, profiled, step_breakdown
+from actorlm.bench.throughput import bench_prompts, conversation_ids, profiled, step_breakdown
 
 
 def latency_prompts(tokenize, batch_size: int, input_len: int) -> list[list[int]]:
@@ -51,7 +52,8 @@ def run_latency(model: str | None, flags: dict, batch_size: int, input_len: int,
     with profiled(profile) as trace_file:
         llm = LLM(model, trace_file=trace_file, **flags)
         try:
-            prompts = latency_prompts(llm.apply_chat_template, batch_size, input_len)
+            prompts = latency_prompts(functools.partial(conversation_ids, llm), batch_size,
+                                      input_len)
             _timed_batch(llm, prompts[:1], 4)  # warm-up: first-call allocations, threads
             path, dtype = llm.engine.model_path, llm.engine.dtype
             hf_run = _hf_runner(path, dtype, prompts, output_len) if compare_hf else None

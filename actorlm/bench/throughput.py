@@ -35,6 +35,14 @@ def bench_prompts(num_prompts: int) -> list[list[dict]]:
     return convs
 
 
+def conversation_ids(llm, conversation: list[dict]) -> list[int]:
+    """A conversation's prompt through the model's chat template; a base model without one
+    (Gemma 3 270M's file) gets the messages' text as a plain prompt."""
+    if llm.tokenizer.chat_template is not None:
+        return llm.apply_chat_template(conversation)
+    return llm.tokenizer("\n".join(m["content"] for m in conversation)).input_ids
+
+
 @contextlib.contextmanager
 def profiled(enabled: bool):
     """A temporary trace file to record into (None when ``enabled`` is false)."""
@@ -67,7 +75,7 @@ def run_throughput(model: str | None, flags: dict, num_prompts: int, output_len:
     with profiled(trace or profile) as trace_file:
         llm = LLM(model, trace_file=trace_file, **flags)
         try:
-            prompt_ids = [llm.apply_chat_template(c) for c in bench_prompts(num_prompts)]
+            prompt_ids = [conversation_ids(llm, c) for c in bench_prompts(num_prompts)]
             num_prompt_tokens = sum(map(len, prompt_ids))
             llm.generate([{"prompt_token_ids": prompt_ids[0]}], SamplingParams(max_tokens=4),
                          use_tqdm=False)  # warm-up: first-call allocations and thread start-up
