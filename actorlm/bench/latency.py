@@ -20,6 +20,7 @@ import time
 import torch
 
 from actorlm.bench.throughput import bench_prompts, conversation_ids, profiled, step_breakdown
+from actorlm.openmp import on_passing_thread
 
 
 def latency_prompts(tokenize, batch_size: int, input_len: int) -> list[list[int]]:
@@ -56,13 +57,14 @@ def run_latency(model: str | None, flags: dict, batch_size: int, input_len: int,
                                       input_len)
             _timed_batch(llm, prompts[:1], 4)  # warm-up: first-call allocations, threads
             path, dtype = llm.engine.model_path, llm.engine.dtype
-            hf_run = _hf_runner(path, dtype, prompts, output_len) if compare_hf else None
+            hf_run = on_passing_thread(_hf_runner, path, dtype, prompts, output_len) \
+                if compare_hf else None
             since = time.monotonic()
             runs, hf = [], []
             for _ in range(num_iters):  # taking turns with transformers, as bench throughput
                 runs.append(_timed_batch(llm, prompts, output_len))
                 if hf_run is not None:
-                    hf.append(hf_run())
+                    hf.append(on_passing_thread(hf_run))
             breakdown = step_breakdown(llm, since) if profile else None
         finally:
             llm.shutdown()
