@@ -1,6 +1,6 @@
 """A dense decoder layer over the paged KV cache, built from its family's description.
 
-A family (``llama.py``) describes each of its layers with a ``LayerSpec``: which norms sit where
+A family (``families.py``) describes each of its layers with a ``LayerSpec``: which norms sit where
 and how they scale, q/k norms, the activation, biases, the attention scale, a sliding window.
 The modules here build exactly those parts and run them through the kernel backend; ``plan()``
 hands the same description, with the loaded weights, to the backend's one-call decode step

@@ -1,6 +1,6 @@
 """The dense decoder families, as their configs and checkpoints describe them.
 
-Every family here runs on the one model of ``llama.py`` (``DecoderLayer``s over the paged KV
+Every family here runs on the one model of ``causal_lm.py`` (``DecoderLayer``s over the paged KV
 cache); what differs is said here once: each layer's ``LayerSpec`` (norms, activation, q/k
 norms, biases, attention scale, window, soft-capping), the RoPE tables and which layer rotates
 by which, the embedding's scale, the final logits' soft-capping, and how the checkpoint names

@@ -21,7 +21,7 @@ import torch
 from actorlm.kernels import QUANTIZED_FORMATS
 from actorlm.models import gguf_file, quantized
 from actorlm.models.families import SUPPORTED_MODEL_TYPES, text_config
-from actorlm.models.llama import LlamaForCausalLM
+from actorlm.models.causal_lm import CausalLM
 from actorlm.models.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -99,13 +99,13 @@ def check_block_split(path, config, quantization: str | None, size: int) -> None
 
 def load_model(path, dtype: torch.dtype, device, backend,
                tp: TensorParallel = TensorParallel(),
-               quantization: str | None = None) -> LlamaForCausalLM:
+               quantization: str | None = None) -> CausalLM:
     """Build the model for the directory ``path`` (rank ``tp.rank``'s shard of it) and fill it
     from its *.safetensors files, or from its GGUF file."""
     path = pathlib.Path(path)
     check_quantization(path, quantization)
     config = load_hf_config(path)
-    model = LlamaForCausalLM(config, backend, dtype=dtype, device=device, tp=tp)
+    model = CausalLM(config, backend, dtype=dtype, device=device, tp=tp)
     if gguf_file.is_gguf_dir(path):
         tensors = gguf_file.read_tensors(path, config, dtype)
     else:

@@ -15,7 +15,7 @@ from test_model_vs_hf import PROMPTS
 
 from actorlm.kernels import select_backend
 from actorlm.kernels.cpu import linear as cpu_linear
-from actorlm.models import llama
+from actorlm.models import causal_lm
 from actorlm.models.loader import load_hf_config, load_model
 
 needs_kernels = pytest.mark.skipif(cpu_linear._kernel() is None,
@@ -94,12 +94,12 @@ def test_a_layer_described_otherwise_takes_the_one_call_with_the_python_layers_b
         tiny_qwen3_dir, monkeypatch, dtype):
     # a family with output norms after attention and MLP, unit-offset norms (1 + weight) and
     # GeLU-tanh (Gemma's layer): a description, no new kernel
-    specs = llama.layer_specs(load_hf_config(tiny_qwen3_dir))
+    specs = causal_lm.layer_specs(load_hf_config(tiny_qwen3_dir))
     described = [dataclasses.replace(spec, output_norms=True, norm_unit_offset=True,
                                      activation="gelu_tanh", attention_scale=0.2)
                  for spec in specs]
-    monkeypatch.setattr(llama, "layer_specs", lambda config: described)
-    model = llama.LlamaForCausalLM(load_hf_config(tiny_qwen3_dir), select_backend("cpu"),
+    monkeypatch.setattr(causal_lm, "layer_specs", lambda config: described)
+    model = causal_lm.CausalLM(load_hf_config(tiny_qwen3_dir), select_backend("cpu"),
                                    dtype=dtype)
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():

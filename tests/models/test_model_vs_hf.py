@@ -1,4 +1,4 @@
-"""Our paged LlamaForCausalLM against transformers on the same checkpoint."""
+"""Our paged CausalLM against transformers on the same checkpoint."""
 
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def test_rope_scaling_matches_hf(rope_parameters):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from actorlm.models.llama import LlamaForCausalLM
+    from actorlm.models.causal_lm import CausalLM
 
     config = LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
@@ -119,7 +119,7 @@ def test_rope_scaling_matches_hf(rope_parameters):
     )  # fmt: skip
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    model = LlamaForCausalLM(config, select_backend("cpu"))
+    model = CausalLM(config, select_backend("cpu"))
     positions = torch.arange(0, 500, 7)
     (cos, sin), = model.ropes(positions)  # [T, 1, D] each
     hf_cos, hf_sin = LlamaRotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32), positions[None])

@@ -33,8 +33,8 @@ _STACKED = {
 }
 
 
-class LlamaBody(nn.Module):
-    """Named ``model`` inside LlamaForCausalLM so parameter names match HF checkpoints."""
+class DecoderBody(nn.Module):
+    """Named ``model`` inside CausalLM so parameter names match HF checkpoints."""
 
     def __init__(self, config, specs, ropes, groups, backend, dtype, device, tp):
         super().__init__()
@@ -49,7 +49,7 @@ class LlamaBody(nn.Module):
                             dtype, device)
 
 
-class LlamaForCausalLM(nn.Module):
+class CausalLM(nn.Module):
     """With ``tp`` of size N > 1, rank ``tp.rank``'s shard: 1/N of the query heads, of the KV
     heads (or one replicated), of the MLP and of the vocabulary (padded up to a multiple of N),
     loaded straight from the checkpoint's tensors (``load_weights``)."""
@@ -75,7 +75,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_scale = config.hidden_size**0.5 if is_gemma(config) else None
         self.final_softcap = getattr(config, "final_logit_softcapping", None) \
             if is_gemma(config) else None
-        self.model = LlamaBody(config, specs, [table_types.index(t) for t in rope_types],
+        self.model = DecoderBody(config, specs, [table_types.index(t) for t in rope_types],
                                layer_slots(self.kv_cache_groups)[0], backend, dtype, device, tp)
         attn = self.model.layers[0].self_attn
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads  # this rank's
