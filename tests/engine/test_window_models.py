@@ -57,3 +57,20 @@ def test_prefix_hits_across_the_window_give_transformers_greedy(tiny_window_dirs
     assert [o.num_cached_tokens for o in later] == ([28] * 3 if caching == "on" else [0] * 3)
     check_logprobs_close(engine_greedy(first + later),
                          hf_greedy(path, [SHARED, *FOLLOW_UPS], 24))
+
+
+# (not Mistral: with every layer sliding, a running request gives a block back for each it
+# takes past its window, so it never grows into a preemption; requests wait to be admitted)
+@pytest.mark.parametrize("name", ["gemma3", "gemma2", "qwen2_window", "phi3"])
+def test_under_kv_pressure_requests_are_preempted_and_still_give_transformers_greedy(
+        tiny_window_dirs, make_llm, name):
+    path = tiny_window_dirs[name]
+    prompts = [[9 + (i * 17 + j * 5) % 280 for j in range(20 + 4 * i)] for i in range(6)]
+    # six requests growing to up to 80 tokens share a pool that holds two or three of them
+    llm = make_llm(str(path), block_size=4, max_model_len=96, num_kv_blocks=96,
+                   max_num_batched_tokens=32)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                          logprobs=TOP), use_tqdm=False)
+    assert llm.stats()["num_preemptions"] > 0
+    check_logprobs_close(engine_greedy(outputs), hf_greedy(path, prompts, 40))
