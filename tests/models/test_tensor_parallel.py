@@ -140,7 +140,8 @@ def checkpoints(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_replicated_
             "qwen3_qk_norm": tiny_qwen3_dir, "llama_replicated_kv": tiny_replicated_kv_dir,
             # sliding windows in KV-cache groups, Gemma's norms and soft-capping, Phi-3's
             # fused q/k/v and gate/up split per rank
-            **{name: tiny_window_dirs[name] for name in ("gemma3", "gemma2", "mistral", "phi3")},
+            **{name: tiny_window_dirs[name]
+               for name in ("gemma3", "gemma2", "mistral", "qwen2_window", "phi3")},
             # in blocks: o_proj / down_proj split on block boundaries; a tied embedding (looked
             # up as floats per rank); an untied head whose odd vocabulary pads with zero blocks
             **{name: resolve_model(write_gguf(path, files / f"{name}.gguf", type_name))
@@ -156,7 +157,8 @@ def split(checkpoints):
 
 
 @pytest.mark.parametrize("name", ["llama_tied", "qwen2_qkv_bias", "qwen3_qk_norm",
-                                  "llama_replicated_kv", "gemma3", "gemma2", "mistral", "phi3"])
+                                  "llama_replicated_kv", "gemma3", "gemma2", "mistral",
+                                  "qwen2_window", "phi3"])
 def test_two_ranks_compute_what_one_computes(name, checkpoints, split):
     path = checkpoints[name]
     whole = greedy_steps(TensorParallel(), path)
