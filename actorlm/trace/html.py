@@ -57,7 +57,7 @@ def page_data(timeline: Timeline, title: str) -> dict:
     steps = [[s.step, ms(s.t_start), ms(s.t_end), s.num_prefill_tokens, s.num_decode_tokens,
               s.kv_blocks_used, s.kv_blocks_free, s.num_running, s.num_waiting, s.request_ids,
               s.num_scheduled_tokens, s.preempted_ids, s.failed_ids, s.num_cached_tokens,
-              s.kv_blocks_cached] for s in timeline.steps]
+              s.kv_blocks_cached, s.kv_blocks_per_group] for s in timeline.steps]
     return {"meta": meta, "summary": summary_figures(timeline), "lanes": lanes, "steps": steps}
 
 
@@ -76,6 +76,11 @@ def summary_figures(timeline: Timeline) -> dict:
         "max_step_tokens": max((s.num_prefill_tokens + s.num_decode_tokens for s in steps),
                                default=0),
         "peak_kv_blocks": max((s.kv_blocks_used for s in steps), default=0),
+        # per KV-cache group (with more than one): a sliding group's stays near its window
+        "peak_kv_blocks_per_group": [max(group) for group in zip(
+            *(s.kv_blocks_per_group for s in steps if s.kv_blocks_per_group))],
+        "kv_cache_windows": list(timeline.config.kv_cache_windows)
+        if timeline.config is not None else [],
         "mean_step_ms": round(1e3 * sum(s.t_end - s.t_start for s in ran) / len(ran), 3)
         if ran else None,
         "cache_hit_rate": None if rate is None else round(100 * rate, 1),

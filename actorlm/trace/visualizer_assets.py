@@ -178,6 +178,10 @@ SCRIPT = r"""
   chip('preemptions', SUM.num_preempted + ' / ' + SUM.num_preemptions, 'preempted reqs / times',
        'var(--preempted)');
   chip('peak-kv', Math.round(100 * SUM.peak_kv_blocks / totalKv) + '%', 'peak KV use');
+  if (SUM.peak_kv_blocks_per_group.length > 1) {
+    chip('peak-kv-groups', SUM.peak_kv_blocks_per_group.join(' / '), 'peak blocks per KV-cache group (' +
+      SUM.kv_cache_windows.map(function (w) { return w === null ? 'full' : 'window ' + w; }).join(' / ') + ')');
+  }
   if (SUM.cache_hit_rate !== null) {
     chip('cache-hit-rate', SUM.cache_hit_rate + '%', 'cache hit rate').title =
       fmtInt(SUM.num_cached_tokens) + ' of ' + fmtInt(SUM.num_admitted_tokens) +
@@ -438,6 +442,7 @@ SCRIPT = r"""
     lines.push(kv('requests', s[9].length) + ' &nbsp; ' + kv('prefill', s[3]) + ' &nbsp; ' + kv('decode', s[4]) + ' tokens');
     lines.push(kv('KV blocks', s[5] + ' used / ' + s[6] + ' free' + (s[14] ? ' (' + s[14] + ' cached)' : '')) +
       ' &nbsp; ' + kv('waiting', s[8]));
+    if (s[15] && s[15].length > 1) lines.push(kv('blocks per KV-cache group', s[15].join(' / ')));
     if (s[13]) lines.push(kv('cache hits', s[13] + ' tokens'));
     if (s[11].length) lines.push(kv('preempted', esc(s[11].join(', '))));
     if (s[12].length) lines.push(kv('failed', esc(s[12].join(', '))));

@@ -243,3 +243,25 @@ def test_each_rank_gets_a_track_ending_with_its_step():
         assert [e["name"] for e in spans] == ["prepare", "forward", "sample"]
         assert [e["dur"] for e in spans] == [round(p * 1e6, 3) for p in phases]
         assert abs(spans[-1]["ts"] + spans[-1]["dur"] - 20_000) < 1  # the step's end, in us
+
+
+def test_html_shows_the_peak_blocks_of_each_kv_cache_group(chromium, tmp_path):
+    from actorlm.testing import EngineHarness
+    from actorlm.trace import TraceRecorder
+
+    recorder = TraceRecorder()
+    with EngineHarness(trace=recorder, kv_cache_windows=(None, 8), num_kv_blocks=64,
+                       block_size=4, max_model_len=64) as h:
+        h.add_request(list(range(5, 25)), max_tokens=30, ignore_eos=True)  # 50 tokens: 13 blocks
+        h.run_until_idle()
+    page = tmp_path / "groups.html"
+    page.write_text(render_html(recorder.records()))
+    done = _headless(chromium, tmp_path, "--dump-dom", page.as_uri())
+    assert done.returncode == 0, done.stderr[-2000:]
+    dom = _Dom()
+    dom.feed(done.stdout)
+    assert "data-js-errors" not in dom.root, dom.root.get("data-js-errors")
+    # the full group ends holding all 13; the sliding one peaks at the prompt's 5 (its
+    # prefill reads them all), then holds its window's 3
+    assert dom.text["figure:peak-kv-groups"] == \
+        "13 / 5peak blocks per KV-cache group (full / window 8)"
