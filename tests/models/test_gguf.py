@@ -19,7 +19,6 @@ from gguf_files import dequantized_model, write_gguf
 from paged_contexts import PagedContexts
 
 from actorlm.kernels import select_backend
-from actorlm.models import gguf_file
 from actorlm.models.loader import load_model, resolve_model
 
 SMALL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")  # 32-value blocks: the tiny checkpoints' 64 fit
