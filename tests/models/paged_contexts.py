@@ -6,16 +6,19 @@ import torch
 
 
 class PagedContexts:
-    """A freshly allocated paged cache and per-request block tables, as the worker keeps them."""
+    """A freshly allocated paged cache and per-request block tables, as the worker keeps them:
+    one table per KV-cache group (``num_groups``, the model's by default), each with blocks of
+    its own."""
 
-    def __init__(self, model, num_blocks=96, block_size=4, seed=0):
+    def __init__(self, model, num_blocks=96, block_size=4, seed=0, num_groups=None):
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
                           for _ in range(model.num_layers)]
         self.block_size = block_size
         # Shuffled so a request's blocks are not contiguous; block 0 is the table padding.
-        self.free = (torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1).tolist()
-        self.blocks: dict[int, list[int]] = {}
+        self.pool = (torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1).tolist()
+        num_groups = num_groups or len(model.kv_cache_groups)
+        self.tables: list[dict[int, list[int]]] = [{} for _ in range(num_groups)]  # rid -> ids
         self.lens: dict[int, int] = {}
 
     def step(self, model, chunks: list[tuple[int, list[int]]]) -> torch.Tensor:
@@ -24,19 +27,18 @@ class PagedContexts:
         for rid, tokens in chunks:
             start = self.lens.get(rid, 0)
             end = start + len(tokens)
-            blocks = self.blocks.setdefault(rid, [])
-            while len(blocks) * self.block_size < end:
-                blocks.append(self.free.pop())
+            for tables in self.tables:
+                blocks = tables.setdefault(rid, [])
+                while len(blocks) * self.block_size < end:
+                    blocks.append(self.pool.pop())
             ids += tokens
             positions += range(start, end)
             q_lens.append(len(tokens))
             seq_lens.append(end)
             self.lens[rid] = end
-        meta = model.backend.attention_metadata(q_lens, seq_lens,
-                                                [self.blocks[rid] for rid, _ in chunks],
-                                                self.block_size)
+        metas = [model.backend.attention_metadata(q_lens, seq_lens,
+                                                  [tables[rid] for rid, _ in chunks],
+                                                  self.block_size) for tables in self.tables]
         with torch.inference_mode():
-            # every KV-cache group reads the same tables: blocks are never freed here
-            metas = [meta] * len(model.kv_cache_groups)
             hidden = model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, metas)
             return model.compute_logits(hidden)

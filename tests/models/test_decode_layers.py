@@ -151,46 +151,22 @@ def test_a_sliding_window_and_capped_scores_take_the_one_call_with_the_python_la
     assert model.decode_step.num_steps == len(steps)
 
 
-class GroupedContexts:
-    """``PagedContexts`` with a block table per KV-cache group (``windows``: each group's) and
-    request, as the allocator keeps them: after each step, a sliding group's blocks that hold
-    only positions before the next query's window are freed (with ``free``): their entries
-    become the placeholder block 0, the block goes back to the pool, first in line for the next
-    request that needs one, and its memory is NaN in every layer until rewritten. Block 0 is
-    NaN from the start. So a kernel that reads one freed block, even to mask it, returns NaN."""
+class GroupedContexts(PagedContexts):
+    """``PagedContexts`` with each group's window (``windows``), as the allocator keeps its
+    tables: after each step, a sliding group's blocks that hold only positions before the next
+    query's window are freed (with ``free``): their entries become the placeholder block 0, the
+    block goes back to the pool, first in line for the next request that needs one, and its
+    memory is NaN in every layer until rewritten. Block 0 is NaN from the start. So a kernel
+    that reads one freed block, even to mask it, returns NaN."""
 
     def __init__(self, model, windows, free=True, num_blocks=128, block_size=4, seed=0):
-        shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
-        self.kv_caches = [tuple(torch.zeros(shape, dtype=model.dtype) for _ in range(2))
-                          for _ in range(model.num_layers)]
-        self.windows, self.free, self.block_size = windows, free, block_size
-        self.pool = (torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed))
-                     + 1).tolist()
-        self.tables: list[dict[int, list[int]]] = [{} for _ in windows]  # group -> rid -> ids
-        self.lens: dict[int, int] = {}
+        super().__init__(model, num_blocks, block_size, seed, num_groups=len(windows))
+        self.windows, self.free = windows, free
         if free:
             self._poison(0)
 
     def step(self, model, chunks: list[tuple[int, list[int]]]) -> torch.Tensor:
-        ids, positions, q_lens, seq_lens = [], [], [], []
-        for rid, tokens in chunks:
-            start = self.lens.get(rid, 0)
-            end = start + len(tokens)
-            for tables in self.tables:
-                blocks = tables.setdefault(rid, [])
-                while len(blocks) * self.block_size < end:
-                    blocks.append(self.pool.pop())
-            ids += tokens
-            positions += range(start, end)
-            q_lens.append(len(tokens))
-            seq_lens.append(end)
-            self.lens[rid] = end
-        metas = [model.backend.attention_metadata(q_lens, seq_lens,
-                                                  [tables[rid] for rid, _ in chunks],
-                                                  self.block_size) for tables in self.tables]
-        with torch.inference_mode():
-            logits = model.compute_logits(model(torch.tensor(ids), torch.tensor(positions),
-                                                self.kv_caches, metas))
+        logits = super().step(model, chunks)
         if self.free:
             self._free_out_of_window()
         return logits

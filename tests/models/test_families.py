@@ -30,7 +30,7 @@ def _prompt(vocab_size: int) -> list[int]:
 def _ours(model, prompt, num_tokens, block_size):
     """Our logits at every position (prefill in two chunks, then one token a step), the greedy
     tokens and each step's top 5."""
-    cache = PagedContexts(model, num_blocks=64, block_size=block_size)
+    cache = PagedContexts(model, num_blocks=256, block_size=block_size)
     cut = PROMPT_LEN // 2 + 3
     logits = [cache.step(model, [(0, prompt[:cut])]), cache.step(model, [(0, prompt[cut:])])]
     tokens, tops = [], []
