@@ -72,7 +72,8 @@ class CausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.norms = GEMMA_NORMS if is_gemma(config) else LLAMA_NORMS  # checkpoint -> ours
         # Gemma scales the embeddings by sqrt(hidden), rounded to the model dtype as HF does
-        self.embed_scale = config.hidden_size**0.5 if is_gemma(config) else None
+        self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=dtype, device=device) \
+            if is_gemma(config) else None
         self.final_softcap = getattr(config, "final_logit_softcapping", None) \
             if is_gemma(config) else None
         self.model = DecoderBody(config, specs, [table_types.index(t) for t in rope_types],
@@ -102,7 +103,7 @@ class CausalLM(nn.Module):
         ropes = self.ropes(positions)
         x, residual = self.model.embed_tokens(input_ids), None  # [T, hidden]
         if self.embed_scale is not None:
-            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+            x = x * self.embed_scale
         fused = None if self.decode_step is None else \
             self.decode_step(x, ropes, kv_caches, metas)
         if fused is not None:  # every layer in one call (a decode step on a CPU)
