@@ -72,6 +72,10 @@ def check_config(config) -> None:
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention (an encoder, not a causal decoder) is "
                          "not implemented")
+    for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+        value = getattr(config, name, None) if is_gemma(config) else None
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be positive, got {value!r}")
     if not is_gemma(config):
         for name in ("attn_logit_softcapping", "final_logit_softcapping"):
             if getattr(config, name, None) is not None:

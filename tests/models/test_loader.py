@@ -129,6 +129,8 @@ def test_a_mistral_snapshot_loads_its_indexed_shards_and_ignores_consolidated(ti
     ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ("mistral", {"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
     ("mistral", {"hidden_act": "gelu"}, "activation 'gelu'"),
+    ("gemma3", {"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be positive, got 0"),
+    ("gemma2", {"attn_logit_softcapping": -50.0}, "attn_logit_softcapping must be positive"),
 ])
 def test_a_config_field_that_changes_the_math_and_is_not_implemented_is_refused(
         tiny_window_dirs, tmp_path, family, change, named):
