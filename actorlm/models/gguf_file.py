@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from actorlm.kernels import QUANTIZED_FORMATS, QuantizedWeight
+from actorlm.kernels.resident import resident
 from actorlm.paths import cache_root
 
 log = logging.getLogger(__name__)
@@ -136,8 +137,9 @@ def tensor_infos(path: pathlib.Path) -> tuple[pathlib.Path, list[TensorInfo]]:
 def read_tensors(path: pathlib.Path, config, dtype: torch.dtype
                  ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """Every tensor of the cached directory ``path``'s file under its Hugging Face name: the
-    kept block formats as ``QuantizedWeight`` over the memory-mapped file, float tensors as
-    they are, other formats dequantized to ``dtype``."""
+    kept block formats as ``QuantizedWeight``, their blocks copied out of the memory-mapped
+    file into huge pages (``kernels.resident``), float tensors as they are, other formats
+    dequantized to ``dtype``."""
     import gguf as gguf_package
 
     file, infos = tensor_infos(path)
@@ -148,7 +150,7 @@ def read_tensors(path: pathlib.Path, config, dtype: torch.dtype
         raw = torch.from_numpy(data[info.offset:info.offset + info.num_bytes])  # no copy
         rows = int(np.prod(info.shape[:-1]))
         if info.type_name in QUANTIZED_FORMATS and len(info.shape) == 2:
-            blocks = _unpermuted(info.name, raw.view(rows, -1), config)
+            blocks = resident(_unpermuted(info.name, raw.view(rows, -1), config))
             yield info.name, QuantizedWeight(info.type_name, blocks, info.shape)
         elif info.type_name in _FLOAT_TYPES:
             values = raw.view(_FLOAT_TYPES[info.type_name]).view(info.shape)

@@ -6,10 +6,10 @@ the kernels' test oracle); nothing here runs per step.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from actorlm.kernels import QuantizedWeight
+from actorlm.kernels.resident import resident
 
 QUANTIZATIONS = ("gguf", "q8_0", "q4_0")  # --quantization; gguf: a .gguf model's own blocks
 # quantized at load to Q8_0 whatever --quantization says: the embedding and the LM head, where
@@ -34,8 +34,7 @@ def quantize(weight: torch.Tensor, quantization: str, vocabulary: bool) -> Quant
         return None
     kind = gguf.GGMLQuantizationType[type_name]
     blocks = gguf.quants.quantize(weight.detach().float().numpy(), kind)
-    return QuantizedWeight(type_name, torch.from_numpy(np.ascontiguousarray(blocks)),
-                           tuple(weight.shape))
+    return QuantizedWeight(type_name, resident(torch.from_numpy(blocks)), tuple(weight.shape))
 
 
 def narrow(weight: QuantizedWeight, dim: int, start: int, length: int) -> QuantizedWeight:

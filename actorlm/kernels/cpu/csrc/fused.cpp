@@ -21,6 +21,9 @@ using actorlm::to_float;
 
 constexpr int kMaxRopeDim = 512;  // head sizes the RoPE kernel takes
 enum Activation { kSilu = 0, kGeluTanh = 1 };  // the order of kernels.backend.ACTIVATIONS
+// Values from which a pass is split over the team: a decode step's few rows take a
+// microsecond or two alone, about what waking the team and joining it again cost
+constexpr int64_t kParallelFrom = 8192;
 
 template <typename T>
 inline float inverse_rms(const T* x, int dim, float eps) {
@@ -48,7 +51,7 @@ inline void scale_row(const T* x, float inv_rms, const T* weight, bool unit_offs
 template <typename T>
 void rms_norm(const T* x, int64_t x_stride, T* out, const T* weight, int64_t rows, int dim,
               float eps, int unit_offset) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * dim >= kParallelFrom)
   for (int64_t r = 0; r < rows; ++r) {
     const T* row = x + r * x_stride;
     scale_row(row, inverse_rms(row, dim, eps), weight, unit_offset, dim, out + r * dim);
@@ -59,7 +62,7 @@ void rms_norm(const T* x, int64_t x_stride, T* out, const T* weight, int64_t row
 template <typename T>
 void add_rms_norm(T* x, T* residual, const T* weight, int64_t rows, int dim, float eps,
                   int unit_offset) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * dim >= kParallelFrom)
   for (int64_t r = 0; r < rows; ++r) {
     T* xr = x + r * dim;
     T* res = residual + r * dim;
@@ -79,7 +82,8 @@ template <typename T>
 void head_rms_norm(T* qkv, int64_t row_stride, int64_t rows, int num_heads, int num_kv_heads,
                    int head_dim, const T* q_weight, const T* k_weight, float eps,
                    int unit_offset) {
-#pragma omp parallel for schedule(static) collapse(2)
+#pragma omp parallel for schedule(static) collapse(2) \
+    if (rows * row_stride >= kParallelFrom)
   for (int64_t r = 0; r < rows; ++r) {
     for (int h = 0; h < num_heads + num_kv_heads; ++h) {
       T* x = qkv + r * row_stride + int64_t(h) * head_dim;
@@ -92,7 +96,7 @@ void head_rms_norm(T* qkv, int64_t row_stride, int64_t rows, int num_heads, int 
 // out[r] = act(gate[r]) * up[r], where row r of gate_up is [gate | up]
 template <typename T>
 void act_and_mul(const T* gate_up, T* out, int64_t rows, int dim, int activation) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * dim >= kParallelFrom)
   for (int64_t r = 0; r < rows; ++r) {
     const T* gate = gate_up + r * 2 * dim;
     const T* up = gate + dim;
@@ -126,7 +130,7 @@ void rope_write_kv(T* qkv, int64_t row_stride, const T* cos, const T* sin_signed
                    int num_kv_heads, int head_dim) {
   const int half = head_dim / 2;
   const int64_t kv_size = int64_t(num_kv_heads) * head_dim;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * row_stride >= kParallelFrom)
   for (int64_t r = 0; r < rows; ++r) {
     T* row = qkv + r * row_stride;
     const T* c = cos + r * head_dim;

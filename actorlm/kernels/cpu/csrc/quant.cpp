@@ -201,12 +201,18 @@ void quant_linear(const actorlm_linear& l, const T* x, int64_t x_stride, T* y, i
 #endif
   const Activations a = lay_out(scratch(activations_bytes(m, k)), m, k);
   const auto& kernels = kKernels[g_isa.load(std::memory_order_relaxed)];
+  auto quantize_x = [&](int64_t r) {
+    if (needs_32) quantize_row_32(x + r * x_stride, a, r);
+    if (needs_256) quantize_row_256(x + r * x_stride, a, r);
+  };
+  // fewer rows than threads (decode): quantized before the team starts, a barrier fewer
+  const bool x_in_team = m >= threads;
+  for (int64_t r = 0; !x_in_team && r < m; ++r) quantize_x(r);
 #pragma omp parallel
   {
+    if (x_in_team) {
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < m; ++r) {
-      if (needs_32) quantize_row_32(x + r * x_stride, a, r);
-      if (needs_256) quantize_row_256(x + r * x_stride, a, r);
+      for (int64_t r = 0; r < m; ++r) quantize_x(r);
     }
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < first_run[num_parts]; ++item) {
