@@ -1,4 +1,4 @@
-"""Session fixtures: a tiny tokenizer, tiny random Llama/Qwen2/Qwen3 checkpoints, SmolLM2.
+"""Session fixtures: a tiny tokenizer, tiny random checkpoints of every family, SmolLM2.
 
 The tiny checkpoints are real transformers models saved as Hugging Face directories, so every
 test exercises the same loading path as a user's model and can compare against transformers.
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 __all__ = ["tiny_tokenizer_dir", "tiny_llama_dir", "tiny_llama_long_dir", "tiny_qwen2_dir",
-           "tiny_qwen3_dir", "tiny_window_dirs", "smollm2_dir", "smollm2_gguf",
+           "tiny_qwen3_dir", "tiny_window_dirs", "tiny_moe_dirs", "smollm2_dir", "smollm2_gguf",
            "smollm2_dense_dir"]
 
 _CORPUS = """\
@@ -60,8 +60,9 @@ def tiny_tokenizer_dir(tmp_path_factory):
     return path
 
 
-def _save_tiny(tmp_path_factory, tokenizer_dir, name, config, seed):
-    """Random weights for ``config`` saved with the tokenizer beside them; returns the dir."""
+def _save_tiny(tmp_path_factory, tokenizer_dir, name, config, seed, **save_flags):
+    """Random weights for ``config`` saved with the tokenizer beside them; returns the dir.
+    ``save_flags`` go to ``save_pretrained``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -77,7 +78,7 @@ def _save_tiny(tmp_path_factory, tokenizer_dir, name, config, seed):
                 elif "norm" in name_:
                     param.add_(torch.randn_like(param) * 0.1)
     path = tmp_path_factory.mktemp(name)
-    model.save_pretrained(path)
+    model.save_pretrained(path, **save_flags)
     tokenizer.save_pretrained(path)
     return path
 
@@ -172,6 +173,44 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
     return {name: _save_tiny(tmp_path_factory, tiny_tokenizer_dir, f"tiny_{name}", config,
                              seed=10 + i)
             for i, (name, config) in enumerate(configs.items())}
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dirs(tmp_path_factory, tiny_tokenizer_dir):
+    """The mixture-of-experts families by name, 8 experts each: Qwen3-MoE (top 2 renormalised;
+    its middle layer dense by ``mlp_only_layers``), Qwen2-MoE (top 2 as the softmax gives them;
+    a gated shared expert; layers 1 and 3 routed by ``decoder_sparse_step``, 0 and 2 dense and
+    sliding), Mixtral (top 2 renormalised), OLMoE (q/k norms over whole projections, one KV
+    head, q/k/v clipped), and ``qwen3_moe_stacked``: the Qwen3-MoE weights saved with its
+    experts stacked, as transformers holds them (``save_original_format=False``)."""
+    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    common = _common(tiny_tokenizer_dir)
+    experts = dict(num_experts_per_tok=2, router_aux_loss_coef=0.0)
+    configs = {
+        "qwen3_moe": Qwen3MoeConfig(**{**common, "num_hidden_layers": 3}, **experts,
+                                    num_experts=8, moe_intermediate_size=32,
+                                    norm_topk_prob=True, mlp_only_layers=[1],
+                                    tie_word_embeddings=False),
+        "qwen2_moe": Qwen2MoeConfig(**{**common, "num_hidden_layers": 4}, **experts,
+                                    num_experts=8, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=48, decoder_sparse_step=2,
+                                    norm_topk_prob=False, use_sliding_window=True,
+                                    sliding_window=WINDOW, max_window_layers=4,
+                                    tie_word_embeddings=False),
+        "mixtral": MixtralConfig(**{**common, "intermediate_size": 32}, **experts,
+                                 num_local_experts=8, tie_word_embeddings=False),
+        "olmoe": OlmoeConfig(**{**{k: v for k, v in common.items() if k != "head_dim"},
+                                "intermediate_size": 32, "num_key_value_heads": 1}, **experts,
+                             num_experts=8, clip_qkv=4.0, tie_word_embeddings=False),
+    }
+    dirs = {name: _save_tiny(tmp_path_factory, tiny_tokenizer_dir, f"tiny_{name}", config,
+                             seed=20 + i)
+            for i, (name, config) in enumerate(configs.items())}
+    dirs["qwen3_moe_stacked"] = _save_tiny(tmp_path_factory, tiny_tokenizer_dir,
+                                           "tiny_qwen3_moe_stacked", configs["qwen3_moe"],
+                                           seed=20, save_original_format=False)
+    return dirs
 
 
 @pytest.fixture(scope="session")

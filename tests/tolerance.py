@@ -171,3 +171,54 @@ def attention_error(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if output is not None and output != accumulate:
         bound = bound + rounding_error(o.transpose(0, 1), output)
     return bound
+
+
+def experts_error(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor, top_k: int, renormalize: bool, expected: torch.Tensor,
+                  accumulate: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per element of a mixture of experts' output [T, H] (``reference.fused_moe_ref``'s
+    arguments; SiLU), for a kernel that picks the experts the oracle picks, sums each matmul in
+    ``accumulate`` and rounds every intermediate to x's dtype (u_x) as transformers' ops do.
+    With g, up = gate_up[e] @ x, h = silu(g) * up, y = down[e] @ h and w the routing weights:
+
+    1. g and up: ``sum_error(H, |gate_up[e]| @ |x|)``, plus their rounding to x's dtype (dg).
+    2. h: silu' is at most 1.1, so dh <= 1.1 |up| dg + |silu(g)| dup, plus the activation's
+       evaluation (4 u) and the roundings of silu(g) and of the product (2 u_x), times |h|.
+    3. y: ``sum_error(I, |down[e]| @ |h|) + |down[e]| @ dh``, plus its rounding to x's dtype.
+    4. w: a softmax over E terms and a renormalisation in fp32, each weight off by at most
+       ``(sum_error(E, 1) + 6 u) w``; the product w y is rounded to x's dtype once.
+    5. The top_k products summed in x's dtype: k - 1 roundings, each of at most
+       ``u_x sum_j |w_j y_j|`` (the worst case: k is small). Then the oracle's rounding.
+    """
+    u, u_x = unit_roundoff(accumulate), unit_roundoff(x.dtype)
+    narrow_x = x.dtype != accumulate
+    x64 = x.double()
+    probs = router_logits.double().softmax(-1)  # [T, E]
+    weights, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    num_experts, num_features = gate_up.shape[0], gate_up.shape[1] // 2
+    bound = torch.zeros_like(x64)
+    abs_total = torch.zeros_like(x64)
+    for j in range(top_k):  # each token's j-th expert, all tokens at once
+        w = weights[:, j, None]  # [T, 1]
+        gu, dn = gate_up.double()[ids[:, j]], down.double()[ids[:, j]]  # [T, 2I, H], [T, H, I]
+        g_up = torch.einsum("tnh,th->tn", gu, x64)
+        d_gu = sum_error(x.shape[-1], torch.einsum("tnh,th->tn", gu.abs(), x64.abs()), accumulate)
+        if narrow_x:
+            d_gu = d_gu + u_x * g_up.abs()
+        (g, up), (dg, dup) = g_up.chunk(2, -1), d_gu.chunk(2, -1)  # 1.
+        act = g * torch.sigmoid(g)
+        h = act * up
+        dh = 1.1 * up.abs() * dg + act.abs() * dup + (4 * u + 2 * u_x) * h.abs()  # 2.
+        y = torch.einsum("thi,ti->th", dn, h)
+        dy = sum_error(num_features, torch.einsum("thi,ti->th", dn.abs(), h.abs()), accumulate) + \
+            torch.einsum("thi,ti->th", dn.abs(), dh)  # 3.
+        if narrow_x:
+            dy = dy + u_x * y.abs()
+        dw = (sum_error(num_experts, 1.0, accumulate) + 6 * u) * w
+        product = (w * y).abs()
+        bound = bound + w * dy + dw * y.abs() + u_x * product  # 4.
+        abs_total = abs_total + product
+    bound = bound + (top_k - 1) * u_x * abs_total  # 5.
+    return bound + _oracle_rounding(expected)

@@ -5,9 +5,10 @@ A model never imports a device wing (``kernels/cpu/``, ``kernels/triton/``): it 
 wing implements every method; ``reference.py`` states what each must compute.
 
 The types describe, they do not compute: a ``Norm`` is a weight and how it scales; an
-``AttentionLayer`` a layer's heads and options; a ``DecoderLayerPlan`` one decoder layer as a
-whole, which a model family gives so that a backend may run a decode step through every layer
-at once (``decode_step``) without knowing the family.
+``AttentionLayer`` a layer's heads and options; ``Experts`` a layer's routed experts, stacked;
+a ``DecoderLayerPlan`` one decoder layer as a whole, which a model family gives so that a
+backend may run a decode step through every layer at once (``decode_step``) without knowing
+the family.
 """
 
 from __future__ import annotations
@@ -56,6 +57,16 @@ class QuantizedWeight(NamedTuple):
     type_name: str
     blocks: torch.Tensor  # uint8
     shape: tuple[int, int]
+
+
+class Experts(NamedTuple):
+    """A layer's routed experts, each a gated MLP, stacked into one tensor per projection (this
+    rank's share of every expert's intermediate features): expert e computes
+    ``down[e] @ act_and_mul(gate_up[e] @ x)``."""
+
+    gate_up: torch.Tensor  # [E, 2I, H], each expert's rows [gate | up]
+    down: torch.Tensor  # [E, H, I]
+    activation: str = "silu"  # one of ACTIVATIONS
 
 
 class DecoderLayerPlan(NamedTuple):
@@ -149,6 +160,16 @@ class KernelBackend:
         first half negated), the new K and V written into the paged caches
         ([num_blocks, block_size, Hkv, D]) at ``meta.slot_mapping``, then causal attention
         over each request's context -> [T, Hq * D]. qkv may be written."""
+        raise NotImplementedError
+
+    # --- routed experts -----------------------------------------------------------------------
+
+    def fused_moe(self, x: torch.Tensor, router_logits: torch.Tensor, experts: Experts,
+                  top_k: int, renormalize: bool) -> torch.Tensor:
+        """A mixture-of-experts MLP: each token of x [T, H] goes to the ``top_k`` experts of
+        highest softmax(router_logits [T, E]) (in fp32), whose outputs are summed, weighted by
+        those probabilities (divided by their sum with ``renormalize``) -> [T, H]
+        (``reference.fused_moe_ref``)."""
         raise NotImplementedError
 
     # --- sampling -----------------------------------------------------------------------------

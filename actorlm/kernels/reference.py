@@ -56,6 +56,28 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return (y if bias is None else y + bias.double()).to(x.dtype)
 
 
+def fused_moe_ref(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor, top_k: int, renormalize: bool,
+                  activation: str = "silu") -> torch.Tensor:
+    """A mixture-of-experts MLP, token by token: x [T, H] goes to the ``top_k`` experts of
+    highest router logit [T, E] (highest softmax probability), each weighted by its
+    probability (over the chosen ones' sum, with ``renormalize``); expert e computes
+    ``down[e] @ act_and_mul(gate_up[e] @ x)`` (gate_up [E, 2I, H], down [E, H, I]). Returns
+    [T, H] in x's dtype."""
+    out = torch.empty_like(x)
+    probs = router_logits.double().softmax(-1)  # [T, E]
+    for t in range(x.shape[0]):
+        weights, ids = probs[t].topk(top_k)
+        if renormalize:
+            weights = weights / weights.sum()
+        total = torch.zeros(x.shape[1], dtype=torch.float64, device=x.device)
+        for weight, e in zip(weights.tolist(), ids.tolist()):
+            hidden = act_and_mul_ref((gate_up[e].double() @ x[t].double())[None], activation)
+            total += weight * (down[e].double() @ hidden[0])
+        out[t] = total.to(x.dtype)
+    return out
+
+
 def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
              scaling: float = 1.0) -> torch.Tensor:
     """x [T, H, D] rotated by HF's (neox) RoPE at ``positions`` [T]: the two halves of each head

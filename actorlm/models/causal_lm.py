@@ -1,6 +1,7 @@
-"""The model of every dense decoder family (``families.py`` says how each differs): the
+"""The model of every decoder family (``families.py`` says how each differs): the
 embedding, the RoPE tables, the shared decoder layers of ``decoder.py`` over the paged KV
-cache, the final norm and the LM head, loaded straight from a checkpoint's tensors.
+cache (dense MLPs or routed experts), the final norm and the LM head, loaded straight from a
+checkpoint's tensors.
 
 Each layer reads its KV blocks through its KV-cache group's metadata (``actorlm.kv_groups``):
 a sliding-window layer's group holds only the blocks its window still reads.
@@ -15,12 +16,13 @@ from torch import nn
 
 from actorlm.kernels import AttentionMetadata, KernelBackend, QuantizedWeight
 from actorlm.kv_groups import kv_cache_groups, layer_slots
-from actorlm.models import quantized
+from actorlm.models import expert_weights, quantized
 from actorlm.models.decoder import DecoderLayer
 from actorlm.models.families import (GEMMA_NORMS, LLAMA_NORMS,
                                      checkpoint_tensors, is_gemma, layer_specs, layer_windows,
                                      narrow, rope_inv_freq, rope_layer_types, text_config)
 from actorlm.models.layers import Embedding, Linear, RMSNorm, VocabParallelEmbedding
+from actorlm.models.moe_families import intermediate_sizes
 from actorlm.models.parallel import TensorParallel, check_tensor_parallel, gather_last_dim
 
 # HF checkpoint name fragment -> (merged parameter fragment, shard index)
@@ -61,7 +63,7 @@ class CausalLM(nn.Module):
         specs = layer_specs(config)  # refuses what the config asks for and is not implemented
         spec = specs[0]
         check_tensor_parallel(config.model_type, spec.num_heads, spec.num_kv_heads,
-                              spec.intermediate_size, tp.size)
+                              intermediate_sizes(config), tp.size)
         self.kv_cache_groups = kv_cache_groups(layer_windows(config))
         rope_types = rope_layer_types(config)
         table_types = sorted(set(rope_types), key=str)  # one RoPE table per distinct type
@@ -135,10 +137,16 @@ class CausalLM(nn.Module):
         safetensors slice (``safe_open(...).get_slice``) in place of a tensor then reads only
         that part from the file."""
         params = dict(self.named_parameters())  # a tied lm_head appears once, as embed_tokens
-        missing = {key for name in params for key in _load_keys(name)}
+        missing = {key for name, param in params.items() for key in _load_keys(name, param)}
         for name, tensor in checkpoint_tensors(self.config, weights):
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue  # recomputed at init / shared with embed_tokens
+            experts = expert_weights.expert_parts(name, tensor, params, self.tp)
+            for keys, dst, part in experts or ():  # routed experts: into their stacked rows
+                _copy(name, dst, part)
+                missing.difference_update(keys)
+            if experts is not None:
+                continue
             target, shard = _renamed(name, self.norms), None
             for fragment, (merged, index) in _STACKED.items():
                 if fragment in target:
@@ -148,24 +156,22 @@ class CausalLM(nn.Module):
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
             dst, first_row = params[target], 0
             if shard is not None:
-                first_row, size = self._shard_range(target, shard)
+                first_row, size = self._shard_range(target, shard, dst)
                 dst = dst.narrow(0, first_row, size)
             vocabulary = target in ("model.embed_tokens.weight", "lm_head.weight")
             if self.tp.is_parallel:
-                tensor = self._rank_part(name, tensor)
+                tensor = self._rank_part(name, tensor, dst)
                 if vocabulary:
                     if isinstance(tensor, QuantizedWeight):  # zero rows: the padding
                         tensor = quantized.pad_rows(tensor, dst.shape[0])
                     else:
                         dst = dst.narrow(0, 0, tensor.shape[0])  # the last slice may be short
-            if dst.shape != tensor.shape:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
             if isinstance(tensor, QuantizedWeight):
+                _check_shape(name, dst, tensor)
                 self.get_submodule(target.removesuffix(".weight")).load_quantized(first_row,
                                                                                   tensor)
             else:
-                with torch.no_grad():
-                    dst.copy_(tensor.to(dtype=dst.dtype, device=dst.device))
+                _copy(name, dst, tensor)
             missing.discard(target if shard is None else f"{target}#{shard}")
         if missing:
             raise ValueError(f"checkpoint is missing weights: "
@@ -181,24 +187,31 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (Linear, Embedding)):
                 module.prepare(self.backend)
-        if not self.tp.is_parallel:  # (a step of parallel layers needs their collectives)
-            self.decode_step = self.backend.decode_step(
-                [layer.plan() for layer in self.model.layers], self.dtype)
+        plans = [layer.plan() for layer in self.model.layers]
+        # (a step of parallel layers needs their collectives; a layer without a plan, such as
+        # one of routed experts, runs only on the Python path, and so do the others with it)
+        if not self.tp.is_parallel and None not in plans:
+            self.decode_step = self.backend.decode_step(plans, self.dtype)
 
-    def _shard_range(self, merged_name, shard) -> tuple[int, int]:
-        """(first row, rows) of shard ``shard`` inside a merged weight or bias."""
+    def _shard_range(self, merged_name, shard, merged) -> tuple[int, int]:
+        """(first row, rows) of shard ``shard`` inside a merged weight or bias ``merged``."""
         if ".qkv_proj." in merged_name:
             attn = self.model.layers[0].self_attn
             sizes = [attn.q_size, attn.kv_size, attn.kv_size]
-        else:
-            sizes = [self.model.layers[0].mlp.intermediate_size] * 2
+        else:  # gate and up, halves of this rank's rows (a dense MLP's, a shared expert's)
+            sizes = [merged.shape[0] // 2] * 2
         return sum(sizes[:shard]), sizes[shard]
 
-    def _rank_part(self, name, tensor) -> torch.Tensor:
-        """This rank's part of the checkpoint tensor ``name``: rows of the column-parallel
-        layers, columns of the row-parallel ones, the whole of the replicated ones."""
-        attn, mlp, rank = self.model.layers[0].self_attn, self.model.layers[0].mlp, self.tp.rank
+    def _rank_part(self, name, tensor, dst) -> torch.Tensor:
+        """This rank's part of the checkpoint tensor ``name`` that fills ``dst``: rows of the
+        column-parallel layers, columns of the row-parallel ones, the whole of the replicated
+        ones."""
+        attn, rank = self.model.layers[0].self_attn, self.tp.rank
         dim, start, length = 0, 0, None  # None: all of it
+        if attn.projection_norms and name.endswith((".q_norm.weight", ".k_norm.weight")):
+            # OLMoE's norms over the whole q and k: this rank's heads of them, as q_proj's
+            # and k_proj's rows
+            name = name.replace("_norm.", "_proj.")
         if ".q_proj." in name:
             start, length = rank * attn.q_size, attn.q_size
         elif ".k_proj." in name or ".v_proj." in name:
@@ -207,12 +220,12 @@ class CausalLM(nn.Module):
                 self.config.num_attention_heads
             first = rank * attn.num_heads * num_kv_heads // self.config.num_attention_heads
             start, length = first * self.head_dim, attn.kv_size
-        elif ".gate_proj." in name or ".up_proj." in name:
-            start, length = rank * mlp.intermediate_size, mlp.intermediate_size
+        elif ".gate_proj." in name or ".up_proj." in name:  # this rank's half of gate_up
+            start, length = rank * dst.shape[0], dst.shape[0]
         elif ".o_proj.weight" in name:
             dim, start, length = 1, rank * attn.q_size, attn.q_size
         elif ".down_proj.weight" in name:
-            dim, start, length = 1, rank * mlp.intermediate_size, mlp.intermediate_size
+            dim, start, length = 1, rank * dst.shape[1], dst.shape[1]
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             rows = self.lm_head.weight.shape[0]
             start = rank * rows
@@ -244,8 +257,21 @@ def _hf_name(key: str, norms: dict[str, str]) -> str:
     return key
 
 
-def _load_keys(param_name) -> list[str]:
+def _check_shape(name, dst, tensor) -> None:
+    if dst.shape != tensor.shape:
+        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+
+
+def _copy(name, dst, tensor) -> None:
+    _check_shape(name, dst, tensor)
+    with torch.no_grad():
+        dst.copy_(tensor.to(dtype=dst.dtype, device=dst.device))
+
+
+def _load_keys(param_name, param) -> list[str]:
     """What must be loaded to fill ``param_name``: one key per checkpoint tensor merged into it."""
+    if expert_weights.is_experts_param(param_name):
+        return expert_weights.expert_keys(param_name, param.shape[0])
     if ".qkv_proj." in param_name:
         return [f"{param_name}#{i}" for i in range(3)]
     if ".gate_up_proj." in param_name:

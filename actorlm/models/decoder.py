@@ -1,10 +1,12 @@
-"""A dense decoder layer over the paged KV cache, built from its family's description.
+"""A decoder layer over the paged KV cache, built from its family's description.
 
 A family (``families.py``) describes each of its layers with a ``LayerSpec``: which norms sit where
-and how they scale, q/k norms, the activation, biases, the attention scale, a sliding window.
-The modules here build exactly those parts and run them through the kernel backend; ``plan()``
-hands the same description, with the loaded weights, to the backend's one-call decode step
-(``KernelBackend.decode_step``). So a new dense family takes both paths by describing itself.
+and how they scale, q/k norms, the activation, biases, the attention scale, a sliding window,
+routed experts in place of the dense MLP (``moe.py``). The modules here build exactly those
+parts and run them through the kernel backend; ``plan()`` hands the same description, with the
+loaded weights, to the backend's one-call decode step (``KernelBackend.decode_step``). So a new
+dense family takes both paths by describing itself; a layer with routed experts, or with
+OLMoE's q/k norms over whole projections, has no plan yet and runs on the Python path.
 
 Inputs are one flattened batch of T tokens (no padding, no batch dimension). q/k/v and
 gate/up are merged into one matmul each.
@@ -12,12 +14,13 @@ gate/up are merged into one matmul each.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
 from actorlm.kernels import AttentionLayer, DecoderLayerPlan, KernelBackend
-from actorlm.models.layers import Linear, RMSNorm, RowParallelLinear
+from actorlm.models.layers import Linear, RMSNorm, RowParallelLinear, SplitRMSNorm
+from actorlm.models.moe import MoeSpec, SparseMoeBlock
 from actorlm.models.parallel import TensorParallel, num_kv_heads_per_rank
 
 
@@ -33,7 +36,10 @@ class LayerSpec:
     intermediate_size: int
     norm_eps: float
     norm_unit_offset: bool = False  # norms scale by 1 + weight (kernels.Norm)
-    qk_norm: bool = False  # per-head norms of q and k before RoPE
+    # norms of q and k before RoPE: "head", each head's (Qwen3, Gemma 3); "projection", over
+    # all heads at once (OLMoE); None
+    qk_norm: str | None = None
+    clip_qkv: float | None = None  # q, k and v clamped to +-clip_qkv after the norms (OLMoE)
     output_norms: bool = False  # norms on the attention's and the MLP's outputs too
     activation: str = "silu"
     qkv_bias: bool = False
@@ -42,6 +48,12 @@ class LayerSpec:
     attention_scale: float | None = None  # None: head_dim ** -0.5
     window: int | None = None  # sliding window; None: full causal attention
     softcap: float | None = None  # attention scores soft-capped (Gemma 2)
+    moe: MoeSpec | None = None  # routed experts in place of the dense MLP
+
+    def __post_init__(self):
+        if self.qk_norm not in (None, "head", "projection"):
+            raise ValueError(f"qk_norm must be None, 'head' or 'projection', got "
+                             f"{self.qk_norm!r}")
 
 
 def _row_linear(in_features, out_features, bias, tp: TensorParallel, dtype, device) -> Linear:
@@ -67,33 +79,51 @@ class Attention(nn.Module):
         self.o_proj = _row_linear(spec.num_heads * d, spec.hidden_size, spec.o_bias, tp, dtype,
                                   device)
         self.q_norm = self.k_norm = None
-        if spec.qk_norm:
+        self.projection_norms, self.clip_qkv = spec.qk_norm == "projection", spec.clip_qkv
+        if spec.qk_norm == "head":
             self.q_norm, self.k_norm = (RMSNorm(d, spec.norm_eps, spec.norm_unit_offset,
                                                 backend, dtype, device) for _ in range(2))
+        elif self.projection_norms:  # this rank's heads of norms over all of them
+            self.q_norm, self.k_norm = (SplitRMSNorm(size, spec.norm_eps, backend, dtype, device,
+                                                     tp) for size in (self.q_size, self.kv_size))
+        head_norms = (None, None) if self.q_norm is None or self.projection_norms else \
+            (self.q_norm.norm, self.k_norm.norm)
         self.layer = AttentionLayer(
             self.num_heads, self.num_kv_heads, d,
             spec.attention_scale if spec.attention_scale is not None else d**-0.5, spec.window,
-            *(None if n is None else n.norm for n in (self.q_norm, self.k_norm)), spec.softcap)
+            *head_norms, spec.softcap)
 
     def forward(self, x, cos, sin_signed, kv_cache, meta):
         # x: [T, hidden]; cos, sin_signed: [T, 1, D]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+        if self.projection_norms:  # in place: the backend then norms no head
+            q, k = qkv[:, :self.q_size], qkv[:, self.q_size:self.q_size + self.kv_size]
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
+        if self.clip_qkv is not None:
+            qkv.clamp_(-self.clip_qkv, self.clip_qkv)
         o = self.backend.attention(qkv, cos, sin_signed, kv_cache, meta, self.layer)
         return self.o_proj(o)  # [T, Hq D] -> [T, hidden]
 
 
 class MLP(nn.Module):
-    """Tensor-parallel: this rank's share of the intermediate features."""
+    """Tensor-parallel: this rank's share of the intermediate features; its output is summed
+    over the ranks, unless ``reduce`` is False (a shared expert, whose MoE block reduces)."""
 
     def __init__(self, spec: LayerSpec, backend: KernelBackend, dtype, device,
-                 tp: TensorParallel):
+                 tp: TensorParallel, reduce: bool = True):
         super().__init__()
         self.backend, self.activation = backend, spec.activation
         self.intermediate_size = spec.intermediate_size // tp.size
         self.gate_up_proj = Linear(spec.hidden_size, 2 * self.intermediate_size, spec.mlp_bias,
                                    dtype, device)
-        self.down_proj = _row_linear(spec.intermediate_size, spec.hidden_size, spec.mlp_bias, tp,
-                                     dtype, device)
+        if reduce:
+            self.down_proj = _row_linear(spec.intermediate_size, spec.hidden_size,
+                                         spec.mlp_bias, tp, dtype, device)
+        else:  # (a bias would be added once per rank)
+            assert not spec.mlp_bias
+            self.down_proj = Linear(self.intermediate_size, spec.hidden_size, False, dtype,
+                                    device)
 
     def forward(self, x):
         # [T, H] -> [T, 2I] -> [T, I] -> [T, H]
@@ -119,7 +149,14 @@ class DecoderLayer(nn.Module):
         if spec.output_norms:
             self.attn_out_norm, self.mlp_out_norm = norm(), norm()
         self.self_attn = Attention(spec, backend, dtype, device, tp)
-        self.mlp = MLP(spec, backend, dtype, device, tp)
+        if spec.moe is None:
+            self.mlp = MLP(spec, backend, dtype, device, tp)
+        else:
+            shared = None if spec.moe.shared_intermediate_size is None else MLP(
+                replace(spec, intermediate_size=spec.moe.shared_intermediate_size, moe=None),
+                backend, dtype, device, tp, reduce=False)
+            self.mlp = SparseMoeBlock(spec.moe, spec.hidden_size, spec.activation, backend,
+                                      dtype, device, tp, shared)
 
     def forward(self, x, residual, ropes, kv_cache, metas):
         """(this layer's output, the residual stream before it); ``residual`` is None at the
@@ -138,9 +175,13 @@ class DecoderLayer(nn.Module):
             x = self.mlp_out_norm(x)
         return x, residual
 
-    def plan(self) -> DecoderLayerPlan:
-        """This layer for the backend's one-call decode step (once the weights are loaded)."""
+    def plan(self) -> DecoderLayerPlan | None:
+        """This layer for the backend's one-call decode step (once the weights are loaded), or
+        None where a plan does not describe it: routed experts in place of the dense MLP, q/k
+        norms over whole projections, clipped q/k/v."""
         attn, mlp = self.self_attn, self.mlp
+        if not isinstance(mlp, MLP) or attn.projection_norms or attn.clip_qkv is not None:
+            return None
         return DecoderLayerPlan(
             self.attn_norm.norm, attn.layer, attn.qkv_proj.prepared, attn.o_proj.prepared,
             self.mlp_norm.norm, mlp.gate_up_proj.prepared, mlp.down_proj.prepared,

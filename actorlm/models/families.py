@@ -1,4 +1,4 @@
-"""The dense decoder families, as their configs and checkpoints describe them.
+"""The decoder families, as their configs and checkpoints describe them.
 
 Every family here runs on the one model of ``causal_lm.py`` (``DecoderLayer``s over the paged KV
 cache); what differs is said here once: each layer's ``LayerSpec`` (norms, activation, q/k
@@ -13,6 +13,8 @@ its tensors.
   ``query_pre_attn_scalar``; Gemma 2 soft-caps attention scores and the final logits, Gemma 3
   norms q and k and gives its sliding layers their own RoPE base. A ``gemma3`` checkpoint
   (text and vision) is served as its text tower.
+- Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE: routed experts in place of some or all dense MLPs
+  (``moe_families.py`` says which and how they route; ``moe.py`` computes them).
 
 A config field that changes the math and is not implemented is refused by name
 (``check_config``), never dropped.
@@ -25,9 +27,12 @@ import torch
 from actorlm.kernels import QuantizedWeight
 from actorlm.models import quantized
 from actorlm.models.decoder import LayerSpec
+from actorlm.models.moe_families import (MOE_MODEL_TYPES, check_moe_config, checkpoint_name,
+                                         is_moe, moe_specs)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text",
-                         "gemma3")
+                         "gemma3", *MOE_MODEL_TYPES)
+_QK_NORMS = {"qwen3": "head", "gemma3_text": "head", "qwen3_moe": "head", "olmoe": "projection"}
 _GEMMA = ("gemma2", "gemma3_text")
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -80,6 +85,8 @@ def check_config(config) -> None:
         for name in ("attn_logit_softcapping", "final_logit_softcapping"):
             if getattr(config, name, None) is not None:
                 raise ValueError(f"{name} is not implemented for {config.model_type}")
+    if is_moe(config):
+        check_moe_config(config)
 
 
 def activation_of(config) -> str:
@@ -103,7 +110,12 @@ def layer_specs(config) -> list[LayerSpec]:
     """Every decoder layer of the model, as its config describes it."""
     check_config(config)
     gemma, model_type = is_gemma(config), config.model_type
-    attention_bias = bool(getattr(config, "attention_bias", False))
+    # (Mixtral's attention has no biases, whatever its config says)
+    attention_bias = bool(getattr(config, "attention_bias", False)) and model_type != "mixtral"
+    qwen2 = model_type in ("qwen2", "qwen2_moe")
+    # Qwen2's q/k/v always have a bias, Qwen2-MoE's by qkv_bias; neither has one on o_proj
+    qkv_bias = (model_type == "qwen2" or bool(getattr(config, "qkv_bias", True))) if qwen2 \
+        else attention_bias
     head_dim = head_dim_of(config)
     scalar = getattr(config, "query_pre_attn_scalar", None) if gemma else None
     base = dict(
@@ -111,15 +123,16 @@ def layer_specs(config) -> list[LayerSpec]:
         num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         head_dim=head_dim, intermediate_size=config.intermediate_size,
         norm_eps=config.rms_norm_eps, norm_unit_offset=gemma, output_norms=gemma,
-        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        qk_norm=_QK_NORMS.get(model_type),
+        clip_qkv=getattr(config, "clip_qkv", None) if model_type == "olmoe" else None,
         activation=_ACTIVATIONS[activation_of(config)],
-        # Qwen2 always has a qkv bias (and none on o_proj); the others follow attention_bias
-        qkv_bias=model_type == "qwen2" or attention_bias,
-        o_bias=model_type != "qwen2" and attention_bias,
-        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        qkv_bias=qkv_bias, o_bias=not qwen2 and attention_bias,
+        # (the MoE families' MLPs have no biases, whatever their config says)
+        mlp_bias=bool(getattr(config, "mlp_bias", False)) and not is_moe(config),
         attention_scale=None if scalar is None else scalar**-0.5,
         softcap=getattr(config, "attn_logit_softcapping", None) if gemma else None)
-    return [LayerSpec(**base, window=window) for window in layer_windows(config)]
+    return [LayerSpec(**base, window=window, moe=moe)
+            for window, moe in zip(layer_windows(config), moe_specs(config), strict=True)]
 
 
 def head_dim_of(config) -> int:
@@ -166,7 +179,8 @@ def rope_inv_freq(config, layer_type: str | None = None,
 def checkpoint_tensors(config, tensors):
     """The checkpoint's (name, tensor) pairs as the model loads them: a text tower's names as
     a text model's (its vision tower left out), Phi-3's fused q/k/v and gate/up split into
-    the projections they fuse (so that they merge and shard as every family's do)."""
+    the projections they fuse (so that they merge and shard as every family's do), Mixtral's
+    experts under the other MoE families' names."""
     q_size = config.num_attention_heads * head_dim_of(config)
     kv_size = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * \
         head_dim_of(config)
@@ -177,6 +191,7 @@ def checkpoint_tensors(config, tensors):
             if name.startswith(prefix):
                 name = ours + name.removeprefix(prefix)
                 break
+        name = checkpoint_name(config, name)
         if ".self_attn.qkv_proj." in name:
             parts = [("q_proj", 0, q_size), ("k_proj", q_size, kv_size),
                      ("v_proj", q_size + kv_size, kv_size)]

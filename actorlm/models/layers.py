@@ -151,3 +151,25 @@ class RMSNorm(nn.Module):
         if residual is not None:
             return self.backend.add_rms_norm(x, residual, self.norm)
         return self.backend.rms_norm(x, self.norm)
+
+
+class SplitRMSNorm(RMSNorm):
+    """An RMS norm over features that tensor parallelism splits over the ranks (OLMoE's q and k
+    norms span every head): each rank norms its share by the mean square of all of them, its
+    sum of squares summed over the ranks. Where several ranks hold the same features (one KV
+    head replicated) they count once per rank in the sum and in the count alike, so the mean
+    is the whole projection's."""
+
+    def __init__(self, dim, eps, backend: KernelBackend, dtype, device, tp: TensorParallel):
+        super().__init__(dim, eps, False, backend, dtype, device)
+        self.tp = tp
+
+    def forward(self, x, residual=None):
+        # x: [T, dim] (rows may be strided) -> [T, dim]
+        assert residual is None
+        if not self.tp.is_parallel:
+            return super().forward(x)
+        h = x.float()  # HF's order: the mean square in fp32, rounded before the weight
+        sum_sq = all_reduce(self.tp, h.pow(2).sum(-1, keepdim=True))  # [T, 1]
+        normed = h * torch.rsqrt(sum_sq / (x.shape[-1] * self.tp.size) + self.eps)
+        return self.weight * normed.to(x.dtype)

@@ -21,6 +21,7 @@ import torch
 from actorlm.kernels import QUANTIZED_FORMATS
 from actorlm.models import gguf_file, quantized
 from actorlm.models.families import SUPPORTED_MODEL_TYPES, text_config
+from actorlm.models.moe_families import EXPERTS_SIZE, intermediate_sizes
 from actorlm.models.causal_lm import CausalLM
 from actorlm.models.parallel import TensorParallel
 
@@ -93,7 +94,10 @@ def check_block_split(path, config, quantization: str | None, size: int) -> None
     elif quantization is not None:
         head_dim = getattr(config, "head_dim", None) or \
             config.hidden_size // config.num_attention_heads
-        for in_features in (config.num_attention_heads * head_dim, config.intermediate_size):
+        # the routed experts stay in floats (``_quantized``): their splits cut no block
+        mlps = [features for what, features in intermediate_sizes(config).items()
+                if what != EXPERTS_SIZE]
+        for in_features in (config.num_attention_heads * head_dim, *mlps):
             quantized.check_split(quantization.upper(), in_features, size)
 
 
@@ -118,10 +122,11 @@ def load_model(path, dtype: torch.dtype, device, backend,
 
 def _quantized(tensors, quantization: str):
     """The linear layers' weights of ``tensors`` in ``quantization``'s blocks (those whose rows
-    divide into blocks; the others as they are)."""
+    divide into blocks; the others as they are). Routed experts stay in floats: no backend
+    runs them in blocks yet."""
     for name, tensor in tensors:
         vocabulary = name in ("model.embed_tokens.weight", "lm_head.weight")
-        if vocabulary or name.endswith("_proj.weight"):
+        if vocabulary or (name.endswith("_proj.weight") and ".experts." not in name):
             tensor = quantized.quantize(tensor, quantization, vocabulary) or tensor
         yield name, tensor
 

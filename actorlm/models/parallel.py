@@ -5,8 +5,10 @@ Every rank runs the same forward over the same tokens. Column-parallel layers (q
 the LM head) split their output features: each rank computes its heads, its share of the MLP,
 its slice of the vocabulary. Row-parallel layers (o_proj, down_proj) split their input
 features, so each rank holds a partial sum of the full output: one ``all_reduce`` per layer
-joins them. The embedding splits the vocabulary: a rank embeds only the tokens in its slice
-(zeros elsewhere) and an ``all_reduce`` sums the slices. Only rank 0 samples, from logits
+joins them. Routed experts split every expert's intermediate features the same way (gate/up
+rows, down columns), so a mixture of experts is joined by one ``all_reduce`` too. The
+embedding splits the vocabulary: a rank embeds only the tokens in its slice (zeros elsewhere)
+and an ``all_reduce`` sums the slices. Only rank 0 samples, from logits
 gathered onto it.
 
 With ``size == 1`` there is no parallelism: the model builds its plain layers and calls none
@@ -15,6 +17,7 @@ of the functions here.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -53,8 +56,10 @@ def num_kv_heads_per_rank(num_kv_heads: int, size: int) -> int:
 
 
 def check_tensor_parallel(name: str, num_heads: int, num_kv_heads: int,
-                          intermediate_size: int, size: int) -> None:
-    """Raise ValueError, naming the flag, if the model ``name`` cannot be split ``size`` ways."""
+                          intermediate_size: int | Mapping[str, int], size: int) -> None:
+    """Raise ValueError, naming the flag, if the model ``name`` cannot be split ``size`` ways.
+    ``intermediate_size``: the MLP's, or each MLP's by what the message calls it (a dense
+    MLP's, routed experts', a shared expert's: ``moe_families.intermediate_sizes``)."""
     if size == 1:
         return
     flag = f"--tensor-parallel-size {size}"
@@ -64,9 +69,12 @@ def check_tensor_parallel(name: str, num_heads: int, num_kv_heads: int,
     if num_kv_heads % size and size % num_kv_heads:
         raise ValueError(f"{flag} neither divides {name}'s {num_kv_heads} KV heads nor is a "
                          f"multiple of them; use a divisor or a multiple of {num_kv_heads}")
-    if intermediate_size % size:
-        raise ValueError(f"{flag} does not divide {name}'s MLP intermediate size "
-                         f"{intermediate_size}; use a divisor of {intermediate_size}")
+    sizes = intermediate_size if isinstance(intermediate_size, Mapping) else \
+        {"MLP intermediate size": intermediate_size}
+    for what, features in sizes.items():
+        if features % size:
+            raise ValueError(f"{flag} does not divide {name}'s {what} {features}; use a "
+                             f"divisor of {features}")
 
 
 def init_tensor_parallel(rank: int, size: int, init_method: str,

@@ -32,6 +32,7 @@ from actorlm.models.loader import (check_block_split, check_quantization, load_h
 from actorlm.models.parallel import (TensorParallel, check_initialised, check_tensor_parallel,
                                      num_kv_heads_per_rank)
 from actorlm.models.families import layer_windows
+from actorlm.models.moe_families import intermediate_sizes
 from actorlm.models.memory_profile import MemoryProfile, kv_cache_budget, largest_step, load_and_profile
 from actorlm.models.runner import ModelRunner
 from actorlm.openmp import on_passing_thread
@@ -137,7 +138,7 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
     _, num_kv_heads, head_dim = model_geometry(hf_config)
     tp_size = config.tensor_parallel_size
     check_tensor_parallel(path.name, hf_config.num_attention_heads, num_kv_heads,
-                          hf_config.intermediate_size, tp_size)
+                          intermediate_sizes(hf_config), tp_size)
     check_quantization(path, config.quantization)
     check_block_split(path, hf_config, config.quantization, tp_size)
     device, dtype = config.torch_device, config.torch_dtype(hf_config)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from greedy import TOP
 
 
 class PagedContexts:
@@ -42,3 +43,24 @@ class PagedContexts:
         with torch.inference_mode():
             hidden = model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, metas)
             return model.compute_logits(hidden)
+
+
+def random_prompt(vocab_size: int, length: int) -> list[int]:
+    generator = torch.Generator().manual_seed(7)
+    return torch.randint(3, vocab_size, (length,), generator=generator).tolist()
+
+
+def greedy_with_logits(model, prompt, num_tokens, block_size, num_blocks=256):
+    """The model's logits at every position (the prompt prefilled in two chunks, then one
+    token a step), its greedy tokens and each step's top ``TOP``."""
+    cache = PagedContexts(model, num_blocks=num_blocks, block_size=block_size)
+    cut = len(prompt) // 2 + 3
+    logits = [cache.step(model, [(0, prompt[:cut])]), cache.step(model, [(0, prompt[cut:])])]
+    tokens, tops = [], []
+    for i in range(num_tokens):
+        last = logits[-1][-1]
+        tokens.append(int(last.argmax()))
+        tops.append(set(last.topk(TOP).indices.tolist()))
+        if i + 1 < num_tokens:
+            logits.append(cache.step(model, [(0, tokens[-1:])]))
+    return torch.cat(logits), tokens, tops

@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 from checkpoints import WINDOW
-from greedy import TOP, check_logprobs_close, hf_continuation
-from paged_contexts import PagedContexts
+from greedy import check_logprobs_close, hf_continuation
+from paged_contexts import greedy_with_logits, random_prompt
 
 from actorlm.kernels import select_backend
 from actorlm.kernels.cpu import linear as cpu_linear
@@ -20,27 +20,6 @@ from actorlm.models.loader import load_model
 FAMILIES = ["gemma3", "gemma2", "mistral", "qwen2_window", "phi3"]
 PROMPT_LEN, NUM_DECODED = 40, 60
 ATOL = {torch.float32: 2e-4, torch.bfloat16: None}  # bf16: judged by the greedy tokens only
-
-
-def _prompt(vocab_size: int) -> list[int]:
-    generator = torch.Generator().manual_seed(7)
-    return torch.randint(3, vocab_size, (PROMPT_LEN,), generator=generator).tolist()
-
-
-def _ours(model, prompt, num_tokens, block_size):
-    """Our logits at every position (prefill in two chunks, then one token a step), the greedy
-    tokens and each step's top 5."""
-    cache = PagedContexts(model, num_blocks=256, block_size=block_size)
-    cut = PROMPT_LEN // 2 + 3
-    logits = [cache.step(model, [(0, prompt[:cut])]), cache.step(model, [(0, prompt[cut:])])]
-    tokens, tops = [], []
-    for i in range(num_tokens):
-        last = logits[-1][-1]
-        tokens.append(int(last.argmax()))
-        tops.append(set(last.topk(TOP).indices.tolist()))
-        if i + 1 < num_tokens:
-            logits.append(cache.step(model, [(0, tokens[-1:])]))
-    return torch.cat(logits), tokens, tops
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +36,9 @@ def test_logits_at_every_position_past_the_window_match_transformers(
         family, dtype, tiny_window_dirs, hf_models):
     theirs = hf_models[family]
     ours = load_model(tiny_window_dirs[family], dtype, "cpu", select_backend("cpu"))
-    prompt = _prompt(ours.vocab_size)
-    logits, tokens, tops = _ours(ours, prompt, NUM_DECODED, block_size=8 if family == "phi3" else 4)
+    prompt = random_prompt(ours.vocab_size, PROMPT_LEN)
+    logits, tokens, tops = greedy_with_logits(ours, prompt, NUM_DECODED,
+                                              block_size=8 if family == "phi3" else 4)
     check_logprobs_close([(tokens, tops)], [hf_continuation(theirs, prompt, NUM_DECODED)])
     if ATOL[dtype] is not None:
         with torch.inference_mode():  # one forward over the whole sequence: every position
@@ -74,7 +54,7 @@ def test_each_family_takes_the_one_call_decode_step(tiny_window_dirs):
     for family in FAMILIES:
         ours = load_model(tiny_window_dirs[family], torch.float32, "cpu", select_backend("cpu"))
         assert ours.decode_step is not None, family
-        _ours(ours, _prompt(ours.vocab_size), 4, block_size=4)
+        greedy_with_logits(ours, random_prompt(ours.vocab_size, PROMPT_LEN), 4, block_size=4)
         assert ours.decode_step.num_steps == 3, family
 
 
@@ -105,8 +85,8 @@ def test_a_gemma3_checkpoint_with_a_vision_tower_is_served_as_its_text_tower(
     theirs.save_pretrained(tmp_path)
     AutoTokenizer.from_pretrained(tiny_window_dirs["gemma3"]).save_pretrained(tmp_path)
     ours = load_model(tmp_path, torch.float32, "cpu", select_backend("cpu"))
-    prompt = _prompt(ours.vocab_size)
-    logits, tokens, _ = _ours(ours, prompt, 24, block_size=4)
+    prompt = random_prompt(ours.vocab_size, PROMPT_LEN)
+    logits, tokens, _ = greedy_with_logits(ours, prompt, 24, block_size=4)
     with torch.inference_mode():
         expected = theirs(input_ids=torch.tensor([prompt + tokens[:-1]])).logits[0]
     torch.testing.assert_close(logits, expected, atol=ATOL[torch.float32], rtol=0)

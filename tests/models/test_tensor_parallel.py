@@ -130,7 +130,7 @@ def tiny_replicated_kv_dir(tmp_path_factory, tiny_tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def checkpoints(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_replicated_kv_dir,
-                tiny_window_dirs, tmp_path_factory):
+                tiny_window_dirs, tiny_moe_dirs, tmp_path_factory):
     from gguf_files import write_gguf
 
     from actorlm.models.loader import resolve_model
@@ -142,6 +142,11 @@ def checkpoints(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_replicated_
             # fused q/k/v and gate/up split per rank
             **{name: tiny_window_dirs[name]
                for name in ("gemma3", "gemma2", "mistral", "qwen2_window", "phi3")},
+            # every expert's intermediate features split (from per-expert tensors and from
+            # stacked ones), a shared expert's too, a router on every rank; OLMoE's q/k norms
+            # over all heads, its one KV head on both ranks
+            **{name: tiny_moe_dirs[name]
+               for name in ("qwen3_moe", "qwen3_moe_stacked", "qwen2_moe", "mixtral", "olmoe")},
             # in blocks: o_proj / down_proj split on block boundaries; a tied embedding (looked
             # up as floats per rank); an untied head whose odd vocabulary pads with zero blocks
             **{name: resolve_model(write_gguf(path, files / f"{name}.gguf", type_name))
@@ -158,7 +163,8 @@ def split(checkpoints):
 
 @pytest.mark.parametrize("name", ["llama_tied", "qwen2_qkv_bias", "qwen3_qk_norm",
                                   "llama_replicated_kv", "gemma3", "gemma2", "mistral",
-                                  "qwen2_window", "phi3"])
+                                  "qwen2_window", "phi3", "qwen3_moe", "qwen3_moe_stacked",
+                                  "qwen2_moe", "mixtral", "olmoe"])
 def test_two_ranks_compute_what_one_computes(name, checkpoints, split):
     path = checkpoints[name]
     whole = greedy_steps(TensorParallel(), path)
@@ -222,6 +228,8 @@ def test_a_model_that_does_not_split_is_refused_before_loading(smollm2_dir):
     (8, 8, 64, 3, "does not divide .*'s 8 attention heads"),
     (12, 4, 96, 6, "neither divides .*'s 4 KV heads nor is a multiple"),
     (8, 4, 100, 8, "does not divide .*'s MLP intermediate size 100"),
+    (8, 4, {"MLP intermediate size": 64, "experts' intermediate size": 36}, 8,
+     "does not divide .*'s experts' intermediate size 36"),
 ])
 def test_the_split_is_checked(heads, kv_heads, intermediate, size, error):
     if error is None:
@@ -229,6 +237,23 @@ def test_the_split_is_checked(heads, kv_heads, intermediate, size, error):
     else:
         with pytest.raises(ValueError, match=f"--tensor-parallel-size {size} " + error):
             check_tensor_parallel("m", heads, kv_heads, intermediate, size)
+
+
+@pytest.mark.parametrize("family, changes, error", [
+    ("qwen3_moe", {"moe_intermediate_size": 30}, "experts' intermediate size 30"),
+    ("qwen2_moe", {"shared_expert_intermediate_size": 50}, "shared expert's intermediate size 50"),
+    ("mixtral", {"intermediate_size": 30}, "experts' intermediate size 30"),
+])
+def test_a_mixture_of_experts_that_does_not_split_is_refused_before_loading(
+        family, changes, error, tiny_moe_dirs, tmp_path):
+    # only the config: the refusal comes before any weight (or tokenizer) is read
+    import json
+
+    config = json.loads((tiny_moe_dirs[family] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
+    with pytest.raises(ValueError, match=f"--tensor-parallel-size 4 does not divide .*'s "
+                                         f"{error}; use a divisor of"):
+        load_model_parts(EngineConfig(model=str(tmp_path), tensor_parallel_size=4))
 
 
 def test_a_rank_without_a_process_group_is_refused(tiny_llama_dir):

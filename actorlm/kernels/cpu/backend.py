@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from actorlm.kernels import portable
+from actorlm.kernels import moe, portable
 from actorlm.kernels.backend import AttentionLayer, KernelBackend, Norm, QuantizedWeight
 from actorlm.kernels.cpu import attention, fused, linear, quant, sampler
 from actorlm.kernels.cpu.decode_step import DecodeStep
@@ -51,6 +51,9 @@ class CpuBackend(KernelBackend):
         out = attention.attend(query, k_cache, v_cache, meta.plan, layer.scale, layer.window,
                                layer.softcap)  # [T, Hq, D]
         return out.reshape(num_tokens, -1)
+
+    def fused_moe(self, x, router_logits, experts, top_k, renormalize):
+        return moe.fused_moe(x, router_logits, experts, top_k, renormalize, fused.act_and_mul)
 
     def sample(self, logits, temperature, top_k, top_p, min_p, seeds, positions):
         return sampler.sample(logits, temperature, top_k, top_p, min_p, seeds, positions)

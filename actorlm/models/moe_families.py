@@ -1,0 +1,141 @@
+"""The mixture-of-experts families, as their configs describe them (transformers'
+``modeling_{qwen3_moe,mixtral,qwen2_moe,olmoe}.py`` are the reference).
+
+- Qwen3-MoE: Qwen3's layers (per-head q/k norms) with routed experts of
+  ``moe_intermediate_size`` where ``(layer + 1) % decoder_sparse_step == 0`` and the layer is
+  not in ``mlp_only_layers`` (the others keep a dense MLP of ``intermediate_size``); the top-k
+  weights are renormalised with ``norm_topk_prob``.
+- Qwen2-MoE: the same choice of layers on Qwen2's attention (a qkv bias by ``qkv_bias``), and a
+  shared expert of ``shared_expert_intermediate_size`` beside the routed ones, scaled by
+  ``sigmoid(shared_expert_gate(x))``.
+- Mixtral: Mistral's layers, every one routed (experts of ``intermediate_size``), the top-k
+  weights always renormalised; its checkpoint names the block ``block_sparse_moe`` and the
+  experts' projections ``w1`` (gate), ``w3`` (up), ``w2`` (down).
+- OLMoE: every layer routed (experts of ``intermediate_size``), renormalised with
+  ``norm_topk_prob``; q and k are normed over their whole projections (all heads at once,
+  weights [Hq * D] and [Hkv * D]), not per head, and ``clip_qkv`` clamps q, k and v after.
+
+Every family routes by the softmax of the router's logits (in fp32) and its top
+``num_experts_per_tok``. Fields of other MoE families that would change the routing
+(DeepSeek's grouped top-k and scaling, a router bias…) are refused by name when a config of
+these carries them: transformers' code for these families ignores them, so a config that sets
+them describes another model. ``router_jitter_noise``, ``router_aux_loss_coef`` and
+``output_router_logits`` matter only in training and are ignored, as in transformers.
+"""
+
+from __future__ import annotations
+
+import re
+
+from actorlm.models.moe import MoeSpec
+
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")
+_EVERY_LAYER = ("mixtral", "olmoe")  # every layer routed, experts of intermediate_size
+# field -> the values that leave the routing as these families compute it
+_OTHER_ROUTING = {
+    "routed_scaling_factor": (None, 1, 1.0),
+    "n_group": (None, 0, 1),
+    "topk_group": (None, 0, 1),
+    "topk_method": (None, "greedy"),
+    "scoring_func": (None, "softmax"),
+    "router_bias": (None, False),
+    "moe_router_bias": (None, False),
+    "n_shared_experts": (None, 0),
+    "first_k_dense_replace": (None, 0),
+}
+EXPERTS_SIZE = "experts' intermediate size"  # intermediate_sizes' key for the routed experts
+_MIXTRAL_EXPERT = re.compile(r"\.experts\.(\d+)\.w([123])\.")
+_MIXTRAL_PROJECTIONS = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
+
+
+def is_moe(config) -> bool:
+    return config.model_type in MOE_MODEL_TYPES
+
+
+def check_moe_config(config) -> None:
+    """Refuse, by name, what a MoE family's ``config`` asks for that is not computed here."""
+    model_type = config.model_type
+    for field, defaults in _OTHER_ROUTING.items():
+        value = getattr(config, field, None)
+        if value not in defaults:
+            raise ValueError(f"{model_type}: {field}={value!r} is not implemented (it changes "
+                             f"how tokens are routed, which {model_type} does not)")
+    num_experts, top_k = config.num_experts, config.num_experts_per_tok
+    if model_type in _EVERY_LAYER and num_experts < 1:
+        raise ValueError(f"{model_type}: num_experts={num_experts} must be positive")
+    if num_experts > 0 and not 1 <= top_k <= num_experts:  # (none: every layer dense)
+        raise ValueError(f"{model_type}: num_experts_per_tok={top_k} must be between 1 and "
+                         f"num_experts={num_experts}")
+    step = getattr(config, "decoder_sparse_step", 1)
+    if model_type not in _EVERY_LAYER and not (isinstance(step, int) and step >= 1):
+        raise ValueError(f"{model_type}: decoder_sparse_step={step!r} must be a positive "
+                         f"integer")
+    shared = getattr(config, "shared_expert_intermediate_size", None)
+    if model_type == "qwen2_moe" and not (isinstance(shared, int) and shared > 0):
+        raise ValueError(f"qwen2_moe: shared_expert_intermediate_size={shared!r} must be "
+                         f"positive")
+    if model_type == "olmoe":
+        head_dim = getattr(config, "head_dim", None) or \
+            config.hidden_size // config.num_attention_heads
+        if head_dim * config.num_attention_heads != config.hidden_size:
+            # its q norm's weight has hidden_size features, one per feature of q
+            raise ValueError(f"olmoe: head_dim={head_dim} times {config.num_attention_heads} "
+                             f"heads must be hidden_size={config.hidden_size}")
+        if getattr(config, "sliding_window", None):
+            # transformers' OLMoE masks no window, yet hands it to the attention kernels (which
+            # flash-attention applies and SDPA ignores): which one the model means is unclear
+            raise ValueError("olmoe: sliding_window is not implemented")
+        clip = getattr(config, "clip_qkv", None)
+        if clip is not None and not clip > 0:
+            raise ValueError(f"olmoe: clip_qkv must be positive, got {clip!r}")
+
+
+def moe_specs(config) -> list[MoeSpec | None]:
+    """Each decoder layer's routed experts (None: the layer keeps a dense MLP)."""
+    num_layers = config.num_hidden_layers
+    if not is_moe(config):
+        return [None] * num_layers
+    check_moe_config(config)
+    model_type = config.model_type
+    if model_type in _EVERY_LAYER:
+        routed = [True] * num_layers
+        size = config.intermediate_size
+    else:
+        dense = set(getattr(config, "mlp_only_layers", None) or ())
+        step = getattr(config, "decoder_sparse_step", 1)
+        routed = [layer not in dense and config.num_experts > 0 and (layer + 1) % step == 0
+                  for layer in range(num_layers)]
+        size = config.moe_intermediate_size
+    spec = MoeSpec(
+        num_experts=config.num_experts, top_k=config.num_experts_per_tok,
+        intermediate_size=size,
+        renormalize=model_type == "mixtral" or bool(getattr(config, "norm_topk_prob", False)),
+        shared_intermediate_size=config.shared_expert_intermediate_size
+        if model_type == "qwen2_moe" else None)
+    return [spec if is_routed else None for is_routed in routed]
+
+
+def intermediate_sizes(config) -> dict[str, int]:
+    """The intermediate sizes of the model's MLPs, by what a message calls them: the dense
+    MLP's (where a layer has one), the routed experts' and the shared expert's."""
+    specs = moe_specs(config)
+    sizes = {}
+    if any(spec is None for spec in specs):
+        sizes["MLP intermediate size"] = config.intermediate_size
+    routed = next((spec for spec in specs if spec is not None), None)
+    if routed is not None:
+        sizes[EXPERTS_SIZE] = routed.intermediate_size
+        if routed.shared_intermediate_size is not None:
+            sizes["shared expert's intermediate size"] = routed.shared_intermediate_size
+    return sizes
+
+
+def checkpoint_name(config, name: str) -> str:
+    """A checkpoint tensor's name as the model loads it: Mixtral's MoE block and experts
+    under the names the other families use (``mlp``, ``gate_proj``, ``up_proj``,
+    ``down_proj``)."""
+    if config.model_type != "mixtral":
+        return name
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    return _MIXTRAL_EXPERT.sub(lambda m: f".experts.{m.group(1)}."
+                                         f"{_MIXTRAL_PROJECTIONS[m.group(2)]}.", name)

@@ -1,0 +1,137 @@
+"""The mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) against transformers
+on the same tiny checkpoints (``checkpoints.tiny_moe_dirs``): logits at every position of a
+40-token prompt and 40 greedy tokens after it, the greedy tokens themselves by vLLM's rule, the
+layers that route, both layouts of the experts in a checkpoint, and the configs refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from greedy import check_logprobs_close, hf_continuation
+from paged_contexts import greedy_with_logits, random_prompt
+
+from actorlm.kernels import select_backend
+from actorlm.models.decoder import MLP
+from actorlm.models.families import layer_specs
+from actorlm.models.loader import load_hf_config, load_model
+from actorlm.models.moe import SparseMoeBlock
+
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+PROMPT_LEN, NUM_DECODED = 40, 40
+ATOL = {torch.float32: 2e-4, torch.bfloat16: None}  # bf16: judged by the greedy tokens only
+
+
+@pytest.fixture(scope="module")
+def hf_models(tiny_moe_dirs):
+    """transformers' models in each dtype. bf16 is held to transformers in bf16, not fp32, as
+    vLLM's tests hold it: a token whose router scores two experts a rounding apart goes to
+    either, and the rest of the sequence follows, so only the same roundings of the router's
+    input make the same choices (the dense families' bf16 tests can take fp32's)."""
+    from transformers import AutoModelForCausalLM
+
+    return {(name, dtype): AutoModelForCausalLM.from_pretrained(tiny_moe_dirs[name],
+                                                                dtype=dtype).eval()
+            for name in FAMILIES for dtype in (torch.float32, torch.bfloat16)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_at_every_position_match_transformers(family, dtype, tiny_moe_dirs, hf_models):
+    theirs = hf_models[family, dtype]
+    ours = load_model(tiny_moe_dirs[family], dtype, "cpu", select_backend("cpu"))
+    prompt = random_prompt(ours.vocab_size, PROMPT_LEN)
+    logits, tokens, tops = greedy_with_logits(ours, prompt, NUM_DECODED, block_size=4)
+    check_logprobs_close([(tokens, tops)], [hf_continuation(theirs, prompt, NUM_DECODED)])
+    if ATOL[dtype] is not None:
+        with torch.inference_mode():  # one forward over the whole sequence: every position
+            expected = theirs(torch.tensor([prompt + tokens[:-1]])).logits[0]
+        torch.testing.assert_close(logits, expected, atol=ATOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_layers_transformers_routes_route_here_and_decode_on_the_python_path(
+        family, tiny_moe_dirs, hf_models):
+    ours = load_model(tiny_moe_dirs[family], torch.float32, "cpu", select_backend("cpu"))
+    routed = [isinstance(layer.mlp, SparseMoeBlock) for layer in ours.model.layers]
+    assert routed == [type(layer.mlp).__name__.endswith("SparseMoeBlock")
+                      for layer in hf_models[family, torch.float32].model.layers]
+    assert all(isinstance(layer.mlp, MLP) for layer, r in zip(ours.model.layers, routed) if not r)
+    # the one-call decode step describes no routed experts: every layer runs in Python
+    assert ours.decode_step is None
+    assert any(routed) and (family not in ("qwen3_moe", "qwen2_moe") or not all(routed))
+
+
+def test_experts_saved_stacked_load_as_the_per_expert_tensors_do(tiny_moe_dirs):
+    """The same weights, the experts written one tensor per expert and projection, or one per
+    projection stacked ([E, 2I, H] gate/up, [E, H, I] down): the same model, to the bit."""
+    backend = select_backend("cpu")
+    per_expert = load_model(tiny_moe_dirs["qwen3_moe"], torch.float32, "cpu", backend)
+    stacked = load_model(tiny_moe_dirs["qwen3_moe_stacked"], torch.float32, "cpu", backend)
+    for a, b in zip(per_expert.model.layers, stacked.model.layers, strict=True):
+        if isinstance(a.mlp, SparseMoeBlock):
+            assert torch.equal(a.mlp.experts.gate_up_proj, b.mlp.experts.gate_up_proj)
+            assert torch.equal(a.mlp.experts.down_proj, b.mlp.experts.down_proj)
+    prompt = random_prompt(per_expert.vocab_size, PROMPT_LEN)
+    assert torch.equal(greedy_with_logits(per_expert, prompt, 4, block_size=4)[0],
+                       greedy_with_logits(stacked, prompt, 4, block_size=4)[0])
+
+
+def _config(tiny_moe_dirs, tmp_path, family, **changes):
+    config = json.loads((tiny_moe_dirs[family] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
+    return load_hf_config(tmp_path)
+
+
+@pytest.mark.parametrize("family, changes, error", [
+    ("qwen3_moe", {"routed_scaling_factor": 2.5}, "routed_scaling_factor=2.5"),
+    ("qwen2_moe", {"n_group": 4, "topk_group": 2}, "n_group=4"),
+    ("qwen3_moe", {"topk_method": "noaux_tc"}, "topk_method='noaux_tc'"),
+    ("mixtral", {"scoring_func": "sigmoid"}, "scoring_func='sigmoid'"),
+    ("olmoe", {"router_bias": True}, "router_bias=True"),
+    ("mixtral", {"num_experts_per_tok": 9}, "num_experts_per_tok=9 must be between 1 and "
+                                            "num_experts=8"),
+    ("qwen3_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step=0"),
+    ("olmoe", {"head_dim": 8}, "olmoe: head_dim=8 times 4 heads must be hidden_size=64"),
+    ("olmoe", {"clip_qkv": 0.0}, "clip_qkv must be positive"),
+    ("olmoe", {"sliding_window": 16}, "olmoe: sliding_window is not implemented"),
+])
+def test_configs_that_change_the_routing_unimplemented_are_refused_by_name(
+        family, changes, error, tiny_moe_dirs, tmp_path):
+    config = _config(tiny_moe_dirs, tmp_path, family, **changes)
+    with pytest.raises(ValueError, match=error):
+        layer_specs(config)
+
+
+@pytest.mark.parametrize("family, changes", [
+    ("mixtral", {"router_jitter_noise": 0.1}),  # noise on the router's input in training only
+    ("qwen3_moe", {"router_aux_loss_coef": 0.5, "output_router_logits": True}),
+    ("qwen3_moe", {"routed_scaling_factor": 1.0}),
+])
+def test_fields_that_matter_only_in_training_are_taken(family, changes, tiny_moe_dirs,
+                                                       tmp_path):
+    config = _config(tiny_moe_dirs, tmp_path, family, **changes)
+    assert layer_specs(config) == layer_specs(load_hf_config(tiny_moe_dirs[family]))
+
+
+def test_quantizing_leaves_the_experts_in_floats_and_the_rest_in_blocks(tiny_moe_dirs):
+    """``--quantization q8_0``: attention, dense MLPs and the shared expert in Q8_0 blocks
+    (where their rows divide into blocks); the routed experts and the router as they came (no
+    backend runs experts in blocks)."""
+    model = load_model(tiny_moe_dirs["qwen2_moe"], torch.float32, "cpu", select_backend("cpu"),
+                       quantization="q8_0")
+    dense, routed = model.model.layers[0], model.model.layers[1]
+    assert isinstance(dense.mlp, MLP) and isinstance(routed.mlp, SparseMoeBlock)
+    for linear in (dense.self_attn.qkv_proj, dense.mlp.gate_up_proj, dense.mlp.down_proj,
+                   routed.mlp.shared_expert.gate_up_proj):
+        assert linear.quantized and \
+            {w.type_name for w in linear.quantized.values()} == {"Q8_0"}
+    # (the shared expert's down_proj has 48 input features, not whole blocks of 32: floats)
+    assert not routed.mlp.shared_expert.down_proj.quantized
+    assert not routed.mlp.gate.quantized and not routed.mlp.shared_expert_gate.quantized
+    assert routed.mlp.experts.gate_up_proj.dtype == routed.mlp.experts.down_proj.dtype == \
+        torch.float32
+    prompt = random_prompt(model.vocab_size, PROMPT_LEN)
+    logits = greedy_with_logits(model, prompt, 2, block_size=4)[0]
+    assert logits.isfinite().all()
