@@ -43,7 +43,7 @@ def one_step_ms(dtype: str, num_requests: int, context: int) -> float:
         with torch.inference_mode():
             hidden = runner.model(torch.randint(0, 40_000, (num_requests,)),
                                   torch.full((num_requests,), context - 1), runner.kv_caches,
-                                  meta)
+                                  [meta])  # one KV-cache group: SmolLM2's layers are all full
             runner.backend.argmax(runner.model.compute_logits(hidden))
 
     for _ in range(3):

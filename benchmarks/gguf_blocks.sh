@@ -2,6 +2,8 @@
 # The shipped GGUF (SmolLM2, Q4_1 + Q8_0) run in its blocks against the same weights dequantized
 # by transformers and run in bf16, taking turns in one run; data under docs/benchmark-data/.
 #   bash benchmarks/gguf_blocks.sh [DENSE_DIR]   (the dequantized copy is written there once)
+# With LLAMA_CPP_PYTHON set to a python that has llama-cpp-python, llama.cpp's one stream on the
+# same file takes its turns too (benchmarks/llama_cpp_peer.py).
 set -e
 cd "$(dirname "$0")/.."; export HF_HUB_OFFLINE=1
 DENSE=${1:-/tmp/smol_dense}
@@ -10,11 +12,15 @@ import pathlib, sys
 from actorlm.models.gguf_file import write_dense_copy
 from actorlm.models.loader import default_gguf_path
 write_dense_copy(default_gguf_path(), pathlib.Path(sys.argv[1]))" $DENSE
-OUT=docs/benchmark-data/gguf-blocks-$(date +%Y%m%d)
+GGUF=$(.venv/bin/python -c "from actorlm.models.loader import default_gguf_path; print(default_gguf_path())")
+OUT=docs/benchmark-data/gguf-blocks-$(date +%Y%m%d-%H%M)
 mkdir -p $OUT; lscpu > $OUT/lscpu.txt
 for i in 1 2 3; do
   .venv/bin/actorlm bench latency --json 2>/dev/null | tail -1 >> $OUT/latency-gguf.jsonl
   .venv/bin/actorlm bench latency --model $DENSE --dtype bfloat16 --json 2>/dev/null | tail -1 >> $OUT/latency-bf16.jsonl
+  if [ -n "$LLAMA_CPP_PYTHON" ]; then
+    $LLAMA_CPP_PYTHON benchmarks/llama_cpp_peer.py "$GGUF" >> $OUT/latency-llama-cpp.jsonl
+  fi
 done
 for i in 1 2 3; do
   .venv/bin/actorlm bench throughput --num-prompts 64 --output-len 128 --json 2>/dev/null | tail -1 >> $OUT/throughput-gguf.jsonl
