@@ -69,6 +69,24 @@ class Experts(NamedTuple):
     activation: str = "silu"  # one of ACTIVATIONS
 
 
+class MoePlan(NamedTuple):
+    """A layer's mixture of experts in place of its dense MLP, as ``decode_step`` runs it:
+
+        out = experts(top_k(softmax(router(h))))      (``KernelBackend.fused_moe``)
+        out += sigmoid(shared_gate(h)) * down(act_and_mul(gate_up(h)))   (a shared expert)
+
+    ``router`` and the shared expert's linear layers are what ``prepare_linear`` returned,
+    ``experts`` what ``prepare_experts`` returned; no shared expert: the three are None."""
+
+    router: Callable
+    experts: object
+    top_k: int
+    renormalize: bool
+    shared_gate_up: Callable | None = None
+    shared_down: Callable | None = None
+    shared_gate: Callable | None = None
+
+
 class DecoderLayerPlan(NamedTuple):
     """A pre-norm decoder layer, as ``decode_step`` runs it:
 
@@ -78,7 +96,8 @@ class DecoderLayerPlan(NamedTuple):
         m = down(act_and_mul(gate_up(mlp_norm(stream))))
         out = mlp_out_norm(m) or m            (the next layer adds it to the stream)
 
-    The linear layers are what ``KernelBackend.prepare_linear`` returned; ``rope`` picks which
+    With ``moe`` (a ``MoePlan``) the experts take the dense MLP's place, and ``gate_up`` and
+    ``down`` are None. The linear layers are what ``KernelBackend.prepare_linear`` returned; ``rope`` picks which
     of the step's RoPE tables the layer rotates by (families with one table: 0), ``kv_group``
     which of the step's attention metadata it reads its KV blocks through (``kv_groups``)."""
 
@@ -87,13 +106,14 @@ class DecoderLayerPlan(NamedTuple):
     qkv: Callable
     o: Callable
     mlp_norm: Norm
-    gate_up: Callable
-    down: Callable
+    gate_up: Callable | None
+    down: Callable | None
     activation: str = "silu"
     attn_out_norm: Norm | None = None
     mlp_out_norm: Norm | None = None
     rope: int = 0
     kv_group: int = 0
+    moe: MoePlan | None = None
 
 
 class KernelBackend:
@@ -164,12 +184,19 @@ class KernelBackend:
 
     # --- routed experts -----------------------------------------------------------------------
 
-    def fused_moe(self, x: torch.Tensor, router_logits: torch.Tensor, experts: Experts,
+    def prepare_experts(self, experts: Experts) -> object:
+        """Once, at load: a layer's experts laid out as this device runs them fastest, for
+        ``fused_moe`` (here: as they are). The result keeps what it needs; the caller may let
+        its own references to the stacked weights go."""
+        return experts
+
+    def fused_moe(self, x: torch.Tensor, router_logits: torch.Tensor, experts,
                   top_k: int, renormalize: bool) -> torch.Tensor:
         """A mixture-of-experts MLP: each token of x [T, H] goes to the ``top_k`` experts of
         highest softmax(router_logits [T, E]) (in fp32), whose outputs are summed, weighted by
         those probabilities (divided by their sum with ``renormalize``) -> [T, H]
-        (``reference.fused_moe_ref``)."""
+        (``reference.fused_moe_ref``). ``experts``: an ``Experts``, or what
+        ``prepare_experts`` returned."""
         raise NotImplementedError
 
     # --- sampling -----------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from actorlm.models.families import (GEMMA_NORMS, LLAMA_NORMS,
                                      checkpoint_tensors, is_gemma, layer_specs, layer_windows,
                                      narrow, rope_inv_freq, rope_layer_types, text_config)
 from actorlm.models.layers import Embedding, Linear, RMSNorm, VocabParallelEmbedding
+from actorlm.models.moe import RoutedExperts
 from actorlm.models.moe_families import intermediate_sizes
 from actorlm.models.parallel import TensorParallel, check_tensor_parallel, gather_last_dim
 
@@ -185,7 +186,7 @@ class CausalLM(nn.Module):
         if self.tie_word_embeddings and embedding.quantized is not None:
             self.lm_head.load_quantized(0, embedding.quantized)  # the same blocks, held once
         for module in self.modules():
-            if isinstance(module, (Linear, Embedding)):
+            if isinstance(module, (Linear, Embedding, RoutedExperts)):
                 module.prepare(self.backend)
         plans = [layer.plan() for layer in self.model.layers]
         # (a step of parallel layers needs their collectives; a layer without a plan, such as

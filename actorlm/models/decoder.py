@@ -5,8 +5,9 @@ and how they scale, q/k norms, the activation, biases, the attention scale, a sl
 routed experts in place of the dense MLP (``moe.py``). The modules here build exactly those
 parts and run them through the kernel backend; ``plan()`` hands the same description, with the
 loaded weights, to the backend's one-call decode step (``KernelBackend.decode_step``). So a new
-dense family takes both paths by describing itself; a layer with routed experts, or with
-OLMoE's q/k norms over whole projections, has no plan yet and runs on the Python path.
+family takes both paths by describing itself (routed experts as a ``MoePlan``); a layer with
+OLMoE's q/k norms over whole projections or clipped q/k/v has no plan yet and runs on the
+Python path.
 
 Inputs are one flattened batch of T tokens (no padding, no batch dimension). q/k/v and
 gate/up are merged into one matmul each.
@@ -18,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
-from actorlm.kernels import AttentionLayer, DecoderLayerPlan, KernelBackend
+from actorlm.kernels import AttentionLayer, DecoderLayerPlan, KernelBackend, MoePlan
 from actorlm.models.layers import Linear, RMSNorm, RowParallelLinear, SplitRMSNorm
 from actorlm.models.moe import MoeSpec, SparseMoeBlock
 from actorlm.models.parallel import TensorParallel, num_kv_heads_per_rank
@@ -177,14 +178,27 @@ class DecoderLayer(nn.Module):
 
     def plan(self) -> DecoderLayerPlan | None:
         """This layer for the backend's one-call decode step (once the weights are loaded), or
-        None where a plan does not describe it: routed experts in place of the dense MLP, q/k
-        norms over whole projections, clipped q/k/v."""
+        None where a plan does not describe it: q/k norms over whole projections, clipped
+        q/k/v."""
         attn, mlp = self.self_attn, self.mlp
-        if not isinstance(mlp, MLP) or attn.projection_norms or attn.clip_qkv is not None:
+        if attn.projection_norms or attn.clip_qkv is not None:
             return None
+        if isinstance(mlp, MLP):
+            dense, activation, moe = (mlp.gate_up_proj.prepared, mlp.down_proj.prepared), \
+                mlp.activation, None
+        else:  # routed experts in the dense MLP's place
+            dense, activation, moe = (None, None), mlp.experts.activation, _moe_plan(mlp)
         return DecoderLayerPlan(
             self.attn_norm.norm, attn.layer, attn.qkv_proj.prepared, attn.o_proj.prepared,
-            self.mlp_norm.norm, mlp.gate_up_proj.prepared, mlp.down_proj.prepared,
-            mlp.activation, *(None if n is None else n.norm
-                              for n in (self.attn_out_norm, self.mlp_out_norm)), self.rope,
-            self.kv_group)
+            self.mlp_norm.norm, *dense, activation,
+            *(None if n is None else n.norm for n in (self.attn_out_norm, self.mlp_out_norm)),
+            self.rope, self.kv_group, moe)
+
+
+def _moe_plan(block: SparseMoeBlock) -> MoePlan:
+    shared = block.shared_expert
+    parts = (None, None, None) if shared is None else (
+        shared.gate_up_proj.prepared, shared.down_proj.prepared,
+        block.shared_expert_gate.prepared)
+    return MoePlan(block.gate.prepared, block.experts.stacked, block.spec.top_k,
+                   block.spec.renormalize, *parts)

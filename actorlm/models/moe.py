@@ -49,9 +49,22 @@ class RoutedExperts(nn.Module):
                                                      dtype=dtype, device=device), False)
         self.down_proj = nn.Parameter(torch.empty(spec.num_experts, hidden_size, size,
                                                   dtype=dtype, device=device), False)
+        self.dtype = dtype
+        self.prepared = None  # the backend's layout of the experts, once they are loaded
+
+    def prepare(self, backend: KernelBackend) -> None:
+        """Once loaded: the experts laid out by the backend; where it made its own copy, the
+        stacked weights go (the model holds each weight once)."""
+        plain = Experts(self.gate_up_proj, self.down_proj, self.activation)
+        self.prepared = backend.prepare_experts(plain)
+        if self.prepared is not plain:
+            self.gate_up_proj = self.down_proj = None
 
     @property
-    def stacked(self) -> Experts:
+    def stacked(self):
+        """What the backend's ``fused_moe`` takes: the prepared experts, or the stacked ones."""
+        if self.prepared is not None:
+            return self.prepared
         return Experts(self.gate_up_proj, self.down_proj, self.activation)
 
 

@@ -1,7 +1,8 @@
 """Routed experts through the door (``KernelBackend.fused_moe``, both wings) against the oracle
 (``reference.fused_moe_ref``), with the tolerance ``tolerance.experts_error`` derives: ragged
 token counts, experts no token picks, top 1 to 3, renormalised or not, a hidden size that is
-not a power of two, fp32 and bf16. And the grouping itself: one pair of matmuls per expert
+not a power of two, fp32 and bf16, the experts as stacked or as ``prepare_experts`` laid them
+out. And the grouping itself: one pair of matmuls per expert
 that has tokens, whatever the number of tokens."""
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def _inputs(num_tokens, num_experts, dtype, seed=0):
 
 
 @pytest.mark.parametrize("wing", ["cpu", "triton"])
+@pytest.mark.parametrize("prepared", [False, True], ids=["stacked", "prepared"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("renormalize", [True, False], ids=["renormalized", "softmax"])
 @pytest.mark.parametrize("num_tokens, num_experts, top_k", [
@@ -38,12 +40,17 @@ def _inputs(num_tokens, num_experts, dtype, seed=0):
     (7, 8, 3),
     (37, 6, 2),  # more tokens than experts: every expert many rows
 ])
-def test_the_wings_route_and_compute_as_the_oracle(wing, dtype, renormalize, num_tokens,
-                                                   num_experts, top_k, monkeypatch):
+def test_the_wings_route_and_compute_as_the_oracle(wing, prepared, dtype, renormalize,
+                                                   num_tokens, num_experts, top_k, monkeypatch):
+    """(prepared: the experts laid out by ``prepare_experts``, the CPU's C++ kernel where it
+    is built)"""
     monkeypatch.setenv("ACTORLM_ATTENTION_BACKEND", wing)
     backend = select_backend("cpu")
     x, logits, gate_up, down = _inputs(num_tokens, num_experts, dtype)
-    out = backend.fused_moe(x, logits, Experts(gate_up, down), top_k, renormalize)
+    experts = Experts(gate_up, down)
+    if prepared:
+        experts = backend.prepare_experts(experts)
+    out = backend.fused_moe(x, logits, experts, top_k, renormalize)
     expected = fused_moe_ref(x, logits, gate_up, down, top_k, renormalize)
     assert out.dtype == dtype and out.shape == x.shape
     assert_within(out, expected, experts_error(x, logits, gate_up, down, top_k, renormalize,

@@ -13,6 +13,7 @@ from greedy import check_logprobs_close, hf_continuation
 from paged_contexts import greedy_with_logits, random_prompt
 
 from actorlm.kernels import select_backend
+from actorlm.kernels.cpu import linear as cpu_linear
 from actorlm.models.decoder import MLP
 from actorlm.models.families import layer_specs
 from actorlm.models.loader import load_hf_config, load_model
@@ -51,15 +52,17 @@ def test_logits_at_every_position_match_transformers(family, dtype, tiny_moe_dir
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_layers_transformers_routes_route_here_and_decode_on_the_python_path(
+def test_the_layers_transformers_routes_route_here_and_take_the_one_call_where_described(
         family, tiny_moe_dirs, hf_models):
     ours = load_model(tiny_moe_dirs[family], torch.float32, "cpu", select_backend("cpu"))
     routed = [isinstance(layer.mlp, SparseMoeBlock) for layer in ours.model.layers]
     assert routed == [type(layer.mlp).__name__.endswith("SparseMoeBlock")
                       for layer in hf_models[family, torch.float32].model.layers]
     assert all(isinstance(layer.mlp, MLP) for layer, r in zip(ours.model.layers, routed) if not r)
-    # the one-call decode step describes no routed experts: every layer runs in Python
-    assert ours.decode_step is None
+    # the one-call decode step runs routed experts (where the panel GEMM is built), but not
+    # OLMoE's q/k norms over whole projections: there every layer runs in Python
+    has_kernels = cpu_linear._kernel(torch.float32) is not None
+    assert (ours.decode_step is not None) == (family != "olmoe" and has_kernels)
     assert any(routed) and (family not in ("qwen3_moe", "qwen2_moe") or not all(routed))
 
 
@@ -71,11 +74,17 @@ def test_experts_saved_stacked_load_as_the_per_expert_tensors_do(tiny_moe_dirs):
     stacked = load_model(tiny_moe_dirs["qwen3_moe_stacked"], torch.float32, "cpu", backend)
     for a, b in zip(per_expert.model.layers, stacked.model.layers, strict=True):
         if isinstance(a.mlp, SparseMoeBlock):
-            assert torch.equal(a.mlp.experts.gate_up_proj, b.mlp.experts.gate_up_proj)
-            assert torch.equal(a.mlp.experts.down_proj, b.mlp.experts.down_proj)
+            for x, y in zip(_expert_tensors(a.mlp.experts), _expert_tensors(b.mlp.experts)):
+                assert torch.equal(x, y)
     prompt = random_prompt(per_expert.vocab_size, PROMPT_LEN)
     assert torch.equal(greedy_with_logits(per_expert, prompt, 4, block_size=4)[0],
                        greedy_with_logits(stacked, prompt, 4, block_size=4)[0])
+
+
+def _expert_tensors(experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts' weights as the backend holds them: stacked, or packed for its kernel."""
+    held = experts.stacked
+    return (held.gate_up, held.down)
 
 
 def _config(tiny_moe_dirs, tmp_path, family, **changes):
@@ -130,8 +139,8 @@ def test_quantizing_leaves_the_experts_in_floats_and_the_rest_in_blocks(tiny_moe
     # (the shared expert's down_proj has 48 input features, not whole blocks of 32: floats)
     assert not routed.mlp.shared_expert.down_proj.quantized
     assert not routed.mlp.gate.quantized and not routed.mlp.shared_expert_gate.quantized
-    assert routed.mlp.experts.gate_up_proj.dtype == routed.mlp.experts.down_proj.dtype == \
-        torch.float32
+    assert routed.mlp.experts.dtype == torch.float32 and \
+        all(t.dtype == torch.float32 for t in _expert_tensors(routed.mlp.experts))
     prompt = random_prompt(model.vocab_size, PROMPT_LEN)
     logits = greedy_with_logits(model, prompt, 2, block_size=4)[0]
     assert logits.isfinite().all()

@@ -29,6 +29,18 @@ STRUCTS = {
         ("const void*", "packed"), ("const float*", "bias"), ("int64_t", "out_features"),
         ("int64_t", "in_features"), ("const actorlm_quant_part*", "parts"),
         ("int32_t", "num_parts")],
+    # A layer's routed experts, each projection's experts packed for the panel GEMM one after
+    # another, `*_stride` values apart (``experts.PanelExperts``)
+    "actorlm_experts": [
+        ("const void*", "gate_up"), ("const void*", "down"), ("int64_t", "gate_up_stride"),
+        ("int64_t", "down_stride"), ("int64_t", "hidden"), ("int64_t", "intermediate"),
+        ("int32_t", "num_experts"), ("int32_t", "activation")],
+    # A mixture-of-experts MLP: router, routed experts, and a shared expert scaled by the
+    # sigmoid of shared_gate (Qwen2-MoE; shared_gate_up.out_features 0: none)
+    "actorlm_moe": [
+        ("actorlm_linear", "router"), ("actorlm_experts", "experts"), ("int32_t", "top_k"),
+        ("int32_t", "renormalize"), ("actorlm_linear", "shared_gate_up"),
+        ("actorlm_linear", "shared_down"), ("actorlm_linear", "shared_gate")],
     "actorlm_decoder_layer": [
         ("actorlm_norm", "attn_norm"), ("actorlm_norm", "attn_out_norm"),
         ("actorlm_norm", "mlp_norm"), ("actorlm_norm", "mlp_out_norm"),
@@ -40,7 +52,8 @@ STRUCTS = {
         ("int32_t", "activation"),  # an index into ACTIVATIONS
         ("int32_t", "rope"), ("float", "scale"),
         ("int32_t", "window"), ("float", "softcap"),  # 0: none
-        ("int32_t", "kv_group")],  # an index into the step's groups
+        ("int32_t", "kv_group"),  # an index into the step's groups
+        ("const actorlm_moe*", "moe")],  # null: the dense gate_up and down
     # one KV-cache group's view of a step: its slot per row, its block table [rows, max_blocks]
     "actorlm_kv_group": [
         ("const int64_t*", "slots"), ("const int32_t*", "block_tables"),
@@ -95,6 +108,13 @@ FUNCTIONS = [
         ("const T*", "x"), ("int64_t", "x_stride"), ("const T*", "packed"),
         ("const float*", "bias"), ("T*", "y"), ("int64_t", "m"), ("int64_t", "n"),
         ("int64_t", "k")]),
+    # moe.cpp: routed experts (ids [rows, top_k] int64, weights [rows, top_k] fp32)
+    ("void", "actorlm_moe_route", [
+        ("const T*", "logits"), ("int64_t", "rows"), ("int", "num_experts"), ("int", "top_k"),
+        ("int", "renormalize"), ("int64_t*", "ids"), ("float*", "weights")]),
+    ("void", "actorlm_moe_experts", [
+        ("const actorlm_experts*", "experts"), ("const T*", "x"), ("const int64_t*", "ids"),
+        ("const float*", "weights"), ("T*", "out"), ("int64_t", "rows"), ("int", "top_k")]),
     # decode_step.cpp
     ("void", "actorlm_decode_layers", [
         ("const actorlm_decoder_layer*", "layers"), ("int", "num_layers"),

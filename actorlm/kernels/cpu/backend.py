@@ -8,6 +8,7 @@ import torch
 from actorlm.kernels import moe, portable
 from actorlm.kernels.backend import AttentionLayer, KernelBackend, Norm, QuantizedWeight
 from actorlm.kernels.cpu import attention, fused, linear, quant, sampler
+from actorlm.kernels.cpu.experts import PanelExperts
 from actorlm.kernels.cpu.decode_step import DecodeStep
 
 
@@ -52,7 +53,12 @@ class CpuBackend(KernelBackend):
                                layer.softcap)  # [T, Hq, D]
         return out.reshape(num_tokens, -1)
 
+    def prepare_experts(self, experts):
+        return PanelExperts.build(experts) or experts
+
     def fused_moe(self, x, router_logits, experts, top_k, renormalize):
+        if isinstance(experts, PanelExperts):
+            return experts(x, router_logits, top_k, renormalize)
         return moe.fused_moe(x, router_logits, experts, top_k, renormalize, fused.act_and_mul)
 
     def sample(self, logits, temperature, top_k, top_p, min_p, seeds, positions):

@@ -8,7 +8,8 @@ microseconds of cache misses: ten per layer were a fifth of a one-request SmolLM
 
 It takes layers whose every piece has its C++ kernel here (linear layers on the panel GEMM,
 which needs AVX-512, and for bf16 avx512_bf16, or in GGML blocks on the quantized one; RoPE and
-decode attention for their head shape, with or without a sliding window and a score cap), and a
+decode attention for their head shape, with or without a sliding window and a score cap; routed
+experts packed for the panel GEMM, ``experts.py``, with their router and shared expert), and a
 step whose every request decodes one token, in request order (in bf16, one or two requests:
 beyond, oneDNN's AMX GEMM runs the linear layers); for anything else ``DecodeStep`` answers None
 and the Python layers run.
@@ -25,9 +26,10 @@ from typing import Sequence
 
 import torch
 
-from actorlm.kernels.backend import ACTIVATIONS, DecoderLayerPlan, Norm
+from actorlm.kernels.backend import ACTIVATIONS, DecoderLayerPlan, MoePlan, Norm
 from actorlm.kernels.cpu import abi, decode_attention, fused, native
 from actorlm.kernels.cpu.attention import AttentionPlan
+from actorlm.kernels.cpu.experts import PanelExperts
 from actorlm.kernels.cpu.linear import PanelLinear
 from actorlm.kernels.cpu.quant import QuantLinear
 from actorlm.kernels.metadata import AttentionMetadata
@@ -35,6 +37,7 @@ from actorlm.kernels.metadata import AttentionMetadata
 _NormStruct = abi.STRUCT_TYPES["actorlm_norm"]
 _LinearStruct = abi.STRUCT_TYPES["actorlm_linear"]
 _LayerStruct = abi.STRUCT_TYPES["actorlm_decoder_layer"]
+_MoeStruct = abi.STRUCT_TYPES["actorlm_moe"]
 _GroupStruct = abi.STRUCT_TYPES["actorlm_kv_group"]
 _StepStruct = abi.STRUCT_TYPES["actorlm_decode_step"]
 
@@ -51,6 +54,9 @@ class DecodeStep:
         self._groups_type = _GroupStruct * self.num_groups
         self.num_steps = 0
         self._structs, self._caches = None, None  # the layers' structs, for these KV caches
+        # the layers' experts' structs, which the layers' structs point to
+        self._moes = [None if layer.moe is None else _moe_struct(layer.moe)
+                      for layer in self.layers]
 
     @classmethod
     def build(cls, layers: Sequence[DecoderLayerPlan], dtype: torch.dtype) -> DecodeStep | None:
@@ -111,7 +117,8 @@ class DecodeStep:
                 for layer, (k, v) in zip(self.layers, kv_caches)):
             return None
         self._structs = (_LayerStruct * len(self.layers))(*(
-            _layer_struct(layer, k, v) for layer, (k, v) in zip(self.layers, kv_caches)))
+            _layer_struct(layer, moe, k, v)
+            for layer, moe, (k, v) in zip(self.layers, self._moes, kv_caches)))
         return self._structs
 
 
@@ -139,11 +146,33 @@ def _runs_here(layer: DecoderLayerPlan, dtype: torch.dtype) -> bool:
                     for linear in linears) or \
             not all(n.weight.dtype == dtype and n.weight.is_contiguous() for n in norms):
         return False
-    qkv, o, gate_up, down = linears
+    qkv, o = linears[:2]
     hidden, q_size = qkv.in_features, a.num_heads * a.head_dim
-    return o.out_features == gate_up.in_features == down.out_features == hidden and \
-        qkv.out_features == q_size + 2 * a.num_kv_heads * a.head_dim and \
-        o.in_features == q_size and gate_up.out_features == 2 * down.in_features
+    attention_fits = o.out_features == hidden and o.in_features == q_size and \
+        qkv.out_features == q_size + 2 * a.num_kv_heads * a.head_dim
+    if layer.moe is not None:
+        return attention_fits and _moe_fits(layer.moe, layer.activation, hidden, dtype)
+    gate_up, down = linears[2:]
+    return attention_fits and _mlp_fits(gate_up, down, hidden)
+
+
+def _mlp_fits(gate_up, down, hidden: int) -> bool:
+    return gate_up.in_features == down.out_features == hidden and \
+        gate_up.out_features == 2 * down.in_features
+
+
+def _moe_fits(moe: MoePlan, activation: str, hidden: int, dtype: torch.dtype) -> bool:
+    experts, router, shared = moe.experts, moe.router, _shared(moe)
+    if not isinstance(experts, PanelExperts) or experts.dtype != dtype or \
+            experts.activation != activation or experts.hidden != hidden or \
+            router.in_features != hidden or router.out_features != experts.num_experts or \
+            not 1 <= moe.top_k <= experts.num_experts:
+        return False
+    if shared is None:
+        return moe.shared_gate_up is moe.shared_down is moe.shared_gate is None
+    gate_up, down, gate = shared
+    return _mlp_fits(gate_up, down, hidden) and gate.in_features == hidden and \
+        gate.out_features == 1
 
 
 def _caches_fit(layer: DecoderLayerPlan, k: torch.Tensor, v: torch.Tensor, dtype,
@@ -156,7 +185,18 @@ def _caches_fit(layer: DecoderLayerPlan, k: torch.Tensor, v: torch.Tensor, dtype
 
 
 def _linears(layer: DecoderLayerPlan) -> list:
-    return [layer.qkv, layer.o, layer.gate_up, layer.down]
+    """The layer's linear layers: attention's, then the dense MLP's or the router and the
+    shared expert's."""
+    if layer.moe is None:
+        return [layer.qkv, layer.o, layer.gate_up, layer.down]
+    return [layer.qkv, layer.o, layer.moe.router, *(_shared(layer.moe) or ())]
+
+
+def _shared(moe: MoePlan) -> tuple | None:
+    """(gate_up, down, gate) of the shared expert, or None without one (or with part of
+    one: not a layer the step takes)."""
+    parts = (moe.shared_gate_up, moe.shared_down, moe.shared_gate)
+    return None if None in parts else parts
 
 
 def _norm_struct(norm: Norm | None) -> _NormStruct:
@@ -165,7 +205,9 @@ def _norm_struct(norm: Norm | None) -> _NormStruct:
     return _NormStruct(norm.weight.data_ptr(), norm.eps, int(norm.unit_offset))
 
 
-def _linear_struct(linear: PanelLinear | QuantLinear) -> _LinearStruct:
+def _linear_struct(linear: PanelLinear | QuantLinear | None) -> _LinearStruct:
+    if linear is None:  # none there: zero features
+        return _LinearStruct()
     if isinstance(linear, QuantLinear):
         return linear.struct
     bias = linear.padded_bias
@@ -173,11 +215,21 @@ def _linear_struct(linear: PanelLinear | QuantLinear) -> _LinearStruct:
                          linear.out_features, linear.in_features)
 
 
-def _layer_struct(layer: DecoderLayerPlan, k_cache, v_cache) -> _LayerStruct:
+def _moe_struct(moe: MoePlan) -> _MoeStruct:
+    return _MoeStruct(_linear_struct(moe.router), moe.experts.struct, moe.top_k,
+                      int(moe.renormalize),
+                      *map(_linear_struct, (moe.shared_gate_up, moe.shared_down,
+                                            moe.shared_gate)))
+
+
+def _layer_struct(layer: DecoderLayerPlan, moe: _MoeStruct | None, k_cache,
+                  v_cache) -> _LayerStruct:
+    """``moe``: the layer's experts' struct, which the caller keeps alive, or None."""
     a = layer.attention
     return _LayerStruct(
         *map(_norm_struct, (layer.attn_norm, layer.attn_out_norm, layer.mlp_norm,
                             layer.mlp_out_norm, a.q_norm, a.k_norm)),
-        *map(_linear_struct, _linears(layer)), k_cache.data_ptr(), v_cache.data_ptr(),
-        a.num_heads, a.num_kv_heads, a.head_dim, ACTIVATIONS.index(layer.activation),
-        layer.rope, a.scale, a.window or 0, a.softcap or 0.0, layer.kv_group)
+        *map(_linear_struct, (layer.qkv, layer.o, layer.gate_up, layer.down)),
+        k_cache.data_ptr(), v_cache.data_ptr(), a.num_heads, a.num_kv_heads, a.head_dim,
+        ACTIVATIONS.index(layer.activation), layer.rope, a.scale, a.window or 0,
+        a.softcap or 0.0, layer.kv_group, None if moe is None else ctypes.pointer(moe))

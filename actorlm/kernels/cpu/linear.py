@@ -88,8 +88,7 @@ class PanelLinear:
         self.max_rows = self.BF16_MAX_ROWS if wide is not None else None
         self.out_features, self.in_features = n, k = weight.shape
         columns = -(-n // kernel.panel) * kernel.panel
-        depth = 4 // weight.element_size()  # values of k a 32-bit lane holds
-        self.packed = _aligned_empty(columns * -(-k // depth) * depth, weight.dtype)
+        self.packed = aligned_empty(packed_numel(n, k, weight.dtype, kernel), weight.dtype)
         kernel.pack(weight.data_ptr(), self.packed.data_ptr(), n, k)
         self.padded_bias = None
         if bias is not None:
@@ -135,7 +134,15 @@ def _kernel(dtype: torch.dtype = torch.float32) -> _Kernel | None:
     return kernel if kernel is not None and kernel.panel > 0 else None
 
 
-def _aligned_empty(numel: int, dtype: torch.dtype, alignment: int = 64) -> torch.Tensor:
+def packed_numel(n: int, k: int, dtype: torch.dtype, kernel: _Kernel) -> int:
+    """Values of an [n, k] weight in panels: columns rounded up to the panel, k to a 32-bit
+    lane's values (a multiple of the panel's 64 bytes, so packed weights laid end to end stay
+    aligned)."""
+    depth = 4 // torch.empty((), dtype=dtype).element_size()  # values of k a lane holds
+    return -(-n // kernel.panel) * kernel.panel * -(-k // depth) * depth
+
+
+def aligned_empty(numel: int, dtype: torch.dtype, alignment: int = 64) -> torch.Tensor:
     """A tensor of ``numel`` whose data starts on an ``alignment``-byte boundary."""
     size = torch.empty((), dtype=dtype).element_size()
     spare = torch.empty(numel + alignment // size, dtype=dtype)

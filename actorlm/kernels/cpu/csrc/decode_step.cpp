@@ -3,7 +3,8 @@
 //
 // It executes the layers' descriptions (actorlm_decoder_layer: which norms sit where and how
 // they scale, q/k norms, the activation, biases, the attention scale, window and score cap, the
-// RoPE table, the KV-cache group whose slots and block table it reads), which a model family
+// RoPE table, the KV-cache group whose slots and block table it reads, routed experts in the
+// dense MLP's place), which a model family
 // gives (kernels.backend.DecoderLayerPlan); nothing here knows a family. Each
 // layer runs the kernels the Python layers call one by one, in their order, with their bits.
 // What goes is the Python between them: a decode step streams hundreds of MB of weights
@@ -11,12 +12,15 @@
 // after a GEMV cost 20-40 us of cache misses; ten of them a layer were a fifth of a
 // one-request SmolLM2 step.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <vector>
 
 #include "actorlm_abi.h"
+#include "dtype.h"
 
 namespace {
 
@@ -33,6 +37,8 @@ struct Kernels;
     static constexpr auto decode = actorlm_decode_##S;                    \
     static constexpr auto linear = actorlm_linear_##S;                    \
     static constexpr auto quant_linear = actorlm_quant_linear_##S;        \
+    static constexpr auto moe_route = actorlm_moe_route_##S;              \
+    static constexpr auto moe_experts = actorlm_moe_experts_##S;          \
   };
 ACTORLM_KERNELS_OF(float, f32)
 ACTORLM_KERNELS_OF(uint16_t, bf16)
@@ -74,6 +80,10 @@ struct Scratch {
       widths[1] = std::max(widths[1], int64_t(l.num_heads) * l.head_dim);
       widths[2] = std::max(widths[2], l.gate_up.out_features);
       widths[3] = std::max(widths[3], l.down.in_features);
+      if (l.moe) {  // a shared expert's
+        widths[2] = std::max(widths[2], l.moe->shared_gate_up.out_features);
+        widths[3] = std::max(widths[3], l.moe->shared_down.in_features);
+      }
     }
     int64_t offsets[5] = {0};
     for (int i = 0; i < 4; ++i)  // whole cache lines each
@@ -84,6 +94,45 @@ struct Scratch {
     for (int i = 0; i < 4; ++i) *parts[i] = reinterpret_cast<T*>(base + offsets[i]);
   }
 };
+
+// x [rows, hidden] through a mixture of experts in place (moe.cpp routes and runs them; the
+// shared expert's sum follows torch's ops: sigmoid(gate) rounded, times the shared expert's
+// output rounded, added to the experts' rounded)
+template <typename T>
+void moe_mlp(const actorlm_moe& m, int activation, T* x, int64_t rows, int64_t hidden,
+             Scratch<T>& t) {
+  using K = Kernels<T>;
+  const int num_experts = m.experts.num_experts, top_k = m.top_k;
+  std::vector<T> logits(rows * num_experts), out(rows * hidden);
+  std::vector<int64_t> ids(rows * top_k);
+  std::vector<float> weights(rows * top_k);
+  linear(m.router, x, hidden, logits.data(), rows);
+  K::moe_route(logits.data(), rows, num_experts, top_k, m.renormalize, ids.data(),
+               weights.data());
+  K::moe_experts(&m.experts, x, ids.data(), weights.data(), out.data(), rows, top_k);
+  if (m.shared_gate_up.out_features) {
+    const int64_t inter = m.shared_down.in_features;
+    std::vector<T> shared(rows * hidden), gate(rows);
+    linear(m.shared_gate_up, x, hidden, t.gate_up, rows);
+    K::act_and_mul(t.gate_up, t.activation, rows, int(inter), activation);
+    linear(m.shared_down, t.activation, inter, shared.data(), rows);
+    linear(m.shared_gate, x, hidden, gate.data(), rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* gate_row = gate.data() + r;
+      const float scale = actorlm::rounded(
+          1.f / (1.f + std::exp(-actorlm::to_float(*gate_row))), gate_row);
+      T* o = out.data() + r * hidden;
+      T* y = shared.data() + r * hidden;
+      // the product stored before the sum, in two loops: one expression would let -ffast-math
+      // fuse them into an FMA, which torch's two ops do not
+      for (int64_t d = 0; d < hidden; ++d)
+        actorlm::store(scale * actorlm::to_float(y[d]), y + d);
+      for (int64_t d = 0; d < hidden; ++d)
+        actorlm::store(actorlm::to_float(o[d]) + actorlm::to_float(y[d]), o + d);
+    }
+  }
+  std::memcpy(x, out.data(), rows * hidden * sizeof(T));
+}
 
 // x, residual [rows, hidden]: in, the embeddings (residual's contents are ignored); out, the
 // last layer's output and the residual stream before it (the model's final norm adds them).
@@ -122,9 +171,13 @@ void decode_layers(const actorlm_decoder_layer* layers, int num_layers,
     norm_in_place(l.attn_out_norm, x, rows, hidden);
     K::add_rms_norm(x, residual, weight_of<T>(l.mlp_norm), rows, int(hidden), l.mlp_norm.eps,
                     l.mlp_norm.unit_offset);
-    linear(l.gate_up, x, hidden, t.gate_up, rows);
-    K::act_and_mul(t.gate_up, t.activation, rows, int(l.down.in_features), l.activation);
-    linear(l.down, t.activation, l.down.in_features, x, rows);
+    if (l.moe) {
+      moe_mlp(*l.moe, l.activation, x, rows, hidden, t);
+    } else {
+      linear(l.gate_up, x, hidden, t.gate_up, rows);
+      K::act_and_mul(t.gate_up, t.activation, rows, int(l.down.in_features), l.activation);
+      linear(l.down, t.activation, l.down.in_features, x, rows);
+    }
     norm_in_place(l.mlp_out_norm, x, rows, hidden);
   }
 }

@@ -1,0 +1,112 @@
+"""The CPU wing's routed experts on the panel GEMM (``kernels/cpu/experts.py``, ``csrc/moe.cpp``):
+its routing is ``moe.route``'s (the same experts, the weights within an fp32 rounding; a tie to
+the lower index), and given a routing its result is ``moe.grouped_experts``' roundings over the
+panel GEMM's bits, to the bit, for a decode row and for prefills whose rows share experts;
+experts the kernel cannot take stay as they came, on the torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actorlm.kernels import Experts, moe, select_backend
+from actorlm.kernels.cpu import experts as cpu_experts
+from actorlm.kernels.cpu import fused
+from actorlm.kernels.cpu import linear as cpu_linear
+
+DTYPES = [torch.float32, torch.bfloat16]
+HIDDEN, INTERMEDIATE = 80, 40  # neither a multiple of the 64-column panel
+
+
+def _needs(dtype):
+    if cpu_linear._kernel(dtype) is None:
+        pytest.skip(f"no {dtype} panel GEMM here (AVX-512, avx512_bf16)")
+
+
+def _experts(num_experts, dtype, activation="silu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(num_experts, 2 * INTERMEDIATE, HIDDEN, generator=gen) * 0.2
+    down = torch.randn(num_experts, HIDDEN, INTERMEDIATE, generator=gen) * 0.2
+    return Experts(gate_up.to(dtype), down.to(dtype), activation)
+
+
+def _panel_reference(x, weights, ids, experts):
+    """grouped_experts' roundings, one token at a time, each projection a PanelLinear."""
+    out = []
+    for t in range(x.shape[0]):
+        order = ids[t].argsort()
+        total = None
+        for j in order.tolist():
+            e = int(ids[t, j])
+            gate_up = cpu_linear.PanelLinear.build(experts.gate_up[e].contiguous(), None)
+            down = cpu_linear.PanelLinear.build(experts.down[e].contiguous(), None)
+            hidden = fused.act_and_mul(gate_up(x[t:t + 1]), experts.activation)
+            slot = (down(hidden) * weights[t, j]).to(x.dtype)
+            total = slot if total is None else total + slot
+        out.append(total)
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("num_tokens, num_experts, top_k", [(1, 8, 2), (2, 16, 4), (37, 6, 2),
+                                                            (64, 8, 1)])
+@pytest.mark.parametrize("renormalize", [True, False], ids=["renormalized", "softmax"])
+def test_routing_picks_the_experts_moe_route_picks(dtype, num_tokens, num_experts, top_k,
+                                                   renormalize):
+    _needs(torch.float32)
+    logits = torch.randn(num_tokens, num_experts,
+                         generator=torch.Generator().manual_seed(num_tokens)).to(dtype)
+    weights, ids = cpu_experts.route(logits, top_k, renormalize)
+    expected_weights, expected_ids = moe.route(logits, top_k, renormalize)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights, atol=0, rtol=4e-7)
+
+
+def test_a_tie_goes_to_the_lower_index():
+    _needs(torch.float32)
+    logits = torch.tensor([[0.0, 1.0, 1.0, 0.0, 1.0], [0.5] * 5])
+    weights, ids = cpu_experts.route(logits, 3, True)
+    assert ids.tolist() == [[1, 2, 4], [0, 1, 2]]
+    torch.testing.assert_close(weights, torch.full((2, 3), 1 / 3))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("num_tokens, num_experts, top_k", [(1, 8, 2), (2, 8, 3), (29, 6, 2),
+                                                            (9, 3, 3)])
+def test_experts_have_the_grouped_torch_paths_roundings_over_the_panel_gemm(
+        dtype, activation, num_tokens, num_experts, top_k):
+    _needs(dtype)
+    experts = _experts(num_experts, dtype, activation)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(num_tokens, HIDDEN, generator=gen).to(dtype)
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    weights, ids = moe.route(logits, top_k, True)
+    prepared = cpu_experts.PanelExperts.build(experts)
+    out = prepared.run(x, weights, ids)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert torch.equal(out, _panel_reference(x, weights, ids, experts))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_the_door_prepares_experts_once_and_runs_them_in_cpp(dtype):
+    _needs(dtype)
+    backend, experts = select_backend("cpu"), _experts(8, dtype)
+    prepared = backend.prepare_experts(experts)
+    assert isinstance(prepared, cpu_experts.PanelExperts)
+    x = torch.randn(5, HIDDEN).to(dtype)
+    logits = torch.randn(5, 8).to(dtype)
+    weights, ids = cpu_experts.route(logits, 2, False)
+    assert torch.equal(backend.fused_moe(x, logits, prepared, 2, False),
+                       prepared.run(x, weights, ids))
+    with pytest.raises(TypeError, match="got a"):
+        backend.fused_moe(x.half(), logits, prepared, 2, False)
+
+
+def test_experts_the_kernel_cannot_take_stay_on_the_torch_path(monkeypatch):
+    backend = select_backend("cpu")
+    half = _experts(4, torch.float16)
+    assert backend.prepare_experts(half) is half
+    monkeypatch.setattr(cpu_linear, "_kernel", lambda dtype=None: None)  # no AVX-512
+    plain = _experts(4, torch.float32)
+    assert backend.prepare_experts(plain) is plain

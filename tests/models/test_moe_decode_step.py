@@ -1,0 +1,64 @@
+"""Routed experts inside the one-call decode step (``kernels/cpu/decode_step.py``): a
+mixture-of-experts layer's router, top-k, experts and shared expert run in the same C++ call
+as its attention, with the Python layers' bits (fp32, and bf16 for one or two requests) on the
+tiny checkpoints of Qwen3-MoE (dense and routed layers mixed), Mixtral and Qwen2-MoE (a gated
+shared expert, sliding layers); OLMoE's projection norms and clipped q/k/v keep it on the
+Python path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_contexts import PagedContexts
+from test_decode_layers import (PROMPT_IDS, _assert_twins, _decode_steps, needs_bf16_kernels,
+                                needs_kernels)
+
+from actorlm.kernels import select_backend
+from actorlm.kernels.cpu import linear as cpu_linear
+from actorlm.models.loader import load_model
+
+FAMILIES = ["qwen3_moe", "mixtral", "qwen2_moe"]
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp32_decode_steps_in_one_call_have_the_python_layers_bits(family, tiny_moe_dirs):
+    model = load_model(tiny_moe_dirs[family], torch.float32, "cpu", select_backend("cpu"))
+    assert model.decode_step is not None
+    steps = _decode_steps(3, 6) + [[(1, [12]), (2, [13])]]  # a request sits out
+    _assert_twins(model, PROMPT_IDS, steps)
+    assert model.decode_step.num_steps == len(steps)
+
+
+@needs_bf16_kernels
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_decode_steps_of_one_or_two_requests_have_the_python_layers_bits(family,
+                                                                              tiny_moe_dirs):
+    model = load_model(tiny_moe_dirs[family], torch.bfloat16, "cpu", select_backend("cpu"))
+    steps = [[(0, [11]), (1, [12])], [(2, [13])], [(0, [14])],
+             [(rid, [15 + rid]) for rid in range(3)]]  # three rows: the Python layers
+    _assert_twins(model, PROMPT_IDS, steps)
+    assert model.decode_step.num_steps == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_of_one_stream_are_the_python_layers(family, dtype, tiny_moe_dirs):
+    if cpu_linear._kernel(dtype) is None:
+        pytest.skip(f"no {dtype} panel GEMM here")
+    model = load_model(tiny_moe_dirs[family], dtype, "cpu", select_backend("cpu"))
+    assert model.decode_step is not None
+    runs = []
+    for fused in (model.decode_step, None):
+        model.decode_step, cache = fused, PagedContexts(model, seed=4)
+        tokens = [int(cache.step(model, [(0, PROMPT_IDS[2])])[-1].argmax())]
+        for _ in range(24):
+            tokens.append(int(cache.step(model, [(0, tokens[-1:])])[-1].argmax()))
+        runs.append(tokens)
+    assert runs[0] == runs[1]
+
+
+def test_olmoe_keeps_the_python_layers(tiny_moe_dirs):
+    model = load_model(tiny_moe_dirs["olmoe"], torch.float32, "cpu", select_backend("cpu"))
+    assert model.decode_step is None
+    assert all(layer.plan() is None for layer in model.model.layers)
