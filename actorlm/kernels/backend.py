@@ -145,11 +145,14 @@ class KernelBackend:
     # --- linear layers ------------------------------------------------------------------------
 
     def prepare_linear(self, weight: torch.Tensor | QuantizedWeight | Sequence[QuantizedWeight],
-                       bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+                       bias: torch.Tensor | None, shared: bool = False
+                       ) -> Callable[[torch.Tensor], torch.Tensor]:
         """Once, at load: ``x [..., in] -> x @ weight.T + bias`` over the weight laid out as
         this device runs it fastest (a sequence of weights in blocks: their rows stacked, a
         merged layer whose parts came in different formats). The result keeps what it needs;
-        the caller may let its own reference to the weight go."""
+        the caller may let its own reference to the weight go. ``shared``: another layer keeps
+        the weight too (a tied LM head's is the embedding's), so a copy in another layout
+        would hold it twice."""
         raise NotImplementedError
 
     def prepare_embedding(self, weight: QuantizedWeight,

@@ -50,6 +50,11 @@ def _huge_pages(num_bytes: int) -> torch.Tensor:
 _chunks = _Chunks()
 
 
+def empty(num_bytes: int) -> torch.Tensor:
+    """``num_bytes`` uninitialised bytes (uint8) in huge-page memory."""
+    return _chunks.take(num_bytes)
+
+
 def resident(blocks: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of ``blocks`` (a CPU tensor) in huge-page memory."""
     copy = _chunks.take(blocks.numel() * blocks.element_size())

@@ -185,6 +185,7 @@ class CausalLM(nn.Module):
         embedding = self.model.embed_tokens
         if self.tie_word_embeddings and embedding.quantized is not None:
             self.lm_head.load_quantized(0, embedding.quantized)  # the same blocks, held once
+            self.lm_head.shares_weight = True
         for module in self.modules():
             if isinstance(module, (Linear, Embedding, RoutedExperts)):
                 module.prepare(self.backend)

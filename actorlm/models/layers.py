@@ -40,11 +40,14 @@ class Linear(nn.Module):
         self.quantized[first_row] = weight
 
     bias_in_kernel = True  # the bias is added by the prepared GEMM
+    shares_weight = False  # a tied LM head: the embedding keeps the same blocks
 
     def prepare(self, backend: KernelBackend) -> None:
         self.prepared = backend.prepare_linear(self._weight_to_prepare(),
-                                               self.bias if self.bias_in_kernel else None)
+                                               self.bias if self.bias_in_kernel else None,
+                                               shared=self.shares_weight)
         self.weight = None  # a tied LM head's is the embedding's: it stays there
+        self.quantized = {}  # the prepared layer holds what it needs
 
     def _weight_to_prepare(self) -> torch.Tensor | QuantizedWeight | tuple[QuantizedWeight, ...]:
         """The weight whole: its parts in blocks, stacked; or, where some rows came as floats,

@@ -275,3 +275,57 @@ def test_what_a_layer_refuses():
     assert [quant.native.function("actorlm_quant_kept")(int(gb.QTYPE[t]))
             for t in quant.KEPT_TYPES] == [1] * 7
     assert quant.native.function("actorlm_quant_kept")(int(gb.QTYPE["Q2_K"])) == 0
+
+
+INTERLEAVED = ("Q4_0", "Q4_1", "Q8_0")  # csrc/quant_interleaved.h's types
+
+
+@pytest.fixture
+def vnni():
+    """The VNNI kernels, for which rows are interleaved; the default ISA restored after."""
+    if _FLAGS["vnni"] not in _cpu_flags():
+        pytest.skip(f"CPU lacks {_FLAGS['vnni']}")
+    default = quant.isa()
+    quant.set_isa("vnni")
+    yield
+    quant.set_isa(default)
+
+
+@pytest.mark.parametrize("type_name", INTERLEAVED)
+def test_interleaved_rows_against_the_oracle(vnni, type_name):
+    """Rows in multiples of 16 are interleaved for the VNNI kernels and give what the file's
+    layout gives, at every number of rows of x, beside a part that is not interleaved."""
+    rng = np.random.default_rng(11)
+    k = 96  # three blocks
+    parts = [(type_name, gb.random_blocks(type_name, 48, k, rng)),
+             ("Q8_0", gb.random_blocks("Q8_0", 7, k, rng)),  # 7 rows: left as they are
+             (type_name, gb.random_blocks(type_name, 16, k, rng))]
+    bias = torch.randn(71)
+    layer = quant.QuantLinear([gb.quantized_weight(t, b, k) for t, b in parts], bias)
+    assert layer.interleaved == (True, False, True)
+    try:
+        for rows_from in (1, 1 << 30):  # the panels (the rows gathered back), the integers
+            quant.set_panel_from_rows(rows_from)
+            for dtype in (torch.float32, torch.bfloat16):
+                for m in (1, 2, 3, 4, 5, 64):
+                    x = torch.randn(m, k).to(dtype)
+                    _check(layer, parts, x, bias, f"interleaved {type_name} m={m} {dtype}")
+    finally:
+        quant.set_panel_from_rows(None)
+
+
+@pytest.mark.parametrize("type_name", INTERLEAVED)
+def test_an_interleaved_copy_goes_back_to_the_file_layout(vnni, type_name):
+    blocks = gb.random_blocks(type_name, 32, 64, np.random.default_rng(5))
+    weight = gb.quantized_weight(type_name, blocks, 64)
+    layer = quant.QuantLinear([weight], None)
+    (interleaved,) = layer._blocks
+    assert not torch.equal(interleaved, weight.blocks.reshape(-1))
+    back = quant.file_layout(interleaved, type_name, weight.shape)
+    assert torch.equal(back.blocks, weight.blocks.reshape(32, -1))
+
+
+def test_a_shared_weight_is_not_copied_into_another_layout(vnni):
+    weight = gb.quantized_weight("Q8_0", gb.random_blocks("Q8_0", 32, 64,
+                                                          np.random.default_rng(6)), 64)
+    assert quant.QuantLinear([weight], None, interleave=False).interleaved == (False,)

@@ -21,8 +21,9 @@ _DTYPES = {"f32": "float", "bf16": "uint16_t"}
 STRUCTS = {
     "actorlm_norm": [  # weight null: the layer has no norm there
         ("const void*", "weight"), ("float", "eps"), ("int32_t", "unit_offset")],
-    "actorlm_quant_part": [  # rows of a weight in one GGML block format (its ggml_type id)
-        ("const void*", "blocks"), ("int32_t", "type"), ("int64_t", "rows")],
+    "actorlm_quant_part": [  # rows of a weight in one GGML block format (its ggml_type id);
+        # layout 0: the file's, rows of blocks; 1: 16 rows interleaved (actorlm_quant_interleave)
+        ("const void*", "blocks"), ("int32_t", "type"), ("int64_t", "rows"), ("int32_t", "layout")],
     # A linear layer: a PanelLinear (packed weight, fp32 bias padded to the panels or null) or
     # a QuantLinear (packed null; its parts stacked row-wise, fp32 bias of out_features or null)
     "actorlm_linear": [
@@ -123,6 +124,9 @@ FUNCTIONS = [
     ("int", "actorlm_quant_isa", []),
     ("int", "actorlm_quant_set_isa", [("int", "isa")]),  # -1 where this CPU or build lacks it
     ("int", "actorlm_quant_kept", [("int32_t", "type")]),  # a ggml_type id
+    ("int", "actorlm_quant_interleave", [
+        ("int32_t", "type"), ("const uint8_t*", "src"), ("int64_t", "rows"),
+        ("int64_t", "in_features"), ("uint8_t*", "dst")]),
     # x rows from which a layer runs the dequantized-panel path (0: never); the setter's rows
     # for every layer (< 1: the measured defaults)
     ("int", "actorlm_quant_panel_from_rows", [

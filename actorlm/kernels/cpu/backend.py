@@ -24,10 +24,10 @@ class CpuBackend(KernelBackend):
     def act_and_mul(self, gate_up, activation):
         return fused.act_and_mul(gate_up, activation)
 
-    def prepare_linear(self, weight, bias):
+    def prepare_linear(self, weight, bias, shared=False):
         if isinstance(weight, (QuantizedWeight, tuple, list)):
             return quant.QuantLinear([weight] if isinstance(weight, QuantizedWeight) else weight,
-                                     bias)
+                                     bias, interleave=not shared)
         return linear.packed_linear(weight, bias) or linear.PlainLinear(weight, bias)
 
     def prepare_embedding(self, weight, dtype):

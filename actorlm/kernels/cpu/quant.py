@@ -3,7 +3,13 @@ Q8_0, Q4_K...), on the C++ kernels of ``csrc/quant.cpp``. For few rows of x (dec
 quantized to int8 per block once per call and dotted with the weights' integers straight from
 their blocks, as ggml does, so decode reads a fraction of a dense weight's bytes; from a few
 dozen rows on (prefill) the weights are dequantized panel by panel into x's dtype for a dense
-GEMM tile (with AVX-512; ``QuantLinear.panel_from_rows``).
+GEMM tile (with AVX-512; ``QuantLinear.panel_from_rows``). With the VNNI kernels, Q4_0, Q4_1
+and Q8_0 weights are copied at load with 16 rows interleaved (``csrc/quant_interleaved.h``):
+one instruction then multiplies 16 rows by x at once, and the panels gather a row's blocks
+back (a tied LM head keeps the embedding's blocks as they are: ``prepare_linear(shared=True)``).
+The panels stay the many-row path even where integers would be faster: x quantized to int8
+over a whole prompt moves SmolLM2's greedy answers (its chat "What is the capital of France?"
+goes astray), one token at a time it does not.
 
 ``ACTORLM_CPU_ISA=vnni|avx2|scalar`` forces one of the kernels' instruction-set paths (to
 compare them; a lesser one than the CPU's best also turns the dense path off, as on a CPU
@@ -22,7 +28,7 @@ import gguf
 import torch
 import torch.nn.functional as F
 
-from actorlm.kernels import portable
+from actorlm.kernels import portable, resident
 from actorlm.kernels.backend import QUANTIZED_FORMATS, QuantizedWeight
 from actorlm.kernels.cpu import abi, native
 
@@ -112,6 +118,36 @@ def _part(weight: QuantizedWeight, in_features: int) -> tuple[torch.Tensor, obje
     return blocks, abi.STRUCT_TYPES["actorlm_quant_part"](blocks.data_ptr(), type_id, rows)
 
 
+def _interleaved(blocks: torch.Tensor, part, in_features: int) -> tuple[torch.Tensor, object]:
+    """The part with its rows interleaved 16 by 16 for the VNNI kernels (``csrc/
+    quant_interleaved.h``: Q4_0, Q4_1 and Q8_0, rows a multiple of 16, the VNNI ISA in use), in
+    a copy of its own; else the part as it is."""
+    if _library() is None:
+        return blocks, part
+    copy = resident.empty(blocks.numel())
+    if not native.function("actorlm_quant_interleave")(part.type, blocks.data_ptr(), part.rows,
+                                                       in_features, copy.data_ptr()):
+        return blocks, part
+    return copy, abi.STRUCT_TYPES["actorlm_quant_part"](copy.data_ptr(), part.type, part.rows, 1)
+
+
+def file_layout(interleaved: torch.Tensor, type_name: str,
+                shape: tuple[int, int]) -> QuantizedWeight:
+    """The weight of ``shape`` whose interleaved copy is ``interleaved``, its blocks back in the
+    file's layout (csrc/quant_interleaved.h's layout undone), for a torch path to dequantize."""
+    rows, k = shape
+    num_scales = 2 if type_name == "Q4_1" else 1
+    num_vectors = 8 if type_name == "Q8_0" else 4
+    groups, blocks = rows // 16, k // 32
+    v = interleaved.view(groups, blocks, -1)  # [G, B, the 16 rows' bytes of a block]
+    scales = v[..., :32 * num_scales].reshape(groups, blocks, num_scales, 16, 2)
+    quants = v[..., 32 * num_scales:].reshape(groups, blocks, num_vectors, 16, 4)
+    # -> [G, row, B, a block's bytes]: its f16 fields, then its quants in order
+    file = torch.cat([scales.permute(0, 3, 1, 2, 4).reshape(groups, 16, blocks, -1),
+                      quants.permute(0, 3, 1, 2, 4).reshape(groups, 16, blocks, -1)], dim=-1)
+    return QuantizedWeight(type_name, file.reshape(rows, -1), shape)
+
+
 class QuantLinear:
     """``x [..., in] -> x @ W.T + bias``, W the rows of ``parts`` stacked (a merged layer whose
     parts came in different formats), on ``csrc/quant.cpp``. ``struct`` is its
@@ -119,17 +155,23 @@ class QuantLinear:
 
     max_rows = None  # every batch size runs here
 
-    def __init__(self, parts: Sequence[QuantizedWeight], bias: torch.Tensor | None):
+    def __init__(self, parts: Sequence[QuantizedWeight], bias: torch.Tensor | None,
+                 interleave: bool = True):
         _library()  # ACTORLM_CPU_ISA applied now: a bad value fails the load, not a step
         if not 1 <= len(parts) <= _MAX_PARTS:
             raise ValueError(f"a quantized linear layer takes 1 to {_MAX_PARTS} parts, not "
                              f"{len(parts)}")
-        self.parts = list(parts)
-        self.in_features = self.parts[0].shape[1]
-        self.out_features = sum(p.shape[0] for p in self.parts)
+        self.in_features = parts[0].shape[1]
+        self.out_features = sum(p.shape[0] for p in parts)
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        built = [_part(p, self.in_features) for p in self.parts]
+        built = [_part(p, self.in_features) for p in parts]
+        if interleave:  # (an interleaved part's own blocks go: the layer holds a weight once)
+            built = [_interleaved(blocks, part, self.in_features) for blocks, part in built]
         self._blocks = [blocks for blocks, _ in built]
+        # the torch path's weights: the parts themselves, or (interleaved) their type and shape
+        self._kept = [None if part.layout else p for p, (_, part) in zip(parts, built)]
+        self._kinds = [(p.type_name, p.shape) for p in parts]
+        self.interleaved = tuple(bool(part.layout) for _, part in built)  # per part
         self._part_array = (abi.STRUCT_TYPES["actorlm_quant_part"] * len(built))(
             *(part for _, part in built))
         self.struct = abi.STRUCT_TYPES["actorlm_linear"](
@@ -165,11 +207,13 @@ class QuantLinear:
         # Without the library: the weight dequantized once per dtype and kept (as large as a
         # dense model's, and slower than the kernels: correct only, a stopgap).
         if x.dtype not in self._dense:
+            parts = [kept or file_layout(blocks, *kind)
+                     for kept, blocks, kind in zip(self._kept, self._blocks, self._kinds)]
             if not self._dense:
-                log.warning("no C++ CPU kernels: a quantized layer %s runs dequantized with "
-                            "F.linear (slower, and its memory as a dense layer's)",
-                            [p.type_name for p in self.parts])
-            self._dense[x.dtype] = torch.cat([portable.dequantize(p, x.dtype) for p in self.parts])
+                log.warning("no C++ CPU kernels for %s: a quantized layer %s runs dequantized "
+                            "with F.linear (slower, and its memory as a dense layer's)", x.dtype,
+                            [p.type_name for p in parts])
+            self._dense[x.dtype] = torch.cat([portable.dequantize(p, x.dtype) for p in parts])
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self._dense[x.dtype].to(x.device), bias)
 

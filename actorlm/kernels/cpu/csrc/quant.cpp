@@ -11,7 +11,9 @@
 // weight is read from memory once per call whatever m is, and one row streams it at about
 // the memory's speed (two Zen 4 cores: 20-25 GB/s, what a dense bf16 kernel gets too).
 // Many rows (prefill, big batches; kPanelFromRows): the weights dequantized panel by panel
-// and multiplied by linear.cpp's dense tiles (quant_panel.h), where AVX-512 is there.
+// and multiplied by linear.cpp's dense tiles (quant_panel.h), where AVX-512 is there. A part
+// whose rows are interleaved 16 by 16 (layout 1, quant_interleaved.h: Q4_0, Q4_1, Q8_0 under
+// VNNI) runs its own integer kernels below that, and its rows gathered back for the panels.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -27,6 +29,7 @@
 #include "quant_act.h"
 #include "quant_avx2.h"
 #include "quant_blocks.h"
+#include "quant_interleaved.h"
 #include "quant_panel.h"
 #include "quant_scalar.h"
 #include "quant_vnni.h"
@@ -105,6 +108,25 @@ const std::array<TypeTiles, kNumTypes> kKernels[kNumIsas] = {
 #endif
 };
 
+// The interleaved kernels, [Q4_0, Q4_1, Q8_0][rows - 1]; parts are interleaved only where the
+// CPU runs VNNI (actorlm_quant_interleave)
+using Dot16 = void (*)(const uint8_t* w, int64_t num_groups, int64_t blocks, const Activations& x,
+                       int64_t row0, float* out);
+#ifdef ACTORLM_QUANT_VNNI
+template <int Type, int... R>
+constexpr std::array<Dot16, kTileRows> tiles16(std::integer_sequence<int, R...>) {
+  return {&interleaved::dot16<Type, R + 1>...};
+}
+constexpr auto kRowsSeq = std::make_integer_sequence<int, kTileRows>{};
+const std::array<Dot16, kTileRows> kInterleaved[3] = {
+    tiles16<kQ4_0>(kRowsSeq), tiles16<kQ4_1>(kRowsSeq), tiles16<kQ8_0>(kRowsSeq)};
+inline Dot16 interleaved_tiles(int type, int tile) {
+  return kInterleaved[type == kQ4_0 ? 0 : type == kQ4_1 ? 1 : 2][tile];
+}
+#else
+inline Dot16 interleaved_tiles(int, int) { return nullptr; }  // no part is interleaved
+#endif
+
 bool can_run(int isa) {
   switch (isa) {
     case kScalar: return true;
@@ -170,7 +192,8 @@ struct Runs {
 inline Runs runs_of(const actorlm_quant_part& part, int64_t in_features, int threads) {
   const int64_t bytes = part.rows * row_bytes(type_index(part.type), in_features);
   const int64_t count = round_up((bytes + kRunBytes - 1) / kRunBytes, threads);
-  const int64_t rows_each = std::max<int64_t>(1, (part.rows + count - 1) / count);
+  const int64_t whole = part.layout != 0 ? 16 : 1;  // an interleaved part's groups stay whole
+  const int64_t rows_each = round_up(std::max<int64_t>(1, (part.rows + count - 1) / count), whole);
   return {(part.rows + rows_each - 1) / rows_each, rows_each};
 }
 
@@ -230,7 +253,10 @@ void quant_linear(const actorlm_linear& l, const T* x, int64_t x_stride, T* y, i
         for (int64_t i0 = begin; i0 < end; i0 += kChunkRows) {
           const int64_t count = std::min<int64_t>(kChunkRows, end - i0);
           float out[kChunkRows * kTileRows];
-          dot(w + i0 * bytes, bytes, count, blocks, a, r0, out);
+          if (part.layout != 0)  // (rows i0 .. i0 + count: whole groups, as bytes as the file's)
+            interleaved_tiles(part.type, rows - 1)(w + i0 * bytes, count / 16, blocks, a, r0, out);
+          else
+            dot(w + i0 * bytes, bytes, count, blocks, a, r0, out);
           for (int64_t i = 0; i < count; ++i) {
             const int64_t column = first_row[p] + i0 + i;
             const float bias = l.bias ? l.bias[column] : 0.f;
@@ -247,7 +273,7 @@ template <typename T>
 void dequantize_rows(const actorlm_quant_part& part, int64_t in_features, const int64_t* rows,
                      int64_t num_rows, T* out) {
   const int type = type_index(part.type);
-  if (type < 0) return;
+  if (type < 0 || part.layout != 0) return;  // (an interleaved part is a linear layer's alone)
   const int values = kFormats[type].values;
   const int64_t bytes = row_bytes(type, in_features);
   const uint8_t* w = static_cast<const uint8_t*>(part.blocks);
@@ -275,6 +301,25 @@ int actorlm_quant_set_isa(int isa) {
 }
 
 int actorlm_quant_kept(int32_t type) { return type_index(type) >= 0; }
+
+// dst = the part's rows (rows a multiple of 16, each in_features values of `type`) with 16 rows
+// interleaved (quant_interleaved.h), for a part of layout 1; 0 where the ISA in use is not VNNI
+// or the type has no such kernel (dst untouched), else 1
+int actorlm_quant_interleave(int32_t type, const uint8_t* src, int64_t rows, int64_t in_features,
+                             uint8_t* dst) {
+#ifdef ACTORLM_QUANT_VNNI
+  if (!interleaved::kept(type) || rows % interleaved::kRows || g_isa.load() != kVnni ||
+      in_features % 32)
+    return 0;
+  const int64_t blocks = in_features / 32;
+  if (type == kQ4_0) interleaved::interleave<kQ4_0>(src, rows, blocks, dst);
+  if (type == kQ4_1) interleaved::interleave<kQ4_1>(src, rows, blocks, dst);
+  if (type == kQ8_0) interleaved::interleave<kQ8_0>(src, rows, blocks, dst);
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 // The x rows from which the layer runs the dequantized-panel path in fp32 (bf16: in bf16); 0
 // where it never does: this build has no such path, or the ISA in use is not the CPU's best

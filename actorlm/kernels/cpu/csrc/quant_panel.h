@@ -12,6 +12,7 @@
 // as a dense bf16 copy of the model would hold it; fp32 keeps it exact.
 #pragma once
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -21,6 +22,7 @@
 #include "dtype.h"
 #include "panel.h"
 #include "quant_blocks.h"
+#include "quant_interleaved.h"
 #include "quant_vnni_rows.h"
 
 namespace actorlm::quant {
@@ -44,6 +46,12 @@ struct LayerRows {
   const actorlm_linear& l;
   const int64_t* first_row;  // [num_parts + 1]
   int64_t k;
+  uint64_t call = next_call();  // which call these rows serve (a gathered group's key)
+
+  static uint64_t next_call() {
+    static std::atomic<uint64_t> calls{0};
+    return ++calls;
+  }
 
   // global row `row` dequantized into out [k] (rounded once to T)
   template <typename T>
@@ -55,6 +63,27 @@ struct LayerRows {
     const uint8_t* w = static_cast<const uint8_t*>(l.parts[p].blocks) +
                        (row - first_row[p]) * (k / f.values * f.bytes);
 #ifdef ACTORLM_QUANT_VNNI
+    if (l.parts[p].layout != 0) {  // 16 rows interleaved: their group gathered back first
+      const uint8_t* part = static_cast<const uint8_t*>(l.parts[p].blocks);
+      const int64_t r = row - first_row[p], blocks = k / 32, row_bytes = blocks * f.bytes;
+      thread_local std::unique_ptr<uint8_t[]> gathered;
+      thread_local int64_t size = 0;
+      // the group last gathered, and in which call (the panels ask row by row)
+      thread_local const uint8_t* gathered_group = nullptr;
+      thread_local uint64_t gathered_call = 0;
+      const uint8_t* group = part + r / 16 * 16 * row_bytes;
+      if (16 * row_bytes > size) {
+        gathered.reset(new uint8_t[size = 16 * row_bytes]);
+        gathered_group = nullptr;
+      }
+      if (group != gathered_group || call != gathered_call) {
+        if (kTypes[type] == kQ4_0) interleaved::file_rows<kQ4_0>(part, r / 16, blocks, gathered.get());
+        if (kTypes[type] == kQ4_1) interleaved::file_rows<kQ4_1>(part, r / 16, blocks, gathered.get());
+        if (kTypes[type] == kQ8_0) interleaved::file_rows<kQ8_0>(part, r / 16, blocks, gathered.get());
+        gathered_group = group, gathered_call = call;
+      }
+      w = gathered.get() + r % 16 * row_bytes;
+    }
     switch (kTypes[type]) {  // vectorised
       case kQ4_0: return vnni::dequantize_row32<kQ4_0>(w, k / 32, out);
       case kQ4_1: return vnni::dequantize_row32<kQ4_1>(w, k / 32, out);
