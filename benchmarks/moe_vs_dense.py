@@ -5,7 +5,7 @@
 A decode row reads only its routed experts' weights, so a MoE model's time per output token
 should stay near a dense model's whose MLP has top_k experts' width. The script builds, once,
 random checkpoints where the weights dominate: Qwen3-MoE (hidden 1024, 16 experts, top 2,
-expert width 1024, 8 layers, vocabulary 32000) and a dense Qwen3 of its active parameters
+expert width 1024, 8 layers, SmolLM2's vocabulary of 49,152) and a dense Qwen3 of its active parameters
 (intermediate_size = top_k * expert width, all else the same); then ``actorlm bench latency
 --dtype bfloat16 --json`` runs on each, taking turns ``--rounds`` times, and, last, once on
 the MoE model with ``--compare hf``. It prints the medians, the ratio MoE / dense of the time
@@ -21,11 +21,10 @@ import statistics
 import subprocess
 import sys
 
-HIDDEN, LAYERS, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 1024, 8, 32000, 16, 4, 64
+# the vocabulary is SmolLM2's, whose tokenizer the checkpoints take: a tokenizer smaller than
+# the model's vocabulary would leave the random models' tokens without text
+HIDDEN, LAYERS, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 1024, 8, 49152, 16, 4, 64
 EXPERTS, TOP_K, EXPERT_WIDTH = 16, 2, 1024
-CORPUS = ["Once upon a time there was a small village at the edge of a great forest.",
-          "The baker rose every morning before the sun to bake bread for the village.",
-          "Machine learning models read text as tokens, one step at a time."]
 
 
 def configs():
@@ -59,24 +58,18 @@ def parameter_counts(config) -> tuple[int, int]:
 
 
 def build(path: pathlib.Path, config) -> None:
-    """A random checkpoint of ``config`` with a small byte-level tokenizer, once."""
+    """A random checkpoint of ``config`` with SmolLM2's tokenizer, once."""
     if (path / "config.json").is_file():
         return
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from actorlm.models.loader import resolve_model
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(path)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainer=trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                            pad_token="<pad>").save_pretrained(path)
+    AutoTokenizer.from_pretrained(resolve_model(None)).save_pretrained(path)
 
 
 def bench(path: pathlib.Path, *extra: str) -> dict:
@@ -90,7 +83,7 @@ def bench(path: pathlib.Path, *extra: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--dir", type=pathlib.Path, default=pathlib.Path("/tmp/actorlm-moe-vs-dense"))
+    parser.add_argument("--dir", type=pathlib.Path, default=pathlib.Path("/tmp/actorlm-moe-vs-dense-49k"))
     args = parser.parse_args()
     moe_config, dense_config = configs()
     paths = {"moe": args.dir / "qwen3-moe", "dense": args.dir / "qwen3-dense"}
