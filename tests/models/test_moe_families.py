@@ -14,6 +14,7 @@ from paged_contexts import greedy_with_logits, random_prompt
 
 from actorlm.kernels import select_backend
 from actorlm.kernels.cpu import linear as cpu_linear
+from actorlm.kernels.cpu.quant import QuantLinear
 from actorlm.models.decoder import MLP
 from actorlm.models.families import layer_specs
 from actorlm.models.loader import load_hf_config, load_model
@@ -132,13 +133,16 @@ def test_quantizing_leaves_the_experts_in_floats_and_the_rest_in_blocks(tiny_moe
                        quantization="q8_0")
     dense, routed = model.model.layers[0], model.model.layers[1]
     assert isinstance(dense.mlp, MLP) and isinstance(routed.mlp, SparseMoeBlock)
+    def in_blocks(linear):  # the layer the CPU wing prepared: one on the quantized kernels
+        return isinstance(linear.prepared, QuantLinear) and \
+            set(linear.prepared.type_names) == {"Q8_0"}
+
     for linear in (dense.self_attn.qkv_proj, dense.mlp.gate_up_proj, dense.mlp.down_proj,
                    routed.mlp.shared_expert.gate_up_proj):
-        assert linear.quantized and \
-            {w.type_name for w in linear.quantized.values()} == {"Q8_0"}
+        assert in_blocks(linear)
     # (the shared expert's down_proj has 48 input features, not whole blocks of 32: floats)
-    assert not routed.mlp.shared_expert.down_proj.quantized
-    assert not routed.mlp.gate.quantized and not routed.mlp.shared_expert_gate.quantized
+    assert not in_blocks(routed.mlp.shared_expert.down_proj)
+    assert not in_blocks(routed.mlp.gate) and not in_blocks(routed.mlp.shared_expert_gate)
     assert routed.mlp.experts.dtype == torch.float32 and \
         all(t.dtype == torch.float32 for t in _expert_tensors(routed.mlp.experts))
     prompt = random_prompt(model.vocab_size, PROMPT_LEN)

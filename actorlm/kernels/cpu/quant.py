@@ -172,6 +172,7 @@ class QuantLinear:
         self._kept = [None if part.layout else p for p, (_, part) in zip(parts, built)]
         self._kinds = [(p.type_name, p.shape) for p in parts]
         self.interleaved = tuple(bool(part.layout) for _, part in built)  # per part
+        self.type_names = tuple(p.type_name for p in parts)
         self._part_array = (abi.STRUCT_TYPES["actorlm_quant_part"] * len(built))(
             *(part for _, part in built))
         self.struct = abi.STRUCT_TYPES["actorlm_linear"](
