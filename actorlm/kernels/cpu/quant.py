@@ -124,10 +124,11 @@ def _interleaved(blocks: torch.Tensor, part, in_features: int) -> tuple[torch.Te
     a copy of its own; else the part as it is."""
     if _library() is None:
         return blocks, part
+    interleave = native.function("actorlm_quant_interleave")
+    if not interleave(part.type, blocks.data_ptr(), part.rows, in_features, None):
+        return blocks, part  # (asked first: no copy reserved for a part that keeps its layout)
     copy = resident.empty(blocks.numel())
-    if not native.function("actorlm_quant_interleave")(part.type, blocks.data_ptr(), part.rows,
-                                                       in_features, copy.data_ptr()):
-        return blocks, part
+    interleave(part.type, blocks.data_ptr(), part.rows, in_features, copy.data_ptr())
     return copy, abi.STRUCT_TYPES["actorlm_quant_part"](copy.data_ptr(), part.type, part.rows, 1)
 
 

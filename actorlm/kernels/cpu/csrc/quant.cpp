@@ -304,13 +304,14 @@ int actorlm_quant_kept(int32_t type) { return type_index(type) >= 0; }
 
 // dst = the part's rows (rows a multiple of 16, each in_features values of `type`) with 16 rows
 // interleaved (quant_interleaved.h), for a part of layout 1; 0 where the ISA in use is not VNNI
-// or the type has no such kernel (dst untouched), else 1
+// or the type has no such kernel (dst untouched), else 1; dst null: only whether it would
 int actorlm_quant_interleave(int32_t type, const uint8_t* src, int64_t rows, int64_t in_features,
                              uint8_t* dst) {
 #ifdef ACTORLM_QUANT_VNNI
   if (!interleaved::kept(type) || rows % interleaved::kRows || g_isa.load() != kVnni ||
       in_features % 32)
     return 0;
+  if (dst == nullptr) return 1;
   const int64_t blocks = in_features / 32;
   if (type == kQ4_0) interleaved::interleave<kQ4_0>(src, rows, blocks, dst);
   if (type == kQ4_1) interleaved::interleave<kQ4_1>(src, rows, blocks, dst);
