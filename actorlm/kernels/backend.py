@@ -145,14 +145,11 @@ class KernelBackend:
     # --- linear layers ------------------------------------------------------------------------
 
     def prepare_linear(self, weight: torch.Tensor | QuantizedWeight | Sequence[QuantizedWeight],
-                       bias: torch.Tensor | None, shared: bool = False
-                       ) -> Callable[[torch.Tensor], torch.Tensor]:
+                       bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
         """Once, at load: ``x [..., in] -> x @ weight.T + bias`` over the weight laid out as
         this device runs it fastest (a sequence of weights in blocks: their rows stacked, a
         merged layer whose parts came in different formats). The result keeps what it needs;
-        the caller may let its own reference to the weight go. ``shared``: another layer keeps
-        the weight too (a tied LM head's is the embedding's), so a copy in another layout
-        would hold it twice."""
+        the caller may let its own reference to the weight go."""
         raise NotImplementedError
 
     def prepare_embedding(self, weight: QuantizedWeight,
@@ -160,6 +157,13 @@ class KernelBackend:
         """Once, at load: ``ids [T] -> rows [T, dim]`` of an embedding kept in blocks, in
         ``dtype``."""
         raise no_quantized_kernels(weight, self.name)
+
+    def prepare_tied_embedding(self, weight: QuantizedWeight, dtype: torch.dtype
+                               ) -> tuple[Callable[[torch.Tensor], torch.Tensor],
+                                          Callable[[torch.Tensor], torch.Tensor]]:
+        """Once, at load: (the embedding's lookup, the tied LM head's linear) over one weight
+        in blocks, held once however the LM head lays it out."""
+        return self.prepare_embedding(weight, dtype), self.prepare_linear(weight, None)
 
     # --- attention ----------------------------------------------------------------------------
 

@@ -183,11 +183,12 @@ class CausalLM(nn.Module):
         """Once every weight is in place: hand the linear layers to the backend and ask it for
         a one-call decode step over the layers' plans."""
         embedding = self.model.embed_tokens
-        if self.tie_word_embeddings and embedding.quantized is not None:
-            self.lm_head.load_quantized(0, embedding.quantized)  # the same blocks, held once
-            self.lm_head.shares_weight = True
+        tied = self.tie_word_embeddings and embedding.quantized is not None
+        if tied:  # the same blocks, held once
+            embedding.prepare_tied(self.backend, self.lm_head)
         for module in self.modules():
-            if isinstance(module, (Linear, Embedding, RoutedExperts)):
+            if isinstance(module, (Linear, Embedding, RoutedExperts)) and \
+                    not (tied and module is self.lm_head):
                 module.prepare(self.backend)
         plans = [layer.plan() for layer in self.model.layers]
         # (a step of parallel layers needs their collectives; a layer without a plan, such as

@@ -40,12 +40,10 @@ class Linear(nn.Module):
         self.quantized[first_row] = weight
 
     bias_in_kernel = True  # the bias is added by the prepared GEMM
-    shares_weight = False  # a tied LM head: the embedding keeps the same blocks
 
     def prepare(self, backend: KernelBackend) -> None:
         self.prepared = backend.prepare_linear(self._weight_to_prepare(),
-                                               self.bias if self.bias_in_kernel else None,
-                                               shared=self.shares_weight)
+                                               self.bias if self.bias_in_kernel else None)
         self.weight = None  # a tied LM head's is the embedding's: it stays there
         self.quantized = {}  # the prepared layer holds what it needs
 
@@ -106,6 +104,13 @@ class Embedding(nn.Module):
         if self.quantized is not None:
             self.lookup = backend.prepare_embedding(self.quantized, self.weight.dtype)
             self.weight = None
+
+    def prepare_tied(self, backend: KernelBackend, head: Linear) -> None:
+        """Blocks that a tied LM head ``head`` shares: one copy serves both, laid out as the
+        backend runs the head."""
+        self.lookup, head.prepared = backend.prepare_tied_embedding(self.quantized,
+                                                                    self.weight.dtype)
+        self.weight = self.quantized = head.weight = None
 
     def forward(self, input_ids):
         # input_ids: [T] -> [T, hidden]

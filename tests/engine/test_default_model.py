@@ -28,8 +28,10 @@ def test_sixteen_prompts_together_match_transformers_greedy(smollm2_dense_dir, m
 
 
 def test_cli_answers_the_capital_of_france(smollm2_dir):
+    # (asked as README asks it: "What is the capital of France?" is a near-tie for this model,
+    # its first token "The" over "L" by 0.08 nats in fp32 transformers; this one by 1.4)
     actorlm = Path(sys.executable).with_name("actorlm")
-    result = subprocess.run([str(actorlm), "generate", "--chat", "What is the capital of France?"],
+    result = subprocess.run([str(actorlm), "generate", "--chat", "Name the capital of France."],
                             capture_output=True, text=True, timeout=300,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr

@@ -325,7 +325,17 @@ def test_an_interleaved_copy_goes_back_to_the_file_layout(vnni, type_name):
     assert torch.equal(back.blocks, weight.blocks.reshape(32, -1))
 
 
-def test_a_shared_weight_is_not_copied_into_another_layout(vnni):
-    weight = gb.quantized_weight("Q8_0", gb.random_blocks("Q8_0", 32, 64,
-                                                          np.random.default_rng(6)), 64)
-    assert quant.QuantLinear([weight], None, interleave=False).interleaved == (False,)
+@pytest.mark.parametrize("type_name", INTERLEAVED)
+def test_a_tied_embedding_looks_up_its_rows_in_the_lm_heads_interleaved_copy(vnni, type_name):
+    """The CPU backend's tied embedding: the head holds the only copy, interleaved, and the
+    lookups read rows back from it, bit for bit gguf's."""
+    from actorlm.kernels import select_backend
+
+    blocks = gb.random_blocks(type_name, 48, 64, np.random.default_rng(6))
+    weight = gb.quantized_weight(type_name, blocks, 64)
+    lookup, head = select_backend("cpu").prepare_tied_embedding(weight, torch.float32)
+    assert head.interleaved == (True,)
+    ids = torch.tensor([[47, 0, 17], [16, 15, 31]])
+    expected = gb.dequantized(type_name, blocks).float()[ids]
+    assert torch.equal(lookup(ids), expected)
+    assert torch.equal(head.rows(ids, torch.bfloat16), expected.bfloat16())

@@ -143,7 +143,10 @@ def test_the_gemma3_file_loads_with_every_matrix_in_its_blocks():
                                          layer.mlp.gate_up_proj, layer.mlp.down_proj))]
     assert all(linear.weight is None and type(linear.prepared).__name__ == "QuantLinear"
                for linear in linears)  # Q5_0, Q8_0, Q4_K, Q6_K: none dequantized
-    assert ours.model.embed_tokens.quantized is not None  # the tied head's blocks, held once
+    embedding = ours.model.embed_tokens  # the tied head's blocks, held once, by the head
+    assert embedding.weight is None and embedding.quantized is None
+    ids = torch.tensor([0, 5, 262143])
+    assert torch.equal(embedding(ids), ours.lm_head.prepared.rows(ids, torch.bfloat16))
     assert [g.window for g in ours.kv_cache_groups] == [None] + [512] * 5
 
 

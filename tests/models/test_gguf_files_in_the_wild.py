@@ -53,7 +53,7 @@ def test_smollm2_in_blocks_reads_a_text_as_transformers_does(smollm2_pair, smoll
     ours, theirs = smollm2_pair
     ids = AutoTokenizer.from_pretrained(smollm2_dir)((TEXT + "\n") * 7).input_ids[:1040]
     # a short prefill, then one token a step: the positions the decode kernels (one-row
-    # integer dot products) compute, where a long prefill would take the dequantized-tile GEMM
+    # integer dot products) compute
     cache = PagedContexts(ours, num_blocks=300, block_size=4)
     logits = [cache.step(ours, [(0, ids[:16])])]
     logits += [cache.step(ours, [(0, [token])]) for token in ids[16:]]
@@ -63,6 +63,10 @@ def test_smollm2_in_blocks_reads_a_text_as_transformers_does(smollm2_pair, smoll
     assert len(decoded) >= 1000
     assert _mean_kl(expected[16:], decoded) <= MAX_MEAN_KL
     assert _mean_kl(expected[:16], logits[0]) <= MAX_MEAN_KL
+    # and read as prompts are, 64 positions a step (the prefill's integer path)
+    cache = PagedContexts(ours, num_blocks=300, block_size=4)
+    prefilled = torch.cat([cache.step(ours, [(0, ids[i:i + 64])]) for i in range(0, len(ids), 64)])
+    assert _mean_kl(expected, prefilled) <= MAX_MEAN_KL
 
 
 def test_every_block_format_of_the_gemma3_file_runs_on_the_cpu_kernels():

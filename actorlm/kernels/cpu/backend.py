@@ -24,14 +24,18 @@ class CpuBackend(KernelBackend):
     def act_and_mul(self, gate_up, activation):
         return fused.act_and_mul(gate_up, activation)
 
-    def prepare_linear(self, weight, bias, shared=False):
+    def prepare_linear(self, weight, bias):
         if isinstance(weight, (QuantizedWeight, tuple, list)):
             return quant.QuantLinear([weight] if isinstance(weight, QuantizedWeight) else weight,
-                                     bias, interleave=not shared)
+                                     bias)
         return linear.packed_linear(weight, bias) or linear.PlainLinear(weight, bias)
 
     def prepare_embedding(self, weight, dtype):
         return lambda ids: quant.dequantize_rows(weight, ids, dtype)
+
+    def prepare_tied_embedding(self, weight, dtype):
+        head = quant.QuantLinear([weight], None)  # (interleaved where the VNNI kernels run)
+        return lambda ids: head.rows(ids, dtype), head
 
     def _plan(self, q_lens, seq_lens, block_ids, block_size, tables):
         return attention.plan_attention(q_lens, seq_lens, block_ids, block_size, self.device,

@@ -32,7 +32,7 @@ class TritonBackend(KernelBackend):
 
         return act_and_mul(gate_up, activation)
 
-    def prepare_linear(self, weight, bias, shared=False):  # (the device holds its own copy)
+    def prepare_linear(self, weight, bias):
         if isinstance(weight, (QuantizedWeight, tuple, list)):
             from actorlm.kernels.triton.quant_linear import TritonQuantLinear
 

@@ -13,7 +13,8 @@
 // Many rows (prefill, big batches; kPanelFromRows): the weights dequantized panel by panel
 // and multiplied by linear.cpp's dense tiles (quant_panel.h), where AVX-512 is there. A part
 // whose rows are interleaved 16 by 16 (layout 1, quant_interleaved.h: Q4_0, Q4_1, Q8_0 under
-// VNNI) runs its own integer kernels below that, and its rows gathered back for the panels.
+// VNNI) runs its own integer kernels below kInterleavedPanelFromRows, and its rows gathered
+// back for the panels.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -50,6 +51,12 @@ constexpr int64_t kChunkRows = 64;       // weight rows a kernel call takes
 // SmolLM2's shapes: benchmarks/quant_gemv.py --paths). The K formats' integer path does 64
 // multiply-adds in two instructions (maddubs, dpwssd), so the panel pays off later for them.
 constexpr int kPanelFromRows[2][2] = {{32, 12}, {192, 32}};
+// The same for a part interleaved 16 by 16, [bf16]: its integer kernel runs 1.3-1.6x the
+// panels up to ~128 rows in bf16 and 1.5-3x them in fp32 at every measured size (to 1,024),
+// so fp32 never takes the panels (kNever). Its int8 x is the decode step's: a prompt's
+// positions then see the same arithmetic as the tokens decoded after them.
+constexpr int kNever = 1 << 30;
+constexpr int kInterleavedPanelFromRows[2] = {kNever, 192};
 
 // out[i R + r] = weight row i (`blocks` blocks at w + i row_bytes) . quantized x row row0 + r,
 // for i < num_rows, r < R: a loop over rows around the inlined kernel (a call per weight row
@@ -161,9 +168,10 @@ int panel_from_rows(const actorlm_linear& l, bool bf16) {
   for (int p = 0; p < l.num_parts; ++p) {
     const int type = type_index(l.parts[p].type);
     if (type < 0) return 0;
-    rows = std::max(rows, kPanelFromRows[kFormats[type].values == 256][bf16]);
+    rows = std::max(rows, l.parts[p].layout != 0 ? kInterleavedPanelFromRows[bf16]
+                                                 : kPanelFromRows[kFormats[type].values == 256][bf16]);
   }
-  return rows;
+  return rows == kNever ? 0 : rows;
 }
 
 // The caller's scratch for the quantized x, kept between calls (a prefill's would otherwise be
@@ -273,15 +281,26 @@ template <typename T>
 void dequantize_rows(const actorlm_quant_part& part, int64_t in_features, const int64_t* rows,
                      int64_t num_rows, T* out) {
   const int type = type_index(part.type);
-  if (type < 0 || part.layout != 0) return;  // (an interleaved part is a linear layer's alone)
+  if (type < 0) return;
   const int values = kFormats[type].values;
-  const int64_t bytes = row_bytes(type, in_features);
+  const int64_t bytes = row_bytes(type, in_features), blocks = in_features / values;
   const uint8_t* w = static_cast<const uint8_t*>(part.blocks);
+#ifndef ACTORLM_QUANT_VNNI
+  if (part.layout != 0) return;  // (no interleaved part without the VNNI kernels)
+#endif
 #pragma omp parallel for schedule(static) if (num_rows * in_features > (1 << 16))
   for (int64_t r = 0; r < num_rows; ++r) {
     float values_of_block[256];
-    for (int64_t b = 0; b < in_features / values; ++b) {
-      dequantize_block(type, w + rows[r] * bytes + b * kFormats[type].bytes, values_of_block);
+    uint8_t file_block[64];  // an interleaved type's block (Q8_0's 34 bytes at most)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* block = w + rows[r] * bytes + b * kFormats[type].bytes;
+#ifdef ACTORLM_QUANT_VNNI
+      if (part.layout != 0) {
+        interleaved::file_block(part.type, w, blocks, rows[r], b, file_block);
+        block = file_block;
+      }
+#endif
+      dequantize_block(type, block, values_of_block);
       T* to = out + r * in_features + b * values;
       for (int i = 0; i < values; ++i) store(values_of_block[i], to + i);
     }

@@ -46,6 +46,19 @@ void interleave(const uint8_t* src, int64_t rows, int64_t blocks, uint8_t* dst) 
     }
 }
 
+// Row r's block b back in the file's layout, into block (the format's bytes): an embedding
+// lookup's few rows of a weight a tied LM head keeps interleaved
+inline void file_block(int type, const uint8_t* w, int64_t blocks, int64_t r, int64_t b,
+                       uint8_t* block) {
+  const int scales = type == kQ4_1 ? 2 : 1, vectors = type == kQ8_0 ? 8 : 4;
+  const int64_t group_block = kRows * kFormats[type_index(type)].bytes;
+  const uint8_t* from = w + ((r / kRows) * blocks + b) * group_block;
+  const int i = r % kRows;
+  for (int s = 0; s < scales; ++s) std::memcpy(block + 2 * s, from + 32 * s + 2 * i, 2);
+  for (int t = 0; t < vectors; ++t)
+    std::memcpy(block + 2 * scales + 4 * t, from + 32 * scales + 64 * t + 4 * i, 4);
+}
+
 // Group g's 16 rows back in the file's layout, into out (16 rows of blocks x the format's
 // bytes): each 64-byte vector of quants holds 4 bytes of each row, so four (Q8_0: two fours) of
 // them are a 4 x 16 matrix of 4-byte pieces, transposed 4 x 4 within each 128-bit lane
