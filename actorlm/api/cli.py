@@ -14,7 +14,9 @@ from actorlm.trace.cli import add_trace_commands
 
 
 def main(argv: list[str] | None = None) -> int:
+    from actorlm.bench.datasets import add_dataset_arguments
     from actorlm.bench.prefix import add_prefix_arguments, bench_prefix
+    from actorlm.bench.serve import DEFAULT_PERCENTILE_METRICS
 
     parser = argparse.ArgumentParser(prog="actorlm", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -80,18 +82,36 @@ def main(argv: list[str] | None = None) -> int:
                           "a shared system prompt")
     add_prefix_arguments(pf)
     pf.set_defaults(run=bench_prefix)
-    bs = bench.add_parser("serve", help="online serving benchmark against a running server")
+    bs = bench.add_parser("serve", help="online serving benchmark against a running server, "
+                          "measured as vllm bench serve measures")
     bs.add_argument("--base-url", default="http://127.0.0.1:8000")
     bs.add_argument("--endpoint", default="/v1/completions",
                     choices=["/v1/completions", "/v1/chat/completions"])
     bs.add_argument("--model", default=None, help="model name to send (default: the server's)")
+    bs.add_argument("--tokenizer", default=None,
+                    help="the tokenizer the datasets measure prompts with (default: the one in "
+                         "the directory the server serves)")
     bs.add_argument("--num-prompts", type=int, required=True)
     bs.add_argument("--request-rate", type=float, default=float("inf"),
                     help="requests per second, Poisson arrivals (default: inf, all at once)")
-    bs.add_argument("--max-tokens", type=int, default=128)
+    bs.add_argument("--burstiness", type=float, default=1.0,
+                    help="shape of the gamma-distributed gaps between arrivals: 1 is Poisson, "
+                         "lower is burstier, higher more even")
+    bs.add_argument("--max-tokens", type=int, default=None,
+                    help="output tokens per request of the built-in prompts (default: 128); "
+                         "a dataset sets its own")
     bs.add_argument("--max-concurrency", type=int, default=None)
-    bs.add_argument("--seed", type=int, default=0, help="seeds the arrival times")
-    bs.add_argument("--ignore-eos", action="store_true", help="every request decodes max tokens")
+    bs.add_argument("--seed", type=int, default=0, help="seeds the dataset and the arrivals")
+    bs.add_argument("--ignore-eos", action="store_true",
+                    help="every request decodes as many tokens as it asks for")
+    add_dataset_arguments(bs)
+    bs.add_argument("--percentile-metrics", default=",".join(DEFAULT_PERCENTILE_METRICS),
+                    help="the metrics to report, comma-separated, of ttft, tpot, itl, e2el")
+    bs.add_argument("--metric-percentiles", default="99",
+                    help="the percentiles to report of each, comma-separated (e.g. 50,90,99)")
+    bs.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                    help="service level objectives (ttft, tpot, e2el in milliseconds): "
+                         "request_goodput counts the requests per second that meet them all")
     bs.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     bs.set_defaults(run=_bench_serve)
     add_trace_commands(commands)
@@ -174,12 +194,18 @@ def _serve(args) -> int:
 
 
 def _bench_serve(args) -> int:
-    from actorlm.bench.serve import print_report, run_serve_benchmark
+    from actorlm.bench.datasets import DatasetOptions
+    from actorlm.bench.serve import (parse_goodput, parse_metric_percentiles,
+                                     parse_percentile_metrics, print_report, run_serve_benchmark)
 
-    result = run_serve_benchmark(args.base_url, args.num_prompts, args.request_rate,
-                                 endpoint=args.endpoint, max_tokens=args.max_tokens,
-                                 model=args.model, max_concurrency=args.max_concurrency,
-                                 seed=args.seed, ignore_eos=args.ignore_eos)
+    result = run_serve_benchmark(
+        args.base_url, args.num_prompts, args.request_rate, endpoint=args.endpoint,
+        max_tokens=args.max_tokens, model=args.model, max_concurrency=args.max_concurrency,
+        seed=args.seed, ignore_eos=args.ignore_eos, dataset=DatasetOptions.from_args(args),
+        tokenizer=args.tokenizer, burstiness=args.burstiness,
+        percentile_metrics=parse_percentile_metrics(args.percentile_metrics),
+        metric_percentiles=parse_metric_percentiles(args.metric_percentiles),
+        goodput=parse_goodput(args.goodput))
     if args.json:
         print(json.dumps(result))
     else:
