@@ -39,6 +39,7 @@ import pykka
 from actorlm.actors.supervisor import EngineDeadError, EngineShutdownError
 from actorlm.actors.system import EngineSystem
 from actorlm.config import EngineConfig
+from actorlm.engine_core import start_engine
 from actorlm.llm import PromptType, prompt_input
 from actorlm.messages import AbortRequests, SubmitRequest
 from actorlm.outputs import RequestOutput
@@ -154,7 +155,7 @@ class AsyncLLM:
             raise ValueError(f"--max-num-waiting must be at least 1, got {max_num_waiting}")
         # always recording (a bounded ring): the server shows it live at /trace
         self.trace = TraceRecorder(capacity=trace_capacity, path=trace_file)
-        self.engine = EngineSystem(EngineConfig.from_flags(model, **engine_flags),
+        self.engine = start_engine(EngineConfig.from_flags(model, **engine_flags),
                                    trace=self.trace)
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer

@@ -43,8 +43,12 @@ class EngineConfig:
     # ranks the model is sharded over (tensor parallelism), one worker process each
     tensor_parallel_size: int = 1
     # how the workers run: uni (a thread in this process), mp (a process per rank), ray (a Ray
-    # actor per rank); None: uni for one rank, mp for more (``actorlm serve``: always mp)
+    # actor per rank); None: uni for one rank, mp for more
     distributed_executor_backend: str | None = None
+    # the scheduler, the KV allocator and the executor in a process of their own, restarted
+    # with their requests resumed if it dies (``actorlm serve``'s default); False: in this
+    # process, as vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0
+    engine_core_process: bool = False
     # weights in GGUF blocks: gguf (a .gguf model's own, implied by one), or q8_0 / q4_0 (a
     # Hugging Face directory's linear layers, quantized as they load); None: as the model is
     quantization: str | None = None

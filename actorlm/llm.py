@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from actorlm.actors.supervisor import EngineDeadError
 from actorlm.actors.system import EngineSystem
 from actorlm.config import EngineConfig
+from actorlm.engine_core import start_engine
 from actorlm.messages import AbortRequests, SubmitRequest
 from actorlm.outputs import RequestOutput
 from actorlm.sampling_params import SamplingParams
@@ -44,7 +45,7 @@ class LLM:
 
             self.trace = TraceRecorder(path=trace_file)
         try:
-            self.engine = EngineSystem(config, trace=self.trace)
+            self.engine = start_engine(config, trace=self.trace)
         except BaseException:
             if self.trace is not None:
                 self.trace.close()

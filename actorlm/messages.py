@@ -57,6 +57,9 @@ class AddRequest(_Message):
     seed: int
     arrival_time: float
     bad_words_token_ids: list[list[int]] = []
+    # a request resumed in a restarted engine core: the tokens it had streamed, recomputed
+    # as after a preemption before it continues (n = 1 here: each child resumes alone)
+    output_token_ids: list[int] = []
 
 
 class AbortRequests(_Message):
@@ -339,6 +342,17 @@ class KVStats(_Message):
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache, since start
     prefix_cache_hits: int = 0  # of those, tokens found
     num_used_blocks: list[int] = []  # blocks held by requests, per KV-cache group
+
+
+class ResumeRequests(_Message):
+    """The engine core was restarted: the frontend replies ``Resumed`` with an ``AddRequest``
+    for every child still running (its prompt and the tokens it has streamed), and finishes
+    those already stopped or aborted, which the new core will never report."""
+
+
+class Resumed(_Message):
+    requests: list[AddRequest]
+    request_ids: list[str]  # the caller ids of the live requests, resumed or finished now
 
 
 class ResetPrefixCache(_Message):

@@ -1,10 +1,12 @@
-"""Executor backends behind the server: ``uni`` (worker thread) against ``mp`` (worker process).
+"""The server's process layouts: ``core`` (the engine core in a process of its own, its worker
+a thread there: the default), ``mp`` (the engine in the server's process, its worker in a
+process of its own) and ``uni`` (everything in the server's process).
 
-    python benchmarks/serve_backends.py [--backends uni mp] [--streams 1 16 64] [--rounds 3]
+    python benchmarks/serve_backends.py [--backends core mp] [--streams 1 16 64] [--rounds 3]
         [--max-tokens 128] [--dtype float32] [--port 8123]
 
-For each round and each backend (taking turns, so drift in a shared machine hits both alike):
-start ``actorlm serve`` with ``--distributed-executor-backend``, wait until it answers, run
+For each round and each layout (taking turns, so drift in a shared machine hits both alike):
+start ``actorlm serve`` with its flags (``LAYOUTS``), wait until it answers, run
 ``actorlm bench serve`` (chat, EOS ignored, all requests at once, ``--max-concurrency`` =
 streams, 3 requests per stream) at every stream count, stop the server. Prints one JSON line
 per measurement and, last, one JSON object with the medians per backend and stream count and
@@ -26,6 +28,13 @@ import urllib.request
 from actorlm.bench.serve import run_serve_benchmark
 
 
+LAYOUTS = {
+    "core": ["--engine-core-process", "--distributed-executor-backend", "uni"],
+    "mp": ["--no-engine-core-process", "--distributed-executor-backend", "mp"],
+    "uni": ["--no-engine-core-process", "--distributed-executor-backend", "uni"],
+}
+
+
 def _wait_ready(base_url: str, server: subprocess.Popen, timeout_s: float = 300.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -42,7 +51,7 @@ def _wait_ready(base_url: str, server: subprocess.Popen, timeout_s: float = 300.
 def _measure(backend: str, args) -> list[dict]:
     base_url = f"http://127.0.0.1:{args.port}"
     command = [sys.executable, "-m", "actorlm.api.cli", "serve", "--port", str(args.port),
-               "--dtype", args.dtype, "--distributed-executor-backend", backend]
+               "--dtype", args.dtype, *LAYOUTS[backend]]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               env={**os.environ, "HF_HUB_OFFLINE": "1"})
     try:
@@ -68,7 +77,7 @@ def _measure(backend: str, args) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--backends", nargs="+", default=["uni", "mp"])
+    parser.add_argument("--backends", nargs="+", default=["core", "mp"], choices=list(LAYOUTS))
     parser.add_argument("--streams", nargs="+", type=int, default=[1, 16, 64])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)

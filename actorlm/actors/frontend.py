@@ -5,6 +5,8 @@ request its sampling seed, and turns each step's ``EngineOutputs`` into ``Reques
 delivered to the request's sink (a queue the caller reads): after every step when streaming,
 once at the end otherwise. Stop strings are found here, since only the frontend sees text.
 A request whose output cannot be processed (its detokenization raises, say) fails alone.
+After an engine core in a process of its own has been restarted, ``ResumeRequests`` gives
+every live child back as an ``AddRequest`` with the tokens it has streamed.
 """
 
 from __future__ import annotations
@@ -13,15 +15,18 @@ import logging
 import random
 import time
 
+import msgspec
 import pykka
 
 from actorlm.core.output_stream import OutputStream
 from actorlm.engine_actor import EngineActor, tell
-from actorlm.messages import AbortRequests, AddRequest, EngineOutputs, StopRequests, SubmitRequest
+from actorlm.messages import (AbortRequests, AddRequest, EngineOutputs, Resumed, ResumeRequests,
+                              StopRequests, SubmitRequest)
 from actorlm.sampling_params import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 
 log = logging.getLogger(__name__)
 
+MAX_RESUMES = 2  # a request live at a third engine-core death fails alone (it may be the cause)
 
 
 class FrontendActor(EngineActor):
@@ -34,6 +39,9 @@ class FrontendActor(EngineActor):
         self._rng = random.Random(seed)  # seeds for requests that bring none
         self._streams: dict[str, OutputStream] = {}
         self._children: dict[str, tuple[OutputStream, int]] = {}  # engine id -> (stream, index)
+        self._added: dict[str, AddRequest] = {}  # what each live request entered the engine as
+        self._aborted: set[str] = set()  # live ones whose abort the engine has yet to report
+        self._resumes: dict[str, int] = {}  # live ones resumed after an engine-core restart
 
     def on_start(self):
         getattr(self.tokenizer, "for_this_thread", None)  # this thread's copy, made now
@@ -44,7 +52,10 @@ class FrontendActor(EngineActor):
         if isinstance(message, EngineOutputs):
             self.deliver(message)
         elif isinstance(message, AbortRequests):
+            self._aborted.update(rid for rid in message.request_ids if rid in self._streams)
             tell(self.scheduler, AbortRequests(self._engine_ids(message.request_ids)))
+        elif isinstance(message, ResumeRequests):
+            return self.resume()
         else:
             raise TypeError(f"FrontendActor cannot handle {type(message).__name__}")
 
@@ -63,9 +74,31 @@ class FrontendActor(EngineActor):
         for index, engine_id in enumerate(stream.engine_ids):
             self._children[engine_id] = (stream, index)
         arrival_time = self.clock.monotonic()
-        self.scheduler.tell(AddRequest(msg.request_id, token_ids, params, seed, arrival_time,
-                                       self._bad_words(params.bad_words)))
+        added = AddRequest(msg.request_id, token_ids, params, seed, arrival_time,
+                           self._bad_words(params.bad_words))
+        self._added[msg.request_id] = added
+        self.scheduler.tell(added)
         return token_ids
+
+    def resume(self) -> Resumed:
+        """After an engine-core restart: every live child again, as the prompt and the tokens
+        it has streamed, in arrival order; children already stopped (a stop string) or aborted
+        are finished here, since the new core never knew them."""
+        resumed, live = [], list(self._added)
+        for request_id, stream in list(self._streams.items()):
+            added, aborted = self._added[request_id], request_id in self._aborted
+            self._resumes[request_id] = self._resumes.get(request_id, 0) + 1
+            if self._resumes[request_id] > MAX_RESUMES and not aborted:
+                stream.fail(f"the engine core died {MAX_RESUMES + 1} times while this request "
+                            f"ran; it is not resumed again")
+            for index, (engine_id, seq) in enumerate(zip(stream.engine_ids, stream.sequences)):
+                if seq.finish_reason is None and not aborted:
+                    resumed.append(_resumed(added, engine_id, index, seq.token_ids))
+                elif aborted and seq.finish_reason is None:
+                    seq.finish_reason = "abort"
+                seq.engine_finished |= seq.finish_reason is not None
+            self._deliver_if_finished(stream)
+        return Resumed(resumed, live)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -106,12 +139,20 @@ class FrontendActor(EngineActor):
         if to_abort:
             tell(self.scheduler, AbortRequests(to_abort))
         for stream in touched.values():
-            if stream.finished:
-                del self._streams[stream.request_id]
-                for engine_id in stream.engine_ids:
-                    del self._children[engine_id]
-            if stream.finished or stream.stream:
-                stream.sink.put(stream.output())
+            self._deliver_if_finished(stream, streaming=True)
+
+    def _deliver_if_finished(self, stream: OutputStream, streaming: bool = False) -> None:
+        """Hand the stream's output to its caller if it has finished (or, ``streaming``, if
+        it streams); a finished one is forgotten."""
+        if stream.finished:
+            del self._streams[stream.request_id]
+            del self._added[stream.request_id]
+            self._aborted.discard(stream.request_id)
+            self._resumes.pop(stream.request_id, None)
+            for engine_id in stream.engine_ids:
+                del self._children[engine_id]
+        if stream.finished or (streaming and stream.stream):
+            stream.sink.put(stream.output())
 
     def _validate(self, params: SamplingParams) -> None:
         for name in ("logprobs", "prompt_logprobs"):
@@ -146,3 +187,13 @@ class FrontendActor(EngineActor):
             stream = self._streams.get(request_id)
             out += stream.engine_ids if stream is not None else [request_id]
         return out
+
+
+def _resumed(added: AddRequest, engine_id: str, index: int, token_ids: list[int]) -> AddRequest:
+    """Child ``index`` of ``added`` as a request of its own, with the tokens it has made."""
+    params = added.sampling_params
+    if params.n > 1:
+        params = msgspec.structs.replace(params, n=1)
+    return AddRequest(engine_id, added.prompt_token_ids, params,
+                      (added.seed + index) % SEED_RANGE, added.arrival_time,
+                      added.bad_words_token_ids, list(token_ids))

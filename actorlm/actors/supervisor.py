@@ -54,6 +54,10 @@ class Supervisor:
         """A core actor failed or stopped on its own: the engine is dead."""
         self._end(EngineDeadError(f"the engine is dead: the {name} actor {reason}"), log.error)
 
+    def engine_died(self, reason: str) -> None:
+        """The engine is dead for ``reason`` (an engine core that could not be restarted)."""
+        self._end(EngineDeadError(f"the engine is dead: {reason}"), log.error)
+
     def shutting_down(self) -> None:
         """``EngineSystem.stop()`` has begun: actors stopping now is the plan, not a fault."""
         self._end(EngineShutdownError("the engine has shut down"), log.debug)

@@ -71,12 +71,16 @@ class EngineSystem:
     ``wrap_runner(runner)`` returns what the workers run in place of each runner built
     (``actorlm.testing.FaultInjector`` wraps them to make steps fault).
 
-    ``supervisor`` hears of every core actor's death (see ``actors.supervisor``)."""
+    ``supervisor`` hears of every core actor's death (see ``actors.supervisor``).
+
+    ``frontend``: what the scheduler sends its outputs to in place of a ``FrontendActor`` of
+    this process's own (an engine-core process's relay to the frontend in another process,
+    ``actorlm.engine_core``); anything with ``tell``."""
 
     def __init__(self, config: EngineConfig, *, parts: ModelParts | None = None, clock=time,
                  listeners: Iterable[Listener] = (),
                  route: Callable[[str, pykka.ActorRef], Any] = _direct, trace=None,
-                 wrap_runner: Callable[[Any], Any] | None = None):
+                 wrap_runner: Callable[[Any], Any] | None = None, frontend=None):
         self.model_path = self.hf_config = self.dtype = self.device = self.memory_profile = None
         if parts is None:
             parts = self._load_model(config)
@@ -134,11 +138,10 @@ class EngineSystem:
                 link(to_scheduler, "executor", "scheduler"), on_death("executor"),
                 backend=config.executor_backend,
                 tensor_parallel=config.tensor_parallel_size > 1)
-            self.frontend = FrontendActor.start(self.tokenizer, config.max_model_len,
-                                                parts.vocab_size,
-                                                link(to_scheduler, "frontend", "scheduler"),
-                                                config.seed, clock=clock,
-                                                on_death=on_death("frontend"))
+            self.frontend = frontend or FrontendActor.start(
+                self.tokenizer, config.max_model_len, parts.vocab_size,
+                link(to_scheduler, "frontend", "scheduler"), config.seed, clock=clock,
+                on_death=on_death("frontend"))
         except BaseException:
             self.stop()
             raise
@@ -204,14 +207,17 @@ class EngineSystem:
                 "kv_cache_windows": list(self.kv_cache_windows),
                 "prefix_cache_queries": kv.prefix_cache_queries,
                 "prefix_cache_hits": kv.prefix_cache_hits,
-                "num_worker_restarts": ex.num_worker_restarts}
+                "num_worker_restarts": ex.num_worker_restarts,
+                "num_engine_core_restarts": self.num_core_restarts}
+
+    num_core_restarts = 0  # an engine core in a process of its own is restarted when it dies
 
     def stop(self) -> None:
         """Stop every actor this system started, frontend first; waits for their threads (a
         bounded time each: they are daemons, and a process exiting must not hang on one)."""
         self.supervisor.shutting_down()
         for ref in (self.frontend, self.scheduler, self.executor, self.allocator):
-            if ref is not None and ref.is_alive():
+            if isinstance(ref, pykka.ActorRef) and ref.is_alive():
                 try:
                     ref.stop(block=True, timeout=STOP_TIMEOUT_S)
                 except pykka.Timeout:

@@ -28,10 +28,10 @@ def serve(model: str | None, engine_flags: dict, *, host: str = "127.0.0.1", por
     from actorlm.config import EngineConfig
 
     options = dataclasses.replace(options or ServerOptions(), host=host)
-    # The worker in a process of its own by default: the server's event loop, the frontend
-    # and the detokenizer then share no GIL with the model's Python (1.3-1.5x the output at
-    # 1-16 streams on two cores: docs/benchmarks.md)
-    engine_flags = {"distributed_executor_backend": "mp", **engine_flags}
+    # The engine core in a process of its own by default (vLLM's layout): the server's event
+    # loop, the frontend and the detokenizer share no GIL with the scheduler and the model's
+    # Python, and a core that dies is restarted with its requests resumed
+    engine_flags = {"engine_core_process": True, **engine_flags}
     EngineConfig.from_flags(model, **engine_flags)  # bad flags fail now, not in the background
     if max_num_waiting is not None and max_num_waiting < 1:
         raise ValueError(f"--max-num-waiting must be at least 1, got {max_num_waiting}")

@@ -1,7 +1,7 @@
 """Prometheus metrics under vLLM's names, on a registry of the app's own (not the global one).
 
-Gauges (running, waiting, KV usage) and the preemption and worker-restart counters are read
-from the engine's actors at scrape time, the process's memory and CPU from /proc; latencies and
+Gauges (running, waiting, KV usage) and the preemption, worker- and engine-core-restart
+counters are read from the engine's actors at scrape time, the process's memory and CPU from /proc; latencies and
 token counts are observed as outputs reach the event loop (``AsyncLLM`` calls the ``observe_*``
 methods). ``StatsLogger`` writes vLLM's periodic INFO line while the server has work and sleeps
 on an event while it has none.
@@ -54,7 +54,10 @@ class _EngineCollector:
                 (counter, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                  stats["prefix_cache_hits"]),
                 (counter, "actorlm:worker_restarts", "Workers replaced after a fault or a death.",
-                 stats["num_worker_restarts"])):
+                 stats["num_worker_restarts"]),
+                (counter, "actorlm:engine_core_restarts",
+                 "Engine-core processes restarted after a death, their requests resumed.",
+                 stats["num_engine_core_restarts"])):
             metric = family(name, doc, labels=["model_name"])
             metric.add_metric([self.model_name], value)
             yield metric

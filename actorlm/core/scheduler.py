@@ -94,6 +94,12 @@ class Scheduler:
         children = [Request(rid, msg.prompt_token_ids, msg.sampling_params,
                             (msg.seed + i) % SEED_RANGE, msg.arrival_time, self.listeners,
                             msg.bad_words_token_ids) for i, rid in enumerate(ids)]
+        if msg.output_token_ids:  # resumed: its prompt's logprobs went out before its tokens
+            if len(children) > 1 or msg.sampling_params.structured_outputs is not None:
+                raise ValueError("the engine core restarted, and a request under a grammar "
+                                 "cannot resume once it has tokens (nor one of n children)")
+            children[0].output_token_ids = list(msg.output_token_ids)
+            children[0].num_prompt_logprobs_sent = len(msg.prompt_token_ids)
         for request in children:
             self.requests[request.request_id] = request
         if len(children) > 1 and self.config.enable_prefix_caching:

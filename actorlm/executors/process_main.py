@@ -39,13 +39,22 @@ class WorkerSpec:
     log_level: int
 
 
-def _exit_with_parent(parent_pid: int) -> None:
+def exit_with_parent(parent_pid: int) -> None:
     def watch():
         while os.getppid() == parent_pid:
             time.sleep(PARENT_POLL_S)
         os._exit(1)  # the parent is gone: no one will read what this rank computes
 
     threading.Thread(target=watch, name="actorlm-parent-watch", daemon=True).start()
+
+
+def set_process_title(title: str) -> None:
+    """What ``ps`` and ``top`` show for this process (where ``setproctitle`` is installed)."""
+    try:
+        import setproctitle
+    except ImportError:
+        return
+    setproctitle.setproctitle(title)
 
 
 def main(fd: int) -> None:
@@ -55,7 +64,8 @@ def main(fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     conn = Connection(fd)
     spec: WorkerSpec = conn.recv()
-    _exit_with_parent(spec.parent_pid)
+    exit_with_parent(spec.parent_pid)
+    set_process_title(f"actorlm::worker-{spec.rank}")
     logging.basicConfig(level=spec.log_level, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s [worker {spec.rank}] %(name)s: "
                                f"%(message)s")

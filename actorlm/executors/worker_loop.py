@@ -35,13 +35,18 @@ def build_runner(factory, rank: int, size: int, init_method: str, tensor_paralle
 def load_failure(codec: WireCodec, exc: BaseException) -> bytes:
     """The reply that carries a load error to the caller (pickled when it can be, so the caller
     raises the very exception the thread backend would)."""
+    return codec.encode_reply(failure_reply(exc))
+
+
+def failure_reply(exc: BaseException) -> WorkerReply:
+    """``load_failure``'s reply, not yet encoded."""
     try:
         pickled = pickle.dumps(exc)
         pickle.loads(pickled)  # an exception whose __init__ wants other arguments fails here
     except Exception:  # noqa: BLE001 — the text below still says what went wrong
         pickled = b""
     text = "".join(traceback.format_exception(exc)).rstrip()
-    return codec.encode_reply(WorkerReply(load_error=text, exception=pickled))
+    return WorkerReply(load_error=text, exception=pickled)
 
 
 def load_error_from(reply: WorkerReply, where: str) -> BaseException:

@@ -140,6 +140,7 @@ class TraceRecorder:
         self._pending: _PendingStep | None = None
         self._file = open(path, "wb") if path is not None else None
         self._unwritten: list[Record] = []
+        self._forwarded: deque[Record] | None = None  # ``forward()``: records not yet taken
 
     # --- set-up -------------------------------------------------------------------------------
 
@@ -158,10 +159,34 @@ class TraceRecorder:
             enable_prefix_caching=config.enable_prefix_caching, model=model, t0=self._now(),
             wall_time=self._wall(), capacity=self.capacity,
             kv_cache_windows=[] if windows == [None] else windows)
+        if self._forwarded is not None:
+            self._forwarded.append(self.config)
         if self._file is not None:
             with self._write_lock:
                 self._file.write(encode_line(msgspec.structs.replace(self.config, capacity=0))
                                  + b"\n")
+
+    def forward(self) -> None:
+        """Keep every record made from now on (the configuration's too) for ``take_new``:
+        an engine-core process's recorder, whose records go to the frontend's."""
+        self._forwarded = deque([self.config] if self.config is not None else [])
+
+    def take_new(self) -> list[Record]:
+        """The records made since the last call, oldest first (``forward`` first)."""
+        forwarded = self._forwarded
+        return [forwarded.popleft() for _ in range(len(forwarded))] if forwarded else []
+
+    def ingest(self, records: Iterable[Record]) -> None:
+        """Records another recorder made (an engine-core process's), as if made here."""
+        for record in records:
+            if isinstance(record, TraceConfig):
+                self.config = record
+                if self._file is not None:
+                    with self._write_lock:
+                        self._file.write(encode_line(msgspec.structs.replace(record, capacity=0))
+                                         + b"\n")
+            else:
+                self._append(record)
 
     def attach(self, scheduler) -> None:
         """Read request counts and queue lengths from this ``core.scheduler.Scheduler``."""
@@ -286,6 +311,8 @@ class TraceRecorder:
         # deque and list appends are atomic: recording threads never wait for each other
         self._take()
         self._records.append(record)
+        if self._forwarded is not None:
+            self._forwarded.append(record)
         if self._file is not None:
             self._unwritten.append(record)
             if len(self._unwritten) >= _WRITE_BATCH and self._write_lock.acquire(blocking=False):

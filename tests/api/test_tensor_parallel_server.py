@@ -35,7 +35,7 @@ def test_a_sharded_server_streams_what_one_rank_serves(tiny_llama_dir, client, t
     with serving(tiny_llama_dir, tmp_path / "server.log", "--tensor-parallel-size", "2",
                  "--num-kv-blocks", "256", "--served-model-name", SERVED_NAME) as (proc, base):
         workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if "process_main" in " ".join(p.cmdline())]
+                   if p.cmdline()[0].startswith("actorlm::worker-")]  # (named themselves)
         assert len(workers) == 2
         with openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0,
                            timeout=60) as sharded:

@@ -24,3 +24,26 @@ def assert_idle_and_nothing_leaked(llm) -> dict:
     assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
     assert stats["num_requests_holding_blocks"] == 0
     return stats
+
+
+def full_length_tokens(outputs) -> list[list[int]]:
+    """Each output's tokens, every one of which must have run to its max_tokens."""
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def live_children(module: str, title: str) -> list:
+    """This process's own children started as ``python -c`` of ``module``, or already named
+    ``title...`` by themselves (not the processes of a server it runs: grandchildren)."""
+    import psutil
+
+    alive = []
+    for child in psutil.Process().children():
+        try:
+            command = " ".join(child.cmdline())
+            if child.status() != psutil.STATUS_ZOMBIE and (
+                    module in command or command.startswith(title)):
+                alive.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return alive

@@ -18,6 +18,7 @@ import pytest
 
 from actorlm import SamplingParams
 from actorlm.llm import LLM
+from engine_helpers import full_length_tokens, live_children
 
 TENSOR_PARALLEL_SIZES = [1, 2]
 PROMPTS = ["Once upon a time", "The capital of France is", "1, 2, 3,", "def fibonacci(n):"]
@@ -29,7 +30,7 @@ GREEDY = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
 def expected(tiny_llama_long_dir):
     """The in-process workers' greedy tokens."""
     with LLM(str(tiny_llama_long_dir), **FLAGS) as llm:
-        return tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+        return full_length_tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
 
 
 @pytest.fixture(scope="session")
@@ -39,24 +40,6 @@ def ray_cluster():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
-
-
-def tokens(outputs) -> list[list[int]]:
-    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
-    return [o.outputs[0].token_ids for o in outputs]
-
-
-def live_children() -> list[psutil.Process]:
-    """This process's own worker processes (not those of a server it runs: grandchildren)."""
-    alive = []
-    for child in psutil.Process().children():
-        try:
-            if child.status() != psutil.STATUS_ZOMBIE and "process_main" in " ".join(
-                    child.cmdline()):
-                alive.append(child)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
 
 
 def kill_mid_run(llm, kill) -> tuple[list[list[int]], float]:
@@ -77,7 +60,7 @@ def kill_mid_run(llm, kill) -> tuple[list[list[int]], float]:
     assert run.is_alive(), "the run ended before the kill: make it longer"
     run.join(timeout=120)
     assert not run.is_alive()
-    return tokens(outputs), seen_after
+    return full_length_tokens(outputs), seen_after
 
 
 @pytest.mark.parametrize("tp", TENSOR_PARALLEL_SIZES)
@@ -87,7 +70,7 @@ def test_worker_processes_give_the_same_greedy_tokens(tiny_llama_long_dir, expec
                    tensor_parallel_size=tp, **FLAGS)
     pids = llm.engine.worker_pids()
     assert len(pids) == tp and os.getpid() not in pids
-    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+    assert full_length_tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
 
 
 @pytest.mark.parametrize("tp", TENSOR_PARALLEL_SIZES)
@@ -114,7 +97,7 @@ def test_a_checkpoint_that_cannot_load_raises_in_the_caller_and_leaves_no_proces
     with pytest.raises(type(in_process.value)) as in_worker:
         LLM(str(broken), dtype="float32", distributed_executor_backend="mp")
     assert str(in_worker.value) == str(in_process.value)
-    assert live_children() == []
+    assert live_children("process_main", "actorlm::worker-") == []
 
 
 @pytest.mark.parametrize("tp", TENSOR_PARALLEL_SIZES)
@@ -122,7 +105,7 @@ def test_ray_workers_give_the_same_greedy_tokens_and_survive_ray_kill(
         tiny_llama_long_dir, expected, make_llm, ray_cluster, tp):
     llm = make_llm(str(tiny_llama_long_dir), distributed_executor_backend="ray",
                    tensor_parallel_size=tp, **FLAGS)
-    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+    assert full_length_tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
     actor = llm.engine.executor.proxy().group.get().actors[0]
     got, seen_after = kill_mid_run(llm, lambda: ray_cluster.kill(actor))
     assert got == expected
@@ -154,4 +137,5 @@ def test_a_ray_worker_killed_between_steps_is_seen_at_once(tiny_llama_dir, make_
     while llm.engine.executor_stats().num_worker_restarts == 0:
         assert time.monotonic() - killed_at < 5, "the idle worker's death was not seen"
         time.sleep(0.01)
-    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == tokens(first)
+    again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert full_length_tokens(again) == full_length_tokens(first)

@@ -1,0 +1,172 @@
+"""The engine core in a process of its own (``engine_core_process=True``): the same greedy
+tokens as in this process; its queries answered across the boundary; a ``kill -9`` of the core
+mid-run costs no request (each resumes in the restarted core as its prompt and the tokens it
+had streamed, and gives the tokens of an undisturbed run, in fp32); a model the core cannot
+load raises in the caller and leaves no process behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import time
+
+import psutil
+import pytest
+
+from actorlm import SamplingParams
+from actorlm.async_llm import AsyncLLM
+from actorlm.llm import LLM
+from engine_helpers import full_length_tokens, live_children
+
+PROMPTS = ["Once upon a time", "The capital of France is", "1, 2, 3,", "def fibonacci(n):"]
+FLAGS = {"dtype": "float32", "block_size": 4, "num_kv_blocks": 1024, "max_model_len": 512}
+GREEDY = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama_long_dir):
+    with LLM(str(tiny_llama_long_dir), **FLAGS) as llm:
+        return full_length_tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+
+
+def test_the_core_in_its_own_process_gives_the_same_greedy_tokens(tiny_llama_long_dir,
+                                                                 expected, make_llm):
+    llm = make_llm(str(tiny_llama_long_dir), engine_core_process=True, **FLAGS)
+    pid = llm.engine.core_pid
+    assert pid != os.getpid() and psutil.Process(pid).cmdline()[0] == "actorlm::engine-core"
+    assert full_length_tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+    stats = llm.stats()  # asked across the boundary
+    assert stats["num_finished"] == len(PROMPTS) and stats["num_engine_core_restarts"] == 0
+    assert llm.engine.reset_prefix_cache() is True
+
+
+def test_a_core_killed_mid_run_is_restarted_and_every_stream_finishes_with_its_tokens(
+        tiny_llama_long_dir, expected):
+    prompts = PROMPTS * 4  # 16 streams
+
+    async def run():
+        engine = AsyncLLM(str(tiny_llama_long_dir), engine_core_process=True, **FLAGS)
+        try:
+            pid = engine.engine.core_pid
+            seen: dict[str, int] = {}
+
+            async def stream(i):
+                final = None
+                async for output in engine.generate(prompts[i], GREEDY, request_id=f"s{i}"):
+                    seen[f"s{i}"] = len(output.outputs[0].token_ids)
+                    final = output
+                return final
+
+            tasks = [asyncio.create_task(stream(i)) for i in range(len(prompts))]
+            while len(seen) < len(prompts) or min(seen.values()) < 8:
+                await asyncio.sleep(0.002)
+            os.kill(pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            assert max(seen.values()) < GREEDY.max_tokens, "the run ended before the kill"
+            while engine.engine.num_core_restarts == 0 or engine.check_health() is not None:
+                assert time.monotonic() - killed_at < 5.0, "not serving again within 5 s"
+                await asyncio.sleep(0.01)
+            outputs = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+            stats = await engine.get_stats()
+            return outputs, stats, pid, engine.engine.core_pid
+        finally:
+            await asyncio.to_thread(engine.shutdown)
+
+    outputs, stats, killed, restarted = asyncio.run(run())
+    assert full_length_tokens(outputs) == expected * 4
+    assert all(o.error is None for o in outputs)
+    assert stats["num_engine_core_restarts"] == 1 and restarted != killed
+    assert not psutil.pid_exists(killed) or psutil.Process(killed).status() == psutil.STATUS_ZOMBIE
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_a_model_the_core_cannot_load_raises_in_the_caller_and_leaves_no_process(
+        tiny_llama_dir, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_llama_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")
+    with pytest.raises(Exception) as in_process:
+        LLM(str(broken), dtype="float32")
+    with pytest.raises(type(in_process.value)) as in_core:
+        LLM(str(broken), dtype="float32", engine_core_process=True)
+    assert str(in_core.value) == str(in_process.value)
+    assert live_children("engine_core", "actorlm::engine-core") == []
+
+
+def test_a_core_exits_when_its_frontend_is_gone(tiny_llama_dir, tmp_path):
+    """The core's watchdog: a frontend killed outright leaves no core running."""
+    script = tmp_path / "frontend.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "from actorlm.llm import LLM\n"
+        f"llm = LLM({str(tiny_llama_dir)!r}, dtype='float32', engine_core_process=True)\n"
+        "print(llm.engine.core_pid, flush=True)\n"
+        "time.sleep(600)\n")
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        core = psutil.Process(int(proc.stdout.readline()))
+        assert core.is_running()
+    finally:
+        proc.kill()
+        proc.wait()
+    core.wait(timeout=10)  # the watchdog polls every 0.5 s
+    assert not core.is_running()
+
+
+def test_the_frontend_resumes_live_children_finishes_aborted_ones_and_gives_up_at_the_third(
+        tiny_llama_dir):
+    """``ResumeRequests``, against the frontend alone: an n = 2 request resumes as two
+    requests of one child each, with their tokens and seeds; an aborted one is finished; one
+    live at a third engine-core death fails alone."""
+    import queue
+
+    from actorlm.actors.frontend import FrontendActor
+    from actorlm.messages import (AbortRequests, EngineOutputs, RequestDelta, ResumeRequests,
+                                  SubmitRequest, child_request_id)
+    from actorlm.tokenizer import PerThreadTokenizer
+    from transformers import AutoTokenizer
+
+    class Scheduler:
+        def __init__(self):
+            self.told = []
+
+        def tell(self, message):
+            self.told.append(message)
+
+    scheduler = Scheduler()
+    tokenizer = PerThreadTokenizer(AutoTokenizer.from_pretrained(tiny_llama_dir))
+    frontend = FrontendActor.start(tokenizer, 512, 256, scheduler)
+    try:
+        sinks = {rid: queue.Queue() for rid in ("pair", "gone")}
+        frontend.ask(SubmitRequest("pair", [5, 6, 7], SamplingParams(n=2, seed=40,
+                                                                      max_tokens=9), sinks["pair"]))
+        frontend.ask(SubmitRequest("gone", [8, 9], SamplingParams(max_tokens=9), sinks["gone"]))
+        first, second = child_request_id("pair", 0), child_request_id("pair", 1)
+        frontend.tell(EngineOutputs(0, [RequestDelta(first, [11, 12]),
+                                        RequestDelta(second, [13]),
+                                        RequestDelta("gone", [14])]))
+        frontend.tell(AbortRequests(["gone"]))
+        resumed = frontend.ask(ResumeRequests())
+        assert frontend.ask(ResumeRequests()).requests  # a second death: resumed again
+        third = frontend.ask(ResumeRequests())  # a third: the request may be the cause
+    finally:
+        frontend.stop()
+    assert third.requests == [] and third.request_ids == ["pair"]
+    failed = sinks["pair"].get(timeout=5)
+    assert failed.finished and "died 3 times" in failed.error
+    by_id = {r.request_id: r for r in resumed.requests}
+    assert set(by_id) == {first, second} and sorted(resumed.request_ids) == ["gone", "pair"]
+    assert by_id[first].output_token_ids == [11, 12] and by_id[second].output_token_ids == [13]
+    assert by_id[first].sampling_params.n == by_id[second].sampling_params.n == 1
+    assert by_id[second].seed == by_id[first].seed + 1 == 41
+    assert by_id[first].prompt_token_ids == [5, 6, 7]
+    final = sinks["gone"].get(timeout=5)
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    assert final.outputs[0].token_ids == [14]
