@@ -7,7 +7,8 @@ receives each step's ``EngineOutputs`` and tells the FrontendActor, feeds the co
 records to the frontend's recorder, and answers the queries (``ask``) that wait on it.
 
 When the core dies (``kill -9``, a crash) the reader sees it (the process has ended, checked
-every poll) and restarts it: what the frontend sends meanwhile is held; the outputs the dead
+every poll), and when it hangs (``HANG_S`` without a word, heartbeats included) the reader
+kills it; either way it restarts it: what the frontend sends meanwhile is held; the outputs the dead
 core still sent are delivered; then the new core gets every live request back from the
 FrontendActor (``ResumeRequests``: the prompt and the tokens streamed so far, recomputed as
 after a preemption), and what was held follows. Outputs are stamped with their core's
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from concurrent.futures import Future
 
 import zmq
@@ -43,6 +45,7 @@ _BOOT = ("import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
 POLL_MS = 100  # the reader checks that the core still runs at least this often
 ASK_TIMEOUT_S = 30.0
 DRAIN_S = 0.2  # after a death: how long the dead core's last outputs may take to arrive
+HANG_S = 30.0  # a core silent this long (no output, no heartbeat) hangs, and is killed
 STOP_GRACE_S = 5.0
 
 
@@ -156,12 +159,20 @@ class EngineCoreClient:
 
     def _read(self) -> None:
         codec = CoreCodec()
+        heard = time.monotonic()
         while not self._stopping:
             if self._outputs.poll(POLL_MS):
                 self._deliver(codec.decode_output(self._outputs.recv()))
+                heard = time.monotonic()
             elif self._proc.poll() is not None and not self._stopping:
                 if not self._restart(codec):
                     return
+                heard = time.monotonic()
+            elif time.monotonic() - heard > HANG_S:  # its heartbeat has stopped: it hangs
+                log.error("the engine core has not been heard from for %.0f s; killing it",
+                          time.monotonic() - heard)
+                self._proc.kill()
+                self._proc.wait()
 
     def _deliver(self, output) -> None:
         if output.generation != self._generation:

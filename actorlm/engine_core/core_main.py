@@ -8,6 +8,8 @@ actors (``EngineSystem`` with a relay in the frontend's place) and answers ``Cor
 its main thread reads the frontend's messages and hands them to the scheduler, and the relay
 sends each step's ``EngineOutputs`` back from the scheduler's thread. It never outlives the
 frontend (a watchdog thread, as a worker's), and it names itself ``actorlm::engine-core``.
+Its main thread also sends a heartbeat, the scheduler's answer to a stats query, twice a
+second: a core whose scheduler stops answering falls silent, and the frontend restarts it.
 """
 
 from __future__ import annotations
@@ -17,13 +19,18 @@ import os
 import signal
 import sys
 import threading
+import time
 
+import pykka
 import zmq
 
 from actorlm.engine_core.wire import (Answer, CoreCodec, CoreInput, CoreOutput, CoreReady,
                                       decode_spec)
+from actorlm.messages import GetStats
 
 log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 0.5
 
 
 class OutputRelay:
@@ -63,10 +70,21 @@ def answer(system, message: CoreInput) -> Answer:
 
 
 def serve(system, inputs: zmq.Socket, relay: OutputRelay) -> None:
-    """Hand the frontend's messages on until it says shutdown."""
+    """Hand the frontend's messages on until it says shutdown; between them, every
+    ``HEARTBEAT_S``, tell the frontend the scheduler still answers (its stats: a scheduler
+    that hangs stops the heartbeat, and the frontend then restarts this core)."""
     codec = CoreCodec()
     scheduler = system.scheduler
+    next_beat = time.monotonic()
     while True:
+        if time.monotonic() >= next_beat:
+            try:
+                relay.send(heartbeat=scheduler.ask(GetStats(), timeout=HEARTBEAT_S))
+            except pykka.Timeout:
+                pass  # no word: the frontend's deadline runs on
+            next_beat = time.monotonic() + HEARTBEAT_S
+        if not inputs.poll(int(1000 * max(0.0, next_beat - time.monotonic())) + 1):
+            continue
         message = codec.decode_input(inputs.recv(copy=False).bytes)
         if message.shutdown:
             return

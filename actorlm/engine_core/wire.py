@@ -70,13 +70,15 @@ class Answer(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
 
 class CoreOutput(msgspec.Struct, frozen=True, array_like=True, gc=False):
-    """Core -> frontend: ready (or why it could not load), a step's outputs, an answer."""
+    """Core -> frontend: ready (or why it could not load), a step's outputs, an answer, or a
+    heartbeat."""
 
     generation: int
     ready: CoreReady | None = None
     load_failure: WorkerReply | None = None  # as a worker's (executors/worker_loop.py)
     outputs: EngineOutputs | None = None
     answer: Answer | None = None
+    heartbeat: SchedulerStats | None = None  # the scheduler still answers
     trace: list[Record] = []
 
 

@@ -1,8 +1,9 @@
 """The engine core in a process of its own (``engine_core_process=True``): the same greedy
 tokens as in this process; its queries answered across the boundary; a ``kill -9`` of the core
 mid-run costs no request (each resumes in the restarted core as its prompt and the tokens it
-had streamed, and gives the tokens of an undisturbed run, in fp32); a model the core cannot
-load raises in the caller and leaves no process behind."""
+had streamed, and gives the tokens of an undisturbed run, in fp32), and neither does a core
+that hangs (its heartbeat stops); a model the core cannot load raises in the caller and leaves
+no process behind."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import asyncio
 import os
 import shutil
 import signal
+import threading
 import time
 
 import psutil
@@ -81,6 +83,26 @@ def test_a_core_killed_mid_run_is_restarted_and_every_stream_finishes_with_its_t
     assert not psutil.pid_exists(killed) or psutil.Process(killed).status() == psutil.STATUS_ZOMBIE
     assert stats["num_running"] == stats["num_waiting"] == 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_a_core_that_hangs_is_killed_restarted_and_its_requests_resumed(
+        tiny_llama_long_dir, expected, make_llm, monkeypatch):
+    from actorlm.engine_core import client
+
+    monkeypatch.setattr(client, "HANG_S", 2.0)  # (30 s by default)
+    llm = make_llm(str(tiny_llama_long_dir), engine_core_process=True, **FLAGS)
+    pid = llm.engine.core_pid
+    outputs: list = []
+    run = threading.Thread(target=lambda: outputs.extend(
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)))
+    run.start()
+    while llm.engine.scheduler_stats().num_steps < 10:
+        time.sleep(0.005)
+    os.kill(pid, signal.SIGSTOP)  # alive, and silent
+    run.join(timeout=120)
+    assert not run.is_alive()
+    assert full_length_tokens(outputs) == expected
+    assert llm.stats()["num_engine_core_restarts"] == 1 and llm.engine.core_pid != pid
 
 
 def test_a_model_the_core_cannot_load_raises_in_the_caller_and_leaves_no_process(
