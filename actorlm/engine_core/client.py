@@ -30,6 +30,7 @@ import threading
 import time
 from concurrent.futures import Future
 
+import pykka
 import zmq
 
 from actorlm.config import EngineConfig
@@ -209,7 +210,10 @@ class EngineCoreClient:
                 future.set_exception(EngineCoreDied(f"the engine core {reason}"))
             self._on_dead(f"the engine core {reason} and could not be restarted: {exc}")
             return False
-        resumed = self._frontend.ask(ResumeRequests())
+        try:
+            resumed = self._frontend.ask(ResumeRequests())
+        except pykka.ActorDeadError:  # the frontend has stopped: the engine is shutting down
+            return False
         with self._lock:
             held, self._held = self._held, None
             taken = set(resumed.request_ids)
