@@ -238,7 +238,8 @@ class AsyncLLM:
                 # a request that arrived but is not yet scheduled does not count while a seat
                 # is free for it: the queue's length must not depend on when the step loop runs
                 stats = self.engine.scheduler_stats()
-                free_seats = max(0, self.config.max_num_seqs - stats.num_running)
+                seats = self.config.max_num_seqs * self.config.data_parallel_size
+                free_seats = max(0, seats - stats.num_running)
                 num_waiting = max(0, stats.num_waiting - free_seats)
                 if num_waiting >= self.max_num_waiting:
                     raise EngineOverloadedError(
@@ -311,10 +312,12 @@ class AsyncLLM:
 
     def stats(self) -> dict:
         """Scheduler and KV pool counters (blocking asks: call off the event loop)."""
-        stats = self.engine.stats()
-        total, free = stats["num_total_blocks"], stats["num_free_blocks"]
-        return {**stats, "kv_cache_usage": (total - free) / total if total else 0.0,
+        return {**with_kv_usage(self.engine.stats()),
                 "num_generation_tokens": self.num_generation_tokens}
+
+    def replica_stats(self) -> list[dict]:
+        """The same per data-parallel replica (blocking asks)."""
+        return [with_kv_usage(stats) for stats in self.engine.replica_stats()]
 
     async def get_stats(self) -> dict:
         return await asyncio.to_thread(self.stats)
@@ -344,3 +347,8 @@ def _stop(engine: EngineSystem, trace: TraceRecorder, submitter: ThreadPoolExecu
     submitter.shutdown(wait=False, cancel_futures=True)
     engine.stop()
     trace.close()
+
+
+def with_kv_usage(stats: dict) -> dict:
+    total, free = stats["num_total_blocks"], stats["num_free_blocks"]
+    return {**stats, "kv_cache_usage": (total - free) / total if total else 0.0}

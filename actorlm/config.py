@@ -20,6 +20,7 @@ _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp
                   "half": "float16"}
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+DATA_PARALLEL_BACKENDS = ("mp", "ray")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,16 @@ class EngineConfig:
     # how the workers run: uni (a thread in this process), mp (a process per rank), ray (a Ray
     # actor per rank); None: uni for one rank, mp for more
     distributed_executor_backend: str | None = None
+    # a mixture of experts' whole experts placed on the tensor-parallel ranks (each rank holds
+    # num_experts / tensor_parallel_size of them), in place of every expert split across ranks
+    enable_expert_parallel: bool = False
+    # replicas of the whole engine (each an engine core with its own workers and KV pool)
+    # behind one frontend, which gives each request to the least loaded; more than one implies
+    # engine_core_process
+    data_parallel_size: int = 1
+    # how the replicas' engine cores run: mp (a process each, on this machine) or ray (a Ray
+    # actor each, placed on the cluster at RAY_ADDRESS or a local one)
+    data_parallel_backend: str = "mp"
     # the scheduler, the KV allocator and the executor in a process of their own, restarted
     # with their requests resumed if it dies (``actorlm serve``'s default); False: in this
     # process, as vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0
@@ -67,13 +78,14 @@ class EngineConfig:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda; got {self.device!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                     "num_kv_blocks", "kv_cache_memory_bytes", "tensor_parallel_size"):
+                     "num_kv_blocks", "kv_cache_memory_bytes", "tensor_parallel_size",
+                     "data_parallel_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or value <= 0):  # True is an int to Python
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be a positive integer, got {value!r}")
-        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "enable_expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be true or false, got {getattr(self, name)!r}")
@@ -81,6 +93,10 @@ class EngineConfig:
             raise ValueError(f"--distributed-executor-backend must be one of "
                              f"{', '.join(EXECUTOR_BACKENDS)}; got "
                              f"{self.distributed_executor_backend!r}")
+        if self.data_parallel_backend not in DATA_PARALLEL_BACKENDS:
+            raise ValueError(f"--data-parallel-backend must be one of "
+                             f"{', '.join(DATA_PARALLEL_BACKENDS)}; got "
+                             f"{self.data_parallel_backend!r}")
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError("--distributed-executor-backend uni runs one rank; use mp or ray "
                              "for --tensor-parallel-size > 1")

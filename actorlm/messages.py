@@ -347,7 +347,10 @@ class KVStats(_Message):
 class ResumeRequests(_Message):
     """The engine core was restarted: the frontend replies ``Resumed`` with an ``AddRequest``
     for every child still running (its prompt and the tokens it has streamed), and finishes
-    those already stopped or aborted, which the new core will never report."""
+    those already stopped or aborted, which the new core will never report. ``engine_ids``:
+    only the requests among these (the restarted core's, under data parallelism)."""
+
+    engine_ids: list[str] | None = None
 
 
 class Resumed(_Message):

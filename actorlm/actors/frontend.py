@@ -55,7 +55,7 @@ class FrontendActor(EngineActor):
             self._aborted.update(rid for rid in message.request_ids if rid in self._streams)
             tell(self.scheduler, AbortRequests(self._engine_ids(message.request_ids)))
         elif isinstance(message, ResumeRequests):
-            return self.resume()
+            return self.resume(message.engine_ids)
         else:
             raise TypeError(f"FrontendActor cannot handle {type(message).__name__}")
 
@@ -80,12 +80,17 @@ class FrontendActor(EngineActor):
         self.scheduler.tell(added)
         return token_ids
 
-    def resume(self) -> Resumed:
-        """After an engine-core restart: every live child again, as the prompt and the tokens
-        it has streamed, in arrival order; children already stopped (a stop string) or aborted
-        are finished here, since the new core never knew them."""
-        resumed, live = [], list(self._added)
+    def resume(self, engine_ids: list[str] | None = None) -> Resumed:
+        """After an engine-core restart: every live child again (of those in ``engine_ids``,
+        the restarted core's, if given), as the prompt and the tokens it has streamed, in
+        arrival order; children already stopped (a stop string) or aborted are finished here,
+        since the new core never knew them."""
+        wanted = None if engine_ids is None else set(engine_ids)
+        resumed, live = [], []
         for request_id, stream in list(self._streams.items()):
+            if wanted is not None and wanted.isdisjoint(stream.engine_ids):
+                continue  # another core runs it
+            live.append(request_id)
             added, aborted = self._added[request_id], request_id in self._aborted
             self._resumes[request_id] = self._resumes.get(request_id, 0) + 1
             if self._resumes[request_id] > MAX_RESUMES and not aborted:

@@ -195,7 +195,15 @@ class EngineSystem:
 
     def stats(self) -> dict:
         """Scheduler, KV pool and executor counters as one dict (blocking asks)."""
-        s, kv, ex = self.scheduler_stats(), self.kv_stats(), self.executor_stats()
+        return self.stats_of(self.scheduler_stats(), self.kv_stats(), self.executor_stats(),
+                             self.num_core_restarts)
+
+    def replica_stats(self) -> list[dict]:
+        """``stats()`` per data-parallel replica: this engine is one."""
+        return [self.stats()]
+
+    def stats_of(self, s: SchedulerStats, kv: KVStats, ex: ExecutorStats,
+                 num_core_restarts: int) -> dict:
         return {"num_running": s.num_running, "num_waiting": s.num_waiting,
                 "num_preemptions": s.num_preemptions, "num_steps": s.num_steps,
                 "num_finished": s.num_finished, "num_scheduled_tokens": s.num_scheduled_tokens,
@@ -208,7 +216,7 @@ class EngineSystem:
                 "prefix_cache_queries": kv.prefix_cache_queries,
                 "prefix_cache_hits": kv.prefix_cache_hits,
                 "num_worker_restarts": ex.num_worker_restarts,
-                "num_engine_core_restarts": self.num_core_restarts}
+                "num_engine_core_restarts": num_core_restarts}
 
     num_core_restarts = 0  # an engine core in a process of its own is restarted when it dies
 

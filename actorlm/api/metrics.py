@@ -1,7 +1,8 @@
 """Prometheus metrics under vLLM's names, on a registry of the app's own (not the global one).
 
 Gauges (running, waiting, KV usage) and the preemption, worker- and engine-core-restart
-counters are read from the engine's actors at scrape time, the process's memory and CPU from /proc; latencies and
+counters are read from the engine's actors at scrape time, one sample per data-parallel
+replica (vLLM's ``engine`` label), the process's memory and CPU from /proc; latencies and
 token counts are observed as outputs reach the event loop (``AsyncLLM`` calls the ``observe_*``
 methods). ``StatsLogger`` writes vLLM's periodic INFO line while the server has work and sleeps
 on an event while it has none.
@@ -36,39 +37,44 @@ class _EngineCollector:
         if engine is None or engine.check_health() is not None:
             return
         try:
-            stats = engine.stats()
+            replicas = engine.replica_stats()
         except Exception:  # an actor stopped between the check and the ask
             return
         gauge, counter = GaugeMetricFamily, CounterMetricFamily
-        for family, name, doc, value in (
+        labels = ["model_name", "engine"]  # vLLM's: the data-parallel replica's index
+        for family, name, doc, key in (
                 (gauge, "vllm:num_requests_running",
-                 "Number of requests in model execution batches.", stats["num_running"]),
+                 "Number of requests in model execution batches.", "num_running"),
                 (gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                 stats["num_waiting"]),
+                 "num_waiting"),
                 (gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                 stats["kv_cache_usage"]),
+                 "kv_cache_usage"),
                 (counter, "vllm:num_preemptions", "Cumulative number of preemptions.",
-                 stats["num_preemptions"]),
+                 "num_preemptions"),
                 (counter, "vllm:prefix_cache_queries",
-                 "Prompt tokens looked up in the prefix cache.", stats["prefix_cache_queries"]),
+                 "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
                 (counter, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                 stats["prefix_cache_hits"]),
+                 "prefix_cache_hits"),
+                (counter, "actorlm:engine_requests_finished",
+                 "Requests (sequences) this engine core has finished.", "num_finished"),
                 (counter, "actorlm:worker_restarts", "Workers replaced after a fault or a death.",
-                 stats["num_worker_restarts"]),
+                 "num_worker_restarts"),
                 (counter, "actorlm:engine_core_restarts",
                  "Engine-core processes restarted after a death, their requests resumed.",
-                 stats["num_engine_core_restarts"])):
-            metric = family(name, doc, labels=["model_name"])
-            metric.add_metric([self.model_name], value)
+                 "num_engine_core_restarts")):
+            metric = family(name, doc, labels=labels)
+            for index, stats in enumerate(replicas):
+                metric.add_metric([self.model_name, str(index)], stats[key])
             yield metric
         # blocks held per KV-cache group: a sliding-window group's stay near its window
         held = GaugeMetricFamily("actorlm:kv_cache_group_blocks",
                                  "KV blocks held by requests, per KV-cache group.",
-                                 labels=["model_name", "kv_cache_group", "window"])
-        for group, (window, blocks) in enumerate(zip(stats["kv_cache_windows"],
-                                                     stats["num_used_blocks_per_group"])):
-            held.add_metric([self.model_name, str(group), "full" if window is None
-                             else str(window)], blocks)
+                                 labels=labels + ["kv_cache_group", "window"])
+        for index, stats in enumerate(replicas):
+            for group, (window, blocks) in enumerate(zip(stats["kv_cache_windows"],
+                                                         stats["num_used_blocks_per_group"])):
+                held.add_metric([self.model_name, str(index), str(group),
+                                 "full" if window is None else str(window)], blocks)
         yield held
 
 

@@ -1,17 +1,20 @@
 """EngineCoreClient: the frontend's side of one engine-core process.
 
-It binds the two sockets (``ipc://`` in a private directory), starts the core (``core_main``)
-and waits for it to load. It then stands in for the scheduler: the FrontendActor ``tell``s it
-its ``AddRequest``, ``AbortRequests`` and ``StopRequests``, which it sends on; a reader thread
-receives each step's ``EngineOutputs`` and tells the FrontendActor, feeds the core's trace
-records to the frontend's recorder, and answers the queries (``ask``) that wait on it.
+It binds the two sockets (``ipc://`` in a private directory; TCP on this node's address when
+Ray places the core, ``ray_core``), starts the core (``core_main``; a data-parallel replica
+on its share of the CPUs) and waits for it to load. It then stands in for the scheduler
+(behind the ``ReplicaRouter``): it sends on the ``AddRequest``, ``AbortRequests`` and
+``StopRequests`` it is told; a reader thread receives each step's ``EngineOutputs`` and
+passes them on towards the FrontendActor, feeds the core's trace records to the frontend's
+recorder, keeps the core's latest heartbeat (its load, for the balancer) and answers the
+queries (``ask``) that wait on it.
 
 When the core dies (``kill -9``, a crash) the reader sees it (the process has ended, checked
 every poll), and when it hangs (``HANG_S`` without a word, heartbeats included) the reader
-kills it; either way it restarts it: what the frontend sends meanwhile is held; the outputs the dead
-core still sent are delivered; then the new core gets every live request back from the
-FrontendActor (``ResumeRequests``: the prompt and the tokens streamed so far, recomputed as
-after a preemption), and what was held follows. Outputs are stamped with their core's
+kills it; either way it restarts it: what the frontend sends meanwhile is held; the outputs
+the dead core still sent are delivered; then the new core gets its live requests back from
+the FrontendActor (``ResumeRequests``: the prompt and the tokens streamed so far, recomputed
+as after a preemption), and what was held follows. Outputs are stamped with their core's
 generation, so nothing the dead one sent late reaches a stream twice. A core that cannot be
 restarted ends the engine (``on_dead``).
 """
@@ -37,7 +40,8 @@ from actorlm.config import EngineConfig
 from actorlm.engine_core.wire import Answer, CoreCodec, CoreInput, CoreReady, CoreSpec
 from actorlm.executors.processes import exit_status
 from actorlm.executors.worker_loop import load_error_from
-from actorlm.messages import AbortRequests, AddRequest, ResumeRequests, StopRequests
+from actorlm.messages import (AbortRequests, AddRequest, ResumeRequests, SchedulerStats,
+                              StopRequests)
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +63,15 @@ class EngineCoreClient:
         self.config, self.trace, self.index = config, trace, index
         self.num_restarts = 0
         self.ready: CoreReady | None = None
+        self.last_heartbeat: SchedulerStats | None = None  # the core's latest, with its load
+        self._ray = config.data_parallel_backend == "ray"
         self._context = zmq.Context()
         self._dir = tempfile.mkdtemp(prefix="actorlm-core-")
         self._inputs = self._context.socket(zmq.PUSH)
         self._inputs.setsockopt(zmq.SNDHWM, 0)  # never full: a send fails only with no core
-        self._inputs.bind(f"ipc://{self._dir}/in")
         self._outputs = self._context.socket(zmq.PULL)
-        self._outputs.bind(f"ipc://{self._dir}/out")
+        self._addresses = [_bind(socket, self._ray, f"{self._dir}/{name}")
+                           for socket, name in ((self._inputs, "in"), (self._outputs, "out"))]
         self._codec = CoreCodec()  # the senders', under the lock
         self._lock = threading.Lock()
         self._held: list[CoreInput] | None = None  # while no core takes messages
@@ -93,13 +99,21 @@ class EngineCoreClient:
         self._reader.start()
 
     def _spawn(self) -> CoreReady:
-        spec = CoreSpec(self.config, f"ipc://{self._dir}/in", f"ipc://{self._dir}/out",
-                        os.getpid(), logging.getLogger().getEffectiveLevel(), self.index,
-                        self.trace is not None, self._generation)
-        self._proc = subprocess.Popen([sys.executable, "-c", _BOOT, json.dumps(sys.path)],
-                                      stdin=subprocess.PIPE)
-        self._proc.stdin.write(self._codec.encode(spec))
-        self._proc.stdin.close()
+        cpus = [] if self._ray else replica_cpus(self.index, self.config.data_parallel_size)
+        spec = CoreSpec(self.config, *self._addresses, os.getpid(),
+                        logging.getLogger().getEffectiveLevel(), self.index,
+                        self.trace is not None, self._generation, cpus=cpus)
+        if self._ray:
+            from actorlm.engine_core.ray_core import RayCore
+
+            share = max(1, (os.cpu_count() or 1) // self.config.data_parallel_size)
+            self._proc = RayCore(self._codec.encode(spec), share)
+        else:
+            self._proc = subprocess.Popen([sys.executable, "-c", _BOOT, json.dumps(sys.path)],
+                                          stdin=subprocess.PIPE, env=_threads_env(cpus,
+                                          self.config.tensor_parallel_size))
+            self._proc.stdin.write(self._codec.encode(spec))
+            self._proc.stdin.close()
         codec = CoreCodec()
         while True:  # the first word is ready or why not; loading may take minutes
             if self._outputs.poll(POLL_MS):
@@ -108,12 +122,12 @@ class EngineCoreClient:
                     continue  # a dead core's last words, late
                 if output.load_failure is not None:
                     self._proc.wait()
-                    raise load_error_from(output.load_failure, "the engine core")
+                    raise load_error_from(output.load_failure, self.name)
                 if output.ready is not None:
                     self._ingest_trace(output.trace)
                     return output.ready
             elif self._proc.poll() is not None:
-                raise RuntimeError(f"the engine core exited with code {self._proc.returncode} "
+                raise RuntimeError(f"{self.name} exited with code {self._proc.returncode} "
                                    f"while loading the model")
 
     # --- the scheduler, as the FrontendActor sees it -------------------------------------------
@@ -139,8 +153,14 @@ class EngineCoreClient:
         finally:
             self._asks.pop(ask_id, None)
         if answer.error is not None:
-            raise RuntimeError(f"the engine core could not answer {query}: {answer.error}")
+            raise RuntimeError(f"{self.name} could not answer {query}: {answer.error}")
         return answer
+
+    @property
+    def name(self) -> str:
+        """How logs and errors call this core: a replica by its index."""
+        return f"engine core {self.index}" if self.config.data_parallel_size > 1 else \
+            "the engine core"
 
     @property
     def pid(self) -> int | None:
@@ -170,7 +190,7 @@ class EngineCoreClient:
                     return
                 heard = time.monotonic()
             elif time.monotonic() - heard > HANG_S:  # its heartbeat has stopped: it hangs
-                log.error("the engine core has not been heard from for %.0f s; killing it",
+                log.error("%s has not been heard from for %.0f s; killing it", self.name,
                           time.monotonic() - heard)
                 self._proc.kill()
                 self._proc.wait()
@@ -178,6 +198,8 @@ class EngineCoreClient:
     def _deliver(self, output) -> None:
         if output.generation != self._generation:
             return  # a dead core's late words: its requests have been resumed elsewhere
+        if output.heartbeat is not None:
+            self.last_heartbeat = output.heartbeat
         self._ingest_trace(output.trace)
         if output.outputs is not None:
             self._frontend.tell(output.outputs)
@@ -201,14 +223,14 @@ class EngineCoreClient:
             self._deliver(codec.decode_output(self._outputs.recv()))
         self._generation += 1
         self.num_restarts += 1
-        log.error("the engine core %s; restarting it (restart %d)", reason, self.num_restarts)
+        log.error("%s %s; restarting it (restart %d)", self.name, reason, self.num_restarts)
         try:
             self.ready = self._spawn()
         except Exception as exc:  # noqa: BLE001 — the engine ends with this reason
-            log.error("the engine core could not be restarted: %s", exc)
+            log.error("%s could not be restarted: %s", self.name, exc)
             for _, future in list(self._asks.values()):
-                future.set_exception(EngineCoreDied(f"the engine core {reason}"))
-            self._on_dead(f"the engine core {reason} and could not be restarted: {exc}")
+                future.set_exception(EngineCoreDied(f"{self.name} {reason}"))
+            self._on_dead(f"{self.name} {reason} and could not be restarted: {exc}")
             return False
         try:
             resumed = self._frontend.ask(ResumeRequests())
@@ -225,7 +247,7 @@ class EngineCoreClient:
                                                                    message.stop)))
             for ask_id, (query, _) in list(self._asks.items()):  # the dead core's, and held
                 self._inputs.send(self._codec.encode(CoreInput(ask=query, ask_id=ask_id)))
-        log.info("the engine core is back (pid %d); %d request(s) resumed", self._proc.pid,
+        log.info("%s is back (pid %d); %d request(s) resumed", self.name, self._proc.pid,
                  len(resumed.requests))
         return True
 
@@ -239,8 +261,11 @@ class EngineCoreClient:
                 with self._lock:
                     self._inputs.send(self._codec.encode(CoreInput(shutdown=True)), zmq.NOBLOCK)
                 self._proc.wait(STOP_GRACE_S)
-            except (zmq.Again, subprocess.TimeoutExpired):
-                log.warning("the engine core did not exit within %s s; killing it",
+            except zmq.Again:  # no core connected: it has just ended (with its Ray cluster)
+                self._proc.kill()
+                self._proc.wait()
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not exit within %s s; killing it", self.name,
                             STOP_GRACE_S)
                 self._proc.kill()
                 self._proc.wait()
@@ -251,3 +276,32 @@ class EngineCoreClient:
         self._context.term()
         shutil.rmtree(self._dir, ignore_errors=True)
 
+
+def replica_cpus(index: int, num_replicas: int) -> list[int]:
+    """Replica ``index``'s share of the CPUs this process may use, so that replicas do not
+    take each other's cores; [] (all) for one replica, or fewer CPUs than replicas."""
+    cpus = sorted(os.sched_getaffinity(0))
+    share = len(cpus) // num_replicas
+    if num_replicas == 1 or share == 0:
+        return []
+    return cpus[index * share:(index + 1) * share]
+
+
+def _threads_env(cpus: list[int], ranks: int) -> dict | None:
+    """The environment of a core limited to ``cpus``: as many OpenMP threads a rank as it has
+    cores (unless the user chose); None: this process's own."""
+    if not cpus or "OMP_NUM_THREADS" in os.environ:
+        return None
+    return {**os.environ, "OMP_NUM_THREADS": str(max(1, len(cpus) // ranks))}
+
+
+def _bind(socket: zmq.Socket, tcp: bool, path: str) -> str:
+    """Bind ``socket`` where its core will connect: a private ``ipc://`` path on this
+    machine, or, for a core Ray may place on another node, a TCP port of this node's."""
+    if not tcp:
+        socket.bind(f"ipc://{path}")
+        return f"ipc://{path}"
+    from actorlm.engine_core.ray_core import node_address
+
+    host = node_address()
+    return f"tcp://{host}:{socket.bind_to_random_port(f'tcp://{host}')}"

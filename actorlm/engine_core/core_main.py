@@ -7,7 +7,9 @@ stdin. It connects to the two sockets the frontend has bound, loads the model, s
 actors (``EngineSystem`` with a relay in the frontend's place) and answers ``CoreReady``; then
 its main thread reads the frontend's messages and hands them to the scheduler, and the relay
 sends each step's ``EngineOutputs`` back from the scheduler's thread. It never outlives the
-frontend (a watchdog thread, as a worker's), and it names itself ``actorlm::engine-core``.
+frontend (a watchdog thread, as a worker's), and it names itself ``actorlm::engine-core``
+(``actorlm::engine-core-<i>`` for data-parallel replica i). Under ``--data-parallel-backend
+ray`` a Ray actor runs it (``ray_core``), the parent's death then Ray's to handle.
 Its main thread also sends a heartbeat, the scheduler's answer to a stats query, twice a
 second: a core whose scheduler stops answering falls silent, and the frontend restarts it.
 """
@@ -25,7 +27,7 @@ import pykka
 import zmq
 
 from actorlm.engine_core.wire import (Answer, CoreCodec, CoreInput, CoreOutput, CoreReady,
-                                      decode_spec)
+                                      CoreSpec, decode_spec)
 from actorlm.messages import GetStats
 
 log = logging.getLogger(__name__)
@@ -99,17 +101,26 @@ def serve(system, inputs: zmq.Socket, relay: OutputRelay) -> None:
 
 
 def main() -> None:
-    from actorlm.actors.system import EngineSystem
-    from actorlm.executors.process_main import exit_with_parent, set_process_title
-    from actorlm.executors.worker_loop import failure_reply
+    from actorlm.executors.process_main import exit_with_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the frontend's to handle
     spec = decode_spec(sys.stdin.buffer.read())
     exit_with_parent(spec.parent_pid)
-    set_process_title(f"actorlm::engine-core-{spec.index}" if spec.index else
-                      "actorlm::engine-core")
+    run(spec)
+
+
+def run(spec: CoreSpec) -> None:
+    """The core, from its spec to its shutdown (a Ray actor calls this, in its own process)."""
+    from actorlm.actors.system import EngineSystem
+    from actorlm.executors.process_main import set_process_title
+    from actorlm.executors.worker_loop import failure_reply
+
+    name = f"engine-core-{spec.index}" if spec.config.data_parallel_size > 1 else "engine-core"
+    set_process_title(f"actorlm::{name}")
     logging.basicConfig(level=spec.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s [engine-core] %(name)s: %(message)s")
+                        format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
+    if spec.cpus:  # its share of the machine, its workers' included (they inherit it)
+        os.sched_setaffinity(0, spec.cpus)
     context = zmq.Context()
     inputs, outputs = context.socket(zmq.PULL), context.socket(zmq.PUSH)
     inputs.connect(spec.input_address)

@@ -2,18 +2,23 @@
 
 Here run the FrontendActor (tokenizing, detokenizing, stop strings, every output stream) and
 the supervisor; the scheduler, the KV allocator and the executor run in the engine-core
-process (``core_main``), reached through ``EngineCoreClient``, which the FrontendActor takes
-for its scheduler. The model is loaded there first: this side then reads only what the
-frontend needs of it (the config the core resolved, the tokenizer, the sampling defaults).
-A core that dies is restarted and its requests resumed (``client``); the engine is dead only
-when a restart fails.
+process (``core_main``), reached through ``EngineCoreClient``. With ``--data-parallel-size N``
+there are N cores, each with its own workers and KV pool, and the FrontendActor's scheduler
+is a ``ReplicaRouter`` that balances requests over them (with one, it passes everything to
+the one). The model is loaded there first: this side then reads only what the frontend
+needs of it (the config the cores resolved, the tokenizer, the sampling defaults). A core
+that dies is restarted and its requests resumed (``client``), the other replicas untouched;
+the engine is dead only when a restart fails. Stats are the replicas' summed
+(``replica_stats`` keeps them apart, for /metrics' ``engine`` label).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
 import pathlib
+import threading
 
 import torch
 from transformers import AutoTokenizer
@@ -23,6 +28,8 @@ from actorlm.actors.supervisor import Supervisor
 from actorlm.actors.system import EngineSystem
 from actorlm.config import EngineConfig
 from actorlm.engine_core.client import EngineCoreClient
+from actorlm.engine_core.router import ReplicaRouter
+from actorlm.engine_core.wire import CoreReady
 from actorlm.generation_config import load_sampling_defaults
 from actorlm.messages import ExecutorStats, KVStats, SchedulerStats
 from actorlm.models.loader import load_hf_config
@@ -36,9 +43,11 @@ class EngineCoreSystem(EngineSystem):
     def __init__(self, config: EngineConfig, *, trace=None):
         self.trace, self.supervisor = trace, Supervisor()
         self.scheduler = self.allocator = self.executor = self.frontend = None
-        self.client = EngineCoreClient(config, trace=trace)
+        self.clients = [EngineCoreClient(config, trace=trace, index=index)
+                        for index in range(config.data_parallel_size)]
+        self.router = ReplicaRouter(self.clients)
         try:
-            ready = self.client.start()  # the weights load there, and a load error raises here
+            ready = start_all(self.clients)  # the weights load there; a load error raises here
             self.config, self.model_path = ready.config, pathlib.Path(ready.model_path)
             self.hf_config = load_hf_config(self.model_path)
             self.dtype, self.device = getattr(torch, ready.dtype), torch.device(ready.device)
@@ -51,7 +60,7 @@ class EngineCoreSystem(EngineSystem):
             self.reasoning = None if self.config.reasoning_parser is None else \
                 ThinkTokens.for_tokenizer(reasoning_parser(self.config.reasoning_parser),
                                           tokenizer, self.model_path.name)
-            to_core = trace.wrap(self.client, "frontend", "scheduler") if trace else self.client
+            to_core = trace.wrap(self.router, "frontend", "scheduler") if trace else self.router
             self.frontend = FrontendActor.start(
                 self.tokenizer, self.config.max_model_len, ready.vocab_size, to_core,
                 self.config.seed, on_death=functools.partial(self.supervisor.actor_died,
@@ -59,41 +68,89 @@ class EngineCoreSystem(EngineSystem):
         except BaseException:
             self.stop()
             raise
-        self.client.attach(self.frontend, self.supervisor.engine_died)
-        log.info("engine core ready in process %d: %s, %d KV blocks of %d tokens",
-                 ready.pid, self.model_path.name, self.config.num_kv_blocks,
-                 self.config.block_size)
+        self.router.attach(self.frontend, self.supervisor.engine_died)
+        log.info("%d engine core(s) ready in process(es) %s: %s, %d KV blocks of %d tokens "
+                 "each", len(self.clients), self.core_pids, self.model_path.name,
+                 self.config.num_kv_blocks, self.config.block_size)
 
     @property
     def num_core_restarts(self) -> int:
-        return self.client.num_restarts
+        return sum(client.num_restarts for client in self.clients)
 
     @property
     def core_pid(self) -> int | None:
-        return self.client.pid
+        return self.clients[0].pid
+
+    @property
+    def core_pids(self) -> list[int | None]:
+        return [client.pid for client in self.clients]
 
     def scheduler_stats(self) -> SchedulerStats:
-        return self.client.ask("scheduler_stats").scheduler_stats
+        return merge_stats(self._ask_all("scheduler_stats"))
 
     def kv_stats(self) -> KVStats:
-        return self.client.ask("kv_stats").kv_stats
+        return merge_stats(self._ask_all("kv_stats"))
 
     def executor_stats(self) -> ExecutorStats:
-        return self.client.ask("executor_stats").executor_stats
+        return merge_stats(self._ask_all("executor_stats"))
 
     def reset_prefix_cache(self) -> bool:
-        return self.client.ask("reset_prefix_cache").reset
+        return all(self._ask_all("reset_prefix_cache"))
+
+    def replica_stats(self) -> list[dict]:
+        """``stats()`` of each replica, in index order (the ``engine`` label of /metrics)."""
+        return [self.stats_of(s, kv, ex, client.num_restarts) for s, kv, ex, client in zip(
+            self._ask_all("scheduler_stats"), self._ask_all("kv_stats"),
+            self._ask_all("executor_stats"), self.clients)]
+
+    def _ask_all(self, query: str) -> list:
+        return [getattr(client.ask(query), ANSWER_FIELDS[query]) for client in self.clients]
 
     def stop(self) -> None:
         """The frontend first (no new input), then the core, which stops its own actors."""
         self.supervisor.shutting_down()
         if self.frontend is not None and self.frontend.is_alive():
             self.frontend.stop(block=True, timeout=5.0)
-        self.client.stop()
+        stopping = [threading.Thread(target=client.stop) for client in self.clients]
+        for thread in stopping:  # together: each may wait its grace period (a plain thread,
+            thread.start()  # as this may run at interpreter exit, when pools are refused)
+        for thread in stopping:
+            thread.join()
+
+
+ANSWER_FIELDS = {"scheduler_stats": "scheduler_stats", "kv_stats": "kv_stats",
+                 "executor_stats": "executor_stats", "reset_prefix_cache": "reset"}
+
+
+def start_all(clients: list[EngineCoreClient]) -> CoreReady:
+    """Start every replica's core at once (each loads the weights) and wait for all; the
+    first's ready. One that cannot load fails them all, the others stopped."""
+    with concurrent.futures.ThreadPoolExecutor(len(clients)) as pool:
+        starts = [pool.submit(client.start) for client in clients]
+        concurrent.futures.wait(starts)
+    for start in starts:
+        start.result()  # raises the first load error
+    return starts[0].result()
+
+
+def merge_stats(per_replica: list):
+    """The replicas' counters as one: numbers summed, lists summed position by position
+    (blocks per KV-cache group) or joined (worker pids)."""
+    first, merged = per_replica[0], {}
+    for field in first.__struct_fields__:
+        values = [getattr(stats, field) for stats in per_replica]
+        if field == "worker_pids":
+            merged[field] = [pid for pids in values for pid in pids]
+        elif isinstance(values[0], list):
+            merged[field] = [sum(column) for column in zip(*values)]
+        else:
+            merged[field] = sum(values)
+    return type(first)(**merged)
 
 
 def start_engine(config: EngineConfig, *, trace=None) -> EngineSystem:
-    """The engine ``config`` asks for: its core in this process, or in one of its own."""
-    if config.engine_core_process:
+    """The engine ``config`` asks for: its core in this process, or in processes of its own
+    (one a data-parallel replica)."""
+    if config.engine_core_process or config.data_parallel_size > 1:
         return EngineCoreSystem(config, trace=trace)
     return EngineSystem(config, trace=trace)

@@ -33,6 +33,7 @@ class CoreSpec(msgspec.Struct, frozen=True):
     trace: bool = False  # record the run and send the records with the outputs
     generation: int = 0  # which start of this replica it is (its outputs carry it)
     trace_capacity: int = 100_000
+    cpus: list[int] = []  # the CPUs it and its workers may use (a replica's share); []: all
 
 
 class CoreReady(msgspec.Struct, frozen=True):
