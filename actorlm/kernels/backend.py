@@ -61,12 +61,15 @@ class QuantizedWeight(NamedTuple):
 
 class Experts(NamedTuple):
     """A layer's routed experts, each a gated MLP, stacked into one tensor per projection (this
-    rank's share of every expert's intermediate features): expert e computes
-    ``down[e] @ act_and_mul(gate_up[e] @ x)``."""
+    rank's share of every expert's intermediate features, or under expert parallelism its
+    share of the experts, whole): expert ``first_expert + e`` computes
+    ``down[e] @ act_and_mul(gate_up[e] @ x)``. A token routed to an expert outside
+    ``first_expert .. first_expert + E - 1`` (another rank's) gets nothing from it here."""
 
     gate_up: torch.Tensor  # [E, 2I, H], each expert's rows [gate | up]
     down: torch.Tensor  # [E, H, I]
     activation: str = "silu"  # one of ACTIVATIONS
+    first_expert: int = 0  # the router's id of gate_up[0]
 
 
 class MoePlan(NamedTuple):
@@ -203,7 +206,8 @@ class KernelBackend:
         highest softmax(router_logits [T, E]) (in fp32), whose outputs are summed, weighted by
         those probabilities (divided by their sum with ``renormalize``) -> [T, H]
         (``reference.fused_moe_ref``). ``experts``: an ``Experts``, or what
-        ``prepare_experts`` returned."""
+        ``prepare_experts`` returned; routing is over all E of the router's experts, and only
+        the slots on ``experts``' own (``Experts.first_expert`` on) contribute."""
         raise NotImplementedError
 
     # --- sampling -----------------------------------------------------------------------------

@@ -7,6 +7,10 @@ and the rows go back to their tokens. So a step costs one pair of matmuls per ex
 whatever its number of tokens (a decode step of one token: ``top_k`` pairs; a long prefill: at
 most one pair per expert).
 
+Under expert parallelism the experts are one rank's share (``Experts.first_expert`` on): the
+slots routed to the others are left out of the groups and add zero, so the rank's result is
+its part of the sum, which the model's all-reduce completes.
+
 Each token's expert outputs are weighted in fp32, rounded to the dtype and summed in ascending
 expert order, as transformers' loop over the experts adds them (Mixtral's bits; the Qwen and
 OLMoE layers round the weight to the dtype before the product, which differs only in bf16, by
@@ -39,21 +43,25 @@ def route(router_logits: torch.Tensor, top_k: int,
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: Experts,
                     act_and_mul: Callable = portable.act_and_mul) -> torch.Tensor:
     """sum over j of weights[t, j] * expert ids[t, j] (x[t]) for each token: x [T, H], weights
-    and ids [T, k] -> [T, H]. ``act_and_mul`` is the wing's (gate_up [n, 2I] -> [n, I])."""
+    and ids [T, k] (the router's expert ids) -> [T, H], a slot on an expert that ``experts``
+    does not hold adding nothing. ``act_and_mul`` is the wing's (gate_up [n, 2I] -> [n, I])."""
     check_activation(experts.activation)
     num_tokens, top_k = ids.shape
     num_experts = experts.gate_up.shape[0]
     # each token's experts in ascending order, so that its slot j holds its j-th smallest
     ids, by_expert = ids.sort(dim=-1)
     weights = weights.gather(-1, by_expert)
-    flat_ids = ids.flatten()  # [T k]: slot s belongs to token s // k
+    flat_ids = ids.flatten() - experts.first_expert  # [T k]: slot s belongs to token s // k
+    # another rank's experts: one group past the held ones, which runs nothing
+    flat_ids = flat_ids.where((flat_ids >= 0) & (flat_ids < num_experts), num_experts)
     order = flat_ids.argsort(stable=True)  # the slots, grouped by expert
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()  # one sync a layer
-    rows = x[order // top_k]  # [T k, H]: each slot's token, grouped by expert
-    slot_weights = weights.flatten()[order, None]  # [T k, 1] fp32
+    counts = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()  # one sync a layer
+    held = order[:num_tokens * top_k - counts[num_experts]]  # the slots on held experts
+    rows = x[held // top_k]  # [n, H]: each slot's token, grouped by expert
+    slot_weights = weights.flatten()[held, None]  # [n, 1] fp32
     out = torch.empty_like(rows)
     start = 0
-    for expert, count in enumerate(counts):
+    for expert, count in enumerate(counts[:num_experts]):
         if count == 0:
             continue
         end = start + count
@@ -62,8 +70,8 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, e
         # the product in fp32 (the weights' dtype), rounded to x's dtype by the copy
         out[start:end] = F.linear(hidden, experts.down[expert]) * slot_weights[start:end]
         start = end
-    slots = torch.empty_like(out)
-    slots[order] = out  # back in token order: [T k, H]
+    slots = x.new_zeros(num_tokens * top_k, x.shape[1])
+    slots[held] = out  # back in token order: [T k, H]
     slots = slots.view(num_tokens, top_k, -1)
     total = slots[:, 0]
     for j in range(1, top_k):  # in ascending expert order, each sum rounded to the dtype

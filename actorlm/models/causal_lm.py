@@ -22,8 +22,8 @@ from actorlm.models.families import (GEMMA_NORMS, LLAMA_NORMS,
                                      checkpoint_tensors, is_gemma, layer_specs, layer_windows,
                                      narrow, rope_inv_freq, rope_layer_types, text_config)
 from actorlm.models.layers import Embedding, Linear, RMSNorm, VocabParallelEmbedding
+from actorlm.models.expert_parallel import check_expert_parallel, split_intermediate_sizes
 from actorlm.models.moe import RoutedExperts
-from actorlm.models.moe_families import intermediate_sizes
 from actorlm.models.parallel import TensorParallel, check_tensor_parallel, gather_last_dim
 
 # HF checkpoint name fragment -> (merged parameter fragment, shard index)
@@ -54,8 +54,9 @@ class DecoderBody(nn.Module):
 
 class CausalLM(nn.Module):
     """With ``tp`` of size N > 1, rank ``tp.rank``'s shard: 1/N of the query heads, of the KV
-    heads (or one replicated), of the MLP and of the vocabulary (padded up to a multiple of N),
-    loaded straight from the checkpoint's tensors (``load_weights``)."""
+    heads (or one replicated), of the MLP, of each routed expert (with ``tp.expert_parallel``:
+    1/N of the experts, whole) and of the vocabulary (padded up to a multiple of N), loaded
+    straight from the checkpoint's tensors (``load_weights``)."""
 
     def __init__(self, config, backend: KernelBackend, dtype: torch.dtype = torch.float32,
                  device=None, tp: TensorParallel = TensorParallel()):
@@ -63,8 +64,9 @@ class CausalLM(nn.Module):
         config = text_config(config)
         specs = layer_specs(config)  # refuses what the config asks for and is not implemented
         spec = specs[0]
+        check_expert_parallel(config.model_type, config, tp.size, tp.expert_parallel)
         check_tensor_parallel(config.model_type, spec.num_heads, spec.num_kv_heads,
-                              intermediate_sizes(config), tp.size)
+                              split_intermediate_sizes(config, tp.expert_parallel), tp.size)
         self.kv_cache_groups = kv_cache_groups(layer_windows(config))
         rope_types = rope_layer_types(config)
         table_types = sorted(set(rope_types), key=str)  # one RoPE table per distinct type
@@ -138,7 +140,8 @@ class CausalLM(nn.Module):
         safetensors slice (``safe_open(...).get_slice``) in place of a tensor then reads only
         that part from the file."""
         params = dict(self.named_parameters())  # a tied lm_head appears once, as embed_tokens
-        missing = {key for name, param in params.items() for key in _load_keys(name, param)}
+        missing = {key for name, param in params.items()
+                   for key in _load_keys(name, param, self.tp)}
         for name, tensor in checkpoint_tensors(self.config, weights):
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue  # recomputed at init / shared with embed_tokens
@@ -271,10 +274,10 @@ def _copy(name, dst, tensor) -> None:
         dst.copy_(tensor.to(dtype=dst.dtype, device=dst.device))
 
 
-def _load_keys(param_name, param) -> list[str]:
+def _load_keys(param_name, param, tp: TensorParallel) -> list[str]:
     """What must be loaded to fill ``param_name``: one key per checkpoint tensor merged into it."""
     if expert_weights.is_experts_param(param_name):
-        return expert_weights.expert_keys(param_name, param.shape[0])
+        return expert_weights.expert_keys(param_name, expert_weights.held_experts(param, tp))
     if ".qkv_proj." in param_name:
         return [f"{param_name}#{i}" for i in range(3)]
     if ".gate_up_proj." in param_name:

@@ -6,6 +6,7 @@ transformers' ``save_pretrained`` writes one tensor per expert and projection
 stacked (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) and
 writes that with ``save_original_format=False``. Both load.
 Tensor-parallel: a rank takes its rows of each expert's gate and up, its columns of each down.
+Expert-parallel: a rank takes its experts whole and reads nothing of the others'.
 """
 
 from __future__ import annotations
@@ -27,18 +28,31 @@ def is_experts_param(param_name: str) -> bool:
     return _STACKED.match(param_name) is not None
 
 
-def expert_keys(param_name: str, num_experts: int) -> list[str]:
-    """What must be loaded to fill a stacked parameter: its rows' per-expert checkpoint names."""
+def held_experts(stacked: torch.Tensor, tp: TensorParallel) -> range:
+    """The router's ids of the experts a stacked parameter [E_rank, ...] holds."""
+    first, count = tp.local_experts(_num_experts(stacked, tp))
+    return range(first, first + count)
+
+
+def _num_experts(stacked: torch.Tensor, tp: TensorParallel) -> int:
+    """The router's number of experts, from this rank's stacked parameter."""
+    return stacked.shape[0] * (tp.size if tp.expert_parallel else 1)
+
+
+def expert_keys(param_name: str, experts: range) -> list[str]:
+    """What must be loaded to fill a stacked parameter holding ``experts``: their per-expert
+    checkpoint names."""
     prefix, projection = _STACKED.match(param_name).groups()
     parts = ("gate_proj", "up_proj") if projection == "gate_up_proj" else ("down_proj",)
-    return [f"{prefix}.{e}.{part}.weight" for e in range(num_experts) for part in parts]
+    return [f"{prefix}.{e}.{part}.weight" for e in experts for part in parts]
 
 
 def expert_parts(name: str, tensor, params: dict[str, torch.Tensor],
                  tp: TensorParallel) -> list[tuple[list[str], torch.Tensor, Any]] | None:
     """Where the checkpoint tensor ``name`` goes, if it is routed experts' (else None): a list
-    of (the keys it fills, the destination rows, this rank's part of the tensor). A slice of a
-    safetensors file in place of the tensor reads only that part."""
+    of (the keys it fills, the destination rows, this rank's part of the tensor), empty for an
+    expert another rank holds. A slice of a safetensors file in place of the tensor reads only
+    that part."""
     per_expert, stacked = _PER_EXPERT.match(name), _STACKED.match(name)
     if per_expert is None and stacked is None:
         return None
@@ -46,31 +60,39 @@ def expert_parts(name: str, tensor, params: dict[str, torch.Tensor],
         raise ValueError(f"{name!r}: routed experts in {tensor.type_name} blocks are not "
                          f"implemented")
     if per_expert is not None:
-        prefix, expert, projection = per_expert.group(1), int(per_expert.group(2)), \
-            per_expert.group(3)
-        stacked_name = f"{prefix}.{'down_proj' if projection == 'down_proj' else 'gate_up_proj'}"
-        if stacked_name not in params or expert >= params[stacked_name].shape[0]:
-            raise ValueError(f"unexpected weight {name!r} in checkpoint")
-        if projection == "down_proj":
-            dst = params[stacked_name][expert]  # [H, I_rank]
-            size = dst.shape[1]
-            return [([name], dst, narrow(tensor, 1, tp.rank * size, size))]
-        gate_up = params[stacked_name][expert]  # [2 I_rank, H]
-        size = gate_up.shape[0] // 2
-        dst = gate_up.narrow(0, 0 if projection == "gate_proj" else size, size)
-        return [([name], dst, narrow(tensor, 0, tp.rank * size, size))]
+        return _per_expert_part(name, per_expert.groups(), tensor, params, tp)
     prefix, projection = stacked.groups()
     if name not in params:
         raise ValueError(f"unexpected weight {name!r} in checkpoint")
     dst = params[name]
-    num_experts = dst.shape[0]
+    experts = held_experts(dst, tp)
+    if tp.expert_parallel:  # this rank's experts, whole: [E_rank, 2I, H] or [E_rank, H, I]
+        return [(expert_keys(name, experts), dst,
+                 narrow(tensor, 0, experts.start, len(experts)))]
     if projection == "down_proj":  # [E, H, I]
         size = dst.shape[2]
-        keys = expert_keys(name, num_experts)
-        return [(keys, dst, narrow(tensor, 2, tp.rank * size, size))]
+        return [(expert_keys(name, experts), dst, narrow(tensor, 2, tp.rank * size, size))]
     size = dst.shape[1] // 2  # [E, 2I, H]: this rank's gate rows, then its up rows
     whole = size * tp.size
-    return [([f"{prefix}.{e}.{part}.weight" for e in range(num_experts)],
+    return [([f"{prefix}.{e}.{part}.weight" for e in experts],
              dst.narrow(1, index * size, size),
              narrow(tensor, 1, index * whole + tp.rank * size, size))
             for index, part in enumerate(("gate_proj", "up_proj"))]
+
+
+def _per_expert_part(name, groups, tensor, params, tp):
+    """``expert_parts`` for one expert's projection, ``experts.{e}.{projection}.weight``."""
+    prefix, expert, projection = groups[0], int(groups[1]), groups[2]
+    stacked_name = f"{prefix}.{'down_proj' if projection == 'down_proj' else 'gate_up_proj'}"
+    if stacked_name not in params or expert >= _num_experts(params[stacked_name], tp):
+        raise ValueError(f"unexpected weight {name!r} in checkpoint")
+    experts = held_experts(params[stacked_name], tp)
+    if expert not in experts:
+        return []  # another rank's
+    held = params[stacked_name][expert - experts.start]  # [H, I_rank] or [2 I_rank, H]
+    size = held.shape[1] if projection == "down_proj" else held.shape[0] // 2
+    first = 0 if tp.expert_parallel else tp.rank * size  # its features: all, or this rank's
+    if projection == "down_proj":
+        return [([name], held, narrow(tensor, 1, first, size))]
+    dst = held.narrow(0, 0 if projection == "gate_proj" else size, size)
+    return [([name], dst, narrow(tensor, 0, first, size))]

@@ -11,7 +11,10 @@ expert's rows [gate | up]) and down [E, H, I] — as transformers holds them in 
 checkpoint's per-expert tensors (``experts.{e}.gate_proj.weight`` …) are copied into their
 rows as they load (``expert_weights.py``). Tensor-parallel: each rank holds its share of every
 expert's intermediate features (and of the shared expert's), so the block's output is a
-partial sum on each rank, joined by one all-reduce, as a dense MLP's is.
+partial sum on each rank, joined by one all-reduce, as a dense MLP's is. Expert-parallel
+(``expert_parallel.py``): each rank holds its share of the experts, whole, which the backend
+runs as experts ``first_expert`` on; the slots routed elsewhere add nothing, and the same
+all-reduce sums the ranks' experts.
 """
 
 from __future__ import annotations
@@ -38,16 +41,19 @@ class MoeSpec:
 
 
 class RoutedExperts(nn.Module):
-    """Every expert's projections, stacked: this rank's ``intermediate_size`` features of each."""
+    """The projections of this rank's experts (``num_experts`` of them from ``first_expert``:
+    all, or its share under expert parallelism), stacked: ``intermediate_size`` features of
+    each (this rank's share, or all under expert parallelism)."""
 
     def __init__(self, spec: MoeSpec, hidden_size: int, activation: str, dtype, device,
                  tp: TensorParallel):
         super().__init__()
-        self.intermediate_size = size = spec.intermediate_size // tp.size
+        self.first_expert, self.num_experts = tp.local_experts(spec.num_experts)
+        self.intermediate_size = size = tp.expert_features(spec.intermediate_size)
         self.activation = activation
-        self.gate_up_proj = nn.Parameter(torch.empty(spec.num_experts, 2 * size, hidden_size,
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * size, hidden_size,
                                                      dtype=dtype, device=device), False)
-        self.down_proj = nn.Parameter(torch.empty(spec.num_experts, hidden_size, size,
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, hidden_size, size,
                                                   dtype=dtype, device=device), False)
         self.dtype = dtype
         self.prepared = None  # the backend's layout of the experts, once they are loaded
@@ -55,7 +61,7 @@ class RoutedExperts(nn.Module):
     def prepare(self, backend: KernelBackend) -> None:
         """Once loaded: the experts laid out by the backend; where it made its own copy, the
         stacked weights go (the model holds each weight once)."""
-        plain = Experts(self.gate_up_proj, self.down_proj, self.activation)
+        plain = Experts(self.gate_up_proj, self.down_proj, self.activation, self.first_expert)
         self.prepared = backend.prepare_experts(plain)
         if self.prepared is not plain:
             self.gate_up_proj = self.down_proj = None
@@ -65,7 +71,7 @@ class RoutedExperts(nn.Module):
         """What the backend's ``fused_moe`` takes: the prepared experts, or the stacked ones."""
         if self.prepared is not None:
             return self.prepared
-        return Experts(self.gate_up_proj, self.down_proj, self.activation)
+        return Experts(self.gate_up_proj, self.down_proj, self.activation, self.first_expert)
 
 
 class SparseMoeBlock(nn.Module):
@@ -84,7 +90,8 @@ class SparseMoeBlock(nn.Module):
             Linear(hidden_size, 1, False, dtype, device)
 
     def forward(self, x):
-        # x: [T, H] -> router logits [T, E] -> [T, H] (a partial sum on each rank)
+        # x: [T, H] -> router logits [T, E] (every expert's) -> [T, H] (a partial sum on
+        # each rank)
         out = self.backend.fused_moe(x, self.gate(x), self.experts.stacked, self.spec.top_k,
                                      self.spec.renormalize)
         if self.shared_expert is not None:

@@ -6,7 +6,9 @@ the LM head) split their output features: each rank computes its heads, its shar
 its slice of the vocabulary. Row-parallel layers (o_proj, down_proj) split their input
 features, so each rank holds a partial sum of the full output: one ``all_reduce`` per layer
 joins them. Routed experts split every expert's intermediate features the same way (gate/up
-rows, down columns), so a mixture of experts is joined by one ``all_reduce`` too. The
+rows, down columns), so a mixture of experts is joined by one ``all_reduce`` too; with
+``expert_parallel`` (``--enable-expert-parallel``, ``expert_parallel.py``) a rank holds whole
+experts instead, a 1/N share of them, and the same ``all_reduce`` sums the ranks' experts. The
 embedding splits the vocabulary: a rank embeds only the tokens in its slice (zeros elsewhere)
 and an ``all_reduce`` sums the slices. Only rank 0 samples, from logits
 gathered onto it.
@@ -25,10 +27,12 @@ import torch
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """This process's place in the tensor-parallel group: rank ``rank`` of ``size``."""
+    """This process's place in the tensor-parallel group: rank ``rank`` of ``size``;
+    ``expert_parallel``: the routed experts placed whole on the ranks, not split."""
 
     rank: int = 0
     size: int = 1
+    expert_parallel: bool = False
 
     def __post_init__(self):
         if not 0 <= self.rank < self.size:
@@ -47,6 +51,16 @@ class TensorParallel:
         """(start, length) of this rank's equal share of ``total`` (a multiple of ``size``)."""
         share = total // self.size
         return self.rank * share, share
+
+    def local_experts(self, num_experts: int) -> tuple[int, int]:
+        """(first, count) of the routed experts this rank holds: its share of them under
+        expert parallelism, else every one (each split by ``expert_features``)."""
+        return self.split(num_experts) if self.expert_parallel else (0, num_experts)
+
+    def expert_features(self, intermediate_size: int) -> int:
+        """How many of each held expert's intermediate features this rank holds: all of them
+        under expert parallelism, else its share."""
+        return intermediate_size if self.expert_parallel else intermediate_size // self.size
 
 
 def num_kv_heads_per_rank(num_kv_heads: int, size: int) -> int:

@@ -11,7 +11,9 @@ pool given what is left (``actorlm.models.memory_profile``), and that model beco
 runner. A worker restarted later loads afresh.
 
 With ``--tensor-parallel-size N`` each rank's runner holds 1/N of the model and of the KV cache
-(``actorlm.models.parallel``); the split is checked here, before anything heavy loads.
+(``actorlm.models.parallel``; with ``--enable-expert-parallel`` 1/N of the routed experts,
+whole, ``actorlm.models.expert_parallel``); the split is checked here, before anything heavy
+loads.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from actorlm.models.loader import (check_block_split, check_quantization, load_h
                                    load_model, resolve_model)
 from actorlm.models.parallel import (TensorParallel, check_initialised, check_tensor_parallel,
                                      num_kv_heads_per_rank)
+from actorlm.models.expert_parallel import check_expert_parallel, split_intermediate_sizes
 from actorlm.models.families import layer_windows
-from actorlm.models.moe_families import intermediate_sizes
 from actorlm.models.memory_profile import MemoryProfile, kv_cache_budget, largest_step, load_and_profile
 from actorlm.models.runner import ModelRunner
 from actorlm.openmp import on_passing_thread
@@ -79,7 +81,8 @@ class RunnerFactory:
     cache) in the calling process. Plain data, so it can be sent to a worker process and
     called there; ``profiled`` (a GPU's runner loaded to size the KV pool, handed to rank 0
     once) stays behind in the process that loaded it. With ``tensor_parallel_size`` > 1 the
-    runner is rank ``rank``'s shard, in a process that has called ``init_tensor_parallel``."""
+    runner is rank ``rank``'s shard, in a process that has called ``init_tensor_parallel``
+    (its routed experts whole, a share of them, with ``enable_expert_parallel``)."""
 
     path: Any
     dtype: torch.dtype
@@ -89,6 +92,7 @@ class RunnerFactory:
     num_kv_blocks: int = 0
     tensor_parallel_size: int = 1
     quantization: str | None = None
+    enable_expert_parallel: bool = False
     profiled: list = field(default_factory=list, compare=False)
 
     def __call__(self, rank: int) -> ModelRunner:
@@ -96,7 +100,8 @@ class RunnerFactory:
             runner = self.profiled.pop()
             runner.allocate_kv_cache(self.num_kv_blocks)
             return runner
-        tp = TensorParallel(rank, self.tensor_parallel_size) if self.tensor_parallel_size > 1 \
+        tp = TensorParallel(rank, self.tensor_parallel_size, self.enable_expert_parallel) \
+            if self.tensor_parallel_size > 1 \
             else TensorParallel()  # (one rank: every worker holds the whole model)
         check_initialised(tp)
         return self.build(load_model(self.path, self.dtype, self.device, self.backend, tp,
@@ -136,9 +141,10 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
     path = resolve_model(config.model)
     hf_config = load_hf_config(path)
     _, num_kv_heads, head_dim = model_geometry(hf_config)
-    tp_size = config.tensor_parallel_size
+    tp_size, expert_parallel = config.tensor_parallel_size, config.enable_expert_parallel
+    check_expert_parallel(path.name, hf_config, tp_size, expert_parallel)
     check_tensor_parallel(path.name, hf_config.num_attention_heads, num_kv_heads,
-                          intermediate_sizes(hf_config), tp_size)
+                          split_intermediate_sizes(hf_config, expert_parallel), tp_size)
     check_quantization(path, config.quantization)
     check_block_split(path, hf_config, config.quantization, tp_size)
     device, dtype = config.torch_device, config.torch_dtype(hf_config)
@@ -167,7 +173,8 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
     block_size = config.block_size
 
     factory = RunnerFactory(path, dtype, device, block_size, eos_ids,
-                            tensor_parallel_size=tp_size, quantization=config.quantization)
+                            tensor_parallel_size=tp_size, quantization=config.quantization,
+                            enable_expert_parallel=expert_parallel)
     profile = None
     if profile_gpu:
         step = largest_step(resolved.max_num_batched_tokens, resolved.max_num_seqs,

@@ -2,11 +2,11 @@
 
 Every case runs in one launch of 2 processes (``tp_helpers.run_ranks``): each rank builds its
 shard through ``RunnerFactory(..., tensor_parallel_size=2)(rank)`` and is driven step by step
-with the same ``ScheduleStep``s, as the executor would send them: a prefill of 3 prompts (one
-chunked over two steps, one asking for prompt logprobs), then greedy decodes, one of them
-under a grammar bitmask. Rank 0's tokens must equal the unsplit runner's and transformers';
-its logits must match the unsplit runner's to fp32 rounding (atol 1e-4, rtol 0: the split
-only reorders sums).
+with the same ``ScheduleStep``s, as the executor would send them (``tp_steps.greedy_steps``):
+a prefill of 3 prompts (one chunked over two steps, one asking for prompt logprobs), then
+greedy decodes, one of them under a grammar bitmask. Rank 0's tokens must equal the unsplit
+runner's and transformers'; its logits must match the unsplit runner's to fp32 rounding
+(atol 1e-4, rtol 0: the split only reorders sums).
 """
 
 from __future__ import annotations
@@ -14,104 +14,19 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoints import _common, _save_tiny
-from tp_helpers import run_ranks, share
+from tp_helpers import run_ranks
+from tp_steps import (ATOL, BLOCK_SIZE, BLOCKS_PER_REQUEST, NUM_STEPS, PROMPTS, greedy_steps,
+                      hf_greedy)
 
 from actorlm.config import EngineConfig
-from actorlm.kv_groups import kv_cache_groups
-from actorlm.messages import (CachedRequestData, GrammarBitmask, NewRequestData, ScheduleStep)
-from actorlm.models.families import layer_windows
-from actorlm.models.loader import load_hf_config
 from actorlm.models.parallel import TensorParallel, check_tensor_parallel
 from actorlm.models.parts import RunnerFactory, load_model_parts
-from actorlm.sampling_params import SamplingParams
 
 TP = 2
-PROMPTS = [[17, 250, 3, 99, 41, 120, 7, 300, 64, 11, 205], [5, 88, 160, 23], [42, 9, 310, 77, 150]]
-CHUNK = 5  # the first prompt prefills in two steps
-NUM_STEPS = 8  # step 0 prefills; the first prompt finishes its prefill in step 1
-CONSTRAINED_STEP = 3  # the second request samples under an (all-allowing) grammar bitmask
-BLOCK_SIZE, BLOCKS_PER_REQUEST = 4, 8
-ATOL = 1e-4
-
-
-def greedy_steps(tp: TensorParallel, path) -> dict | None:
-    """Drive rank ``tp.rank``'s runner as the scheduler and executor would; rank 0 returns
-    the sampled tokens, every logits tensor the model computed and the prompt logprobs."""
-    num_groups = len(kv_cache_groups(layer_windows(load_hf_config(path))))
-    factory = RunnerFactory(path, torch.float32, torch.device("cpu"), BLOCK_SIZE, frozenset(),
-                            num_kv_blocks=num_groups * len(PROMPTS) * BLOCKS_PER_REQUEST,
-                            tensor_parallel_size=tp.size)
-    runner = factory(tp.rank)
-    logits_seen = []
-    if tp.is_driver:
-        compute = runner.model.compute_logits
-
-        def recording(hidden):
-            logits = compute(hidden)
-            logits_seen.append(logits.numpy().copy())
-            return logits
-
-        runner.model.compute_logits = recording
-    ids = [f"r{i}" for i in range(len(PROMPTS))]
-    tokens, computed = [list(p) for p in PROMPTS], [0] * len(PROMPTS)
-    prompt_logprobs = []
-    for step_id in range(NUM_STEPS):
-        step = None
-        if tp.is_driver:  # the scheduler's message, the same on every rank (``share``)
-            step = _step(step_id, ids, tokens, computed, num_groups)
-        step = share(tp, step)
-        result = runner.execute(step)
-        if step.structured_request_ids and tp.is_driver:
-            assert result is None  # rank 0 waits for the bitmask
-            words = -(-runner.model.vocab_size // 32)
-            allowed = torch.full((len(step.structured_request_ids), words), -1, dtype=torch.int32)
-            result = runner.sample_tokens(GrammarBitmask(step_id, step.structured_request_ids,
-                                                         allowed.numpy().tobytes()))
-        if not tp.is_driver:  # answers at once, with nothing: rank 0 answers for the step
-            assert result.request_ids == [] and result.sampled_token_ids == []
-            assert result.step_id == step_id and len(result.timings) == 3
-            continue
-        computed = [c + n for c, n in zip(computed, step.num_scheduled_tokens)]
-        for rid, token in zip(result.request_ids, result.sampled_token_ids):
-            tokens[ids.index(rid)].append(token)
-        prompt_logprobs += [(p.request_id, p.start, [(x.token_ids, x.logprobs) for x in p.positions])
-                            for p in result.prompt_logprobs]
-    kv_shape = tuple(runner.kv_caches[0][0].shape)
-    if not tp.is_driver:
-        return {"kv_shape": kv_shape}
-    return {"tokens": [t[len(p):] for t, p in zip(tokens, PROMPTS)], "logits": logits_seen,
-            "prompt_logprobs": prompt_logprobs, "kv_shape": kv_shape}
-
-
-def _step(step_id, ids, tokens, computed, num_groups) -> ScheduleStep:
-    if step_id == 0:  # each request its own blocks in each KV-cache group
-        first = [[(g * len(PROMPTS) + i) * BLOCKS_PER_REQUEST for g in range(num_groups)]
-                 for i in range(len(PROMPTS))]
-        new = [NewRequestData(rid, list(p), len(p),
-                              [list(range(b, b + BLOCKS_PER_REQUEST)) for b in first[i]], 0,
-                              SamplingParams(temperature=0.0, prompt_logprobs=3 if i == 2 else None),
-                              seed=0)
-               for i, (rid, p) in enumerate(zip(ids, PROMPTS))]
-        return ScheduleStep(0, new, [], [CHUNK] + [len(p) for p in PROMPTS[1:]], [])
-    cached = [CachedRequestData(rid, [], c) for rid, c in zip(ids, computed)]
-    counts = [len(t) - c for t, c in zip(tokens, computed)]
-    constrained = [ids[1]] if step_id == CONSTRAINED_STEP else []
-    return ScheduleStep(step_id, [], cached, counts, [], constrained, [t[-1] for t in tokens])
 
 
 def run_all(tp: TensorParallel, paths: dict) -> dict:
     return {name: greedy_steps(tp, path) for name, path in paths.items()}
-
-
-def hf_greedy(path, prompt, num_tokens) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = list(prompt)
-    with torch.inference_mode():
-        for _ in range(num_tokens):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +117,13 @@ def test_each_rank_holds_its_share_of_the_kv_cache(name, kv_heads_per_rank, spli
     # [num_blocks, block_size, Hkv on this rank, D]
     shapes = {rank_results[name]["kv_shape"] for rank_results in split}
     assert shapes == {(len(PROMPTS) * BLOCKS_PER_REQUEST, BLOCK_SIZE, kv_heads_per_rank, 16)}
+
+
+@pytest.mark.parametrize("name, num_routed_layers", [("qwen3_moe", 2), ("mixtral", 2)])
+def test_each_rank_holds_half_of_every_experts_features(name, num_routed_layers, split):
+    # (the router's id of the first expert, experts held, features of each): 8 experts of 32
+    assert [rank_results[name]["experts"] for rank_results in split] == \
+        [[(0, 8, 16)] * num_routed_layers] * TP
 
 
 def test_the_kv_pool_is_sized_by_the_kv_heads_of_one_rank(tiny_llama_dir, tiny_replicated_kv_dir):

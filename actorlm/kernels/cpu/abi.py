@@ -31,11 +31,12 @@ STRUCTS = {
         ("int64_t", "in_features"), ("const actorlm_quant_part*", "parts"),
         ("int32_t", "num_parts")],
     # A layer's routed experts, each projection's experts packed for the panel GEMM one after
-    # another, `*_stride` values apart (``experts.PanelExperts``)
+    # another, `*_stride` values apart (``experts.PanelExperts``): the router's experts
+    # first_expert .. first_expert + num_experts - 1 (all of them, or a rank's share)
     "actorlm_experts": [
         ("const void*", "gate_up"), ("const void*", "down"), ("int64_t", "gate_up_stride"),
         ("int64_t", "down_stride"), ("int64_t", "hidden"), ("int64_t", "intermediate"),
-        ("int32_t", "num_experts"), ("int32_t", "activation")],
+        ("int32_t", "num_experts"), ("int32_t", "activation"), ("int32_t", "first_expert")],
     # A mixture-of-experts MLP: router, routed experts, and a shared expert scaled by the
     # sigmoid of shared_gate (Qwen2-MoE; shared_gate_up.out_features 0: none)
     "actorlm_moe": [

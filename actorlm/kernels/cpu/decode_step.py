@@ -9,10 +9,10 @@ microseconds of cache misses: ten per layer were a fifth of a one-request SmolLM
 It takes layers whose every piece has its C++ kernel here (linear layers on the panel GEMM,
 which needs AVX-512, and for bf16 avx512_bf16, or in GGML blocks on the quantized one; RoPE and
 decode attention for their head shape, with or without a sliding window and a score cap; routed
-experts packed for the panel GEMM, ``experts.py``, with their router and shared expert), and a
-step whose every request decodes one token, in request order (in bf16, one or two requests:
-beyond, oneDNN's AMX GEMM runs the linear layers); for anything else ``DecodeStep`` answers None
-and the Python layers run.
+experts packed for the panel GEMM, ``experts.py``, all of the router's or a share of them, with
+their router and shared expert), and a step whose every request decodes one token, in request
+order (in bf16, one or two requests: beyond, oneDNN's AMX GEMM runs the linear layers); for
+anything else ``DecodeStep`` answers None and the Python layers run.
 
 Layers of different KV-cache groups (``kv_groups``: full-attention layers and sliding ones) read
 their blocks through their own group's block table and write their new K/V at its slots: the
@@ -163,10 +163,12 @@ def _mlp_fits(gate_up, down, hidden: int) -> bool:
 
 def _moe_fits(moe: MoePlan, activation: str, hidden: int, dtype: torch.dtype) -> bool:
     experts, router, shared = moe.experts, moe.router, _shared(moe)
+    # the router scores all of its experts, of which ``experts`` may hold a share
     if not isinstance(experts, PanelExperts) or experts.dtype != dtype or \
             experts.activation != activation or experts.hidden != hidden or \
-            router.in_features != hidden or router.out_features != experts.num_experts or \
-            not 1 <= moe.top_k <= experts.num_experts:
+            router.in_features != hidden or experts.first_expert < 0 or \
+            experts.first_expert + experts.num_experts > router.out_features or \
+            not 1 <= moe.top_k <= router.out_features:
         return False
     if shared is None:
         return moe.shared_gate_up is moe.shared_down is moe.shared_gate is None

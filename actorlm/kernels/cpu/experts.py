@@ -12,7 +12,8 @@ step (``decode_step.py``): the same top-k as ``moe.route`` (fp32 softmax, then t
 probabilities; torch.topk leaves the order of ties to its implementation, here the lower
 index wins), the weights within an fp32 rounding of its (exp and the sum differ in order).
 Given the same routing, the experts' results are ``moe.grouped_experts``' roundings over the
-panel GEMM's bits (which differ from ``F.linear``'s in the order of the sums).
+panel GEMM's bits (which differ from ``F.linear``'s in the order of the sums), a rank's share
+of the experts (expert parallelism) included: the slots on the others add nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class PanelExperts:
     def __init__(self, experts: Experts, kernel):
         check_activation(experts.activation)
         self.num_experts, two_inter, self.hidden = experts.gate_up.shape
+        self.first_expert = experts.first_expert  # the router's id of the first
         self.intermediate = two_inter // 2
         self.dtype, self.activation = experts.gate_up.dtype, experts.activation
         self.gate_up, self.gate_up_stride = _pack_each(experts.gate_up, kernel)
@@ -40,7 +42,7 @@ class PanelExperts:
         self.struct = _ExpertsStruct(
             self.gate_up.data_ptr(), self.down.data_ptr(), self.gate_up_stride,
             self.down_stride, self.hidden, self.intermediate, self.num_experts,
-            ACTIVATIONS.index(self.activation))
+            ACTIVATIONS.index(self.activation), self.first_expert)
         suffix = native.dtype_suffix(self.dtype)
         self._experts = native.function(f"actorlm_moe_experts_{suffix}")
 
@@ -66,8 +68,8 @@ class PanelExperts:
         return self.run(x, weights, ids)
 
     def run(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """sum over j of weights[t, j] * expert ids[t, j] (x[t]): x [T, H], weights [T, k]
-        fp32, ids [T, k] int64 -> [T, H]."""
+        """sum over j of weights[t, j] * expert ids[t, j] (x[t]), over the experts held here:
+        x [T, H], weights [T, k] fp32, ids [T, k] int64 (the router's ids) -> [T, H]."""
         x = x.contiguous()
         weights, ids = weights.float().contiguous(), ids.to(torch.int64).contiguous()
         out = torch.empty_like(x)

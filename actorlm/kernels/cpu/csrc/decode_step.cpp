@@ -97,12 +97,13 @@ struct Scratch {
 
 // x [rows, hidden] through a mixture of experts in place (moe.cpp routes and runs them; the
 // shared expert's sum follows torch's ops: sigmoid(gate) rounded, times the shared expert's
-// output rounded, added to the experts' rounded)
+// output rounded, added to the experts' rounded). The router scores all of its experts, of
+// which m.experts may hold a share (expert parallelism).
 template <typename T>
 void moe_mlp(const actorlm_moe& m, int activation, T* x, int64_t rows, int64_t hidden,
              Scratch<T>& t) {
   using K = Kernels<T>;
-  const int num_experts = m.experts.num_experts, top_k = m.top_k;
+  const int num_experts = int(m.router.out_features), top_k = m.top_k;
   std::vector<T> logits(rows * num_experts), out(rows * hidden);
   std::vector<int64_t> ids(rows * top_k);
   std::vector<float> weights(rows * top_k);

@@ -11,6 +11,8 @@
 // expert's output times its fp32 weight rounded to the dtype, then the row's slots summed in
 // ascending expert order, each sum rounded. The panel GEMM computes a row the same way
 // whatever the rows beside it, so a row's result does not depend on the step around it.
+// Under expert parallelism the experts are a rank's share of the router's (first_expert on):
+// a slot routed to another rank's expert runs nothing and adds zero to its row.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -73,8 +75,13 @@ void experts(const actorlm_experts& e, const T* x, const int64_t* ids, const flo
              T* out, int64_t rows, int top_k) {
   using G = Gemm<T>;
   const int64_t hidden = e.hidden, inter = e.intermediate, slots = rows * top_k;
-  // each row's slots in ascending expert order: slot s of row s / top_k
-  std::vector<int64_t> slot_expert(ids, ids + slots);
+  // each row's slots in ascending expert order: slot s of row s / top_k; another rank's
+  // experts are group num_experts, past the held ones, which runs nothing
+  std::vector<int64_t> slot_expert(slots);
+  for (int64_t s = 0; s < slots; ++s) {
+    const int64_t held = ids[s] - e.first_expert;
+    slot_expert[s] = held >= 0 && held < e.num_experts ? held : e.num_experts;
+  }
   std::vector<float> slot_weight(weights, weights + slots);
   for (int64_t r = 0; r < rows; ++r)  // insertion sort: top_k is small
     for (int j = 1; j < top_k; ++j)
@@ -83,15 +90,16 @@ void experts(const actorlm_experts& e, const T* x, const int64_t* ids, const flo
         std::swap(slot_weight[s - 1], slot_weight[s]);
       }
   // the slots grouped by expert, in row order within each (a counting sort)
-  std::vector<int64_t> start(e.num_experts + 1, 0), order(slots);
+  std::vector<int64_t> start(e.num_experts + 2, 0), order(slots);
   for (int64_t s = 0; s < slots; ++s) ++start[slot_expert[s] + 1];
-  int64_t most = 0;
-  for (int i = 0; i < e.num_experts; ++i) {
-    most = std::max(most, start[i + 1]);
+  int64_t most = 0;  // the most slots a held expert has
+  for (int i = 0; i <= e.num_experts; ++i) {
+    if (i < e.num_experts) most = std::max(most, start[i + 1]);
     start[i + 1] += start[i];
   }
   std::vector<int64_t> next(start.begin(), start.end() - 1);
   for (int64_t s = 0; s < slots; ++s) order[next[slot_expert[s]]++] = s;
+  // zeros: the slots no held expert fills (T's zero bits are 0.0 in fp32 and in bf16)
   std::vector<T> in(most * hidden), gate_up(most * 2 * inter), act(most * inter),
       down(most * hidden), weighted(slots * hidden);
   for (int i = 0; i < e.num_experts; ++i) {
