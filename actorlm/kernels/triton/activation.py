@@ -25,6 +25,21 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
+def gated_activation(gate, up, DTYPE: tl.constexpr, GELU_TANH: tl.constexpr):
+    """act(gate) * up in ``DTYPE`` from fp32 tiles of gate and up (values of ``DTYPE``): the
+    activation rounded to ``DTYPE``, then the product (HF's two ops). Also the routed experts'
+    epilogue (``fused_moe.py``)."""
+    if GELU_TANH:
+        # 0.5 g (1 + tanh(y)) == g * sigmoid(2y): tl has no tanh, and this form does not cancel
+        # for negative g (1 + tanh(y) does).
+        y = _SQRT_2_OVER_PI * (gate + _GELU_COEFF * gate * gate * gate)
+        act = gate * tl.sigmoid(2.0 * y)
+    else:
+        act = gate * tl.sigmoid(gate)
+    return round_to(round_to(act, DTYPE).to(tl.float32) * up, DTYPE)
+
+
+@triton.jit
 def _act_and_mul_kernel(
     out_ptr,  # [T, I]
     gate_up_ptr,  # [T, 2I], each row [gate | up]
@@ -43,14 +58,7 @@ def _act_and_mul_kernel(
     gate_ptrs = gate_up_ptr + rows[:, None] * stride_in + cols[None, :]
     gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_ptrs + inter, mask=mask, other=0.0).to(tl.float32)
-    if GELU_TANH:
-        # 0.5 g (1 + tanh(y)) == g * sigmoid(2y): tl has no tanh, and this form does not cancel
-        # for negative g (1 + tanh(y) does).
-        y = _SQRT_2_OVER_PI * (gate + _GELU_COEFF * gate * gate * gate)
-        act = gate * tl.sigmoid(2.0 * y)
-    else:
-        act = gate * tl.sigmoid(gate)
-    out = round_to(round_to(act, dtype).to(tl.float32) * up, dtype)
+    out = gated_activation(gate, up, dtype, GELU_TANH)
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], out, mask=mask)
 
 

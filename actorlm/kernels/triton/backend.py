@@ -1,13 +1,13 @@
 """The GPU backend: Triton kernels for the norms, activations, the K/V write, paged attention,
-sampling and the linear layers in GGUF blocks; cuBLAS (``F.linear``) for the dense linear layers
-and the routed experts' (grouped by expert in torch ops, ``kernels/moe.py``); torch ops for
+sampling, the linear layers in GGUF blocks and the routed experts (a grouped GEMM over the
+slots sorted by expert); cuBLAS (``F.linear``) for the dense linear layers; torch ops for
 RoPE."""
 
 from __future__ import annotations
 
 import torch.nn.functional as F
 
-from actorlm.kernels import moe, portable
+from actorlm.kernels import portable
 from actorlm.kernels.backend import AttentionLayer, KernelBackend, QuantizedWeight
 
 
@@ -68,10 +68,9 @@ class TritonBackend(KernelBackend):
         return out.reshape(num_tokens, q_size)
 
     def fused_moe(self, x, router_logits, experts, top_k, renormalize):
-        from actorlm.kernels.triton.activation import act_and_mul
+        from actorlm.kernels.triton.fused_moe import fused_moe
 
-        # the tokens grouped by expert, each expert's matmuls on cuBLAS (kernels/moe.py)
-        return moe.fused_moe(x, router_logits, experts, top_k, renormalize, act_and_mul)
+        return fused_moe(x, router_logits, experts, top_k, renormalize)
 
     def sample(self, logits, temperature, top_k, top_p, min_p, seeds, positions):
         from actorlm.kernels.triton.sampling import sample
