@@ -26,6 +26,7 @@ stops the engine when the object is collected or the process ends.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import threading
@@ -56,20 +57,58 @@ class EngineOverloadedError(RuntimeError):
     """The waiting queue is at ``max_num_waiting``; the caller should retry later."""
 
 
-class _AsyncSink:
-    """The frontend's sink for one request: hands each output to the event loop's queue."""
+class _LoopMailbox:
+    """Outputs on their way from the frontend's thread to one event loop's queues. Waking a
+    loop costs a write to its self-pipe, which costs more than the rest of a token's way
+    through the frontend; so the loop is woken once for everything that arrives before it
+    runs: a step's outputs for every stream, one wake-up."""
 
-    __slots__ = ("_loop", "_queue")
+    _of_loop: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
-        self._loop, self._queue = loop, queue
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._items: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+        self._woken = False  # a drain is scheduled and has not yet run
 
-    def put(self, item) -> None:
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> _LoopMailbox:
+        """The loop's one mailbox (from the loop's own thread)."""
+        mailbox = cls._of_loop.get(loop)
+        if mailbox is None:
+            mailbox = cls._of_loop[loop] = cls(loop)
+        return mailbox
+
+    def put(self, queue: asyncio.Queue, item) -> None:
         # runs on the frontend's thread; it must never raise there
+        with self._lock:
+            self._items.append((queue, item))
+            if self._woken:
+                return
+            self._woken = True
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._drain)
         except RuntimeError:  # the loop has closed: nobody is listening any more
             pass
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items = self._items, collections.deque()
+            self._woken = False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+class _AsyncSink:
+    """The frontend's sink for one request: hands each output to its queue on the loop."""
+
+    __slots__ = ("_mailbox", "_queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
+        self._mailbox, self._queue = _LoopMailbox.of(loop), queue
+
+    def put(self, item) -> None:
+        self._mailbox.put(self._queue, item)
 
 
 class RequestStream:

@@ -1,0 +1,104 @@
+"""What share of the engine's offline throughput the server keeps, on the same requests.
+
+    python benchmarks/server_share.py [--streams 1 16] [--requests-per-stream 3]
+        [--max-tokens 128] [--dtype auto] [--rounds 3] [--port 8125] [-- serve flags...]
+
+Each round, for every stream count: the offline engine (``LLM`` with ``max_num_seqs`` =
+streams, in a process of its own) generates the built-in chat prompts (``bench_prompts``,
+the chat template applied), EOS ignored, all at once; then ``actorlm serve`` (its default
+layout, or the flags after ``--``) gets the same conversations from ``actorlm bench serve``
+(chat, streamed, ``--max-concurrency`` = streams). Output tokens per second on both sides;
+the two take turns, so the machine's drift hits both alike. Prints one JSON line a
+measurement and, last, the medians and the median of the rounds' server / offline ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import textwrap
+
+from serve_backends import _wait_ready
+
+from actorlm.bench.serve import run_serve_benchmark
+
+_OFFLINE = textwrap.dedent("""
+    import json, sys, time
+    from actorlm import LLM, SamplingParams
+    from actorlm.bench.throughput import bench_prompts
+    streams, num, max_tokens, dtype = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    llm = LLM(dtype=dtype, max_num_seqs=streams)
+    prompts = [{"prompt_token_ids": llm.engine.apply_chat_template(c)} for c in bench_prompts(num)]
+    llm.generate(prompts[:2], SamplingParams(max_tokens=8), use_tqdm=False)  # warm
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    print(json.dumps(sum(len(o.outputs[0].token_ids) for o in outputs) / seconds))
+""")
+
+
+def offline(streams: int, args) -> float:
+    out = subprocess.run([sys.executable, "-c", _OFFLINE, str(streams),
+                          str(args.requests_per_stream * streams), str(args.max_tokens),
+                          args.dtype], capture_output=True, text=True, check=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def served(args) -> dict[int, float]:
+    base_url = f"http://127.0.0.1:{args.port}"
+    server = subprocess.Popen([sys.executable, "-m", "actorlm.api.cli", "serve", "--port",
+                               str(args.port), "--dtype", args.dtype, *args.serve_flags],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        _wait_ready(base_url, server)
+        run_serve_benchmark(base_url, 2, endpoint="/v1/chat/completions", max_tokens=8)  # warm
+        rates = {}
+        for streams in args.streams:
+            result = run_serve_benchmark(base_url, args.requests_per_stream * streams,
+                                         endpoint="/v1/chat/completions",
+                                         max_tokens=args.max_tokens, max_concurrency=streams,
+                                         ignore_eos=True)
+            if result["failed"]:
+                raise RuntimeError(f"{streams} streams: {result['errors']}")
+            rates[streams] = result["output_throughput"]
+        return rates
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--streams", nargs="+", type=int, default=[1, 16])
+    parser.add_argument("--requests-per-stream", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--port", type=int, default=8125)
+    parser.add_argument("serve_flags", nargs="*", help="after --: flags for actorlm serve")
+    args = parser.parse_args()
+    rows = []
+    for round_ in range(args.rounds):
+        rates = {s: offline(s, args) for s in args.streams}
+        for streams, rate in served(args).items():
+            rows.append({"round": round_, "streams": streams, "offline": rates[streams],
+                         "server": rate, "ratio": rate / rates[streams]})
+            print(json.dumps(rows[-1]), flush=True)
+    summary = {str(s): {key: round(statistics.median(r[key] for r in rows if r["streams"] == s),
+                                   3) for key in ("offline", "server", "ratio")}
+               for s in args.streams}
+    print(json.dumps({"dtype": args.dtype, "max_tokens": args.max_tokens,
+                      "requests_per_stream": args.requests_per_stream, "rounds": args.rounds,
+                      "serve_flags": args.serve_flags, "medians": summary}))
+
+
+if __name__ == "__main__":
+    main()
