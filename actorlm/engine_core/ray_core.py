@@ -61,6 +61,7 @@ class RayCore:
                 self.returncode = self._ray.get(self._run)
             except self._ray.exceptions.RayActorError:  # killed, or its node lost
                 self.returncode = -signal.SIGKILL
+            self._ray.kill(self._actor, no_restart=True)  # its CPUs go back to the cluster
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:

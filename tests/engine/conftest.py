@@ -20,3 +20,12 @@ def make_llm():
             assert_idle_and_nothing_leaked(llm)
         finally:
             llm.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One small local Ray cluster for the session (the engine joins it: ray is initialised)."""
+    import ray  # the ray extra: make install installs it
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()

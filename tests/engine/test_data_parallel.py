@@ -130,7 +130,7 @@ def test_a_replica_killed_mid_run_resumes_its_own_while_the_other_runs_on(
 
 
 @pytest.mark.slow
-def test_ray_replicas_give_dp1s_tokens(tiny_llama_long_dir, expected):
+def test_ray_replicas_give_dp1s_tokens(tiny_llama_long_dir, expected, ray_cluster):
     with LLM(str(tiny_llama_long_dir), data_parallel_size=2, data_parallel_backend="ray",
              **FLAGS) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)

@@ -33,14 +33,6 @@ def expected(tiny_llama_long_dir):
         return full_length_tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
 
 
-@pytest.fixture(scope="session")
-def ray_cluster():
-    """One small local Ray cluster for the session (the engine joins it: ray is initialised)."""
-    import ray  # the ray extra: make install installs it
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
 
 def kill_mid_run(llm, kill) -> tuple[list[list[int]], float]:
     """Generate ``PROMPTS`` while ``kill()`` strikes a worker once several requests are
