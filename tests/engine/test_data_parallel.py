@@ -23,7 +23,7 @@ from engine_helpers import full_length_tokens
 
 PROMPTS = ["Once upon a time", "The capital of France is", "1, 2, 3,", "def fibonacci(n):"] * 4
 FLAGS = {"dtype": "float32", "block_size": 4, "num_kv_blocks": 1024, "max_model_len": 512}
-GREEDY = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,8 @@ def test_a_replica_killed_mid_run_resumes_its_own_while_the_other_runs_on(
             seen[request_id] = len(output.outputs[0].token_ids)
 
         async def kill_replica_1():
-            while len(seen) < len(PROMPTS) or min(seen.values()) < 8:
+            # as soon as every stream has begun: the first ones run far ahead of the last
+            while len(seen) < len(PROMPTS) or min(seen.values()) < 2:
                 await asyncio.sleep(0.002)
             assert max(seen.values()) < GREEDY.max_tokens, "the run ended before the kill"
             owners = {rid: router.balancer.owner(rid) for rid in seen}
