@@ -16,6 +16,7 @@ their ratio to the first backend.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -48,15 +49,25 @@ def _wait_ready(base_url: str, server: subprocess.Popen, timeout_s: float = 300.
     raise TimeoutError("the server did not come up")
 
 
-def _measure(backend: str, args) -> list[dict]:
-    base_url = f"http://127.0.0.1:{args.port}"
-    command = [sys.executable, "-m", "actorlm.api.cli", "serve", "--port", str(args.port),
-               "--dtype", args.dtype, *LAYOUTS[backend]]
+@contextlib.contextmanager
+def serving(port: int, flags: list[str]):
+    """``actorlm serve`` with ``flags`` on ``port``, up and warmed; its base URL. Stopped with
+    SIGTERM on leaving."""
+    base_url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "actorlm.api.cli", "serve", "--port", str(port), *flags]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               env={**os.environ, "HF_HUB_OFFLINE": "1"})
     try:
         _wait_ready(base_url, server)
         run_serve_benchmark(base_url, 2, endpoint="/v1/chat/completions", max_tokens=8)  # warm
+        yield base_url
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+
+
+def _measure(backend: str, args) -> list[dict]:
+    with serving(args.port, ["--dtype", args.dtype, *LAYOUTS[backend]]) as base_url:
         rows = []
         for streams in args.streams:
             result = run_serve_benchmark(base_url, 3 * streams, endpoint="/v1/chat/completions",
@@ -70,9 +81,6 @@ def _measure(backend: str, args) -> list[dict]:
                          "itl_ms_p50": result["median_itl_ms"]})
             print(json.dumps(rows[-1]), flush=True)
         return rows
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=60)
 
 
 def main() -> None:

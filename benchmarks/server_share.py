@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import textwrap
 
-from serve_backends import _wait_ready
+from serve_backends import serving
 
 from actorlm.bench.serve import run_serve_benchmark
 
@@ -52,14 +51,7 @@ def offline(streams: int, args) -> float:
 
 
 def served(args) -> dict[int, float]:
-    base_url = f"http://127.0.0.1:{args.port}"
-    server = subprocess.Popen([sys.executable, "-m", "actorlm.api.cli", "serve", "--port",
-                               str(args.port), "--dtype", args.dtype, *args.serve_flags],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    try:
-        _wait_ready(base_url, server)
-        run_serve_benchmark(base_url, 2, endpoint="/v1/chat/completions", max_tokens=8)  # warm
+    with serving(args.port, ["--dtype", args.dtype, *args.serve_flags]) as base_url:
         rates = {}
         for streams in args.streams:
             result = run_serve_benchmark(base_url, args.requests_per_stream * streams,
@@ -70,9 +62,6 @@ def served(args) -> dict[int, float]:
                 raise RuntimeError(f"{streams} streams: {result['errors']}")
             rates[streams] = result["output_throughput"]
         return rates
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=60)
 
 
 def main() -> None:

@@ -65,7 +65,7 @@ def answer(system, message: CoreInput) -> Answer:
         if message.ask == "executor_stats":
             return Answer(message.ask_id, executor_stats=system.executor_stats())
         if message.ask == "reset_prefix_cache":
-            return Answer(message.ask_id, reset=system.reset_prefix_cache())
+            return Answer(message.ask_id, reset_prefix_cache=system.reset_prefix_cache())
         return Answer(message.ask_id, error=f"unknown query {message.ask!r}")
     except Exception as exc:  # noqa: BLE001 — the asker raises it
         return Answer(message.ask_id, error=f"{type(exc).__name__}: {exc}")

@@ -104,7 +104,7 @@ class EngineCoreSystem(EngineSystem):
             self._ask_all("executor_stats"), self.clients)]
 
     def _ask_all(self, query: str) -> list:
-        return [getattr(client.ask(query), ANSWER_FIELDS[query]) for client in self.clients]
+        return [getattr(client.ask(query), query) for client in self.clients]
 
     def stop(self) -> None:
         """The frontend first (no new input), then the core, which stops its own actors."""
@@ -116,10 +116,6 @@ class EngineCoreSystem(EngineSystem):
             thread.start()  # as this may run at interpreter exit, when pools are refused)
         for thread in stopping:
             thread.join()
-
-
-ANSWER_FIELDS = {"scheduler_stats": "scheduler_stats", "kv_stats": "kv_stats",
-                 "executor_stats": "executor_stats", "reset_prefix_cache": "reset"}
 
 
 def start_all(clients: list[EngineCoreClient]) -> CoreReady:

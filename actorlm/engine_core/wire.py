@@ -62,11 +62,13 @@ class CoreInput(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
 
 class Answer(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A query's answer, in the field that bears the query's name."""
+
     ask_id: int
     scheduler_stats: SchedulerStats | None = None
     kv_stats: KVStats | None = None
     executor_stats: ExecutorStats | None = None
-    reset: bool | None = None
+    reset_prefix_cache: bool | None = None
     error: str | None = None
 
 

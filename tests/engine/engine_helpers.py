@@ -4,6 +4,9 @@ import torch
 from greedy import TOP, check_logprobs_close, hf_continuation  # noqa: F401  (the oracle rule)
 from transformers import AutoModelForCausalLM
 
+# what the process tests (worker processes, engine-core processes, replicas) generate
+PROMPTS = ["Once upon a time", "The capital of France is", "1, 2, 3,", "def fibonacci(n):"]
+
 
 def hf_greedy(model_dir, prompts: list[list[int]], num_tokens: int) -> list[tuple[list, list]]:
     """transformers' own greedy decoding (KV cache on, EOS ignored), one prompt at a time:
@@ -24,6 +27,15 @@ def assert_idle_and_nothing_leaked(llm) -> dict:
     assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
     assert stats["num_requests_holding_blocks"] == 0
     return stats
+
+
+def undisturbed_tokens(model_dir, prompts: list[str], params, **flags) -> list[list[int]]:
+    """The full-length greedy tokens of an in-process engine, the reference of a run that a
+    death interrupts."""
+    from actorlm.llm import LLM
+
+    with LLM(str(model_dir), **flags) as llm:
+        return full_length_tokens(llm.generate(prompts, params, use_tqdm=False))
 
 
 def full_length_tokens(outputs) -> list[list[int]]:

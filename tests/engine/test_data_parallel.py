@@ -19,17 +19,17 @@ from actorlm import SamplingParams
 from actorlm.api.metrics import ServerMetrics
 from actorlm.async_llm import AsyncLLM
 from actorlm.llm import LLM
-from engine_helpers import full_length_tokens
+from engine_helpers import PROMPTS as BASE_PROMPTS
+from engine_helpers import full_length_tokens, undisturbed_tokens
 
-PROMPTS = ["Once upon a time", "The capital of France is", "1, 2, 3,", "def fibonacci(n):"] * 4
+PROMPTS = BASE_PROMPTS * 4
 FLAGS = {"dtype": "float32", "block_size": 4, "num_kv_blocks": 1024, "max_model_len": 512}
 GREEDY = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def expected(tiny_llama_long_dir):
-    with LLM(str(tiny_llama_long_dir), **FLAGS) as llm:
-        return full_length_tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    return undisturbed_tokens(tiny_llama_long_dir, PROMPTS, GREEDY, **FLAGS)
 
 
 def per_engine(metrics_text: str, name: str) -> dict[str, float]:

@@ -21,18 +21,16 @@ import pytest
 from actorlm import SamplingParams
 from actorlm.async_llm import AsyncLLM
 from actorlm.llm import LLM
-from engine_helpers import full_length_tokens, live_children
-from greedy import TOP, check_logprobs_close
+from engine_helpers import (PROMPTS, TOP, check_logprobs_close, engine_greedy,
+                            full_length_tokens, live_children, undisturbed_tokens)
 
-PROMPTS = ["Once upon a time", "The capital of France is", "1, 2, 3,", "def fibonacci(n):"]
 FLAGS = {"dtype": "float32", "block_size": 4, "num_kv_blocks": 1024, "max_model_len": 512}
 GREEDY = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def expected(tiny_llama_long_dir):
-    with LLM(str(tiny_llama_long_dir), **FLAGS) as llm:
-        return full_length_tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    return undisturbed_tokens(tiny_llama_long_dir, PROMPTS, GREEDY, **FLAGS)
 
 
 def test_the_core_in_its_own_process_gives_the_same_greedy_tokens(tiny_llama_long_dir,
@@ -102,13 +100,8 @@ def test_in_bf16_the_resumed_streams_stay_within_check_logprobs_close(tiny_llama
     with LLM(str(tiny_llama_long_dir), **flags) as llm:
         undisturbed = llm.generate(PROMPTS * 4, params, use_tqdm=False)
     resumed = kill_the_core_under_streams(tiny_llama_long_dir, flags, params)
-
-    def with_tops(outputs):
-        full_length_tokens(outputs)
-        return [(o.outputs[0].token_ids, [set(p) for p in o.outputs[0].logprobs])
-                for o in outputs]
-
-    check_logprobs_close(with_tops(resumed), with_tops(undisturbed))
+    full_length_tokens(resumed)
+    check_logprobs_close(engine_greedy(resumed), engine_greedy(undisturbed))
 
 
 def test_a_core_that_hangs_is_killed_restarted_and_its_requests_resumed(

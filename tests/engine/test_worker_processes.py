@@ -18,10 +18,9 @@ import pytest
 
 from actorlm import SamplingParams
 from actorlm.llm import LLM
-from engine_helpers import full_length_tokens, live_children
+from engine_helpers import PROMPTS, full_length_tokens, live_children, undisturbed_tokens
 
 TENSOR_PARALLEL_SIZES = [1, 2]
-PROMPTS = ["Once upon a time", "The capital of France is", "1, 2, 3,", "def fibonacci(n):"]
 FLAGS = {"dtype": "float32", "block_size": 4, "num_kv_blocks": 512, "max_model_len": 512}
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
 
@@ -29,8 +28,7 @@ GREEDY = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def expected(tiny_llama_long_dir):
     """The in-process workers' greedy tokens."""
-    with LLM(str(tiny_llama_long_dir), **FLAGS) as llm:
-        return full_length_tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    return undisturbed_tokens(tiny_llama_long_dir, PROMPTS, GREEDY, **FLAGS)
 
 
 
