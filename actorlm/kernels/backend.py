@@ -94,7 +94,9 @@ class DecoderLayerPlan(NamedTuple):
     """A pre-norm decoder layer, as ``decode_step`` runs it:
 
         h = attn_norm(stream)                 (the stream: the residual, in the model dtype)
-        a = o(attention(rope(qkv(h))))        (q/k norms before RoPE, if the layer has them)
+        a = o(attention(rope(qkv(h))))        (q/k norms before RoPE, if the layer has them:
+                                               per head, or ``projection_norms`` over all
+                                               heads of q and of k; then ``clip_qkv``)
         stream += attn_out_norm(a) or a
         m = down(act_and_mul(gate_up(mlp_norm(stream))))
         out = mlp_out_norm(m) or m            (the next layer adds it to the stream)
@@ -117,6 +119,10 @@ class DecoderLayerPlan(NamedTuple):
     rope: int = 0
     kv_group: int = 0
     moe: MoePlan | None = None
+    # (q norm [Hq D], k norm [Hkv D]) over the whole projections, each row's q and k normed as
+    # one vector before RoPE (OLMoE), in place of the attention's per-head norms
+    projection_norms: tuple[Norm, Norm] | None = None
+    clip_qkv: float | None = None  # q, k and v clamped to +-clip_qkv after the norms (OLMoE)
 
 
 class KernelBackend:
@@ -231,7 +237,9 @@ class KernelBackend:
         layers would one by one (x [T, hidden] the embeddings; ``ropes`` the step's
         (cos, sin_signed) tables; ``kv_caches`` per layer; ``metas`` the step's attention
         metadata per KV-cache group, layer L reading ``metas[L.kv_group]``; None for a step it
-        does not take) — or None where this backend has no such path for these layers."""
+        does not take) — or None where this backend has no such path for these layers. A step
+        may say where its last call's time went in the mixture-of-experts layers: its
+        ``moe_seconds``, (router, experts) summed over them (see ``models.moe.MoeTimer``)."""
         return None
 
 

@@ -6,8 +6,8 @@ routed experts in place of the dense MLP (``moe.py``). The modules here build ex
 parts and run them through the kernel backend; ``plan()`` hands the same description, with the
 loaded weights, to the backend's one-call decode step (``KernelBackend.decode_step``). So a new
 family takes both paths by describing itself (routed experts as a ``MoePlan``); a layer with
-OLMoE's q/k norms over whole projections or clipped q/k/v has no plan yet and runs on the
-Python path.
+OLMoE's q/k norms over whole projections split across tensor-parallel ranks has no plan and
+runs on the Python path.
 
 Inputs are one flattened batch of T tokens (no padding, no batch dimension). q/k/v and
 gate/up are merged into one matmul each.
@@ -178,11 +178,14 @@ class DecoderLayer(nn.Module):
 
     def plan(self) -> DecoderLayerPlan | None:
         """This layer for the backend's one-call decode step (once the weights are loaded), or
-        None where a plan does not describe it: q/k norms over whole projections, clipped
-        q/k/v."""
+        None where a plan does not describe it: q/k norms over projections split across
+        tensor-parallel ranks (their mean square is summed over the ranks)."""
         attn, mlp = self.self_attn, self.mlp
-        if attn.projection_norms or attn.clip_qkv is not None:
-            return None
+        projection_norms = None
+        if attn.projection_norms:
+            if attn.q_norm.tp.is_parallel:
+                return None
+            projection_norms = (attn.q_norm.norm, attn.k_norm.norm)
         if isinstance(mlp, MLP):
             dense, activation, moe = (mlp.gate_up_proj.prepared, mlp.down_proj.prepared), \
                 mlp.activation, None
@@ -192,7 +195,7 @@ class DecoderLayer(nn.Module):
             self.attn_norm.norm, attn.layer, attn.qkv_proj.prepared, attn.o_proj.prepared,
             self.mlp_norm.norm, *dense, activation,
             *(None if n is None else n.norm for n in (self.attn_out_norm, self.mlp_out_norm)),
-            self.rope, self.kv_group, moe)
+            self.rope, self.kv_group, moe, projection_norms, attn.clip_qkv)
 
 
 def _moe_plan(block: SparseMoeBlock) -> MoePlan:

@@ -16,7 +16,9 @@ from test_model_vs_hf import PROMPTS
 from actorlm.kernels import select_backend
 from actorlm.kernels.cpu import linear as cpu_linear
 from actorlm.models import causal_lm
+from actorlm.models.layers import SplitRMSNorm
 from actorlm.models.loader import load_hf_config, load_model
+from actorlm.models.parallel import TensorParallel
 
 needs_kernels = pytest.mark.skipif(cpu_linear._kernel() is None,
                                    reason="the fp32 panel GEMM needs AVX-512 and a C++ compiler")
@@ -232,3 +234,29 @@ def test_prompts_of_the_oracle_decode_alike(tiny_llama_dir):
                 o.append(t)
         tokens[fused is None] = out
     assert tokens[False] == tokens[True]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_q_and_k_normed_over_whole_projections_and_clipped_take_the_one_call_with_the_python_bits(
+        tiny_llama_dir, dtype):
+    # OLMoE's attention (its q and k normed each as one vector over all heads, q/k/v then
+    # clipped) described on a Llama in Q8_0 blocks, whose linear layers the one call takes
+    # with or without AVX-512; a clip of 0.05 cuts most values, so one applied otherwise (or
+    # not at all) differs
+    model = load_model(tiny_llama_dir, dtype, "cpu", select_backend("cpu"), quantization="q8_0")
+    gen = torch.Generator().manual_seed(7)
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        attn.projection_norms, attn.clip_qkv = True, 0.05
+        attn.q_norm, attn.k_norm = (
+            SplitRMSNorm(size, 1e-5, model.backend, dtype, "cpu", TensorParallel())
+            for size in (attn.q_size, attn.kv_size))
+        for norm in (attn.q_norm, attn.k_norm):
+            norm.weight.copy_(1 + 0.5 * torch.randn(norm.weight.shape, generator=gen))
+    model.decode_step = model.backend.decode_step([layer.plan() for layer in model.model.layers],
+                                                  dtype)
+    assert model.decode_step is not None
+    rows = 3 if dtype == torch.float32 else 2
+    steps = _decode_steps(rows, 4)
+    _assert_twins(model, PROMPT_IDS[:rows], steps)
+    assert model.decode_step.num_steps == len(steps)

@@ -1,9 +1,9 @@
 """Routed experts inside the one-call decode step (``kernels/cpu/decode_step.py``): a
 mixture-of-experts layer's router, top-k, experts and shared expert run in the same C++ call
 as its attention, with the Python layers' bits (fp32, and bf16 for one or two requests) on the
-tiny checkpoints of Qwen3-MoE (dense and routed layers mixed), Mixtral and Qwen2-MoE (a gated
-shared expert, sliding layers); OLMoE's projection norms and clipped q/k/v keep it on the
-Python path."""
+tiny checkpoints of Qwen3-MoE (dense and routed layers mixed), Mixtral, Qwen2-MoE (a gated
+shared expert, sliding layers) and OLMoE (q and k normed over their whole projections, q/k/v
+clipped)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from actorlm.kernels import select_backend
 from actorlm.kernels.cpu import linear as cpu_linear
 from actorlm.models.loader import load_model
 
-FAMILIES = ["qwen3_moe", "mixtral", "qwen2_moe"]
+FAMILIES = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"]
 
 
 @needs_kernels
@@ -58,7 +58,20 @@ def test_greedy_tokens_of_one_stream_are_the_python_layers(family, dtype, tiny_m
     assert runs[0] == runs[1]
 
 
-def test_olmoe_keeps_the_python_layers(tiny_moe_dirs):
-    model = load_model(tiny_moe_dirs["olmoe"], torch.float32, "cpu", select_backend("cpu"))
-    assert model.decode_step is None
-    assert all(layer.plan() is None for layer in model.model.layers)
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32,
+                                   pytest.param(torch.bfloat16, marks=needs_bf16_kernels)],
+                         ids=str)
+def test_olmoe_clipping_that_bites_takes_the_one_call_with_the_python_layers_bits(
+        tiny_moe_dirs, dtype):
+    # the checkpoint's clip of 4 is rarely reached by a tiny model's q, k and v: a clip of
+    # 0.05 cuts most of them, so a step that clipped otherwise (or not at all) differs
+    model = load_model(tiny_moe_dirs["olmoe"], dtype, "cpu", select_backend("cpu"))
+    for layer in model.model.layers:
+        layer.self_attn.clip_qkv = 0.05
+    model.decode_step = model.backend.decode_step([layer.plan() for layer in model.model.layers],
+                                                  model.dtype)
+    rows = 3 if dtype == torch.float32 else 2  # (bf16 beyond two rows: oneDNN, in Python)
+    steps = _decode_steps(rows, 4)
+    _assert_twins(model, PROMPT_IDS[:rows], steps)
+    assert model.decode_step.num_steps == len(steps)

@@ -55,16 +55,23 @@ STRUCTS = {
         ("int32_t", "rope"), ("float", "scale"),
         ("int32_t", "window"), ("float", "softcap"),  # 0: none
         ("int32_t", "kv_group"),  # an index into the step's groups
+        # 1: q_norm and k_norm span the whole projections, [Hq D] and [Hkv D] (OLMoE); 0: heads
+        ("int32_t", "projection_norms"),
+        ("float", "clip_qkv"),  # q, k and v clamped to +-clip_qkv after the norms; 0: none
         ("const actorlm_moe*", "moe")],  # null: the dense gate_up and down
     # one KV-cache group's view of a step: its slot per row, its block table [rows, max_blocks]
     "actorlm_kv_group": [
         ("const int64_t*", "slots"), ("const int32_t*", "block_tables"),
         ("int32_t", "max_blocks")],
+    # where a decode step's time went in its mixture-of-experts layers, summed over them: the
+    # routers (linear and top-k) and the experts (routed and shared), in seconds
+    "actorlm_moe_seconds": [("double", "router"), ("double", "experts")],
     "actorlm_decode_step": [  # one query token per request, request r on row r
         ("int64_t", "rows"), ("int32_t", "block_size"),
         ("const void* const*", "cos"), ("const void* const*", "sin_signed"),  # per RoPE table
         ("const actorlm_kv_group*", "groups"),  # per KV-cache group
-        ("const int32_t*", "seq_lens")],
+        ("const int32_t*", "seq_lens"),
+        ("actorlm_moe_seconds*", "moe_seconds")],  # added to by the step (null: not timed)
 }
 
 # (return type, name, parameters)
@@ -170,8 +177,8 @@ def header() -> str:
     return "\n".join(lines)
 
 
-_SCALARS = {"void": None, "float": ctypes.c_float, "int": ctypes.c_int,
-            "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64}
+_SCALARS = {"void": None, "float": ctypes.c_float, "double": ctypes.c_double,
+            "int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64}
 
 
 def _ctype(ctype: str, structs: dict[str, type]):

@@ -40,11 +40,13 @@ _LayerStruct = abi.STRUCT_TYPES["actorlm_decoder_layer"]
 _MoeStruct = abi.STRUCT_TYPES["actorlm_moe"]
 _GroupStruct = abi.STRUCT_TYPES["actorlm_kv_group"]
 _StepStruct = abi.STRUCT_TYPES["actorlm_decode_step"]
+_MoeSecondsStruct = abi.STRUCT_TYPES["actorlm_moe_seconds"]
 
 
 class DecodeStep:
     """``layers`` as one call for pure decode steps; ``build`` says whether the layers qualify,
-    ``__call__`` whether the step does. ``num_steps`` counts the steps it ran."""
+    ``__call__`` whether the step does. ``num_steps`` counts the steps it ran, ``moe_seconds``
+    says where the last one's time went in the mixture-of-experts layers."""
 
     def __init__(self, layers: Sequence[DecoderLayerPlan], dtype: torch.dtype, function,
                  max_rows: int | None):
@@ -57,6 +59,8 @@ class DecodeStep:
         # the layers' experts' structs, which the layers' structs point to
         self._moes = [None if layer.moe is None else _moe_struct(layer.moe)
                       for layer in self.layers]
+        self._seconds = _MoeSecondsStruct()  # the C++ step adds to it: zeroed before each
+        self._seconds_pointer = ctypes.pointer(self._seconds)
 
     @classmethod
     def build(cls, layers: Sequence[DecoderLayerPlan], dtype: torch.dtype) -> DecodeStep | None:
@@ -97,12 +101,20 @@ class DecodeStep:
         step = _StepStruct(rows, kv_caches[0][0].shape[1],
                            ctypes.cast(cos_tables, ctypes.c_void_p),
                            ctypes.cast(sin_tables, ctypes.c_void_p), groups,
-                           metas[0].plan.decode.seq_lens.data_ptr())
+                           metas[0].plan.decode.seq_lens.data_ptr(), self._seconds_pointer)
+        self._seconds.router = self._seconds.experts = 0.0
         residual = torch.empty_like(x)
         self.function(structs, len(self.layers), ctypes.byref(step), x.data_ptr(),
                       residual.data_ptr())
         self.num_steps += 1
         return x, residual
+
+    @property
+    def moe_seconds(self) -> tuple[float, float]:
+        """(router, experts): the last step's seconds in the routers of its mixture-of-experts
+        layers (linear and top-k) and in their experts (routed and shared), summed over them
+        (zero for dense layers)."""
+        return self._seconds.router, self._seconds.experts
 
     def _layer_structs(self, kv_caches) -> ctypes.Array | None:
         """The layers' structs over these caches (built once per cache set), or None where the
@@ -134,11 +146,14 @@ def _runs_here(layer: DecoderLayerPlan, dtype: torch.dtype) -> bool:
     """Whether the C++ step has a kernel for every piece of ``layer``, and its pieces fit
     together (the C++ side trusts the shapes)."""
     a, linears = layer.attention, _linears(layer)
+    q_norm, k_norm = _qk_norms(layer)
     norms = [n for n in (layer.attn_norm, layer.attn_out_norm, layer.mlp_norm,
-                         layer.mlp_out_norm, a.q_norm, a.k_norm) if n is not None]
+                         layer.mlp_out_norm, q_norm, k_norm) if n is not None]
     if layer.activation not in ACTIVATIONS or a.head_dim % 2 or layer.kv_group < 0 or \
             (a.window is not None and a.window <= 0) or \
             (a.softcap is not None and a.softcap <= 0) or \
+            (layer.clip_qkv is not None and not layer.clip_qkv > 0) or \
+            (layer.projection_norms is not None and a.q_norm is not None) or \
             a.head_dim > fused.rope_max_head_dim() or (a.q_norm is None) != (a.k_norm is None) or \
             (a.q_norm is not None and a.q_norm[1:] != a.k_norm[1:]) or \
             not all(isinstance(linear, QuantLinear) or
@@ -147,9 +162,12 @@ def _runs_here(layer: DecoderLayerPlan, dtype: torch.dtype) -> bool:
             not all(n.weight.dtype == dtype and n.weight.is_contiguous() for n in norms):
         return False
     qkv, o = linears[:2]
-    hidden, q_size = qkv.in_features, a.num_heads * a.head_dim
+    hidden, q_size, kv_size = qkv.in_features, a.num_heads * a.head_dim, \
+        a.num_kv_heads * a.head_dim
     attention_fits = o.out_features == hidden and o.in_features == q_size and \
-        qkv.out_features == q_size + 2 * a.num_kv_heads * a.head_dim
+        qkv.out_features == q_size + 2 * kv_size and \
+        (layer.projection_norms is None or q_norm.weight.shape == (q_size,) and
+         k_norm.weight.shape == (kv_size,))
     if layer.moe is not None:
         return attention_fits and _moe_fits(layer.moe, layer.activation, hidden, dtype)
     gate_up, down = linears[2:]
@@ -201,6 +219,13 @@ def _shared(moe: MoePlan) -> tuple | None:
     return None if None in parts else parts
 
 
+def _qk_norms(layer: DecoderLayerPlan) -> tuple[Norm | None, Norm | None]:
+    """The layer's q and k norms: over the whole projections, or per head, or none."""
+    if layer.projection_norms is not None:
+        return layer.projection_norms
+    return layer.attention.q_norm, layer.attention.k_norm
+
+
 def _norm_struct(norm: Norm | None) -> _NormStruct:
     if norm is None:
         return _NormStruct(None, 0.0, 0)
@@ -230,8 +255,9 @@ def _layer_struct(layer: DecoderLayerPlan, moe: _MoeStruct | None, k_cache,
     a = layer.attention
     return _LayerStruct(
         *map(_norm_struct, (layer.attn_norm, layer.attn_out_norm, layer.mlp_norm,
-                            layer.mlp_out_norm, a.q_norm, a.k_norm)),
+                            layer.mlp_out_norm, *_qk_norms(layer))),
         *map(_linear_struct, (layer.qkv, layer.o, layer.gate_up, layer.down)),
         k_cache.data_ptr(), v_cache.data_ptr(), a.num_heads, a.num_kv_heads, a.head_dim,
         ACTIVATIONS.index(layer.activation), layer.rope, a.scale, a.window or 0,
-        a.softcap or 0.0, layer.kv_group, None if moe is None else ctypes.pointer(moe))
+        a.softcap or 0.0, layer.kv_group, int(layer.projection_norms is not None),
+        layer.clip_qkv or 0.0, None if moe is None else ctypes.pointer(moe))

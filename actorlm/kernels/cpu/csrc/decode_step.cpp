@@ -2,9 +2,9 @@
 // for the rows the bf16 panel GEMM takes.
 //
 // It executes the layers' descriptions (actorlm_decoder_layer: which norms sit where and how
-// they scale, q/k norms, the activation, biases, the attention scale, window and score cap, the
-// RoPE table, the KV-cache group whose slots and block table it reads, routed experts in the
-// dense MLP's place), which a model family
+// they scale, q/k norms per head or over whole projections, q/k/v clipping, the activation,
+// biases, the attention scale, window and score cap, the RoPE table, the KV-cache group whose
+// slots and block table it reads, routed experts in the dense MLP's place), which a model family
 // gives (kernels.backend.DecoderLayerPlan); nothing here knows a family. Each
 // layer runs the kernels the Python layers call one by one, in their order, with their bits.
 // What goes is the Python between them: a decode step streams hundreds of MB of weights
@@ -12,6 +12,7 @@
 // after a GEMV cost 20-40 us of cache misses; ten of them a layer were a fifth of a
 // one-request SmolLM2 step.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -65,6 +66,25 @@ inline void norm_in_place(const actorlm_norm& n, T* x, int64_t rows, int64_t dim
     Kernels<T>::rms_norm(x, dim, x, weight_of<T>(n), rows, int(dim), n.eps, n.unit_offset);
 }
 
+// Features [first, first + dim) of each row of qkv [rows, row_stride] normed as one vector, the
+// result rounded in `scratch` [rows, dim] and copied back (OLMoE's q and k norms over all heads;
+// the Python layer norms a strided view of q into a new tensor and copies it back alike)
+template <typename T>
+void projection_norm(const actorlm_norm& n, T* qkv, int64_t row_stride, int64_t first,
+                     int64_t dim, int64_t rows, T* scratch) {
+  Kernels<T>::rms_norm(qkv + first, row_stride, scratch, weight_of<T>(n), rows, int(dim), n.eps,
+                       n.unit_offset);
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(qkv + r * row_stride + first, scratch + r * dim, dim * sizeof(T));
+}
+
+// every value of x [n] clamped to [-clip, clip], as torch's clamp_ (in fp32, rounded back)
+template <typename T>
+void clamp_in_place(T* x, int64_t n, float clip) {
+  for (int64_t i = 0; i < n; ++i)
+    actorlm::store(std::clamp(actorlm::to_float(x[i]), -clip, clip), x + i);
+}
+
 // The step's scratch, sized for its widest layer: [rows, (Hq + 2 Hkv) D], [rows, Hq D],
 // [rows, 2 I], [rows, I], each 64-byte aligned.
 template <typename T>
@@ -98,18 +118,22 @@ struct Scratch {
 // x [rows, hidden] through a mixture of experts in place (moe.cpp routes and runs them; the
 // shared expert's sum follows torch's ops: sigmoid(gate) rounded, times the shared expert's
 // output rounded, added to the experts' rounded). The router scores all of its experts, of
-// which m.experts may hold a share (expert parallelism).
+// which m.experts may hold a share (expert parallelism). Its router's and experts' seconds
+// are added to `seconds` where given (three clock reads a layer: tens of nanoseconds).
 template <typename T>
 void moe_mlp(const actorlm_moe& m, int activation, T* x, int64_t rows, int64_t hidden,
-             Scratch<T>& t) {
+             Scratch<T>& t, actorlm_moe_seconds* seconds) {
   using K = Kernels<T>;
+  using Clock = std::chrono::steady_clock;
   const int num_experts = int(m.router.out_features), top_k = m.top_k;
   std::vector<T> logits(rows * num_experts), out(rows * hidden);
   std::vector<int64_t> ids(rows * top_k);
   std::vector<float> weights(rows * top_k);
+  const Clock::time_point t_start = Clock::now();
   linear(m.router, x, hidden, logits.data(), rows);
   K::moe_route(logits.data(), rows, num_experts, top_k, m.renormalize, ids.data(),
                weights.data());
+  const Clock::time_point t_routed = Clock::now();
   K::moe_experts(&m.experts, x, ids.data(), weights.data(), out.data(), rows, top_k);
   if (m.shared_gate_up.out_features) {
     const int64_t inter = m.shared_down.in_features;
@@ -133,6 +157,10 @@ void moe_mlp(const actorlm_moe& m, int activation, T* x, int64_t rows, int64_t h
     }
   }
   std::memcpy(x, out.data(), rows * hidden * sizeof(T));
+  if (seconds) {
+    seconds->router += std::chrono::duration<double>(t_routed - t_start).count();
+    seconds->experts += std::chrono::duration<double>(Clock::now() - t_routed).count();
+  }
 }
 
 // x, residual [rows, hidden]: in, the embeddings (residual's contents are ignored); out, the
@@ -158,10 +186,16 @@ void decode_layers(const actorlm_decoder_layer* layers, int num_layers,
                       l.attn_norm.eps, l.attn_norm.unit_offset);
     }
     linear(l.qkv, x, hidden, t.qkv, rows);
-    if (l.q_norm.weight)
+    if (l.q_norm.weight && l.projection_norms) {
+      projection_norm(l.q_norm, t.qkv, qkv_size, 0, q_size, rows, t.attention);
+      projection_norm(l.k_norm, t.qkv, qkv_size, q_size, int64_t(l.num_kv_heads) * l.head_dim,
+                      rows, t.attention);
+    } else if (l.q_norm.weight) {
       K::head_rms_norm(t.qkv, qkv_size, rows, l.num_heads, l.num_kv_heads, l.head_dim,
                        weight_of<T>(l.q_norm), weight_of<T>(l.k_norm), l.q_norm.eps,
                        l.q_norm.unit_offset);
+    }
+    if (l.clip_qkv > 0) clamp_in_place(t.qkv, rows * qkv_size, l.clip_qkv);
     K::rope_write_kv(t.qkv, qkv_size, static_cast<const T*>(s.cos[l.rope]),
                      static_cast<const T*>(s.sin_signed[l.rope]), k_cache, v_cache, g.slots,
                      rows, l.num_heads, l.num_kv_heads, l.head_dim);
@@ -173,7 +207,7 @@ void decode_layers(const actorlm_decoder_layer* layers, int num_layers,
     K::add_rms_norm(x, residual, weight_of<T>(l.mlp_norm), rows, int(hidden), l.mlp_norm.eps,
                     l.mlp_norm.unit_offset);
     if (l.moe) {
-      moe_mlp(*l.moe, l.activation, x, rows, hidden, t);
+      moe_mlp(*l.moe, l.activation, x, rows, hidden, t, s.moe_seconds);
     } else {
       linear(l.gate_up, x, hidden, t.gate_up, rows);
       K::act_and_mul(t.gate_up, t.activation, rows, int(l.down.in_features), l.activation);
