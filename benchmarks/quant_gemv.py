@@ -111,13 +111,13 @@ def _dense(args, shape) -> list[dict]:
     n, k = shape
     weight = torch.randn(n, k).bfloat16()
     weights = [weight.clone() for _ in range(_copies(weight.numel() * 2, args.cold_mb))]
-    panels = [linear.PanelLinear.build(w, None) for w in weights]
+    panels = [linear.PanelLinear.build(w, None, wide=lambda x, w=w: F.linear(x, w)) for w in weights]
     out = []
     for m in args.m:
         x = torch.randn(m, k).bfloat16()
         out.append(_record(shape, "bf16 F.linear", m, *_times_ms(
             [lambda w=w: F.linear(x, w) for w in weights], args.runs), weight.numel() * 2))
-        if panels[0] is not None and m <= panels[0].BF16_MAX_ROWS:
+        if panels[0] is not None and (panels[0].max_rows is None or m <= panels[0].max_rows):
             out.append(_record(shape, "bf16 PanelLinear", m, *_times_ms(
                 [lambda p=p: p(x) for p in panels], args.runs), weight.numel() * 2))
     return out

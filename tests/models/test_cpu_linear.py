@@ -3,7 +3,8 @@
 in whatever order the GEMM (and ``-march=native``) chooses, rounded once to the layer's dtype.
 bf16 gives F.linear's bits too where oneDNN runs it (not on the panel GEMM, which takes one or
 two rows where the CPU has avx512_bf16 and sums in another order); fp32 runs the C++ panel GEMM
-where the CPU has AVX-512, else oneDNN, and MKL's own GEMV (F.linear's bits) at one or two rows."""
+where the CPU has AVX-512 (AVX2 and FMA: up to 16 rows), else oneDNN, and MKL's own GEMV
+(F.linear's bits) at one or two rows."""
 
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ from actorlm.models.layers import Linear
 from tolerance import assert_within, linear_error
 
 
+needs_onednn_bf16 = pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+    reason="oneDNN has no bf16 GEMM on this CPU (it needs AVX-512): bf16 linear layers "
+           "run F.linear on their plain weights")
+
+
 def _assert_matches_reference(got, x, weight, bias, what):
     expected = linear_ref(x, weight, bias)
     # fp32 sums of in_features products and the bias, rounded once to the layer's dtype
@@ -28,6 +35,7 @@ def _assert_matches_reference(got, x, weight, bias, what):
     assert_within(got, expected, bound, what)
 
 
+@needs_onednn_bf16
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_bf16_linear_is_the_oracle_within_rounding_and_onednns_bits(with_bias):
     gen = torch.Generator().manual_seed(0)
@@ -65,6 +73,7 @@ def test_packing_applies_to_bf16_and_fp32_only():
     assert packed_linear(torch.randn(8, 4, dtype=torch.float16), None) is None
 
 
+@needs_onednn_bf16
 def test_packed_weight_is_a_copy_taken_at_pack_time():
     # The model packs once its weights are loaded; later writes to the parameter do not leak in.
     from actorlm.kernels import select_backend
@@ -82,13 +91,17 @@ def test_packed_weight_is_a_copy_taken_at_pack_time():
         assert torch.equal(layer(x), expected)
 
 
-def _has_avx512() -> bool:
+def _cpu_flags() -> set[str]:
     cpuinfo = pathlib.Path("/proc/cpuinfo")
-    return cpuinfo.exists() and " avx512f" in cpuinfo.read_text()
+    return set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
 
 
-def test_the_fp32_panel_kernel_runs_where_the_cpu_has_avx512():
-    assert (cpu_linear._kernel() is not None) == _has_avx512()
+def test_the_fp32_panel_kernel_runs_where_the_cpu_has_avx512_or_avx2_and_fma():
+    flags = _cpu_flags()
+    kernel = cpu_linear._kernel()
+    assert (kernel is not None) == ("avx512f" in flags or {"avx2", "fma"} <= flags)
+    if kernel is not None:  # AVX-512's panels take every row count, AVX2's up to 16
+        assert (kernel.panel, kernel.max_rows) == ((64, None) if "avx512f" in flags else (32, 16))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 6, 7, 13, 64])
@@ -117,7 +130,9 @@ def test_fp32_packed_linear_takes_any_layout_and_refuses_other_dtypes():
             linear(rows_apart.bfloat16())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32,
+                                   pytest.param(torch.bfloat16, marks=needs_onednn_bf16)],
+                         ids=str)
 def test_a_loaded_model_lets_the_plain_linear_weights_go(tiny_llama_dir, dtype):
     from actorlm.kernels import select_backend
     from actorlm.models.loader import load_model

@@ -21,7 +21,7 @@ from actorlm.models.loader import load_hf_config, load_model
 from actorlm.models.parallel import TensorParallel
 
 needs_kernels = pytest.mark.skipif(cpu_linear._kernel() is None,
-                                   reason="the fp32 panel GEMM needs AVX-512 and a C++ compiler")
+                                   reason="the fp32 panel GEMM needs AVX-512 or AVX2 and FMA, and a C++ compiler")
 needs_bf16_kernels = pytest.mark.skipif(cpu_linear._kernel(torch.bfloat16) is None,
                                         reason="the bf16 panel GEMM needs avx512_bf16")
 PROMPT_IDS = [[5, 9, 2, 7, 1], [3, 3, 8], [4, 1, 6, 2, 2, 9, 5, 3, 7]]

@@ -47,7 +47,7 @@ def test_logits_at_every_position_past_the_window_match_transformers(
 
 
 @pytest.mark.skipif(cpu_linear._kernel() is None,
-                    reason="the fp32 panel GEMM needs AVX-512 and a C++ compiler")
+                    reason="the fp32 panel GEMM needs AVX-512 or AVX2 and FMA, and a C++ compiler")
 def test_each_family_takes_the_one_call_decode_step(tiny_window_dirs):
     """A decode step of every family goes through the backend's one-call step (the layer
     descriptions carry windows, four norms, soft-capping, two RoPE tables)."""

@@ -13,7 +13,10 @@ reordered once runs faster where it matters:
   AVX-512 the C++ kernel of ``csrc/linear.cpp`` runs instead (panels of 64 columns, the
   next panel prefetched while a tile of rows computes on this one): on SmolLM2's 30 layers and
   LM head, 16 rows take 0.75x oneDNN's time and 64 rows 0.85x, and one or two rows 0.9x and
-  0.85x MKL's GEMV. Without AVX-512, oneDNN's packed GEMM from three rows and MKL's GEMV below.
+  0.85x MKL's GEMV. With AVX2 and FMA alone (panels of 32 columns, tiles of 3 rows) it runs
+  up to 16 rows: on a Zen 3, 1 row takes 0.65-1.0x MKL's time, 2 to 8 rows 0.25-0.6x, 16 rows
+  0.55-0.95x; beyond, where MKL computes faster, and on a CPU without either, oneDNN's packed
+  GEMM runs from three rows and MKL's GEMV below.
   Either GEMM moves the last bits of the result against MKL (transformers' bits): greedy
   tokens stay within vLLM's ``check_logprobs_close`` rule.
 """
@@ -39,14 +42,11 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable |
     bias = None if bias is None else bias.detach()
     if weight.dtype == torch.float32:
         plain = weight.detach()
-        panel = PanelLinear.build(plain, bias)
-        if panel is not None:
-            return panel
         packed = _onednn_linear(plain, bias)
-        if packed is None:
-            return None
-        return lambda x: (F.linear(x, plain, bias) if x.shape[0] < _ONEDNN_FP32_FROM_ROWS
-                          else packed(x))
+        wide = None if packed is None else (
+            lambda x: F.linear(x, plain, bias) if x.shape[0] < _ONEDNN_FP32_FROM_ROWS
+            else packed(x))
+        return PanelLinear.build(plain, bias, wide=wide) or wide
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None
     wide = _onednn_linear(weight.detach(), bias)
@@ -75,17 +75,15 @@ class PlainLinear:
 
 
 class PanelLinear:
-    """``x [..., k] -> x @ weight.T + bias`` through ``csrc/linear.cpp`` (fp32, or bf16 for
-    up to ``max_rows`` rows, where ``wide`` takes more): ``packed`` is the weight in panels,
-    ``padded_bias`` the bias in fp32, zero-padded to the panels' columns (or None). It keeps no
-    reference to the plain weight, which its layer may then let go."""
-
-    BF16_MAX_ROWS = 2  # oneDNN's AMX GEMM is faster from a few rows on
+    """``x [..., k] -> x @ weight.T + bias`` through ``csrc/linear.cpp`` for up to
+    ``max_rows`` rows (None: any number), ``wide`` taking more: ``packed`` is the weight in
+    panels, ``padded_bias`` the bias in fp32, zero-padded to the panels' columns (or None). It
+    keeps no reference to the plain weight, which its layer may then let go."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: _Kernel,
                  wide: Callable | None = None):
         self.kernel, self.wide, self.dtype = kernel, wide, weight.dtype
-        self.max_rows = self.BF16_MAX_ROWS if wide is not None else None
+        self.max_rows = kernel.max_rows
         self.out_features, self.in_features = n, k = weight.shape
         columns = -(-n // kernel.panel) * kernel.panel
         self.packed = aligned_empty(packed_numel(n, k, weight.dtype, kernel), weight.dtype)
@@ -98,9 +96,11 @@ class PanelLinear:
     @classmethod
     def build(cls, weight: torch.Tensor, bias: torch.Tensor | None,
               wide: Callable | None = None) -> PanelLinear | None:
-        """The packed layer, or None where the kernel for its dtype is not built here."""
+        """The packed layer, or None where the kernel for its dtype is not built here (or it
+        takes only some rows and no ``wide`` GEMM is given for the others)."""
         kernel = _kernel(weight.dtype)
-        if kernel is None or not weight.is_contiguous():
+        if kernel is None or not weight.is_contiguous() or \
+                (kernel.max_rows is not None and wide is None):
             return None
         return cls(weight, bias, kernel, wide)
 
@@ -119,9 +119,17 @@ class PanelLinear:
         return y
 
 
+# rows up to which the panel GEMM runs: bf16, two (oneDNN's AMX GEMM is faster from a few rows
+# on); fp32, every count with AVX-512's 64-column panels, 16 with AVX2's 32-column ones
+_BF16_MAX_ROWS = 2
+_AVX2_PANEL, _AVX2_MAX_ROWS = 32, 16
+
+
 class _Kernel:
     def __init__(self, suffix: str):
         self.panel = native.function(f"actorlm_linear_panel_{suffix}")()
+        self.max_rows = _BF16_MAX_ROWS if suffix == "bf16" else \
+            _AVX2_MAX_ROWS if self.panel == _AVX2_PANEL else None
         self.pack = native.function(f"actorlm_linear_pack_{suffix}")
         self.run = native.function(f"actorlm_linear_{suffix}")
 

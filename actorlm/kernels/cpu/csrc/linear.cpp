@@ -1,5 +1,5 @@
-// Linear layers, y = x @ W^T (+ bias), for the few rows of a decode step, with AVX-512: fp32,
-// and bf16 where the CPU has avx512_bf16.
+// Linear layers, y = x @ W^T (+ bias), for the few rows of a decode step: fp32 with AVX-512 or
+// with AVX2 and FMA (panel.h's narrower tiles), and bf16 where the CPU has avx512_bf16.
 //
 // With 2 to 32 rows, oneDNN's and MKL's fp32 GEMMs neither stream the weights at the memory's
 // speed nor compute at the cores': 16 rows of SmolLM2's layers cost twice what reading the
@@ -22,7 +22,7 @@ namespace {
 
 using namespace actorlm::panel;
 
-#ifdef __AVX512F__
+#ifdef ACTORLM_PANEL_GEMM
 template <typename T>
 void linear(const T* x, int64_t x_stride, const T* packed, const float* bias, T* y, int64_t m,
             int64_t n, int64_t k) {
@@ -67,7 +67,7 @@ extern "C" {
 // The columns of a panel (the packed weight's column count is rounded up to it), or 0 where
 // this build has no kernel for the dtype.
 int actorlm_linear_panel_f32() {
-#ifdef __AVX512F__
+#ifdef ACTORLM_PANEL_GEMM
   return kPanel;
 #else
   return 0;
@@ -92,7 +92,7 @@ void actorlm_linear_pack_bf16(const uint16_t* weight, uint16_t* packed, int64_t 
 // columns, or null); the packed weight 64-byte aligned
 void actorlm_linear_f32(const float* x, int64_t x_stride, const float* packed, const float* bias,
                         float* y, int64_t m, int64_t n, int64_t k) {
-#ifdef __AVX512F__
+#ifdef ACTORLM_PANEL_GEMM
   linear(x, x_stride, packed, bias, y, m, n, k);
 #endif
 }

@@ -1,22 +1,30 @@
-// The panel GEMM's tiles (linear.cpp's kernel), shared with quant.cpp's many-row path: a panel
-// of 64 output columns laid out [k / depth][64][depth] (depth 1 for fp32, 2 for bf16: a 32-bit
-// lane's pair of k), and the tile of up to 6 rows of x that runs over it with its 6 x 4 sums in
-// registers. See linear.cpp for the design.
+// The panel GEMM's tiles (linear.cpp's kernel), shared with quant.cpp's many-row path (AVX-512):
+// a panel of kPanel output columns laid out [k / depth][kPanel][depth] (depth 1 for fp32, 2 for
+// bf16: a 32-bit lane's pair of k), and the tile of up to kTileRows rows of x that runs over it
+// with its sums in registers. With AVX-512 a panel is 64 columns (4 vectors of 16) and a tile 6
+// rows (6 x 4 sums + 4 weights: 28 of 32 registers); with AVX2 and FMA (fp32 only), 32 columns
+// (4 vectors of 8) and 3 rows (3 x 4 sums + 3 broadcasts of x: 15 of 16 registers, the weights
+// read by the FMAs from L1). See linear.cpp for the design.
 #pragma once
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
 namespace actorlm::panel {
 
+#ifdef __AVX512F__
 constexpr int kLanes = 16;
+constexpr int kTileRows = 6;
+#else
+constexpr int kLanes = 8;
+constexpr int kTileRows = 3;
+#endif
 constexpr int kVectors = 4;                   // vectors of output columns in a panel
 constexpr int kPanel = kLanes * kVectors;     // output columns in a panel
-constexpr int kTileRows = 6;                  // 6 x 4 sums + 4 weights: 28 of 32 registers
 
 // k of a column in one 32-bit lane: 1 for fp32, 2 for bf16 (carried as its 16 bits)
 template <typename T>
@@ -95,6 +103,48 @@ using Tile = void (*)(const T*, int64_t, const T*, int64_t, const float*, T*, in
 template <typename T>
 constexpr Tile<T> kTiles[kTileRows + 1] = {nullptr, tile<T, 1>, tile<T, 2>, tile<T, 3>,
                                           tile<T, 4>, tile<T, 5>, tile<T, 6>};
+#define ACTORLM_PANEL_GEMM 1
+
+#elif defined(__AVX2__) && defined(__FMA__)
+// fp32 rows [0, R) of the tile, columns [0, valid) of the panel, as the AVX-512 tile computes
+// them (each column's sum in k order, one FMA a step), with the same prefetch of the next panel.
+template <int R>
+void tile(const float* x, int64_t x_stride, const float* panel, int64_t k, const float* bias,
+          float* y, int64_t y_stride, int valid, const float* next, int64_t part,
+          int64_t parts) {
+  __m256 sum[R][kVectors];
+  for (int v = 0; v < kVectors; ++v) {
+    const __m256 start = bias ? _mm256_loadu_ps(bias + kLanes * v) : _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) sum[r][v] = start;
+  }
+  for (int64_t i = 0; i < k; ++i) {
+    const float* w = panel + i * kPanel;
+    if (next) {  // this tile's share of the next panel, a k step (two 64-byte lines) a step
+      const char* ahead = reinterpret_cast<const char*>(next + (part * k + i) / parts * kPanel);
+      _mm_prefetch(ahead, _MM_HINT_T1);
+      _mm_prefetch(ahead + 64, _MM_HINT_T1);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 xr = _mm256_broadcast_ss(x + r * x_stride + i);
+      for (int v = 0; v < kVectors; ++v)
+        sum[r][v] = _mm256_fmadd_ps(xr, _mm256_load_ps(w + kLanes * v), sum[r][v]);
+    }
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int v = 0; v < kVectors; ++v) {
+    const int left = valid - kLanes * v;
+    if (left <= 0) break;
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(left), lane);
+    for (int r = 0; r < R; ++r) _mm256_maskstore_ps(y + r * y_stride + kLanes * v, mask, sum[r][v]);
+  }
+}
+
+template <typename T>
+using Tile = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*,
+                      int64_t, int, const float*, int64_t, int64_t);
+template <typename T>
+constexpr Tile<T> kTiles[kTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>};
+#define ACTORLM_PANEL_GEMM 1
 #endif
 
 }  // namespace actorlm::panel
