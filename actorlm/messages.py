@@ -262,7 +262,10 @@ class StepResult(_StepMessage):
 
     ``timings`` are the runner's seconds in this step: [input preparation, forward, logits and
     sampling] (on a GPU the forward is only launched when its clock stops; sampling waits).
-    ``rank_timings[r]`` are rank ``r``'s, filled by the executor (``timings`` are rank 0's)."""
+    ``rank_timings[r]`` are rank ``r``'s, filled by the executor (``timings`` are rank 0's).
+    ``router_s`` and ``experts_s``: the forward's seconds in the routers and in the experts
+    of its mixture-of-experts layers (``models.moe.MoeTimer``), rank 0's; None where not
+    measured (a dense model, a GPU)."""
 
     step_id: int
     request_ids: list[str]
@@ -275,6 +278,8 @@ class StepResult(_StepMessage):
     blame_request_ids: list[str] = []
     timings: list[float] = []
     rank_timings: list[list[float]] = []
+    router_s: float | None = None
+    experts_s: float | None = None
 
 
 class WorkerResult(_StepMessage):

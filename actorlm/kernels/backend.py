@@ -60,16 +60,26 @@ class QuantizedWeight(NamedTuple):
 
 
 class Experts(NamedTuple):
-    """A layer's routed experts, each a gated MLP, stacked into one tensor per projection (this
-    rank's share of every expert's intermediate features, or under expert parallelism its
-    share of the experts, whole): expert ``first_expert + e`` computes
-    ``down[e] @ act_and_mul(gate_up[e] @ x)``. A token routed to an expert outside
-    ``first_expert .. first_expert + E - 1`` (another rank's) gets nothing from it here."""
+    """A layer's routed experts, each a gated MLP (this rank's share of every expert's
+    intermediate features, or under expert parallelism its share of the experts, whole):
+    expert ``first_expert + e`` computes ``down[e] @ act_and_mul(gate_up[e] @ x)``. A token
+    routed to an expert outside ``first_expert .. first_expert + E - 1`` (another rank's) gets
+    nothing from it here.
 
-    gate_up: torch.Tensor  # [E, 2I, H], each expert's rows [gate | up]
-    down: torch.Tensor  # [E, H, I]
+    Floats come stacked, one tensor per projection. Weights kept in GGUF blocks come one entry
+    per expert (``is_quantized``): its gate/up the ``QuantizedWeight`` parts of its rows, gate
+    then up (each part in its own format, as a file may store them), and its down one
+    ``QuantizedWeight``; a backend runs each expert's rows through its quantized linear
+    kernel, so a step reads the blocks of the experts it routes to and no others."""
+
+    gate_up: torch.Tensor | tuple[tuple[QuantizedWeight, ...], ...]  # [E, 2I, H]: [gate | up]
+    down: torch.Tensor | tuple[QuantizedWeight, ...]  # [E, H, I]
     activation: str = "silu"  # one of ACTIVATIONS
     first_expert: int = 0  # the router's id of gate_up[0]
+
+    @property
+    def is_quantized(self) -> bool:
+        return not isinstance(self.gate_up, torch.Tensor)
 
 
 class MoePlan(NamedTuple):

@@ -11,6 +11,10 @@ Under expert parallelism the experts are one rank's share (``Experts.first_exper
 slots routed to the others are left out of the groups and add zero, so the rank's result is
 its part of the sum, which the model's all-reduce completes.
 
+Experts kept in GGUF blocks run the same groups through linear layers the backend prepared
+over each expert's blocks (``LinearExperts``): a group's rows call its own expert's layers, so
+a decode step reads the blocks of the ``top_k`` experts it routes to and no others.
+
 Each token's expert outputs are weighted in fp32, rounded to the dtype and summed in ascending
 expert order, as transformers' loop over the experts adds them (Mixtral's bits; the Qwen and
 OLMoE layers round the weight to the dtype before the product, which differs only in bf16, by
@@ -40,14 +44,15 @@ def route(router_logits: torch.Tensor, top_k: int,
     return weights, ids
 
 
-def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: Experts,
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    experts: Experts | LinearExperts,
                     act_and_mul: Callable = portable.act_and_mul) -> torch.Tensor:
     """sum over j of weights[t, j] * expert ids[t, j] (x[t]) for each token: x [T, H], weights
     and ids [T, k] (the router's expert ids) -> [T, H], a slot on an expert that ``experts``
     does not hold adding nothing. ``act_and_mul`` is the wing's (gate_up [n, 2I] -> [n, I])."""
     check_activation(experts.activation)
     num_tokens, top_k = ids.shape
-    num_experts = experts.gate_up.shape[0]
+    num_experts = len(experts.gate_up)
     # each token's experts in ascending order, so that its slot j holds its j-th smallest
     ids, by_expert = ids.sort(dim=-1)
     weights = weights.gather(-1, by_expert)
@@ -65,10 +70,10 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, e
         if count == 0:
             continue
         end = start + count
-        hidden = act_and_mul(F.linear(rows[start:end], experts.gate_up[expert]),
+        hidden = act_and_mul(_project(experts.gate_up[expert], rows[start:end]),
                              experts.activation)  # [n, I]
         # the product in fp32 (the weights' dtype), rounded to x's dtype by the copy
-        out[start:end] = F.linear(hidden, experts.down[expert]) * slot_weights[start:end]
+        out[start:end] = _project(experts.down[expert], hidden) * slot_weights[start:end]
         start = end
     slots = x.new_zeros(num_tokens * top_k, x.shape[1])
     slots[held] = out  # back in token order: [T k, H]
@@ -79,10 +84,38 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, e
     return total.contiguous()
 
 
-def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, experts: Experts, top_k: int,
-              renormalize: bool, act_and_mul: Callable = portable.act_and_mul) -> torch.Tensor:
+def _project(weight: torch.Tensor | Callable, rows: torch.Tensor) -> torch.Tensor:
+    """rows [n, in] -> [n, out] through an expert's weight [out, in] or its prepared layer."""
+    return weight(rows) if callable(weight) else F.linear(rows, weight)
+
+
+def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, experts: Experts | LinearExperts,
+              top_k: int, renormalize: bool,
+              act_and_mul: Callable = portable.act_and_mul) -> torch.Tensor:
     """``KernelBackend.fused_moe`` in torch ops: x [T, H], router_logits [T, E] -> [T, H]."""
     if x.shape[0] == 0:
         return x.new_zeros(x.shape)
     weights, ids = route(router_logits, top_k, renormalize)
     return grouped_experts(x, weights, ids, experts, act_and_mul)
+
+
+class LinearExperts:
+    """Experts in GGUF blocks (``Experts.is_quantized``) as a backend runs them: each expert's
+    gate/up and down prepared once by the backend's ``prepare_linear`` (its quantized linear
+    kernel), the step's rows grouped by expert as for floats. ``__call__`` is
+    ``KernelBackend.fused_moe`` over them, with the wing's ``act_and_mul``."""
+
+    def __init__(self, experts: Experts, prepare_linear: Callable, act_and_mul: Callable):
+        check_activation(experts.activation)
+        self.gate_up = [prepare_linear(parts, None) for parts in experts.gate_up]
+        self.down = [prepare_linear(weight, None) for weight in experts.down]
+        self.activation, self.first_expert = experts.activation, experts.first_expert
+        self.num_experts, self.intermediate = len(self.down), experts.down[0].shape[1]
+        self.act_and_mul = act_and_mul
+        # (every expert's formats: what a test or a log line asks of a layer)
+        self.type_names = sorted({part.type_name for parts in experts.gate_up for part in parts} |
+                                 {weight.type_name for weight in experts.down})
+
+    def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
+                 renormalize: bool) -> torch.Tensor:
+        return fused_moe(x, router_logits, self, top_k, renormalize, self.act_and_mul)

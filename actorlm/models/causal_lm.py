@@ -23,7 +23,7 @@ from actorlm.models.families import (GEMMA_NORMS, LLAMA_NORMS,
                                      narrow, rope_inv_freq, rope_layer_types, text_config)
 from actorlm.models.layers import Embedding, Linear, RMSNorm, VocabParallelEmbedding
 from actorlm.models.expert_parallel import check_expert_parallel, split_intermediate_sizes
-from actorlm.models.moe import RoutedExperts
+from actorlm.models.moe import MoeTimer, RoutedExperts, SparseMoeBlock
 from actorlm.models.parallel import TensorParallel, check_tensor_parallel, gather_last_dim
 
 # HF checkpoint name fragment -> (merged parameter fragment, shard index)
@@ -95,6 +95,7 @@ class CausalLM(nn.Module):
         self.rope_tables = [_rope_table(config, t, max_positions, dtype, device)
                             for t in table_types]
         self.decode_step = None  # the backend's one-call decode step, once the weights load
+        self.moe_timer = _moe_timer(self.model, device)
 
     def ropes(self, positions) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The step's RoPE tables, (cos, sin_signed) [T, 1, D] each (Gemma 3: two)."""
@@ -106,6 +107,8 @@ class CausalLM(nn.Module):
         """input_ids, positions: [T] int64; kv_caches: per layer (k_cache, v_cache); metas: the
         step's attention metadata, one per KV-cache group (``kv_groups``) -> [T, hidden]."""
         ropes = self.ropes(positions)
+        if self.moe_timer is not None:
+            self.moe_timer.reset()  # it holds the last forward's seconds
         x, residual = self.model.embed_tokens(input_ids), None  # [T, hidden]
         if self.embed_scale is not None:
             x = x * self.embed_scale
@@ -113,6 +116,10 @@ class CausalLM(nn.Module):
             self.decode_step(x, ropes, kv_caches, metas)
         if fused is not None:  # every layer in one call (a decode step on a CPU)
             x, residual = fused
+            # (the step timed its MoE layers itself, where it says so: KernelBackend.decode_step)
+            seconds = getattr(self.decode_step, "moe_seconds", None)
+            if self.moe_timer is not None and seconds is not None:
+                self.moe_timer.add(*seconds)
         else:
             for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
                 x, residual = layer(x, residual, ropes, kv_cache, metas)
@@ -146,8 +153,13 @@ class CausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue  # recomputed at init / shared with embed_tokens
             experts = expert_weights.expert_parts(name, tensor, params, self.tp)
-            for keys, dst, part in experts or ():  # routed experts: into their stacked rows
-                _copy(name, dst, part)
+            for keys, dst, part, slot in experts or ():  # routed experts: their stacked rows
+                if isinstance(part, QuantizedWeight):  # kept in blocks, one expert's rows
+                    _check_shape(name, dst, part)
+                    module, *where = slot
+                    self.get_submodule(module).load_quantized(*where, part)
+                else:
+                    _copy(name, dst, part)
                 missing.difference_update(keys)
             if experts is not None:
                 continue
@@ -237,6 +249,18 @@ class CausalLM(nn.Module):
             start = rank * rows
             length = max(0, min(rows, self.vocab_size - start))
         return narrow(tensor, dim, start, length)
+
+
+def _moe_timer(body: DecoderBody, device) -> MoeTimer | None:
+    """One timer for the mixture-of-experts layers of a model on a CPU (``MoeTimer`` says why
+    not on a GPU), handed to each of them; None for a model without such layers."""
+    blocks = [layer.mlp for layer in body.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    if not blocks or torch.device(device or "cpu").type != "cpu":
+        return None
+    timer = MoeTimer()
+    for block in blocks:
+        block.timer = timer
+    return timer
 
 
 def _rope_table(config, layer_type, max_positions, dtype, device):

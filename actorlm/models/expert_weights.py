@@ -4,7 +4,10 @@ transformers' ``save_pretrained`` writes one tensor per expert and projection
 (``mlp.experts.{e}.gate_proj.weight``, ``up_proj``, ``down_proj``; Mixtral's ``w1``, ``w3``,
 ``w2``, which ``moe_families.checkpoint_name`` renames to these); it holds them in memory
 stacked (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) and
-writes that with ``save_original_format=False``. Both load.
+writes that with ``save_original_format=False``. Both load. A GGUF file's stacked experts
+arrive split into the per-expert names (``gguf_file``). A per-expert tensor in GGUF blocks
+(``QuantizedWeight``) is not copied: it goes to ``RoutedExperts.load_quantized`` and stays in
+its blocks.
 Tensor-parallel: a rank takes its rows of each expert's gate and up, its columns of each down.
 Expert-parallel: a rank takes its experts whole and reads nothing of the others'.
 """
@@ -12,7 +15,7 @@ Expert-parallel: a rank takes its experts whole and reads nothing of the others'
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -22,6 +25,18 @@ from actorlm.models.parallel import TensorParallel
 
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+class ExpertPart(NamedTuple):
+    """Where (part of) a checkpoint tensor goes: the keys it fills, the destination rows of
+    the stacked parameter, this rank's ``part`` of the tensor; for one expert's tensor also
+    its ``slot``, (the experts' module, ``gate_up_proj`` or ``down_proj``, this rank's index
+    of the expert, the first row), where a part in blocks is kept."""
+
+    keys: list[str]
+    dst: torch.Tensor
+    part: Any
+    slot: tuple[str, str, int, int] | None = None
 
 
 def is_experts_param(param_name: str) -> bool:
@@ -48,17 +63,16 @@ def expert_keys(param_name: str, experts: range) -> list[str]:
 
 
 def expert_parts(name: str, tensor, params: dict[str, torch.Tensor],
-                 tp: TensorParallel) -> list[tuple[list[str], torch.Tensor, Any]] | None:
+                 tp: TensorParallel) -> list[ExpertPart] | None:
     """Where the checkpoint tensor ``name`` goes, if it is routed experts' (else None): a list
-    of (the keys it fills, the destination rows, this rank's part of the tensor), empty for an
-    expert another rank holds. A slice of a safetensors file in place of the tensor reads only
-    that part."""
+    of ``ExpertPart``, empty for an expert another rank holds. A slice of a safetensors file in
+    place of the tensor reads only that part."""
     per_expert, stacked = _PER_EXPERT.match(name), _STACKED.match(name)
     if per_expert is None and stacked is None:
         return None
-    if isinstance(tensor, QuantizedWeight):
-        raise ValueError(f"{name!r}: routed experts in {tensor.type_name} blocks are not "
-                         f"implemented")
+    if per_expert is None and isinstance(tensor, QuantizedWeight):  # (the loaders split them)
+        raise ValueError(f"{name!r}: stacked experts in {tensor.type_name} blocks are loaded "
+                         f"one expert at a time (experts.{{e}}.*_proj.weight)")
     if per_expert is not None:
         return _per_expert_part(name, per_expert.groups(), tensor, params, tp)
     prefix, projection = stacked.groups()
@@ -67,16 +81,17 @@ def expert_parts(name: str, tensor, params: dict[str, torch.Tensor],
     dst = params[name]
     experts = held_experts(dst, tp)
     if tp.expert_parallel:  # this rank's experts, whole: [E_rank, 2I, H] or [E_rank, H, I]
-        return [(expert_keys(name, experts), dst,
-                 narrow(tensor, 0, experts.start, len(experts)))]
+        return [ExpertPart(expert_keys(name, experts), dst,
+                           narrow(tensor, 0, experts.start, len(experts)))]
     if projection == "down_proj":  # [E, H, I]
         size = dst.shape[2]
-        return [(expert_keys(name, experts), dst, narrow(tensor, 2, tp.rank * size, size))]
+        return [ExpertPart(expert_keys(name, experts), dst,
+                           narrow(tensor, 2, tp.rank * size, size))]
     size = dst.shape[1] // 2  # [E, 2I, H]: this rank's gate rows, then its up rows
     whole = size * tp.size
-    return [([f"{prefix}.{e}.{part}.weight" for e in experts],
-             dst.narrow(1, index * size, size),
-             narrow(tensor, 1, index * whole + tp.rank * size, size))
+    return [ExpertPart([f"{prefix}.{e}.{part}.weight" for e in experts],
+                       dst.narrow(1, index * size, size),
+                       narrow(tensor, 1, index * whole + tp.rank * size, size))
             for index, part in enumerate(("gate_proj", "up_proj"))]
 
 
@@ -89,10 +104,14 @@ def _per_expert_part(name, groups, tensor, params, tp):
     experts = held_experts(params[stacked_name], tp)
     if expert not in experts:
         return []  # another rank's
-    held = params[stacked_name][expert - experts.start]  # [H, I_rank] or [2 I_rank, H]
+    local = expert - experts.start
+    held = params[stacked_name][local]  # [H, I_rank] or [2 I_rank, H]
     size = held.shape[1] if projection == "down_proj" else held.shape[0] // 2
     first = 0 if tp.expert_parallel else tp.rank * size  # its features: all, or this rank's
+    module, stacked_projection = stacked_name.rsplit(".", 1)
     if projection == "down_proj":
-        return [([name], held, narrow(tensor, 1, first, size))]
-    dst = held.narrow(0, 0 if projection == "gate_proj" else size, size)
-    return [([name], dst, narrow(tensor, 0, first, size))]
+        return [ExpertPart([name], held, narrow(tensor, 1, first, size),
+                           (module, stacked_projection, local, 0))]
+    first_row = 0 if projection == "gate_proj" else size
+    return [ExpertPart([name], held.narrow(0, first_row, size), narrow(tensor, 0, first, size),
+                       (module, stacked_projection, local, first_row))]

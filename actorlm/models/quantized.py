@@ -1,10 +1,12 @@
-"""Weights in GGUF block formats at load time: quantizing a checkpoint's weights
-(``--quantization q8_0 | q4_0``) and slicing block rows for tensor parallelism (dequantizing
-is ``kernels.portable.dequantize``). The ``gguf`` package does the block arithmetic (and is
-the kernels' test oracle); nothing here runs per step.
+"""Weights in GGUF block formats at load time: quantizing a checkpoint's weights, routed
+experts included (``--quantization q8_0 | q4_0``), and slicing block rows for tensor
+parallelism (dequantizing is ``kernels.portable.dequantize``). The ``gguf`` package does the
+block arithmetic (and is the kernels' test oracle); nothing here runs per step.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 
@@ -15,6 +17,8 @@ QUANTIZATIONS = ("gguf", "q8_0", "q4_0")  # --quantization; gguf: a .gguf model'
 # quantized at load to Q8_0 whatever --quantization says: the embedding and the LM head, where
 # llama.cpp too keeps 8 bits (a 4-bit vocabulary projection costs the most accuracy)
 _VOCABULARY_TYPE = "Q8_0"
+_EXPERT_WEIGHT = re.compile(r"\.experts\.\d+\.\w+\.weight$")  # one expert's (Mixtral's w1 too)
+_STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 
 
 def block_elements(type_name: str) -> int:
@@ -24,17 +28,56 @@ def block_elements(type_name: str) -> int:
     return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][0]
 
 
-def quantize(weight: torch.Tensor, quantization: str, vocabulary: bool) -> QuantizedWeight | None:
+def quantize(weight: torch.Tensor, quantization: str, vocabulary: bool,
+             copied: bool = True) -> QuantizedWeight | None:
     """``weight`` [out, in] in ``quantization``'s blocks (Q8_0 for a ``vocabulary`` matrix), or
-    None where its rows do not divide into whole blocks."""
+    None where its rows do not divide into whole blocks; the blocks ``copied`` into huge pages
+    (``kernels.resident``), or left where the quantizer wrote them (an expert's, which its
+    layer copies)."""
     import gguf
 
     type_name = _VOCABULARY_TYPE if vocabulary else quantization.upper()
     if weight.dim() != 2 or weight.shape[1] % block_elements(type_name):
         return None
     kind = gguf.GGMLQuantizationType[type_name]
-    blocks = gguf.quants.quantize(weight.detach().float().numpy(), kind)
-    return QuantizedWeight(type_name, resident(torch.from_numpy(blocks)), tuple(weight.shape))
+    blocks = torch.from_numpy(gguf.quants.quantize(weight.detach().float().numpy(), kind))
+    return QuantizedWeight(type_name, resident(blocks) if copied else blocks,
+                           tuple(weight.shape))
+
+
+def quantize_checkpoint(tensors, quantization: str):
+    """``--quantization``: the linear layers' weights of a checkpoint's (name, tensor) pairs in
+    ``quantization``'s blocks where their rows divide into blocks (the others as they are);
+    the routed experts one expert at a time (a stacked checkpoint's split into the per-expert
+    names ``expert_weights`` loads), left uncopied for their layer to copy. The routers
+    (``mlp.gate``, ``shared_expert_gate``: a few rows, read once a token) stay in floats, where
+    the routing keeps transformers' choices of experts."""
+    for name, tensor in tensors:
+        stacked = _STACKED_EXPERTS.match(name)
+        if stacked is not None:
+            yield from _quantized_experts(stacked, tensor, quantization)
+            continue
+        expert = _EXPERT_WEIGHT.search(name) is not None
+        vocabulary = name in ("model.embed_tokens.weight", "lm_head.weight")
+        if vocabulary or expert or name.endswith("_proj.weight"):
+            tensor = quantize(tensor, quantization, vocabulary, copied=not expert) or tensor
+        yield name, tensor
+
+
+def _quantized_experts(stacked, tensor: torch.Tensor, quantization: str):
+    """A checkpoint's stacked gate/up [E, 2I, H] or down [E, H, I] one expert and projection at
+    a time in blocks, or as it is where its rows do not divide into blocks."""
+    prefix, projection = stacked.groups()
+    if tensor.shape[-1] % block_elements(quantization.upper()):
+        yield stacked.string, tensor
+        return
+    size = tensor.shape[1] // 2
+    for expert, values in enumerate(tensor):
+        parts = [("down_proj", values)] if projection == "down_proj" else \
+            [("gate_proj", values[:size]), ("up_proj", values[size:])]
+        for part, rows in parts:
+            yield f"{prefix}.{expert}.{part}.weight", quantize(rows, quantization, False,
+                                                               copied=False)
 
 
 def narrow(weight: QuantizedWeight, dim: int, start: int, length: int) -> QuantizedWeight:

@@ -76,6 +76,7 @@ class _Sampling:
     prompt_logprobs: list[PromptLogprobs]
     timings: list[float]  # input preparation, forward
     logits_s: float  # logits and prompt logprobs so far
+    moe_seconds: tuple[float, float] | None  # the forward's (router, experts); None: untimed
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: bytes) -> None:
@@ -99,6 +100,7 @@ class ModelRunner:
                  eos_token_ids: frozenset[int] = frozenset(),
                  tp: TensorParallel = TensorParallel()):
         self.model, self.backend, self.tp = model, backend, tp
+        self._moe_timer = getattr(model, "moe_timer", None)  # None: no MoE layers, or a GPU
         self.block_size, self.dtype, self.device = block_size, dtype, device
         self.eos_token_ids = eos_token_ids
         groups = getattr(model, "kv_cache_groups", None) or \
@@ -155,8 +157,10 @@ class ModelRunner:
         if s is None or (bitmask is not None and bitmask.step_id != s.step_id):
             raise RuntimeError("a grammar bitmask for a step this runner is not sampling")
         t_sample = time.perf_counter()
+        router_s, experts_s = s.moe_seconds or (None, None)
         if not self.tp.is_driver:  # rank 0 samples and answers for the step
-            return StepResult(s.step_id, [], [], timings=[*s.timings, s.logits_s])
+            return StepResult(s.step_id, [], [], timings=[*s.timings, s.logits_s],
+                              router_s=router_s, experts_s=experts_s)
         sampled_ids = [s.request_ids[i] for i in s.rows]
         tokens, logprobs = [], []
         if s.rows:
@@ -170,7 +174,8 @@ class ModelRunner:
                 state.token_ids.append(token)
         timings = [*s.timings, s.logits_s + time.perf_counter() - t_sample]
         return StepResult(s.step_id, sampled_ids, tokens, logprobs=logprobs,
-                          prompt_logprobs=s.prompt_logprobs, timings=timings)
+                          prompt_logprobs=s.prompt_logprobs, timings=timings,
+                          router_s=router_s, experts_s=experts_s)
 
     @torch.inference_mode()
     def _forward(self, step: ScheduleStep, t_start: float) -> _Sampling:
@@ -193,6 +198,8 @@ class ModelRunner:
         t_prepared = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, metas)  # [T, hidden]
         t_forward = time.perf_counter()
+        timer = self._moe_timer
+        moe_seconds = None if timer is None else (timer.router_s, timer.experts_s)
         prompt_logprobs = self._prompt_logprobs(hidden, request_ids, states, num_scheduled,
                                                 query_start)
         # a request whose context is complete after this step samples its next token
@@ -202,7 +209,7 @@ class ModelRunner:
             if rows else None  # [N, V] fp32
         return _Sampling(step.step_id, request_ids, states, rows, logits, prompt_logprobs,
                          [t_prepared - t_start, t_forward - t_prepared],
-                         time.perf_counter() - t_forward)
+                         time.perf_counter() - t_forward, moe_seconds)
 
     def _learn_sampled_tokens(self, step: ScheduleStep) -> None:
         """Not rank 0: append the tokens rank 0 sampled for the step's cached requests. A

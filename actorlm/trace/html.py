@@ -2,7 +2,8 @@
 
 ``render_html(records)`` returns the page for a trace: one lane per request coloured by state
 (waiting, running — prefill or decode —, preempted, finished with its reason) and labelled
-with its prefix-cache hit, the steps with their batch composition, the KV cache's use over
+with its prefix-cache hit, the steps with their batch composition and forward time (a mixture
+of experts': how much of it the routers and the experts took), the KV cache's use over
 time, summary figures (the cache-hit rate among them), filters, zoom, and hover details.
 The data travels inside the page as JSON, its figures computed here; the script only lays
 them out. Every lane carries ``data-request-id`` and ``data-cached-tokens``, every state
@@ -57,8 +58,13 @@ def page_data(timeline: Timeline, title: str) -> dict:
     steps = [[s.step, ms(s.t_start), ms(s.t_end), s.num_prefill_tokens, s.num_decode_tokens,
               s.kv_blocks_used, s.kv_blocks_free, s.num_running, s.num_waiting, s.request_ids,
               s.num_scheduled_tokens, s.preempted_ids, s.failed_ids, s.num_cached_tokens,
-              s.kv_blocks_cached, s.kv_blocks_per_group] for s in timeline.steps]
+              s.kv_blocks_cached, s.kv_blocks_per_group, _ms_or_none(s.forward_s),
+              _ms_or_none(s.router_s), _ms_or_none(s.experts_s)] for s in timeline.steps]
     return {"meta": meta, "summary": summary_figures(timeline), "lanes": lanes, "steps": steps}
+
+
+def _ms_or_none(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)
 
 
 def summary_figures(timeline: Timeline) -> dict:

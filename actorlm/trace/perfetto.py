@@ -5,7 +5,9 @@ events, the prefill/decode stretches of a running span nested inside it, the fin
 instant); "actors" has one track per sending actor with its messages as instants; "engine"
 has the steps as ``X`` events and counters (``C``) for KV blocks and batch size, and one track
 per worker rank with its input preparation, forward and sampling of each step (laid end to end
-so that they end with the step: a rank's own clock is not this process's). Timestamps
+so that they end with the step: a rank's own clock is not this process's); inside rank 0's
+forward of a mixture-of-experts model, its routers' and its experts' time, each summed over the
+layers (so laid end to end too, not where each layer ran them). Timestamps
 are microseconds from the first record; events are sorted by time, so every track's are
 monotonic.
 """
@@ -125,6 +127,15 @@ def _actors(timeline: Timeline, us, meta: list, events: list) -> None:
                        "args": {"to": m.receiver, "bytes": m.num_bytes, "step": m.step}})
 
 
+def _moe_spans(step, t_forward: float, us, events: list) -> None:
+    """The routers' and the experts' seconds of ``step``, from the start of rank 0's forward."""
+    t_routed = t_forward + step.router_s
+    args = {"step": step.step, "summed_over_layers": True}
+    events.append(_span("router", "moe", us(t_forward), us(t_routed), _ENGINE, 2, args))
+    events.append(_span("experts", "moe", us(t_routed), us(t_routed + step.experts_s), _ENGINE,
+                        2, args))
+
+
 def _engine(timeline: Timeline, us, meta: list, events: list) -> None:
     meta.append(_meta("thread_name", _ENGINE, 1, "steps"))
     total = timeline.config.num_kv_blocks if timeline.config is not None else None
@@ -137,6 +148,8 @@ def _engine(timeline: Timeline, us, meta: list, events: list) -> None:
             for phase, seconds in zip(_RANK_PHASES, timings):
                 events.append(_span(phase, "rank", us(t), us(t + seconds), _ENGINE, 2 + rank,
                                     {"step": s.step, "rank": rank}))
+                if phase == "forward" and rank == 0 and s.router_s is not None:
+                    _moe_spans(s, t, us, events)
                 t += seconds
         events.append(_span(f"step {s.step}", "step", us(s.t_start), us(s.t_end), _ENGINE, 1, {
             "step": s.step, "num_requests": s.num_requests,

@@ -258,7 +258,7 @@ class TraceRecorder:
         if pending is not None and pending.plan is plan:
             self._emit_step(pending, self._now(), list(result.failed_request_ids), result.error,
                             result.fault, list(result.blame_request_ids), result.timings,
-                            result.rank_timings)
+                            result.rank_timings, (result.router_s, result.experts_s))
 
     # --- export -------------------------------------------------------------------------------
 
@@ -333,7 +333,8 @@ class TraceRecorder:
     def _emit_step(self, pending: _PendingStep, t_end: float, failed_ids: list[str],
                    error: str | None, fault: str | None = None,
                    blamed_ids: list[str] = (), timings: list[float] = (),
-                   rank_timings: list[list[float]] = ()) -> None:
+                   rank_timings: list[list[float]] = (),
+                   moe_seconds: tuple[float | None, float | None] = (None, None)) -> None:
         self._pending = None
         plan, granted = pending.plan, pending.granted
         counts = list(plan.num_scheduled_tokens)
@@ -352,4 +353,5 @@ class TraceRecorder:
             kv_blocks_cached=granted.num_cached_blocks if granted is not None else 0,
             num_running=pending.num_running, num_waiting=pending.num_waiting, error=error,
             fault=fault, blamed_ids=list(blamed_ids), num_cached_tokens=plan.num_cached_tokens,
-            rank_timings=[list(t) for t in rank_timings], **dict(zip(_TIMINGS, timings))))
+            rank_timings=[list(t) for t in rank_timings], router_s=moe_seconds[0],
+            experts_s=moe_seconds[1], **dict(zip(_TIMINGS, timings))))

@@ -126,6 +126,8 @@ class StepSummary(_Record, tag="step"):
     is the engine's own work (see ``trace/step_breakdown.py``). ``rank_timings[r]`` are the same three
     for worker rank ``r`` (rank 0's are the ones above). ``kv_blocks_per_group[g]``: the blocks
     KV-cache group ``g`` holds after the grant (they add up to ``kv_blocks_used``).
+    ``router_s`` and ``experts_s`` are the parts of rank 0's forward spent in the routers and
+    in the experts of a mixture-of-experts model (``StepResult``), None where not measured.
     """
 
     step: int
@@ -153,6 +155,8 @@ class StepSummary(_Record, tag="step"):
     num_cached_tokens: int = 0  # found in the prefix cache by the requests admitted here
     rank_timings: list[list[float]] = []
     kv_blocks_per_group: list[int] = []
+    router_s: float | None = None
+    experts_s: float | None = None
 
     @property
     def num_requests(self) -> int:

@@ -5,6 +5,10 @@ step's period is the time from its plan to the next step's plan while the engine
 what the forward and sampling do not account for is the engine's own work — input
 preparation, scheduling, the messages between actors, applying the output — which is the
 overhead that no faster kernel removes.
+
+A mixture-of-experts model's steps also say how much of the forward its routers and its experts
+took (``router_s``, ``experts_s``): ``router_ms`` and ``experts_ms``, absent where no step
+measured them (a dense model, a GPU).
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ def breakdown(records: list[Record], since: float = float("-inf")) -> dict:
             # everything but the forward and sampling, input preparation included
             "engine_overhead_ms": _ms(period - s.forward_s - s.sample_s for s, period in chosen),
         }
+        timed = [s for s, _ in chosen if s.router_s is not None]
+        if timed:
+            out[kind]["router_ms"] = _ms(s.router_s for s in timed)
+            out[kind]["experts_ms"] = _ms(s.experts_s for s in timed)
     return out
 
 

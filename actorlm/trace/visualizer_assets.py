@@ -443,6 +443,8 @@ SCRIPT = r"""
     lines.push(kv('KV blocks', s[5] + ' used / ' + s[6] + ' free' + (s[14] ? ' (' + s[14] + ' cached)' : '')) +
       ' &nbsp; ' + kv('waiting', s[8]));
     if (s[15] && s[15].length > 1) lines.push(kv('blocks per KV-cache group', s[15].join(' / ')));
+    if (s[16]) lines.push(kv('forward', fmtMs(s[16])) + (s[17] === null ? '' :
+      ' &nbsp; ' + kv('router', fmtMs(s[17])) + ' &nbsp; ' + kv('experts', fmtMs(s[18]))));
     if (s[13]) lines.push(kv('cache hits', s[13] + ' tokens'));
     if (s[11].length) lines.push(kv('preempted', esc(s[11].join(', '))));
     if (s[12].length) lines.push(kv('failed', esc(s[12].join(', '))));

@@ -3,6 +3,7 @@
 import json
 import statistics
 
+import msgspec
 import pytest
 
 from actorlm.api.cli import main
@@ -34,6 +35,20 @@ def test_breakdown_splits_each_busy_period_into_forward_sampling_and_the_rest():
     assert decode["step_ms"] == 5.0 and decode["forward_ms"] == 2.0
     assert decode["sample_ms"] == 1.0 and decode["engine_overhead_ms"] == 2.0
     assert breakdown(records)["prefill"]["step_ms"] == 10.0
+    assert "router_ms" not in decode and "experts_ms" not in decode  # a dense model's
+
+
+def test_breakdown_gives_the_median_router_and_experts_time_of_moe_steps():
+    def moe(step, t_start, t_end, router, experts, num_prefill=0):
+        return msgspec.structs.replace(_step(step, t_start, t_end, num_prefill, forward=0.004),
+                                       router_s=router, experts_s=experts)
+
+    records = [moe(0, 0.000, 0.005, 0.0010, 0.0030, num_prefill=2),
+               moe(1, 0.006, 0.010, 0.0002, 0.0010), moe(2, 0.011, 0.015, 0.0004, 0.0020),
+               moe(3, 0.016, 0.020, 0.0003, 0.0030), moe(4, 0.021, 0.025, 0.0002, 0.0010)]
+    out = breakdown(records)
+    assert (out["decode"]["router_ms"], out["decode"]["experts_ms"]) == (0.3, 2.0)
+    assert (out["prefill"]["router_ms"], out["prefill"]["experts_ms"]) == (1.0, 3.0)
 
 
 @pytest.mark.slow

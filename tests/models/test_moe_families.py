@@ -124,10 +124,10 @@ def test_fields_that_matter_only_in_training_are_taken(family, changes, tiny_moe
     assert layer_specs(config) == layer_specs(load_hf_config(tiny_moe_dirs[family]))
 
 
-def test_quantizing_leaves_the_experts_in_floats_and_the_rest_in_blocks(tiny_moe_dirs):
-    """``--quantization q8_0``: attention, dense MLPs and the shared expert in Q8_0 blocks
-    (where their rows divide into blocks); the routed experts and the router as they came (no
-    backend runs experts in blocks)."""
+def test_quantizing_puts_the_experts_in_blocks_too(tiny_moe_dirs):
+    """``--quantization q8_0``: attention, dense MLPs, the shared expert and every routed
+    expert in Q8_0 blocks (where their rows divide into blocks); the router and the shared
+    expert's gate as they came (tests/models/test_moe_gguf.py holds the values)."""
     model = load_model(tiny_moe_dirs["qwen2_moe"], torch.float32, "cpu", select_backend("cpu"),
                        quantization="q8_0")
     dense, routed = model.model.layers[0], model.model.layers[1]
@@ -142,8 +142,8 @@ def test_quantizing_leaves_the_experts_in_floats_and_the_rest_in_blocks(tiny_moe
     # (the shared expert's down_proj has 48 input features, not whole blocks of 32: floats)
     assert not in_blocks(routed.mlp.shared_expert.down_proj)
     assert not in_blocks(routed.mlp.gate) and not in_blocks(routed.mlp.shared_expert_gate)
-    assert routed.mlp.experts.dtype == torch.float32 and \
-        all(t.dtype == torch.float32 for t in _expert_tensors(routed.mlp.experts))
+    experts = routed.mlp.experts.prepared  # each expert's layers on the quantized kernels
+    assert experts.type_names == ["Q8_0"] and isinstance(experts.down[0], QuantLinear)
     prompt = random_prompt(model.vocab_size, PROMPT_LEN)
     logits = greedy_with_logits(model, prompt, 2, block_size=4)[0]
     assert logits.isfinite().all()

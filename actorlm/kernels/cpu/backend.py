@@ -58,10 +58,12 @@ class CpuBackend(KernelBackend):
         return out.reshape(num_tokens, -1)
 
     def prepare_experts(self, experts):
+        if experts.is_quantized:  # each expert's layers on the quantized kernels (QuantLinear)
+            return moe.LinearExperts(experts, self.prepare_linear, fused.act_and_mul)
         return PanelExperts.build(experts) or experts
 
     def fused_moe(self, x, router_logits, experts, top_k, renormalize):
-        if isinstance(experts, PanelExperts):
+        if isinstance(experts, (PanelExperts, moe.LinearExperts)):
             return experts(x, router_logits, top_k, renormalize)
         return moe.fused_moe(x, router_logits, experts, top_k, renormalize, fused.act_and_mul)
 

@@ -1,13 +1,14 @@
 """The GPU backend: Triton kernels for the norms, activations, the K/V write, paged attention,
 sampling, the linear layers in GGUF blocks and the routed experts (a grouped GEMM over the
-slots sorted by expert); cuBLAS (``F.linear``) for the dense linear layers; torch ops for
+slots sorted by expert; experts in GGUF blocks: each expert's rows through the quantized
+GEMM); cuBLAS (``F.linear``) for the dense linear layers; torch ops for
 RoPE."""
 
 from __future__ import annotations
 
 import torch.nn.functional as F
 
-from actorlm.kernels import portable
+from actorlm.kernels import moe, portable
 from actorlm.kernels.backend import AttentionLayer, KernelBackend, QuantizedWeight
 
 
@@ -67,9 +68,18 @@ class TritonBackend(KernelBackend):
                               softcap=layer.softcap)
         return out.reshape(num_tokens, q_size)
 
+    def prepare_experts(self, experts):
+        if experts.is_quantized:
+            # each expert's layers on the quantized GEMM, one pair of launches per expert a step
+            # touches (and a host sync a layer, to group the rows): correct, not yet fast
+            return moe.LinearExperts(experts, self.prepare_linear, self.act_and_mul)
+        return experts
+
     def fused_moe(self, x, router_logits, experts, top_k, renormalize):
         from actorlm.kernels.triton.fused_moe import fused_moe
 
+        if isinstance(experts, moe.LinearExperts):
+            return experts(x, router_logits, top_k, renormalize)
         return fused_moe(x, router_logits, experts, top_k, renormalize)
 
     def sample(self, logits, temperature, top_k, top_p, min_p, seeds, positions):

@@ -1,0 +1,147 @@
+"""The mixtures of experts of GGUF files: their configs from the metadata, their experts'
+tensor names (llama.cpp's ``gguf-py/gguf/constants.py`` is the reference).
+
+llama.cpp stores a layer's router as ``ffn_gate_inp`` [E, H], its routed experts stacked, one
+3-D tensor per projection (``ffn_gate_exps``, ``ffn_up_exps`` [E, I, H] and ``ffn_down_exps``
+[E, H, I], in torch order; older Mixtral files hold one tensor per expert, ``ffn_gate.{e}``…),
+and Qwen2-MoE's shared expert as ``ffn_{gate,up,down}_shexp`` with its sigmoid gate
+``ffn_gate_inp_shexp``, squeezed to [H] by llama.cpp's converter (a [1, H] linear weight here).
+
+The configs, as llama.cpp's graphs compute the models (every layer routed, by the softmax's
+top ``expert_used_count``):
+
+- ``qwen3moe``, ``qwen2moe``: transformers' config of the file, but for the experts' sizes,
+  which it does not read (``expert_feed_forward_length``, ``expert_shared_feed_forward_length``:
+  it keeps its config class's defaults, those of Qwen3-30B-A3B and Qwen1.5-MoE-A2.7B). The top-k
+  weights renormalised for Qwen3-MoE, not for Qwen2-MoE; biases where the tensors have them.
+- ``llama`` with ``llama.expert_count`` > 0 is Mixtral (transformers reads it as a dense
+  Llama): a ``MixtralConfig``, the top-k renormalised, q and k permuted as a Llama's.
+- ``olmoe`` (transformers does not read it): an ``OlmoeConfig``, the top-k as the softmax gives
+  them, q/k norms over whole projections, ``attention.clamp_kqv`` as ``clip_qkv``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from actorlm.kernels import QuantizedWeight
+
+# GGUF architecture -> model_type, beside the dense ones (Mixtral's files say "llama")
+ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe"}
+# GGUF tensor name (after "blk.N.") -> the Hugging Face one (after "model.layers.N."); the
+# stacked experts under a name of their own, split per expert as they are read
+LAYER_NAMES = {
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+_STACKED = re.compile(r"\.mlp\.experts\.(gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(r"^ffn_(gate|up|down)\.(\d+)$")  # older files: one tensor an expert
+
+
+def is_moe_file(reader, arch: str) -> bool:
+    return arch in ARCHITECTURES or \
+        (arch == "llama" and _field(reader, "llama.expert_count", 0) > 0)
+
+
+def per_expert_name(part: str) -> str | None:
+    """An older file's one expert's tensor (``ffn_gate.3``) under its Hugging Face name."""
+    match = _PER_EXPERT.match(part)
+    return None if match is None else f"mlp.experts.{match[2]}.{match[1]}_proj"
+
+
+def torch_shape(name: str, shape: list[int]) -> list[int]:
+    """The shape a tensor is handed over in: the squeezed shared-expert gate as [1, H]."""
+    return [1, *shape] if name.endswith("shared_expert_gate.weight") and len(shape) == 1 \
+        else shape
+
+
+def is_stacked_experts(name: str, shape) -> bool:
+    return len(shape) == 3 and _STACKED.search(name) is not None
+
+
+def each_expert(name: str, stacked: torch.Tensor | QuantizedWeight):
+    """(``mlp.experts.{e}.{projection}.weight``, expert e's [rows, columns]) of a stacked
+    tensor [E, rows, columns], in floats or in blocks (a view of the stacked ones each)."""
+    num_experts, rows, columns = stacked.shape
+    per_expert = stacked.blocks.view(num_experts, rows, -1) \
+        if isinstance(stacked, QuantizedWeight) else stacked
+    for expert in range(num_experts):
+        expert_name = name.replace(".mlp.experts.", f".mlp.experts.{expert}.")
+        if isinstance(stacked, QuantizedWeight):
+            yield expert_name, QuantizedWeight(stacked.type_name, per_expert[expert],
+                                               (rows, columns))
+        else:
+            yield expert_name, per_expert[expert]
+
+
+def moe_config(gguf, reader, tensor_names: list[str]):
+    """The transformers config of the MoE file ``gguf`` (``reader`` its parsed metadata,
+    ``tensor_names`` its tensors' Hugging Face names); see the module's docstring."""
+    from transformers import AutoConfig, MixtralConfig, OlmoeConfig
+
+    arch = _field(reader, "general.architecture")
+    has_bias = any(name.endswith("q_proj.bias") for name in tensor_names)
+    if arch in ("qwen3moe", "qwen2moe"):
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                            local_files_only=True)
+        config.moe_intermediate_size = _field(reader, f"{arch}.expert_feed_forward_length")
+        config.decoder_sparse_step, config.mlp_only_layers = 1, []
+        if arch == "qwen2moe":
+            config.shared_expert_intermediate_size = _field(
+                reader, f"{arch}.expert_shared_feed_forward_length")
+            config.qkv_bias, config.norm_topk_prob = has_bias, False
+        else:
+            config.attention_bias, config.norm_topk_prob = has_bias, True
+        return config
+    _refuse_rope_scaling(reader, arch)
+    hidden, heads = _field(reader, f"{arch}.embedding_length"), \
+        _field(reader, f"{arch}.attention.head_count")
+    head_dim = _field(reader, f"{arch}.attention.key_length", hidden // heads)
+    common = dict(
+        vocab_size=_field(reader, f"{arch}.vocab_size", None) or
+        len(reader.fields["tokenizer.ggml.tokens"].data),
+        hidden_size=hidden, intermediate_size=_field(reader, f"{arch}.feed_forward_length"),
+        num_hidden_layers=_field(reader, f"{arch}.block_count"), num_attention_heads=heads,
+        num_key_value_heads=_field(reader, f"{arch}.attention.head_count_kv", heads),
+        max_position_embeddings=_field(reader, f"{arch}.context_length"),
+        rms_norm_eps=_field(reader, f"{arch}.attention.layer_norm_rms_epsilon"),
+        rope_parameters={"rope_type": "default",
+                         "rope_theta": _field(reader, f"{arch}.rope.freq_base", 10000.0)},
+        num_experts_per_tok=_field(reader, f"{arch}.expert_used_count"),
+        tie_word_embeddings="lm_head.weight" not in tensor_names,
+        **{f"{token}_token_id": _field(reader, f"tokenizer.ggml.{gguf_token}_token_id", None)
+           for token, gguf_token in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"))})
+    experts = _field(reader, f"{arch}.expert_count")
+    if arch == "llama":
+        return MixtralConfig(**common, head_dim=head_dim, num_local_experts=experts,
+                             sliding_window=None)
+    if head_dim * heads != hidden:  # its q norm has one weight per feature of q
+        raise ValueError(f"olmoe: attention.key_length {head_dim} times {heads} heads is not "
+                         f"the embedding length {hidden}")
+    return OlmoeConfig(**common, num_experts=experts, norm_topk_prob=False,
+                       clip_qkv=_field(reader, f"{arch}.attention.clamp_kqv", None))
+
+
+def _refuse_rope_scaling(reader, arch: str) -> None:
+    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        raise ValueError(f"GGUF {arch} file: rope scaling {scaling!r} is not implemented for "
+                         f"its mixture of experts")
+
+
+_REQUIRED = object()
+
+
+def _field(reader, key: str, default=_REQUIRED):
+    """A scalar (or string) of the file's metadata; ``default`` where it has none."""
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _REQUIRED:
+            raise ValueError(f"the GGUF file has no {key!r}, which its architecture needs")
+        return default
+    return field.contents()

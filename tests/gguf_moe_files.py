@@ -1,0 +1,176 @@
+"""Tiny mixture-of-experts GGUF files, laid out as llama.cpp's converter writes them: each
+layer's experts stacked into one 3-D tensor per projection (``ffn_gate_exps``, ``ffn_up_exps``
+[E, I, H] and ``ffn_down_exps`` [E, H, I] in torch order), the router ``ffn_gate_inp`` and
+Qwen2-MoE's shared-expert gate ``ffn_gate_inp_shexp`` (squeezed to [H]) kept in F32, as
+llama.cpp keeps them, and every other matrix in one block format. Mixtral's file says
+architecture ``llama`` (its q and k rows permuted), OLMoE's ``olmoe``.
+
+The checkpoints here (``save_routed``) route every layer, as llama.cpp's MoE graphs do.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import torch
+from gguf_files import K_TYPES, _permute, _write_config, _write_tokenizer, random_blocks
+
+ARCHITECTURES = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama",
+                 "olmoe": "olmoe"}
+_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+          "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+          "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+          "mlp.shared_expert.up_proj": "ffn_up_shexp",
+          "mlp.shared_expert.down_proj": "ffn_down_shexp",
+          "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+_MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_KEPT_IN_F32 = ("ffn_gate_inp", "ffn_gate_inp_shexp")  # llama.cpp never quantizes the routers
+
+
+def moe_state(hf_dir: pathlib.Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """(the config, every tensor under its GGUF name, the experts stacked, fp32 numpy)."""
+    from safetensors.torch import load_file
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    state = {}
+    for file in sorted(hf_dir.glob("*.safetensors")):
+        state.update(load_file(file))
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    tensors, experts = {}, {}  # experts: (layer, projection) -> {expert: values}
+    for name, tensor in state.items():
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        for ours, theirs in _MIXTRAL.items():
+            name = name.replace(f".{ours}.", f".{theirs}.")
+        values = tensor.float().numpy()
+        stem, _, kind = name.rpartition(".")
+        if not stem.startswith("model.layers."):
+            tensors[f"{_TOP[stem]}.{kind}"] = values
+            continue
+        _, _, layer, part = stem.split(".", 3)
+        if part.startswith("mlp.experts."):
+            _, _, expert, projection = part.split(".")
+            experts.setdefault((layer, projection), {})[int(expert)] = values
+            continue
+        if config["model_type"] == "mixtral" and part in ("self_attn.q_proj", "self_attn.k_proj"):
+            heads = config["num_attention_heads"] if "q_proj" in part else \
+                config["num_key_value_heads"]
+            values = _permute(values, heads)
+        if part == "mlp.shared_expert_gate":
+            values = values.reshape(-1)  # [1, H] -> [H], as llama.cpp's converter squeezes it
+        tensors[f"blk.{layer}.{_LAYER[part]}.{kind}"] = values
+    for (layer, projection), by_expert in experts.items():
+        tensors[f"blk.{layer}.{_EXPERTS[projection]}.weight"] = np.stack(
+            [by_expert[e] for e in range(len(by_expert))])
+    return config, tensors
+
+
+def write_moe_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str) -> pathlib.Path:
+    """The MoE checkpoint ``hf_dir`` as a GGUF file whose matrices (but the routers) are
+    ``type_name`` blocks (or F32); a K format gets random valid blocks
+    (``gguf_files.random_blocks``), which the oracle then reads back dequantized. Returns the
+    file."""
+    import gguf
+
+    config, tensors = moe_state(hf_dir)
+    writer = gguf.GGUFWriter(out, ARCHITECTURES[config["model_type"]])
+    _write_moe_config(writer, config)
+    _write_tokenizer(writer, hf_dir)
+    kind = gguf.GGMLQuantizationType[type_name]
+    for seed, (name, values) in enumerate(sorted(tensors.items())):
+        if values.ndim == 1 or type_name == "F32" or name.rsplit(".", 2)[-2] in _KEPT_IN_F32:
+            writer.add_tensor(name, values)
+        elif type_name in K_TYPES:
+            rows = random_blocks(type_name, int(np.prod(values.shape[:-1])), values.shape[-1],
+                                 seed)
+            writer.add_tensor(name, rows.reshape(*values.shape[:-1], -1), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _write_moe_config(writer, config: dict) -> None:
+    model_type = config["model_type"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    _write_config(writer, {**config, "head_dim": head_dim})  # (the dense keys)
+    writer.add_expert_count(config.get("num_experts") or config["num_local_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    if model_type in ("qwen3_moe", "qwen2_moe"):
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if model_type == "qwen2_moe":
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    if config.get("clip_qkv") is not None:
+        writer.add_clamp_kqv(config["clip_qkv"])
+
+
+def dequantized_moe(hf_dir: pathlib.Path, type_name: str):
+    """transformers' model of the checkpoint ``hf_dir`` (fp32) with every matrix but the
+    routers quantized to ``type_name`` and dequantized by gguf, as ``write_moe_gguf`` stores
+    them (gguf quantizes each row alone, so stacking and llama.cpp's row permutation change
+    nothing): the oracle of the blocks, for the families whose GGUF files transformers does
+    not read (Mixtral, OLMoE)."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    kind = gguf.GGMLQuantizationType[type_name]
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() < 2 or name.endswith((".gate.weight", "shared_expert_gate.weight")):
+                continue
+            blocks = gguf.quants.quantize(param.numpy(), kind)
+            param.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, kind)))
+    return model
+
+
+def save_routed(tmp_path_factory, tokenizer_dir, family: str) -> pathlib.Path:
+    """A tiny checkpoint of ``family`` (or ``qwen3_moe_k``: hidden 256, for the K formats)
+    with every layer routed, 8 experts, top 2 (``checkpoints._save_tiny``). The Qwen families'
+    experts have 64 features, so that 2 tensor-parallel ranks split their down projections on
+    32-value blocks; Mixtral's and OLMoE's 32, which 2 ranks can split only as whole experts."""
+    from checkpoints import _common, _save_tiny
+    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    common = {**_common(tokenizer_dir), "num_hidden_layers": 2}
+    experts = dict(num_experts_per_tok=2, router_aux_loss_coef=0.0, tie_word_embeddings=False)
+    configs = {
+        "qwen3_moe": lambda: Qwen3MoeConfig(**common, **experts, num_experts=8,
+                                            moe_intermediate_size=64, norm_topk_prob=True),
+        "qwen2_moe": lambda: Qwen2MoeConfig(**common, **experts, num_experts=8,
+                                            moe_intermediate_size=64,
+                                            shared_expert_intermediate_size=64,
+                                            norm_topk_prob=False),
+        "mixtral": lambda: MixtralConfig(**{**common, "intermediate_size": 32}, **experts,
+                                         num_local_experts=8),
+        "olmoe": lambda: OlmoeConfig(**{**{k: v for k, v in common.items() if k != "head_dim"},
+                                        "intermediate_size": 32, "num_key_value_heads": 1},
+                                     **experts, num_experts=8, clip_qkv=4.0),
+        "qwen3_moe_k": lambda: Qwen3MoeConfig(
+            **{**common, "hidden_size": 256, "head_dim": 64, "initializer_range": 0.1},
+            **experts, num_experts=8, moe_intermediate_size=256, norm_topk_prob=True),
+    }
+    return _save_tiny(tmp_path_factory, tokenizer_dir, f"tiny_routed_{family}",
+                      configs[family](), seed=40 + sorted(configs).index(family))
+
+
+def transformers_on_gguf(gguf_path: pathlib.Path):
+    """transformers reading the file itself (dequantized, fp32) with the config the engine
+    builds from it: transformers' own config of a qwen2moe / qwen3moe file keeps its class's
+    default expert sizes (it does not read ``expert_feed_forward_length``)."""
+    from transformers import AutoModelForCausalLM
+
+    from actorlm.models.loader import load_hf_config, resolve_model
+
+    return AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, config=load_hf_config(resolve_model(gguf_path)),
+        dtype=torch.float32, local_files_only=True).eval()
