@@ -7,7 +7,8 @@ evicting the interpreter's working set, so each Python-level op after a GEMV cos
 microseconds of cache misses: ten per layer were a fifth of a one-request SmolLM2 step.
 
 It takes layers whose every piece has its C++ kernel here (linear layers on the panel GEMM,
-which needs AVX-512, and for bf16 avx512_bf16, or in GGML blocks on the quantized one; RoPE and
+which needs AVX-512 or, for fp32 up to 16 rows, AVX2 and FMA, and for bf16 avx512_bf16, or in
+GGML blocks on the quantized one; RoPE and
 decode attention for their head shape, with or without a sliding window and a score cap; routed
 experts packed for the panel GEMM, ``experts.py``, all of the router's or a share of them, with
 their router and shared expert), and a step whose every request decodes one token, in request

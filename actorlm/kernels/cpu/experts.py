@@ -4,8 +4,10 @@ experts prepared at load (``prepare_experts``).
 ``F.linear`` over a bf16 expert at one row reads its weights at about half the speed of
 ``csrc/linear.cpp``'s panels, and the torch path adds some twenty small ops a layer. Here each
 expert's gate/up [2I, H] and down [H, I] are packed once, as ``PanelLinear`` packs a weight
-(fp32 with AVX-512, bf16 with avx512_bf16; elsewhere the experts stay as they came and
-``kernels/moe.py`` runs them), and one call routes a step's rows and runs their experts.
+(fp32 with AVX-512 or AVX2 and FMA, bf16 with avx512_bf16; elsewhere the experts stay as they
+came and ``kernels/moe.py`` runs them), and one call routes a step's rows and runs their
+experts. (With AVX2 every row runs on the panels, past the 16 a ``PanelLinear`` takes: a large
+prefill's experts cost somewhat more than on the torch path there, docs/benchmarks.md.)
 
 Routing is C++ too, so that a layer routes alike on this path and inside the one-call decode
 step (``decode_step.py``): the same top-k as ``moe.route`` (fp32 softmax, then the highest
