@@ -24,7 +24,17 @@ needs_kernels = pytest.mark.skipif(cpu_linear._kernel() is None,
                                    reason="the fp32 panel GEMM needs AVX-512 or AVX2 and FMA, and a C++ compiler")
 needs_bf16_kernels = pytest.mark.skipif(cpu_linear._kernel(torch.bfloat16) is None,
                                         reason="the bf16 panel GEMM needs avx512_bf16")
+# fp32, and bf16 where its panel GEMM is built
+each_kernel_dtype = pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_kernels)], ids=str)
 PROMPT_IDS = [[5, 9, 2, 7, 1], [3, 3, 8], [4, 1, 6, 2, 2, 9, 5, 3, 7]]
+
+
+def rebuild_decode_step(model):
+    """The model's one-call step rebuilt over its layers' plans (after a test changed a
+    layer), as ``prepare_kernels`` builds it."""
+    model.decode_step = model.backend.decode_step([layer.plan() for layer in model.model.layers],
+                                                  model.dtype)
 
 
 def _twin_runs(model, prompts, steps):
@@ -89,9 +99,7 @@ def test_bf16_decode_steps_of_one_or_two_requests_have_the_python_layers_bits(ch
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32,
-                                   pytest.param(torch.bfloat16, marks=needs_bf16_kernels)],
-                         ids=str)
+@each_kernel_dtype
 def test_a_layer_described_otherwise_takes_the_one_call_with_the_python_layers_bits(
         tiny_qwen3_dir, monkeypatch, dtype):
     # a family with output norms after attention and MLP, unit-offset norms (1 + weight) and
@@ -132,15 +140,12 @@ def _describe(model, kv_groups=None, **attention):
             for name, value in attention.items()})
         if kv_groups is not None:
             layer.kv_group = kv_groups[i]
-    model.decode_step = model.backend.decode_step([layer.plan() for layer in model.model.layers],
-                                                  model.dtype)
+    rebuild_decode_step(model)
     return model
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32,
-                                   pytest.param(torch.bfloat16, marks=needs_bf16_kernels)],
-                         ids=str)
+@each_kernel_dtype
 def test_a_sliding_window_and_capped_scores_take_the_one_call_with_the_python_layers_bits(
         tiny_llama_dir, dtype):
     # a window of 6 positions over blocks of 4, contexts up to 16: the window cuts most reads
@@ -253,8 +258,7 @@ def test_q_and_k_normed_over_whole_projections_and_clipped_take_the_one_call_wit
             for size in (attn.q_size, attn.kv_size))
         for norm in (attn.q_norm, attn.k_norm):
             norm.weight.copy_(1 + 0.5 * torch.randn(norm.weight.shape, generator=gen))
-    model.decode_step = model.backend.decode_step([layer.plan() for layer in model.model.layers],
-                                                  dtype)
+    rebuild_decode_step(model)
     assert model.decode_step is not None
     rows = 3 if dtype == torch.float32 else 2
     steps = _decode_steps(rows, 4)

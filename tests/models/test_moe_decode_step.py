@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 from paged_contexts import PagedContexts
-from test_decode_layers import (PROMPT_IDS, _assert_twins, _decode_steps, needs_bf16_kernels,
-                                needs_kernels)
+from test_decode_layers import (PROMPT_IDS, _assert_twins, _decode_steps, each_kernel_dtype,
+                                needs_bf16_kernels, needs_kernels, rebuild_decode_step)
 
 from actorlm.kernels import select_backend
 from actorlm.kernels.cpu import linear as cpu_linear
@@ -59,9 +59,7 @@ def test_greedy_tokens_of_one_stream_are_the_python_layers(family, dtype, tiny_m
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32,
-                                   pytest.param(torch.bfloat16, marks=needs_bf16_kernels)],
-                         ids=str)
+@each_kernel_dtype
 def test_olmoe_clipping_that_bites_takes_the_one_call_with_the_python_layers_bits(
         tiny_moe_dirs, dtype):
     # the checkpoint's clip of 4 is rarely reached by a tiny model's q, k and v: a clip of
@@ -69,8 +67,7 @@ def test_olmoe_clipping_that_bites_takes_the_one_call_with_the_python_layers_bit
     model = load_model(tiny_moe_dirs["olmoe"], dtype, "cpu", select_backend("cpu"))
     for layer in model.model.layers:
         layer.self_attn.clip_qkv = 0.05
-    model.decode_step = model.backend.decode_step([layer.plan() for layer in model.model.layers],
-                                                  model.dtype)
+    rebuild_decode_step(model)
     rows = 3 if dtype == torch.float32 else 2  # (bf16 beyond two rows: oneDNN, in Python)
     steps = _decode_steps(rows, 4)
     _assert_twins(model, PROMPT_IDS[:rows], steps)
