@@ -14,6 +14,7 @@ import torch
 
 from actorlm.generation_config import check_setting as check_generation_config
 from actorlm.reasoning import reasoning_parser
+from actorlm.speculative import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
@@ -69,6 +70,9 @@ class EngineConfig:
     # deepseek_r1 | qwen3: chat answers' <think>...</think> goes to reasoning_content, and a
     # grammar constrains only what follows it; None: no reasoning parser
     reasoning_parser: str | None = None
+    # draft tokens proposed each step and verified in one forward: vLLM's JSON, e.g.
+    # {"method": "ngram", "num_speculative_tokens": 3} (``actorlm.speculative``)
+    speculative_config: SpeculativeConfig | None = None  # (given as JSON text or a dict)
 
     def __post_init__(self):
         dtype = _DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower())
@@ -109,6 +113,8 @@ class EngineConfig:
         check_generation_config(self.generation_config)
         if self.reasoning_parser is not None:
             reasoning_parser(self.reasoning_parser)  # unknown: an error listing the known ones
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.parse(self.speculative_config))
 
     @classmethod
     def from_flags(cls, model: str | None = None, **flags) -> EngineConfig:
