@@ -17,6 +17,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
+from actorlm.kernels import rejection
 from actorlm.kernels.metadata import AttentionMetadata
 
 ACTIVATIONS = ("silu", "gelu_tanh")  # act_and_mul's: SiLU, GeLU's tanh approximation
@@ -237,6 +238,14 @@ class KernelBackend:
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V] -> [B] int64, each row's first maximum (a greedy step)."""
         return logits.argmax(dim=-1)
+
+    def rejection_sample(self, logits, num_drafts, draft_token_ids, temperature, top_k, top_p,
+                         min_p, seeds, positions) -> torch.Tensor:
+        """Speculative decoding's verification: each request's accepted drafts and the token
+        drawn after them, [B, max(k) + 1] padded with -1 (``kernels.rejection`` says how;
+        its torch runs on any device)."""
+        return rejection.rejection_sample(logits, num_drafts, draft_token_ids, temperature,
+                                          top_k, top_p, min_p, seeds, positions)
 
     # --- a decode step through every layer ----------------------------------------------------
 

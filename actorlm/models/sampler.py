@@ -31,24 +31,10 @@ def sample(logits: torch.Tensor, states: Sequence[SamplingState], backend,
            eos_token_ids: frozenset[int]) -> tuple[list[int], list[PositionLogprobs | None]]:
     """Tokens for each row of ``logits`` ([N, V] fp32, raw; processed in place), and their
     logprobs where asked."""
-    params = [s.sampling_params for s in states]
-    wanted = [p.logprobs for p in params]
+    wanted = [s.sampling_params.logprobs for s in states]
     raw = logits.clone() if any(k is not None for k in wanted) else None  # logprobs see raw logits
     logits = apply_processors(logits, states, eos_token_ids)
-    if all(p.is_greedy for p in params):
-        tokens = backend.argmax(logits)  # skips building per-row parameter tensors
-    else:
-        def column(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=logits.device)
-
-        tokens = backend.sample(
-            logits, column([p.temperature for p in params], torch.float32),
-            column([p.top_k for p in params], torch.int32),
-            column([p.top_p for p in params], torch.float32),
-            column([p.min_p for p in params], torch.float32),
-            column([s.seed for s in states], torch.int64),
-            column([len(s.token_ids) - s.num_prompt_tokens for s in states], torch.int64))
-    token_list = tokens.tolist()
+    token_list = _draw(logits, states, backend).tolist()
     if raw is None:
         return token_list, [None] * len(states)
     rows = [i for i, k in enumerate(wanted) if k is not None]
@@ -57,6 +43,90 @@ def sample(logits: torch.Tensor, states: Sequence[SamplingState], backend,
     for i, entry in zip(rows, found):
         logprobs[i] = entry
     return token_list, logprobs
+
+
+def verify(logits: torch.Tensor, states: Sequence[SamplingState], drafts: Sequence[list[int]],
+           backend, eos_token_ids: frozenset[int]
+           ) -> tuple[list[list[int]], list[list[PositionLogprobs] | None]]:
+    """Speculative decoding: each request's output tokens (its accepted drafts, then the token
+    drawn after them) and their logprobs where asked. logits: [R, V] fp32, raw (processed in
+    place), request i's ``len(drafts[i]) + 1`` rows together in order; row j is processed as if
+    its first j drafts were already output (penalties, bad words, min_tokens see them). A
+    request without drafts is sampled as ``sample`` would."""
+    rows = [_Drafted(s, d[:j]) for s, d in zip(states, drafts) for j in range(len(d) + 1)]
+    wanted = [s.sampling_params.logprobs for s in states]
+    raw = logits.clone() if any(k is not None for k in wanted) else None
+    logits = apply_processors(logits, rows, eos_token_ids)
+    starts = [0]
+    for d in drafts:
+        starts.append(starts[-1] + len(d) + 1)
+    outputs: list[list[int]] = [[] for _ in states]
+    plain = [i for i, d in enumerate(drafts) if not d]
+    if plain:
+        for i, token in zip(plain, _draw(logits[[starts[i] for i in plain]],
+                                         [states[i] for i in plain], backend).tolist()):
+            outputs[i] = [token]
+    if spec := [i for i, d in enumerate(drafts) if d]:
+        spec_rows = [r for i in spec for r in range(starts[i], starts[i + 1])]
+        dev = logits.device
+        params = [states[i].sampling_params for i in spec]
+        verified = backend.rejection_sample(
+            logits[spec_rows], [len(drafts[i]) for i in spec],
+            torch.tensor([t for i in spec for t in drafts[i]], dtype=torch.int64, device=dev),
+            *_columns(params, [states[i] for i in spec], dev))
+        for i, tokens in zip(spec, verified.tolist()):
+            outputs[i] = tokens[:tokens.index(-1)] if -1 in tokens else tokens
+    logprobs: list[list[PositionLogprobs] | None] = [None] * len(states)
+    if raw is not None:
+        asked = [i for i, k in enumerate(wanted) if k is not None]
+        found = iter(token_logprobs(
+            raw[[starts[i] + j for i in asked for j in range(len(outputs[i]))]],
+            [t for i in asked for t in outputs[i]],
+            [wanted[i] for i in asked for _ in outputs[i]]))
+        for i in asked:
+            logprobs[i] = [next(found) for _ in outputs[i]]
+    return outputs, logprobs
+
+
+class _Drafted:
+    """A request's sampling state as if ``drafts`` followed its tokens (a verified row's)."""
+
+    __slots__ = ("_state", "_drafts", "num_prompt_tokens", "sampling_params", "seed",
+                 "bad_words_token_ids")
+
+    def __init__(self, state: SamplingState, drafts: list[int]):
+        self._state, self._drafts = state, drafts
+        self.num_prompt_tokens = state.num_prompt_tokens
+        self.sampling_params = state.sampling_params
+        self.seed = state.seed
+        self.bad_words_token_ids = state.bad_words_token_ids
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._state.token_ids + self._drafts if self._drafts else self._state.token_ids
+
+
+def _draw(logits: torch.Tensor, states: Sequence[SamplingState], backend) -> torch.Tensor:
+    """[N] tokens from processed logits: the argmax where every row is greedy, else the
+    backend's seeded sampler (noise keyed by each row's output position)."""
+    params = [s.sampling_params for s in states]
+    if all(p.is_greedy for p in params):
+        return backend.argmax(logits)  # skips building per-row parameter tensors
+    return backend.sample(logits, *_columns(params, states, logits.device))
+
+
+def _columns(params: Sequence[SamplingParams], states: Sequence[SamplingState], device):
+    """The per-row parameter tensors of the sampling kernels: temperature, top_k, top_p,
+    min_p, seeds, positions (the index of the output token each row draws)."""
+    def column(values, dtype):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    return (column([p.temperature for p in params], torch.float32),
+            column([p.top_k for p in params], torch.int32),
+            column([p.top_p for p in params], torch.float32),
+            column([p.min_p for p in params], torch.float32),
+            column([s.seed for s in states], torch.int64),
+            column([len(s.token_ids) - s.num_prompt_tokens for s in states], torch.int64))
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int],
