@@ -215,7 +215,11 @@ class ScheduleStep(_StepMessage):
 
     ``last_token_ids[i]`` is the last token of ``cached_requests[i]``: the one sampled in its
     previous step, if that step sampled. Tensor-parallel ranks other than 0 do not sample, so
-    this is how they learn it."""
+    this is how they learn it (with the drafts of that step it accepted, which they hold).
+
+    ``spec_token_ids[i]`` (speculative decoding; empty: no request has any) are the draft
+    tokens ``cached_requests[i]`` verifies: they follow its tokens in the step's input, and are
+    counted in its ``num_scheduled_tokens``."""
 
     step_id: int
     new_requests: list[NewRequestData]
@@ -224,6 +228,7 @@ class ScheduleStep(_StepMessage):
     finished_request_ids: list[str]
     structured_request_ids: list[str] = []
     last_token_ids: list[int] = []
+    spec_token_ids: list[list[int]] = []
 
     @property
     def request_ids(self) -> list[str]:
@@ -265,7 +270,13 @@ class StepResult(_StepMessage):
     ``rank_timings[r]`` are rank ``r``'s, filled by the executor (``timings`` are rank 0's).
     ``router_s`` and ``experts_s``: the forward's seconds in the routers and in the experts
     of its mixture-of-experts layers (``models.moe.MoeTimer``), rank 0's; None where not
-    measured (a dense model, a GPU)."""
+    measured (a dense model, a GPU).
+
+    Speculative decoding (empty lists when the step had no drafts and proposes none):
+    ``accepted_token_ids[i]`` are the drafts of ``request_ids[i]`` the step accepted, which
+    precede ``sampled_token_ids[i]`` (the bonus or recovered token) in its output, and
+    ``accepted_logprobs[i]`` their logprobs where asked; ``spec_token_ids[i]`` are the drafts
+    proposed for its next step."""
 
     step_id: int
     request_ids: list[str]
@@ -280,6 +291,9 @@ class StepResult(_StepMessage):
     rank_timings: list[list[float]] = []
     router_s: float | None = None
     experts_s: float | None = None
+    accepted_token_ids: list[list[int]] = []
+    accepted_logprobs: list[list[PositionLogprobs]] = []
+    spec_token_ids: list[list[int]] = []
 
 
 class WorkerResult(_StepMessage):
@@ -332,6 +346,11 @@ class SchedulerStats(_Message):
     num_finished: int
     num_scheduled_tokens: int = 0  # every token computed so far, prefill and decode
     num_prefill_tokens: int = 0  # of those, at prompt (or recomputed) positions
+    # speculative decoding (``core.spec_decoding.SpecDecodingCounts``), since start
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = []
 
 
 class ExecutorStats(_Message):

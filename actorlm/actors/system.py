@@ -115,7 +115,8 @@ class EngineSystem:
             max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
             block_size=config.block_size, enable_chunked_prefill=config.enable_chunked_prefill,
             eos_token_ids=parts.eos_token_ids,
-            enable_prefix_caching=config.enable_prefix_caching),
+            enable_prefix_caching=config.enable_prefix_caching,
+            speculative=config.speculative_config is not None),
             listeners=[*listeners, trace.on_transition] if trace else listeners)
         self.trace = trace
         link = _direct_link
@@ -208,6 +209,10 @@ class EngineSystem:
                 "num_preemptions": s.num_preemptions, "num_steps": s.num_steps,
                 "num_finished": s.num_finished, "num_scheduled_tokens": s.num_scheduled_tokens,
                 "num_prefill_tokens": s.num_prefill_tokens,
+                "spec_num_drafts": s.spec_num_drafts,
+                "spec_num_draft_tokens": s.spec_num_draft_tokens,
+                "spec_num_accepted_tokens": s.spec_num_accepted_tokens,
+                "spec_accepted_per_position": list(s.spec_accepted_per_position),
                 "num_free_blocks": kv.num_free_blocks, "num_total_blocks": kv.num_total_blocks,
                 "num_cached_blocks": kv.num_cached_blocks,
                 "num_requests_holding_blocks": kv.num_requests_holding_blocks,

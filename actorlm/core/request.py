@@ -15,7 +15,7 @@ class Request:
                  "stop_reason", "error", "num_preemptions", "is_known_to_workers",
                  "bad_words_token_ids", "num_prompt_logprobs_sent", "num_faults",
                  "block_hashes", "num_cached_blocks", "num_cached_tokens", "grammar",
-                 "awaiting_grammar")
+                 "awaiting_grammar", "spec_token_ids")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  seed: int, arrival_time: float, listeners: Iterable[Listener] = (),
@@ -44,6 +44,9 @@ class Request:
         self.num_cached_tokens: int | None = None  # prefix-cache hit at its first admission
         self.grammar = None  # structured outputs: its xgrammar matcher, once compiled
         self.awaiting_grammar = sampling_params.structured_outputs is not None
+        # speculative decoding: drafts proposed to follow its tokens (once scheduled, the ones
+        # its step verifies), computed with them but not yet its tokens
+        self.spec_token_ids: list[int] = []
 
     @property
     def state(self) -> RequestState:
@@ -60,6 +63,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return self.num_tokens + len(self.spec_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -37,6 +37,7 @@ from typing import Iterable
 
 from actorlm.core.block_hash import extend_block_hashes
 from actorlm.core.request import Request
+from actorlm.core.spec_decoding import SpecDecodingCounts
 from actorlm.core.step_plan import StepPlan
 from actorlm.core.structured_output import new_matcher
 from actorlm.fsm import FinishReason, RequestEvent, RequestState
@@ -60,6 +61,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     eos_token_ids: frozenset[int] = frozenset()
     enable_prefix_caching: bool = True
+    speculative: bool = False  # the runner proposes drafts (``--speculative-config``)
 
 
 class Scheduler:
@@ -82,6 +84,7 @@ class Scheduler:
         self.num_finished = 0
         self.num_scheduled_tokens = 0
         self.num_prefill_tokens = 0  # computed at prompt (or recomputed) positions
+        self.spec_decoding = SpecDecodingCounts()
 
     # --- intake -------------------------------------------------------------------------------
 
@@ -91,6 +94,9 @@ class Scheduler:
         ids = engine_request_ids(msg.request_id, msg.sampling_params.n)
         if taken := [rid for rid in ids if rid in self.requests]:
             raise ValueError(f"request id {taken[0]!r} is already in use")
+        if self.config.speculative and msg.sampling_params.structured_outputs is not None:
+            raise ValueError("structured_outputs: a grammar cannot be combined with "
+                             "--speculative-config yet (drafts are not checked against it)")
         children = [Request(rid, msg.prompt_token_ids, msg.sampling_params,
                             (msg.seed + i) % SEED_RANGE, msg.arrival_time, self.listeners,
                             msg.bad_words_token_ids) for i, rid in enumerate(ids)]
@@ -153,8 +159,9 @@ class Scheduler:
                 self._preempt(request, plan)
             self._propose(plan, suspect, budget)
         else:
-            for request in self.running:
-                num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            for request in self.running:  # (drafts count against the budget: they compute)
+                num_tokens = min(request.num_tokens_with_spec - request.num_computed_tokens,
+                                 budget)
                 plan.running.append(request)
                 plan.running_tokens.append(num_tokens)
                 budget -= num_tokens
@@ -180,7 +187,7 @@ class Scheduler:
         """Apply the allocator's decision; the step message (None when nothing runs)."""
         for request_id in granted.preempted_ids:  # their blocks are already released
             self._preempt(self.requests[request_id], plan, release=False)
-        new, cached, last_token_ids = [], [], []
+        new, cached, last_token_ids, drafts = [], [], [], []
         for request, num_tokens, block_ids in zip(plan.running, plan.running_tokens,
                                                   granted.new_block_ids):
             for group_ids in block_ids:  # (empty: no group got a block)
@@ -190,6 +197,10 @@ class Scheduler:
                                                 request.num_computed_tokens))
                 last_token_ids.append(request.output_token_ids[-1] if request.output_token_ids
                                       else request.prompt_token_ids[-1])
+                # the drafts within the budget are the ones the step verifies
+                owed = request.num_tokens - request.num_computed_tokens
+                request.spec_token_ids = request.spec_token_ids[:max(0, num_tokens - owed)]
+                drafts.append(request.spec_token_ids)
                 self._add_to_step(plan, request, num_tokens)
         for admitted in granted.admitted:
             request = self.requests[admitted.request_id]
@@ -207,7 +218,7 @@ class Scheduler:
         constrained = [r.request_id for r in plan.requests
                        if r.grammar is not None and r.num_computed_tokens == r.num_tokens]
         return ScheduleStep(plan.step_id, new, cached, counts, dropped, constrained,
-                            last_token_ids)
+                            last_token_ids, drafts if any(drafts) else [])
 
     def update_from_output(self, plan: StepPlan, result: StepResult) -> EngineOutputs:
         """Apply sampled tokens, finish what is done, and say what happened in one message."""
@@ -215,37 +226,47 @@ class Scheduler:
             return EngineOutputs(plan.step_id, self._on_fault(result))
         if self._on_probation:
             self._on_probation.difference_update(r.request_id for r in plan.requests)  # passed
-        if self.config.enable_prefix_caching:
-            failed = set(result.failed_request_ids)
+        caching = self.config.enable_prefix_caching
+        if caching:  # (the sampled ones once their new tokens are known, below)
+            skip = {*result.failed_request_ids, *result.request_ids}
             for request in plan.requests:
-                if request.request_id not in failed:
+                if request.request_id not in skip:
                     self._note_computed_blocks(request)
         deltas: list[RequestDelta] = []
         if result.failed_request_ids:
             deltas += self.abort(result.failed_request_ids, RequestEvent.FAIL,
                                  result.error or "the model runner failed")
         prompt_logprobs = {p.request_id: p for p in result.prompt_logprobs}
-        logprobs = result.logprobs or [None] * len(result.request_ids)
+        num_sampled = len(result.request_ids)
+        logprobs = result.logprobs or [None] * num_sampled
+        accepted = result.accepted_token_ids or [[]] * num_sampled
+        accepted_logprobs = result.accepted_logprobs or [[]] * num_sampled
+        proposed = result.spec_token_ids or [[]] * num_sampled
         off_grammar = []
-        for request_id, token_id, token_logprobs in zip(result.request_ids,
-                                                        result.sampled_token_ids, logprobs):
+        for i, (request_id, token_id) in enumerate(zip(result.request_ids,
+                                                       result.sampled_token_ids)):
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            request.output_token_ids.append(token_id)
-            if request.grammar is not None and not request.grammar.accept_token(token_id):
+            new_tokens, reason = self._append_tokens(request, accepted[i] + [token_id])
+            if request.grammar is not None and not all(map(request.grammar.accept_token,
+                                                           new_tokens)):
                 off_grammar.append(request_id)
+            if caching:
+                self._note_computed_blocks(request)
             if request_id in self._pending_forks:
                 self._fork(request)
-            new_logprobs = [token_logprobs] if token_logprobs is not None else None
+            new_logprobs = None if logprobs[i] is None else \
+                (accepted_logprobs[i] + [logprobs[i]])[:len(new_tokens)]
             positions = self._new_prompt_logprobs(request, prompt_logprobs.pop(request_id, None))
-            reason = self._check_stop(request)
             finish = stop = None
             if reason is not None:
                 self.running.remove(request)
                 finish = self._finish(request, RequestEvent.FINISH, reason).finish_reason
                 stop = request.stop_reason
-            deltas.append(RequestDelta(request_id, [token_id], finish, stop, None,
+            else:
+                request.spec_token_ids = self._drafts_that_fit(request, proposed[i])
+            deltas.append(RequestDelta(request_id, new_tokens, finish, stop, None,
                                        request.num_cached_tokens or 0, new_logprobs, positions))
         if off_grammar:  # (a runner that ignored the bitmask)
             deltas += self.abort(off_grammar, RequestEvent.FAIL,
@@ -285,10 +306,43 @@ class Scheduler:
         plan.num_scheduled_tokens.append(num_tokens)
         request.num_computed_tokens += num_tokens
         self.num_scheduled_tokens += num_tokens
-        is_decode = num_tokens == 1 and bool(request.output_token_ids) and \
-            request.num_computed_tokens == request.num_tokens
+        num_decoded = 1 + len(request.spec_token_ids)  # its newest token and the drafts after it
+        is_decode = num_tokens == num_decoded and bool(request.output_token_ids) and \
+            request.num_computed_tokens == request.num_tokens_with_spec
         plan.is_prefill.append(not is_decode)
-        self.num_prefill_tokens += num_tokens - is_decode
+        self.num_prefill_tokens += num_tokens - is_decode * num_decoded
+
+    def _append_tokens(self, request: Request, tokens: list[int]
+                       ) -> tuple[list[int], FinishReason | None]:
+        """Append a step's output of ``request`` (its accepted drafts, then the token drawn
+        after them) up to the first that finishes it; the tokens kept and why it finished.
+        The KV of rejected drafts is not computed any more: they are past its computed count
+        (and never reach the prefix cache, which takes computed blocks only)."""
+        if num_drafts := len(request.spec_token_ids):
+            num_accepted = len(tokens) - 1
+            request.num_computed_tokens -= num_drafts - num_accepted
+            self.spec_decoding.observe(num_drafts, num_accepted)
+            request.spec_token_ids = []
+        reason = None
+        for n, token in enumerate(tokens, 1):
+            request.output_token_ids.append(token)
+            if (reason := self._check_stop(request)) is not None:
+                tokens = tokens[:n]
+                # (a stop among the accepted drafts: the drafts after it are no tokens of it)
+                request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+                break
+        return tokens, reason
+
+    def _drafts_that_fit(self, request: Request, drafts: list[int]) -> list[int]:
+        """Proposed drafts, cut to what its length caps leave (a step verifies positions
+        num_tokens - 1 on, and yields one token more than it has drafts)."""
+        if not drafts or request.grammar is not None:
+            return []
+        room = self.config.max_model_len - request.num_tokens
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - len(request.output_token_ids) - 1)
+        return drafts[:max(0, room)]
 
     def _note_computed_blocks(self, request: Request) -> None:
         """Blocks whose KV the step completed go to the prefix cache with the next message."""
@@ -324,6 +378,7 @@ class Scheduler:
         the allocator preempted it and has released its blocks already."""
         self.running.remove(request)
         request.fire(RequestEvent.PREEMPT)
+        request.spec_token_ids = []  # proposed for where it was; it starts again
         if release:
             self._release(request)
         else:

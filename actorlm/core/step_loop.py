@@ -76,8 +76,11 @@ class StepLoop:
 
     def stats(self) -> SchedulerStats:
         s = self.scheduler
+        spec = s.spec_decoding
         return SchedulerStats(len(s.running), len(s.waiting), s.num_preemptions, self.num_steps,
-                              s.num_finished, s.num_scheduled_tokens, s.num_prefill_tokens)
+                              s.num_finished, s.num_scheduled_tokens, s.num_prefill_tokens,
+                              spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                              list(spec.accepted_per_position))
 
     # --- the loop -----------------------------------------------------------------------------
 

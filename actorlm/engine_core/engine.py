@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import itertools
 import logging
 import pathlib
 import threading
@@ -131,14 +132,15 @@ def start_all(clients: list[EngineCoreClient]) -> CoreReady:
 
 def merge_stats(per_replica: list):
     """The replicas' counters as one: numbers summed, lists summed position by position
-    (blocks per KV-cache group) or joined (worker pids)."""
+    (blocks per KV-cache group, drafts accepted per position) or joined (worker pids)."""
     first, merged = per_replica[0], {}
     for field in first.__struct_fields__:
         values = [getattr(stats, field) for stats in per_replica]
         if field == "worker_pids":
             merged[field] = [pid for pids in values for pid in pids]
         elif isinstance(values[0], list):
-            merged[field] = [sum(column) for column in zip(*values)]
+            merged[field] = [sum(column) for column in itertools.zip_longest(*values,
+                                                                             fillvalue=0)]
         else:
             merged[field] = sum(values)
     return type(first)(**merged)

@@ -36,8 +36,10 @@ from actorlm.models.parallel import (TensorParallel, check_initialised, check_te
 from actorlm.models.expert_parallel import check_expert_parallel, split_intermediate_sizes
 from actorlm.models.families import layer_windows
 from actorlm.models.memory_profile import MemoryProfile, kv_cache_budget, largest_step, load_and_profile
+from actorlm.models.ngram_proposer import NgramProposer
 from actorlm.models.runner import ModelRunner
 from actorlm.openmp import on_passing_thread
+from actorlm.speculative import SpeculativeConfig
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +95,7 @@ class RunnerFactory:
     tensor_parallel_size: int = 1
     quantization: str | None = None
     enable_expert_parallel: bool = False
+    speculative_config: SpeculativeConfig | None = None
     profiled: list = field(default_factory=list, compare=False)
 
     def __call__(self, rank: int) -> ModelRunner:
@@ -112,8 +115,11 @@ class RunnerFactory:
         return select_backend(self.device)
 
     def build(self, model, num_blocks: int) -> ModelRunner:
+        spec = self.speculative_config
+        proposer = None if spec is None else NgramProposer(
+            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         return ModelRunner(model, self.backend, num_blocks, self.block_size, self.dtype,
-                           self.device, self.eos_token_ids, model.tp)
+                           self.device, self.eos_token_ids, model.tp, proposer)
 
     def __getstate__(self):
         return {**self.__dict__, "profiled": []}
@@ -174,7 +180,8 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
 
     factory = RunnerFactory(path, dtype, device, block_size, eos_ids,
                             tensor_parallel_size=tp_size, quantization=config.quantization,
-                            enable_expert_parallel=expert_parallel)
+                            enable_expert_parallel=expert_parallel,
+                            speculative_config=config.speculative_config)
     profile = None
     if profile_gpu:
         step = largest_step(resolved.max_num_batched_tokens, resolved.max_num_seqs,

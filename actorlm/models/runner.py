@@ -20,8 +20,9 @@ learn the sampled tokens from the next step's ``ScheduleStep.last_token_ids``.
 
 from __future__ import annotations
 
+import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,7 +31,7 @@ from actorlm.kv_groups import KVCacheGroup, layer_slots
 from actorlm.messages import (GrammarBitmask, NewRequestData, PromptLogprobs, ScheduleStep,
                               StepResult)
 from actorlm.models.parallel import TensorParallel
-from actorlm.models.sampler import sample, token_logprobs
+from actorlm.models.sampler import sample, token_logprobs, verify
 from actorlm.sampling_params import SamplingParams
 
 
@@ -43,6 +44,7 @@ class _CachedState:
     sampling_params: SamplingParams
     seed: int
     bad_words_token_ids: list[list[int]]
+    spec_token_ids: list[int] = field(default_factory=list)  # this step's drafts
 
     @classmethod
     def from_new(cls, data: NewRequestData, num_groups: int) -> _CachedState:
@@ -72,7 +74,7 @@ class _Sampling:
     request_ids: list[str]
     states: list[_CachedState]
     rows: list[int]
-    logits: torch.Tensor | None
+    logits: torch.Tensor | None  # a row per sampled request, or per verified draft and its bonus
     prompt_logprobs: list[PromptLogprobs]
     timings: list[float]  # input preparation, forward
     logits_s: float  # logits and prompt logprobs so far
@@ -98,8 +100,9 @@ class ModelRunner:
     def __init__(self, model, backend: KernelBackend, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device,
                  eos_token_ids: frozenset[int] = frozenset(),
-                 tp: TensorParallel = TensorParallel()):
+                 tp: TensorParallel = TensorParallel(), proposer=None):
         self.model, self.backend, self.tp = model, backend, tp
+        self.proposer = proposer  # speculative decoding's: token ids -> drafts; None: off
         self._moe_timer = getattr(model, "moe_timer", None)  # None: no MoE layers, or a GPU
         self.block_size, self.dtype, self.device = block_size, dtype, device
         self.eos_token_ids = eos_token_ids
@@ -145,6 +148,9 @@ class ModelRunner:
             state.num_computed_tokens = delta.num_computed_tokens
         if not self.tp.is_driver:
             self._learn_sampled_tokens(step)
+        for delta, drafts in zip(step.cached_requests,
+                                 step.spec_token_ids or [[]] * len(step.cached_requests)):
+            self.requests[delta.request_id].spec_token_ids = drafts
         self._sampling = self._forward(step, t_start)
         if step.structured_request_ids and self.tp.is_driver:
             return None
@@ -162,20 +168,34 @@ class ModelRunner:
             return StepResult(s.step_id, [], [], timings=[*s.timings, s.logits_s],
                               router_s=router_s, experts_s=experts_s)
         sampled_ids = [s.request_ids[i] for i in s.rows]
-        tokens, logprobs = [], []
+        states = [s.states[i] for i in s.rows]
+        drafts = [state.spec_token_ids for state in states]
+        outputs, logprobs = [], []  # per sampled request: its new tokens, their logprobs
         if s.rows:
-            if bitmask is not None:
-                row_of = {rid: row for row, rid in enumerate(sampled_ids)}
+            if bitmask is not None:  # (a request's first row: after its drafts' rows)
+                firsts = itertools.accumulate([len(d) + 1 for d in drafts], initial=0)
+                row_of = dict(zip(sampled_ids, firsts))
                 apply_token_bitmask(s.logits, [row_of[rid] for rid in bitmask.request_ids],
                                     bitmask.bitmask)
-            states = [s.states[i] for i in s.rows]
-            tokens, logprobs = sample(s.logits, states, self.backend, self.eos_token_ids)
-            for state, token in zip(states, tokens):
-                state.token_ids.append(token)
+            if any(drafts):
+                outputs, logprobs = verify(s.logits, states, drafts, self.backend,
+                                           self.eos_token_ids)
+            else:
+                tokens, found = sample(s.logits, states, self.backend, self.eos_token_ids)
+                outputs, logprobs = [[t] for t in tokens], [[lp] for lp in found]
+            for state, new_tokens in zip(states, outputs):
+                state.token_ids += new_tokens
+        spec = {}
+        if self.proposer is not None and s.rows:  # the next step's drafts, from what is known now
+            spec["spec_token_ids"] = [self.proposer.propose(st.token_ids) for st in states]
+            if any(drafts):
+                spec["accepted_token_ids"] = [out[:-1] for out in outputs]
+                spec["accepted_logprobs"] = [lp[:-1] if lp else [] for lp in logprobs]
         timings = [*s.timings, s.logits_s + time.perf_counter() - t_sample]
-        return StepResult(s.step_id, sampled_ids, tokens, logprobs=logprobs,
+        return StepResult(s.step_id, sampled_ids, [out[-1] for out in outputs],
+                          logprobs=[lp[-1] if lp else None for lp in logprobs],
                           prompt_logprobs=s.prompt_logprobs, timings=timings,
-                          router_s=router_s, experts_s=experts_s)
+                          router_s=router_s, experts_s=experts_s, **spec)
 
     @torch.inference_mode()
     def _forward(self, step: ScheduleStep, t_start: float) -> _Sampling:
@@ -185,6 +205,8 @@ class ModelRunner:
         for state, n in zip(states, num_scheduled):
             start, end = state.num_computed_tokens, state.num_computed_tokens + n
             input_ids += state.token_ids[start:end]
+            if state.spec_token_ids:  # (the step verifies them: they follow its last token)
+                input_ids += state.spec_token_ids[:end - len(state.token_ids)]
             positions += range(start, end)
             seq_lens.append(end)
             query_start.append(query_start[-1] + n)
@@ -202,27 +224,31 @@ class ModelRunner:
         moe_seconds = None if timer is None else (timer.router_s, timer.experts_s)
         prompt_logprobs = self._prompt_logprobs(hidden, request_ids, states, num_scheduled,
                                                 query_start)
-        # a request whose context is complete after this step samples its next token
+        # a request whose context is complete after this step samples its next token (at
+        # its last position, or at each of its drafts' and the one after them)
         rows = [i for i, (s, n) in enumerate(zip(states, num_scheduled))
-                if s.num_computed_tokens + n == len(s.token_ids)]
-        logits = self.model.compute_logits(hidden[[query_start[i + 1] - 1 for i in rows]]) \
-            if rows else None  # [N, V] fp32
+                if s.num_computed_tokens + n == len(s.token_ids) + len(s.spec_token_ids)]
+        last = [query_start[i + 1] - 1 - j for i in rows
+                for j in range(len(states[i].spec_token_ids), -1, -1)]
+        logits = self.model.compute_logits(hidden[last]) if rows else None  # [N, V] fp32
         return _Sampling(step.step_id, request_ids, states, rows, logits, prompt_logprobs,
                          [t_prepared - t_start, t_forward - t_prepared],
                          time.perf_counter() - t_forward, moe_seconds)
 
     def _learn_sampled_tokens(self, step: ScheduleStep) -> None:
         """Not rank 0: append the tokens rank 0 sampled for the step's cached requests. A
-        request lacks one exactly when the step computes past the tokens this rank holds."""
+        request lacks them exactly when the step computes past the tokens this rank holds."""
         if len(step.last_token_ids) != len(step.cached_requests):
             raise RuntimeError("a tensor-parallel rank needs ScheduleStep.last_token_ids: one "
                                "per cached request")
         num_new = len(step.new_requests)
+        drafts = step.spec_token_ids or [[]] * len(step.cached_requests)
         for i, (delta, token) in enumerate(zip(step.cached_requests, step.last_token_ids)):
             state = self.requests[delta.request_id]
-            if len(state.token_ids) < delta.num_computed_tokens + \
-                    step.num_scheduled_tokens[num_new + i]:
-                state.token_ids.append(token)
+            missing = delta.num_computed_tokens + step.num_scheduled_tokens[num_new + i] - \
+                len(drafts[i]) - len(state.token_ids)
+            if missing > 0:  # its last step's output: the drafts it accepted, then ``token``
+                state.token_ids += state.spec_token_ids[:missing - 1] + [token]
 
     def _prompt_logprobs(self, hidden, request_ids, states, num_scheduled,
                          query_start) -> list[PromptLogprobs]:

@@ -38,9 +38,7 @@ class Driver:
             return None
         granted = self.pool.grant(plan.allocate_message(self.scheduler.config.block_size))
         self.scheduler.on_slots_granted(plan, granted)
-        sampled = [r for r in plan.requests if r.num_computed_tokens == r.num_tokens]
-        result = StepResult(plan.step_id, [r.request_id for r in sampled],
-                            [fake_token(r.all_token_ids) for r in sampled])
+        result = self.result_of(plan)
         for delta in self.scheduler.update_from_output(plan, result).deltas:
             out = self.outputs.setdefault(delta.request_id, [[], None])
             out[0] += delta.new_token_ids
@@ -48,6 +46,12 @@ class Driver:
         self.plans.append(plan)
         self.running_before.append(before)
         return plan
+
+    def result_of(self, plan) -> StepResult:
+        """What the 'runner' answers: a token for each request whose context is complete."""
+        sampled = [r for r in plan.requests if r.num_computed_tokens == r.num_tokens]
+        return StepResult(plan.step_id, [r.request_id for r in sampled],
+                          [fake_token(r.all_token_ids) for r in sampled])
 
     def run(self, max_steps=2000):
         for _ in range(max_steps):

@@ -1,0 +1,114 @@
+"""Speculative decoding changes how many forwards a request takes, never its greedy tokens, on a
+tiny model for k = 1, 3, 5, with prefix caching, chunked prefill and forced preemption.
+
+A random model rarely repeats itself, so prompt lookup would rarely be right about it; these
+tests give the runner a proposer that knows the answer (the same engine's output without
+speculation) and spoils one draft in most proposals, at a place that moves with the length.
+So every verification outcome occurs — no draft accepted, some, all of them plus the bonus —
+and each must yield the tokens (and the top-5 logprobs) of the run without drafts."""
+
+import random
+
+import pytest
+from engine_helpers import TOP, engine_greedy
+
+import actorlm.models.parts
+from actorlm import SamplingParams
+
+NUM_TOKENS = 40
+VOCAB = 200  # prompt ids are drawn below this (the tiny tokenizer has more)
+
+
+def _prompts(seed=3):
+    """Prompts that repeat a passage (where prompt lookup finds drafts) and some that do not."""
+    rng = random.Random(seed)
+    prompts = []
+    for length in (12, 30, 47):
+        passage = [rng.randrange(3, VOCAB) for _ in range(length)]
+        prompts.append(passage + passage[:length // 2])
+    return prompts + [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (9, 33)]
+
+
+def _greedy(llm, prompts, num_tokens=NUM_TOKENS):
+    """Each prompt's tokens and the top-5 ids at each (an accepted draft's logprobs are the
+    target model's: those of the same position without speculation)."""
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True,
+                            logprobs=TOP)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return engine_greedy(outputs)
+
+
+class _KnowingProposer:
+    """Proposes each request's true continuation, with the draft at ``len % (k + 2)`` wrong
+    when that is a draft's index (so k of every k + 2 proposals have one bad draft)."""
+
+    def __init__(self, sequences, k):
+        self.sequences, self.k = sequences, k
+
+    def propose(self, token_ids):
+        n = len(token_ids)
+        for sequence in self.sequences:
+            if sequence[:n] == token_ids:
+                drafts = sequence[n:n + self.k]
+                if (bad := n % (self.k + 2)) < len(drafts):
+                    drafts[bad] = (drafts[bad] + 1) % VOCAB
+                return drafts
+        return []
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("setting", ["roomy", "chunked", "preempting"])
+def test_greedy_tokens_are_those_without_speculation(make_llm, tiny_llama_dir, monkeypatch, k,
+                                                     setting):
+    flags = {"roomy": {}, "chunked": {"max_num_batched_tokens": 16},
+             "preempting": {"num_kv_blocks": 40, "block_size": 4, "max_model_len": 128}}[setting]
+    prompts = _prompts()
+    expected = _greedy(make_llm(str(tiny_llama_dir), **flags), prompts)
+    answers = [p + tokens for p, (tokens, _) in zip(prompts, expected)]
+    monkeypatch.setattr(actorlm.models.parts, "NgramProposer",
+                        lambda k, *_: _KnowingProposer(answers, k))
+    spec = make_llm(str(tiny_llama_dir), **flags,
+                    speculative_config={"method": "ngram", "num_speculative_tokens": k})
+    assert _greedy(spec, prompts) == expected
+    stats = spec.stats()
+    accepted = stats["spec_accepted_per_position"]
+    assert len(accepted) == k and all(n > 0 for n in accepted)  # every depth was reached
+    assert stats["spec_num_draft_tokens"] > stats["spec_num_accepted_tokens"]  # some failed
+    if setting == "preempting":
+        assert stats["num_preemptions"] > 0
+
+
+PASSAGE = ("The old baker rose every morning before the sun to bake bread for the village. "
+           "Children would gather at his door to smell the loaves, and he gave each of them a "
+           "warm roll before they walked to school along the river.")
+
+
+@pytest.mark.slow
+def test_prompt_lookup_on_smollm2_keeps_its_greedy_tokens_and_saves_steps(make_llm):
+    """The real proposer on the default model, asked to repeat a passage: most drafts are
+    right, and the tokens are those of the engine without them."""
+    base = make_llm(None)
+    chat = [{"role": "user", "content": f"Repeat this text exactly:\n\n{PASSAGE}"}]
+    prompt = base.apply_chat_template(chat)
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    expected = base.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    spec = make_llm(None, speculative_config={"method": "ngram", "num_speculative_tokens": 5,
+                                              "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+    got = spec.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+    stats, steps = spec.stats(), base.stats()["num_steps"]
+    assert stats["spec_num_accepted_tokens"] >= stats["spec_num_draft_tokens"] / 2
+    assert stats["num_steps"] < steps * 0.6  # a verification yields several tokens
+
+
+def test_tensor_parallel_ranks_verify_the_same_drafts(make_llm, tiny_llama_dir):
+    """TP=2 over worker processes with prompt lookup: rank 1 reads the drafts from the step and
+    learns what was accepted from the next one; the tokens are TP=1's without drafts."""
+    prompts = _prompts()
+    expected = _greedy(make_llm(str(tiny_llama_dir)), prompts, num_tokens=64)
+    spec = make_llm(str(tiny_llama_dir), tensor_parallel_size=2,
+                    distributed_executor_backend="mp",
+                    speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                        "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    assert [t for t, _ in _greedy(spec, prompts, num_tokens=64)] == [t for t, _ in expected]
+    assert spec.stats()["spec_num_draft_tokens"] > 0
