@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     lat.add_argument("--output-len", type=int, default=128)
     lat.add_argument("--num-iters", type=int, default=3, help="report medians over this many runs")
     lat.add_argument("--compare", choices=["hf"], default=None)
+    lat.add_argument("--workload", choices=["free", "grounded"], default="free",
+                     help="free: chat prompts of --input-len tokens; grounded: requests to "
+                          "repeat a passage of --input-len tokens (where prompt lookup helps)")
     lat.add_argument("--profile", action="store_true",
                      help="report where the steps' time went (forward, sampling, engine)")
     lat.add_argument("--json", action="store_true", help="print one JSON object on the last line")
@@ -166,7 +169,8 @@ def _bench_latency(args) -> int:
 
     result = run_latency(args.model, engine_flags(args), args.batch_size, args.input_len,
                          args.output_len, num_iters=args.num_iters,
-                         compare_hf=args.compare == "hf", profile=args.profile)
+                         compare_hf=args.compare == "hf", profile=args.profile,
+                         workload=args.workload)
     return _report(result, args.json)
 
 

@@ -55,6 +55,13 @@ class _EngineCollector:
                  "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
                 (counter, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                  "prefix_cache_hits"),
+                (counter, "vllm:spec_decode_num_drafts",
+                 "Verifications of speculative drafts (a request's drafts in one step).",
+                 "spec_num_drafts"),
+                (counter, "vllm:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                 "spec_num_draft_tokens"),
+                (counter, "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                 "spec_num_accepted_tokens"),
                 (counter, "actorlm:engine_requests_finished",
                  "Requests (sequences) this engine core has finished.", "num_finished"),
                 (counter, "actorlm:worker_restarts", "Workers replaced after a fault or a death.",
@@ -76,6 +83,14 @@ class _EngineCollector:
                 held.add_metric([self.model_name, str(index), str(group),
                                  "full" if window is None else str(window)], blocks)
         yield held
+        per_position = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, per position among a step's drafts.",
+            labels=labels + ["position"])
+        for index, stats in enumerate(replicas):
+            for position, count in enumerate(stats["spec_accepted_per_position"]):
+                per_position.add_metric([self.model_name, str(index), str(position)], count)
+        yield per_position
 
 
 class ServerMetrics:

@@ -40,9 +40,20 @@ def latency_prompts(tokenize, batch_size: int, input_len: int) -> list[list[int]
     return prompts
 
 
+def grounded_prompts(llm, batch_size: int, input_len: int) -> list[list[int]]:
+    """Input-grounded prompts (the work prompt lookup speeds up): each asks, through the chat
+    template, to repeat a distinct passage of ``input_len`` tokens of the free-text prompts."""
+    passages = latency_prompts(lambda c: llm.tokenizer(c[0]["content"] + " ").input_ids,
+                               batch_size, input_len)
+    return [conversation_ids(llm, [{"role": "user", "content": "Repeat this text exactly:\n\n"
+                                    + llm.tokenizer.decode(ids)}]) for ids in passages]
+
+
 def run_latency(model: str | None, flags: dict, batch_size: int, input_len: int,
                 output_len: int, num_iters: int = 3, compare_hf: bool = False,
-                profile: bool = False) -> dict:
+                profile: bool = False, workload: str = "free") -> dict:
+    """``workload``: free (chat prompts cut to ``input_len`` tokens) or grounded (requests to
+    repeat a passage of ``input_len`` tokens, see ``grounded_prompts``)."""
     from actorlm.llm import LLM
 
     if output_len < 2:
@@ -53,8 +64,9 @@ def run_latency(model: str | None, flags: dict, batch_size: int, input_len: int,
     with profiled(profile) as trace_file:
         llm = LLM(model, trace_file=trace_file, **flags)
         try:
-            prompts = latency_prompts(functools.partial(conversation_ids, llm), batch_size,
-                                      input_len)
+            prompts = grounded_prompts(llm, batch_size, input_len) if workload == "grounded" \
+                else latency_prompts(functools.partial(conversation_ids, llm), batch_size,
+                                     input_len)
             _timed_batch(llm, prompts[:1], 4)  # warm-up: first-call allocations, threads
             path, dtype = llm.engine.model_path, llm.engine.dtype
             hf_run = on_passing_thread(_hf_runner, path, dtype, prompts, output_len) \
@@ -66,6 +78,7 @@ def run_latency(model: str | None, flags: dict, batch_size: int, input_len: int,
                 if hf_run is not None:
                     hf.append(on_passing_thread(hf_run))
             breakdown = step_breakdown(llm, since) if profile else None
+            stats = llm.stats()
         finally:
             llm.shutdown()
     ttft = statistics.median(r[0] for r in runs)
@@ -74,12 +87,17 @@ def run_latency(model: str | None, flags: dict, batch_size: int, input_len: int,
     result = {
         "model": path.name, "dtype": str(dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(), "batch_size": batch_size, "input_len": input_len,
-        "output_len": output_len, "num_iters": num_iters,
+        "output_len": output_len, "num_iters": num_iters, "workload": workload,
         "ttft_ms": round(1e3 * ttft, 2), "tpot_ms": round(1e3 * tpot, 2),
         "decode_tokens_per_s": round(batch_size / tpot, 2), "e2e_s": round(e2e, 3),
     }
     if breakdown is not None:
         result["profile"] = breakdown
+    if stats["spec_num_drafts"]:  # speculative decoding: tokens per verification, all runs
+        result["spec_acceptance_length"] = round(
+            1 + stats["spec_num_accepted_tokens"] / stats["spec_num_drafts"], 3)
+        result["spec_draft_acceptance_rate"] = round(
+            stats["spec_num_accepted_tokens"] / stats["spec_num_draft_tokens"], 3)
     if compare_hf:
         hf_ttft = statistics.median(r[0] for r in hf)
         hf_tpot = statistics.median((r[1] - r[0]) / (output_len - 1) for r in hf)

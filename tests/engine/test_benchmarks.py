@@ -78,6 +78,19 @@ def test_bench_latency_reports_the_engine_transformers_and_the_breakdown(tiny_ll
     assert decode["engine_overhead_ms"] >= decode["prepare_ms"] >= 0
 
 
+def test_bench_latency_reports_the_acceptance_of_prompt_lookup_on_grounded_work(
+        tiny_llama_dir, capsys):
+    rc = main(["bench", "latency", "--model", str(tiny_llama_dir), "--dtype", "float32",
+               "--num-kv-blocks", "256", "--input-len", "40", "--output-len", "16",
+               "--num-iters", "1", "--workload", "grounded", "--json", "--speculative-config",
+               '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["workload"] == "grounded"
+    assert result["spec_acceptance_length"] >= 1.0  # 1 + accepted drafts per verification
+    assert 0.0 <= result["spec_draft_acceptance_rate"] <= 1.0
+
+
 def test_bench_latency_refuses_an_output_too_short_to_decode(tiny_llama_dir, capsys):
     assert main(["bench", "latency", "--model", str(tiny_llama_dir), "--output-len", "1"]) == 2
     assert "--output-len" in capsys.readouterr().err
