@@ -5,6 +5,11 @@ GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment
 _MASK64 = (1 << 64) - 1
 
 
+def row_seed(seed: int, position: int) -> int:
+    """A 64-bit generator seed for a seeded request's draw at output ``position``."""
+    return mix64(seed * GOLDEN_GAMMA + position + 1)
+
+
 def mix64(x: int) -> int:
     """The hash of the 64-bit integer ``x`` (taken modulo 2**64)."""
     x &= _MASK64

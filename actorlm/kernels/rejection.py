@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from actorlm.hashing import GOLDEN_GAMMA, mix64
+from actorlm.hashing import mix64, row_seed
 from actorlm.sampling_params import GREEDY_TEMPERATURE
 
 _SALT = 0x5BEC_DEC0DE  # keeps these draws apart from the plain sampler's at the same position
@@ -56,7 +56,7 @@ def rejection_sample(logits: torch.Tensor, num_drafts: list[int], draft_token_id
         rows = torch.tensor(sampled, device=dev)
         b = request_of_row[rows]
         probs = sampling_probs(logits[rows], temperature[b], top_k[b], top_p[b], min_p[b])
-        row_seeds = [mix64(mix64(s * GOLDEN_GAMMA + p + 1) ^ _SALT) for s, p in
+        row_seeds = [mix64(row_seed(s, p) ^ _SALT) for s, p in
                      zip(seeds[b].tolist(), (positions[b] + offset[rows]).tolist())]
         u, exp_noise = _noise(row_seeds, vocab_size, dev)  # [S], [S, V]
         row_drafts = drafts[rows]

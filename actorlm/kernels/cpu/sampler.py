@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from actorlm.hashing import GOLDEN_GAMMA, mix64
+from actorlm.hashing import row_seed
 from actorlm.sampling_params import GREEDY_TEMPERATURE
 
 # top-p without top-k first looks at this many most likely tokens (a topk is far cheaper than
@@ -47,7 +47,7 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions) -> torch.
         scaled = _rows(logits, rows).float() / temperature[rows, None].float()  # [S, V]
         k = top_k[rows].long()
         k = torch.where((k > 0) & (k < vocab_size), k, vocab_size)
-        row_seeds = [_row_seed(s, pos) for s, pos in zip(seeds[rows].tolist(), positions[rows].tolist())]
+        row_seeds = [row_seed(s, pos) for s, pos in zip(seeds[rows].tolist(), positions[rows].tolist())]
         tokens[rows] = sample(scaled, k, top_p[rows].float(), min_p[rows].float(), row_seeds)
     return tokens
 
@@ -55,11 +55,6 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions) -> torch.
 def _rows(x, rows: list[int]):
     """x[rows] without the copy when rows is every row, in order (the common uniform batch)."""
     return x if rows == list(range(x.shape[0])) else x[rows]
-
-
-def _row_seed(seed: int, position: int) -> int:
-    """A 64-bit generator seed from (seed, position)."""
-    return mix64(seed * GOLDEN_GAMMA + position + 1)
 
 
 def _uniform_noise(row_seed: int, n: int, device, out=None) -> torch.Tensor:
