@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 METHODS = ("ngram",)
 _DEFAULT_LOOKUP = 5
@@ -64,6 +64,16 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-config: prompt_lookup_min ({low}) exceeds "
                              f"prompt_lookup_max ({high})")
         return cls(method, k, low, high)
+
+
+class Proposer(Protocol):
+    """What the model runner asks of a proposer, on rank 0, after each step's sampling."""
+
+    def propose_all(self, request_ids: list[str], token_ids: list[list[int]]) -> list[list[int]]:
+        """Up to k drafts to follow each request's tokens (prompt + output); [] for none."""
+
+    def forget(self, request_id: str) -> None:
+        """The request finished or was preempted: drop whatever is kept for it."""
 
 
 def _positive(value: dict, key: str, default: int | None) -> int:

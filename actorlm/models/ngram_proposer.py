@@ -20,6 +20,13 @@ class NgramProposer:
         self.k = num_speculative_tokens
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
 
+    def propose_all(self, request_ids: list[str], token_ids: list[list[int]]) -> list[list[int]]:
+        """The drafts of each request (the runner's proposer protocol, ``speculative.Proposer``)."""
+        return [self.propose(tokens) for tokens in token_ids]
+
+    def forget(self, request_id: str) -> None:
+        """Nothing to forget: prompt lookup keeps no state between steps."""
+
     def propose(self, token_ids: list[int]) -> list[int]:
         """Up to ``k`` drafts to follow ``token_ids`` (prompt + output); [] without a match."""
         tokens = np.asarray(token_ids, dtype=np.int64)

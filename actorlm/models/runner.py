@@ -102,7 +102,7 @@ class ModelRunner:
                  eos_token_ids: frozenset[int] = frozenset(),
                  tp: TensorParallel = TensorParallel(), proposer=None):
         self.model, self.backend, self.tp = model, backend, tp
-        self.proposer = proposer  # speculative decoding's: token ids -> drafts; None: off
+        self.proposer = proposer  # speculative decoding's (``speculative.Proposer``); None: off
         self._moe_timer = getattr(model, "moe_timer", None)  # None: no MoE layers, or a GPU
         self.block_size, self.dtype, self.device = block_size, dtype, device
         self.eos_token_ids = eos_token_ids
@@ -138,6 +138,8 @@ class ModelRunner:
         t_start = time.perf_counter()
         for request_id in step.finished_request_ids:
             self.requests.pop(request_id, None)
+            if self.proposer is not None:
+                self.proposer.forget(request_id)
         for data in step.new_requests:
             self.requests[data.request_id] = _CachedState.from_new(data, self.num_kv_groups)
         for delta in step.cached_requests:
@@ -187,7 +189,8 @@ class ModelRunner:
                 state.token_ids += new_tokens
         spec = {}
         if self.proposer is not None and s.rows:  # the next step's drafts, from what is known now
-            spec["spec_token_ids"] = [self.proposer.propose(st.token_ids) for st in states]
+            spec["spec_token_ids"] = self.proposer.propose_all(sampled_ids,
+                                                               [st.token_ids for st in states])
             if any(drafts):
                 spec["accepted_token_ids"] = [out[:-1] for out in outputs]
                 spec["accepted_logprobs"] = [lp[:-1] if lp else [] for lp in logprobs]

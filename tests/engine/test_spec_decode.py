@@ -13,6 +13,7 @@ import pytest
 from engine_helpers import TOP, engine_greedy
 
 import actorlm.models.parts
+from actorlm.models.ngram_proposer import NgramProposer
 from actorlm import SamplingParams
 
 NUM_TOKENS = 40
@@ -38,11 +39,11 @@ def _greedy(llm, prompts, num_tokens=NUM_TOKENS):
     return engine_greedy(outputs)
 
 
-class _KnowingProposer:
+class _KnowingProposer(NgramProposer):
     """Proposes each request's true continuation, with the draft at ``len % (k + 2)`` wrong
     when that is a draft's index (so k of every k + 2 proposals have one bad draft)."""
 
-    def __init__(self, sequences, k):
+    def __init__(self, sequences, k):  # (its batch and forget are prompt lookup's)
         self.sequences, self.k = sequences, k
 
     def propose(self, token_ids):
