@@ -53,6 +53,27 @@ class _CachedState:
                    data.sampling_params, data.seed, data.bad_words_token_ids)
 
 
+def _attention_rows(states: list[_CachedState], num_scheduled: list[int], seq_lens: list[int]
+                    ) -> tuple[list[int], list[int], list[int]]:
+    """The step's attention as (q_lens, seq_lens, owner request index) per query group: each
+    request's chunk is one group, except that a request verifying drafts attends as one decode
+    row per token, row j seeing its context up to its own position. That is causal attention
+    all the same (every row's K/V is written before any row attends), and it makes a verify
+    step a decode step to the backend: the one-call C++ decode step then takes it whole,
+    where a short "prefill" of k + 1 tokens would send every layer through Python."""
+    q_lens, context_lens, owners = [], [], []
+    for i, (state, n, end) in enumerate(zip(states, num_scheduled, seq_lens)):
+        if n > 1 and state.spec_token_ids and end > len(state.token_ids):
+            q_lens += [1] * n
+            context_lens += range(end - n + 1, end + 1)
+            owners += [i] * n
+        else:
+            q_lens.append(n)
+            context_lens.append(end)
+            owners.append(i)
+    return q_lens, context_lens, owners
+
+
 def _block_tables(data: NewRequestData, num_groups: int) -> list[list[int]]:
     """A new request's table per group."""
     tables = data.block_ids
@@ -214,8 +235,9 @@ class ModelRunner:
             seq_lens.append(end)
             query_start.append(query_start[-1] + n)
         dev = self.device
-        metas = [self.backend.attention_metadata(num_scheduled, seq_lens,
-                                                 [s.block_tables[g] for s in states],
+        q_lens, context_lens, owners = _attention_rows(states, num_scheduled, seq_lens)
+        metas = [self.backend.attention_metadata(q_lens, context_lens,
+                                                 [states[i].block_tables[g] for i in owners],
                                                  self.block_size)
                  for g in range(self.num_kv_groups)]  # one per KV-cache group
         input_ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)

@@ -13,8 +13,10 @@ import pytest
 from engine_helpers import TOP, engine_greedy
 
 import actorlm.models.parts
-from actorlm.models.ngram_proposer import NgramProposer
 from actorlm import SamplingParams
+from actorlm.kernels.cpu import linear as cpu_linear
+from actorlm.kernels.cpu.decode_step import DecodeStep
+from actorlm.models.ngram_proposer import NgramProposer
 
 NUM_TOKENS = 40
 VOCAB = 200  # prompt ids are drawn below this (the tiny tokenizer has more)
@@ -77,6 +79,44 @@ def test_greedy_tokens_are_those_without_speculation(make_llm, tiny_llama_dir, m
     assert stats["spec_num_draft_tokens"] > stats["spec_num_accepted_tokens"]  # some failed
     if setting == "preempting":
         assert stats["num_preemptions"] > 0
+
+
+@pytest.mark.skipif(cpu_linear._kernel() is None,
+                    reason="the fp32 panel GEMM needs AVX-512 or AVX2 and FMA, and a C++ compiler")
+def test_verification_steps_take_the_one_call_decode_step(make_llm, tiny_llama_dir, monkeypatch):
+    """A request verifying k drafts attends as k + 1 decode rows, so the step runs every layer
+    in one C++ call (the Python layers would run it as a short prefill)."""
+    k, prompt = 3, _prompts()[1]
+    expected = _greedy(make_llm(str(tiny_llama_dir), dtype="float32"), [prompt])
+    monkeypatch.setattr(actorlm.models.parts, "NgramProposer",
+                        lambda k, *_: _KnowingProposer([prompt + expected[0][0]], k))
+    calls = []  # (rows, whether the one call ran them) of every forward
+    one_call = DecodeStep.__call__
+    monkeypatch.setattr(DecodeStep, "__call__", lambda step, x, *args: calls.append(
+        (x.shape[0], (out := one_call(step, x, *args)) is not None)) or out)
+    spec = make_llm(str(tiny_llama_dir), dtype="float32",
+                    speculative_config={"method": "ngram", "num_speculative_tokens": k})
+    assert _greedy(spec, [prompt]) == expected
+    verifications = [took for rows, took in calls if 1 < rows <= k + 1]
+    assert len(verifications) == spec.stats()["spec_num_drafts"] > 0
+    assert all(verifications)
+    assert [took for rows, took in calls if rows == len(prompt)] == [False]  # the prefill
+
+
+@pytest.mark.slow
+def test_the_triton_backend_verifies_drafts_to_the_same_tokens(make_llm, tiny_llama_dir,
+                                                               monkeypatch):
+    """The Triton kernels (CPU interpreter) attend a verification's rows as decode rows too."""
+    prompts, k = _prompts()[:2], 3
+    expected = _greedy(make_llm(str(tiny_llama_dir)), prompts, num_tokens=12)
+    monkeypatch.setattr(actorlm.models.parts, "NgramProposer", lambda k, *_: _KnowingProposer(
+        [p + tokens for p, (tokens, _) in zip(prompts, expected)], k))
+    monkeypatch.setenv("ACTORLM_ATTENTION_BACKEND", "triton")
+    spec = make_llm(str(tiny_llama_dir), dtype="float32",
+                    speculative_config={"method": "ngram", "num_speculative_tokens": k})
+    assert spec.engine.backend_name == "triton"
+    assert [t for t, _ in _greedy(spec, prompts, num_tokens=12)] == [t for t, _ in expected]
+    assert spec.stats()["spec_num_accepted_tokens"] > 0
 
 
 PASSAGE = ("The old baker rose every morning before the sun to bake bread for the village. "
