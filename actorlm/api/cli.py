@@ -68,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     lat.add_argument("--num-iters", type=int, default=3, help="report medians over this many runs")
     lat.add_argument("--compare", choices=["hf"], default=None)
     lat.add_argument("--workload", choices=["free", "grounded"], default="free",
-                     help="free: chat prompts of --input-len tokens; grounded: requests to "
-                          "repeat a passage of --input-len tokens (where prompt lookup helps)")
+                     help="free: chat prompts of --input-len tokens; grounded: a chat whose "
+                          "last turn asks to repeat the model's answer of up to --input-len "
+                          "tokens (where prompt lookup helps)")
     lat.add_argument("--profile", action="store_true",
                      help="report where the steps' time went (forward, sampling, engine)")
     lat.add_argument("--json", action="store_true", help="print one JSON object on the last line")

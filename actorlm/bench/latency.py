@@ -21,6 +21,7 @@ import torch
 
 from actorlm.bench.throughput import bench_prompts, conversation_ids, profiled, step_breakdown
 from actorlm.openmp import on_passing_thread
+from actorlm.sampling_params import SamplingParams
 
 
 def latency_prompts(tokenize, batch_size: int, input_len: int) -> list[list[int]]:
@@ -41,19 +42,25 @@ def latency_prompts(tokenize, batch_size: int, input_len: int) -> list[list[int]
 
 
 def grounded_prompts(llm, batch_size: int, input_len: int) -> list[list[int]]:
-    """Input-grounded prompts (the work prompt lookup speeds up): each asks, through the chat
-    template, to repeat a distinct passage of ``input_len`` tokens of the free-text prompts."""
-    passages = latency_prompts(lambda c: llm.tokenizer(c[0]["content"] + " ").input_ids,
-                               batch_size, input_len)
-    return [conversation_ids(llm, [{"role": "user", "content": "Repeat this text exactly:\n\n"
-                                    + llm.tokenizer.decode(ids)}]) for ids in passages]
+    """Input-grounded prompts (the work prompt lookup speeds up): chat prompt i's conversation
+    continued with the model's own greedy answer of up to ``input_len`` tokens, then the user's
+    "Repeat your answer exactly." — a reply that quotes a passage of its context, as an edit, a
+    summary that quotes or a retrieval answer does. The passage is the model's own prose: a
+    passage it does not understand as quotable text (a list of instructions, say) makes a small
+    model follow it rather than repeat it, which measures the model, not the speculation."""
+    conversations = bench_prompts(batch_size)
+    answers = llm.generate([{"prompt_token_ids": conversation_ids(llm, c)} for c in conversations],
+                           SamplingParams(max_tokens=input_len, temperature=0), use_tqdm=False)
+    return [conversation_ids(llm, [*c, {"role": "assistant", "content": a.outputs[0].text},
+                                   {"role": "user", "content": "Repeat your answer exactly."}])
+            for c, a in zip(conversations, answers)]
 
 
 def run_latency(model: str | None, flags: dict, batch_size: int, input_len: int,
                 output_len: int, num_iters: int = 3, compare_hf: bool = False,
                 profile: bool = False, workload: str = "free") -> dict:
     """``workload``: free (chat prompts cut to ``input_len`` tokens) or grounded (requests to
-    repeat a passage of ``input_len`` tokens, see ``grounded_prompts``)."""
+    repeat an answer of up to ``input_len`` tokens, see ``grounded_prompts``)."""
     from actorlm.llm import LLM
 
     if output_len < 2:
@@ -71,7 +78,7 @@ def run_latency(model: str | None, flags: dict, batch_size: int, input_len: int,
             path, dtype = llm.engine.model_path, llm.engine.dtype
             hf_run = on_passing_thread(_hf_runner, path, dtype, prompts, output_len) \
                 if compare_hf else None
-            since = time.monotonic()
+            since, before = time.monotonic(), llm.stats()
             runs, hf = [], []
             for _ in range(num_iters):  # taking turns with transformers, as bench throughput
                 runs.append(_timed_batch(llm, prompts, output_len))
@@ -93,11 +100,11 @@ def run_latency(model: str | None, flags: dict, batch_size: int, input_len: int,
     }
     if breakdown is not None:
         result["profile"] = breakdown
-    if stats["spec_num_drafts"]:  # speculative decoding: tokens per verification, all runs
-        result["spec_acceptance_length"] = round(
-            1 + stats["spec_num_accepted_tokens"] / stats["spec_num_drafts"], 3)
-        result["spec_draft_acceptance_rate"] = round(
-            stats["spec_num_accepted_tokens"] / stats["spec_num_draft_tokens"], 3)
+    drafts, draft_tokens, accepted = (stats[key] - before[key] for key in (
+        "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens"))
+    if drafts:  # speculative decoding: tokens per verification, over the timed runs
+        result["spec_acceptance_length"] = round(1 + accepted / drafts, 3)
+        result["spec_draft_acceptance_rate"] = round(accepted / draft_tokens, 3)
     if compare_hf:
         hf_ttft = statistics.median(r[0] for r in hf)
         hf_tpot = statistics.median((r[1] - r[0]) / (output_len - 1) for r in hf)
