@@ -81,6 +81,37 @@ def test_greedy_tokens_are_those_without_speculation(make_llm, tiny_llama_dir, m
         assert stats["num_preemptions"] > 0
 
 
+def test_stops_max_tokens_and_n_cut_drafts_as_without_speculation(make_llm, tiny_llama_dir,
+                                                                   monkeypatch):
+    """A stop token, a stop string or max_tokens inside a run of accepted drafts ends the
+    output there, for each of n = 2 samples, with the text and finish reason of no drafts."""
+    prompts = _prompts()
+    base = make_llm(str(tiny_llama_dir))
+    free = _greedy(base, prompts)
+    free_text = base.generate([{"prompt_token_ids": prompts[2]}],
+                              SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0,
+                                             ignore_eos=True), use_tqdm=False)
+    text = free_text[0].outputs[0].text
+    params = SamplingParams(max_tokens=33, temperature=0.0, n=2, stop=[text[len(text) // 2:][:4]],
+                            stop_token_ids=[free[0][0][17]])
+
+    def outcome(llm):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)
+        return [[(c.text, list(c.token_ids), c.finish_reason, c.stop_reason) for c in o.outputs]
+                for o in outputs]
+
+    expected = outcome(base)
+    reasons = {type(c[3]) for o in expected for c in o}
+    assert reasons == {str, int, type(None)}  # a stop string, a stop token, max_tokens
+    monkeypatch.setattr(actorlm.models.parts, "NgramProposer", lambda k, *_: _KnowingProposer(
+        [p + tokens for p, (tokens, _) in zip(prompts, free)], k))
+    spec = make_llm(str(tiny_llama_dir),
+                    speculative_config={"method": "ngram", "num_speculative_tokens": 5})
+    assert outcome(spec) == expected
+    assert spec.stats()["spec_num_accepted_tokens"] > 0
+
+
 @pytest.mark.skipif(cpu_linear._kernel() is None,
                     reason="the fp32 panel GEMM needs AVX-512 or AVX2 and FMA, and a C++ compiler")
 def test_verification_steps_take_the_one_call_decode_step(make_llm, tiny_llama_dir, monkeypatch):
