@@ -56,9 +56,8 @@ def rejection_sample(logits: torch.Tensor, num_drafts: list[int], draft_token_id
         rows = torch.tensor(sampled, device=dev)
         b = request_of_row[rows]
         probs = sampling_probs(logits[rows], temperature[b], top_k[b], top_p[b], min_p[b])
-        row_seeds = [mix64(row_seed(s, p) ^ _SALT) for s, p in
-                     zip(seeds[b].tolist(), (positions[b] + offset[rows]).tolist())]
-        u, exp_noise = _noise(row_seeds, vocab_size, dev)  # [S], [S, V]
+        u, exp_noise = draft_noise(seeds[b], positions[b] + offset[rows], vocab_size,
+                                   dev)  # [S], [S, V]
         row_drafts = drafts[rows]
         p_draft = probs.gather(1, row_drafts[:, None])[:, 0]
         accepted[rows] = u < p_draft
@@ -95,8 +94,13 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return kept / kept.sum(-1, keepdim=True)
 
 
-def _noise(row_seeds: list[int], vocab_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, from a generator seeded by its seed alone: u ~ U[0, 1) and [V] Exp(1) draws."""
+def draft_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int, device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per verified row (its request's seed, its position): u ~ U[0, 1) and [V] Exp(1) draws,
+    from a generator seeded by the row's seed alone, salted apart from the plain sampler's.
+    Every verifier draws its noise here, so they agree token for token."""
+    row_seeds = [mix64(row_seed(s, p) ^ _SALT) for s, p in zip(seeds.tolist(),
+                                                                positions.tolist())]
     u = torch.empty(len(row_seeds), device=device)
     exp_noise = torch.empty(len(row_seeds), vocab_size, device=device)
     for i, seed in enumerate(row_seeds):

@@ -1,8 +1,8 @@
 """The GPU backend: Triton kernels for the norms, activations, the K/V write, paged attention,
-sampling, the linear layers in GGUF blocks and the routed experts (a grouped GEMM over the
-slots sorted by expert; experts in GGUF blocks: each expert's rows through the quantized
-GEMM); cuBLAS (``F.linear``) for the dense linear layers; torch ops for
-RoPE."""
+sampling, speculative decoding's verification walk (after torch's target distributions), the
+linear layers in GGUF blocks and the routed experts (a grouped GEMM over the slots sorted by
+expert; experts in GGUF blocks: each expert's rows through the quantized GEMM); cuBLAS
+(``F.linear``) for the dense linear layers; torch ops for RoPE."""
 
 from __future__ import annotations
 
@@ -86,3 +86,10 @@ class TritonBackend(KernelBackend):
         from actorlm.kernels.triton.sampling import sample
 
         return sample(logits, temperature, top_k, top_p, min_p, seeds, positions)
+
+    def rejection_sample(self, logits, num_drafts, draft_token_ids, temperature, top_k, top_p,
+                         min_p, seeds, positions):
+        from actorlm.kernels.triton.rejection import rejection_sample
+
+        return rejection_sample(logits, num_drafts, draft_token_ids, temperature, top_k, top_p,
+                                min_p, seeds, positions)
