@@ -1,0 +1,209 @@
+"""A PEFT LoRA adapter directory, read and checked against the base model it is to run on.
+
+PEFT saves ``adapter_config.json`` (rank ``r``, ``lora_alpha``, ``target_modules``,
+``use_rslora``, per-module ``rank_pattern`` / ``alpha_pattern``, ...) and
+``adapter_model.safetensors``, whose ``...layers.{i}.self_attn.q_proj.lora_A.weight`` [r, in]
+and ``lora_B.weight`` [out, r] make the delta ``scale * B @ A @ x`` of transformers' module
+``q_proj`` (scale ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA).
+
+The engine's layers merge transformers' projections (``qkv_proj`` is q, k and v stacked;
+``gate_up_proj`` is gate and up), so the adapter of a merged layer is the adapters of its
+parts as one: their A matrices stacked (rank: the sum of theirs) and a block-diagonal B, each
+part's B at its rows and its A's columns, the scale folded in. One shrink and one expand per
+layer then apply them all, with no per-part bookkeeping in the kernels.
+
+Anything the adapter asks for that the engine does not compute (DoRA, trained biases, modules
+saved whole such as the LM head, embeddings, other modules) or that does not fit the base model
+(a layer it lacks, shapes of another model, a rank over ``--max-lora-rank``) is a
+``LoRAAdapterError`` naming it; nothing is half-loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from actorlm.models.decoder import LayerSpec
+
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+# the engine's merged layers: (transformers' module, its rows' size) per part, in stacking order
+_PARTS = {
+    "qkv_proj": (("q_proj", lambda s: s.num_heads * s.head_dim),
+                 ("k_proj", lambda s: s.num_kv_heads * s.head_dim),
+                 ("v_proj", lambda s: s.num_kv_heads * s.head_dim)),
+    "o_proj": (("o_proj", lambda s: s.hidden_size),),
+    "gate_up_proj": (("gate_proj", lambda s: s.intermediate_size),
+                     ("up_proj", lambda s: s.intermediate_size)),
+    "down_proj": (("down_proj", lambda s: s.hidden_size),),
+}
+_INPUTS = {"qkv_proj": lambda s: s.hidden_size, "o_proj": lambda s: s.num_heads * s.head_dim,
+           "gate_up_proj": lambda s: s.hidden_size, "down_proj": lambda s: s.intermediate_size}
+_LAYER_OF = {hf: layer for layer, parts in _PARTS.items() for hf, _ in parts}
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+class LoRAAdapterError(ValueError):
+    """The adapter directory is malformed or does not fit the base model: the message says
+    which file, key or setting."""
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    """One engine layer's delta ``x @ a.T @ b.T`` (its scale folded into ``b``)."""
+
+    a: torch.Tensor  # [rank, in_features]
+    b: torch.Tensor  # [out_features, rank]
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+
+@dataclass(frozen=True)
+class LoRAAdapter:
+    name: str
+    path: Path
+    modules: dict[tuple[int, str], LoRAModule]  # (layer index, engine layer name) -> delta
+
+    @property
+    def max_rank(self) -> int:
+        return max(m.rank for m in self.modules.values())
+
+
+def load_lora_adapter(name: str, path: str | Path, specs: list[LayerSpec],
+                      max_lora_rank: int) -> LoRAAdapter:
+    """The adapter at ``path`` for a base model of decoder layers ``specs``, in fp32."""
+    path = Path(path)
+    config = _read_config(path)
+    tensors = _read_weights(path)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.search(key)
+        if match is None:
+            raise LoRAAdapterError(f"{path / WEIGHTS_FILE}: {key!r} is no LoRA weight of a "
+                                   f"decoder layer's projection (only "
+                                   f"{', '.join(_LAYER_OF)} take adapters here)")
+        layer, module, side = int(match[1]), match[2], match[3]
+        if module not in _LAYER_OF:
+            raise LoRAAdapterError(f"{path / WEIGHTS_FILE}: {key!r}: module {module!r} takes "
+                                   f"no adapter here (only {', '.join(_LAYER_OF)})")
+        if layer >= len(specs):
+            raise LoRAAdapterError(f"{path / WEIGHTS_FILE}: {key!r}: the base model has "
+                                   f"{len(specs)} layers")
+        pairs.setdefault((layer, module), {})[side] = tensor.float()
+    if not pairs:
+        raise LoRAAdapterError(f"{path / WEIGHTS_FILE} holds no LoRA weights")
+    modules = {}
+    for (layer, merged), parts in _merged_parts(pairs).items():
+        spec = specs[layer]
+        if spec.moe is not None and merged in ("gate_up_proj", "down_proj"):
+            raise LoRAAdapterError(f"{path}: layer {layer}'s MLP is a mixture of experts, "
+                                   f"which takes no adapter here")
+        modules[(layer, merged)] = _merge(path, config, layer, merged, parts, spec,
+                                          max_lora_rank)
+    return LoRAAdapter(name, path, modules)
+
+
+def _read_config(path: Path) -> dict:
+    if not path.is_dir():
+        raise LoRAAdapterError(f"{path}: no such adapter directory")
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text())
+    except FileNotFoundError:
+        raise LoRAAdapterError(f"{path}: no {CONFIG_FILE}") from None
+    except json.JSONDecodeError as exc:
+        raise LoRAAdapterError(f"{path / CONFIG_FILE}: not JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise LoRAAdapterError(f"{path / CONFIG_FILE}: not a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise LoRAAdapterError(f"{path / CONFIG_FILE}: peft_type {config['peft_type']!r} is "
+                               f"not LoRA")
+    refused = {"use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out (GPT-2's Conv1D layers)"}
+    for key, what in refused.items():
+        if config.get(key):
+            raise LoRAAdapterError(f"{path / CONFIG_FILE}: {what} is not implemented")
+    if config.get("bias", "none") != "none":
+        raise LoRAAdapterError(f"{path / CONFIG_FILE}: bias {config['bias']!r} (trained "
+                               f"biases) is not implemented; only 'none'")
+    if config.get("modules_to_save"):
+        raise LoRAAdapterError(f"{path / CONFIG_FILE}: modules_to_save "
+                               f"{config['modules_to_save']} (modules saved whole) is not "
+                               f"implemented")
+    for key in ("r", "lora_alpha"):
+        value = config.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise LoRAAdapterError(f"{path / CONFIG_FILE}: {key} must be a positive number, "
+                                   f"got {value!r}")
+    return config
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    file = path / WEIGHTS_FILE
+    if not file.is_file():
+        found = ", ".join(sorted(p.name for p in path.iterdir())) or "nothing"
+        raise LoRAAdapterError(f"{path}: no {WEIGHTS_FILE} (found {found})")
+    try:
+        return load_file(file)
+    except (SafetensorError, OSError) as exc:
+        raise LoRAAdapterError(f"{file}: not a safetensors file ({exc})") from None
+
+
+def _merged_parts(pairs) -> dict[tuple[int, str], dict[str, dict[str, torch.Tensor]]]:
+    """(layer, engine layer) -> transformers' parts -> their A and B."""
+    merged: dict[tuple[int, str], dict[str, dict[str, torch.Tensor]]] = {}
+    for (layer, module), sides in sorted(pairs.items()):
+        merged.setdefault((layer, _LAYER_OF[module]), {})[module] = sides
+    return merged
+
+
+def _merge(path: Path, config: dict, layer: int, merged: str, parts, spec: LayerSpec,
+           max_lora_rank: int) -> LoRAModule:
+    """The parts' adapters as one of the merged layer (see the module's docstring)."""
+    in_features = _INPUTS[merged](spec)
+    a_blocks, b_blocks, rows, row = [], [], 0, {}
+    for module, size_of in _PARTS[merged]:
+        row[module] = rows
+        rows += size_of(spec)
+    for module, sides in parts.items():
+        where = f"{path / WEIGHTS_FILE}: layer {layer} {module}"
+        if set(sides) != {"A", "B"}:
+            raise LoRAAdapterError(f"{where}: lora_A and lora_B come in pairs; only "
+                                   f"lora_{''.join(sides)} is there")
+        a, b = sides["A"], sides["B"]
+        rank = a.shape[0]
+        out_features = dict(_PARTS[merged])[module](spec)
+        if a.shape != (rank, in_features) or b.shape != (out_features, rank):
+            raise LoRAAdapterError(f"{where}: lora_A {tuple(a.shape)} and lora_B "
+                                   f"{tuple(b.shape)} do not fit the base model's "
+                                   f"[{out_features}, {in_features}] projection")
+        if rank > max_lora_rank:
+            raise LoRAAdapterError(f"{where}: rank {rank} exceeds --max-lora-rank "
+                                   f"{max_lora_rank}")
+        a_blocks.append(a)
+        block = "self_attn" if merged in ("qkv_proj", "o_proj") else "mlp"
+        scale = _scale(config, f"model.layers.{layer}.{block}.{module}", rank)
+        b_blocks.append((row[module], b * scale))
+    total_rank = sum(a.shape[0] for a in a_blocks)
+    b = torch.zeros(rows, total_rank)
+    column = 0
+    for first_row, block in b_blocks:
+        b[first_row:first_row + block.shape[0], column:column + block.shape[1]] = block
+        column += block.shape[1]
+    return LoRAModule(torch.cat(a_blocks).contiguous(), b)
+
+
+def _scale(config: dict, module: str, rank: int) -> float:
+    """PEFT's: ``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA; the alpha of the first
+    ``alpha_pattern`` that ends the module's name (``model.layers.0.self_attn.q_proj``), as
+    PEFT matches them; the rank is the tensors' (which ``rank_pattern`` set)."""
+    alpha = next((value for pattern, value in (config.get("alpha_pattern") or {}).items()
+                  if re.match(rf"(.*\.)?({pattern})$", module)), config["lora_alpha"])
+    return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
