@@ -1,13 +1,14 @@
 """actorlm: an LLM inference and serving engine built from actors exchanging typed messages."""
 
 from actorlm.config import EngineConfig
+from actorlm.lora_request import LoRARequest
 from actorlm.outputs import CompletionOutput, RequestOutput
 from actorlm.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "AsyncLLM", "EngineDeadError", "EngineShutdownError", "EngineConfig",
-           "SamplingParams", "RequestOutput", "CompletionOutput"]
+           "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest"]
 
 _LAZY = {"LLM": "actorlm.llm", "AsyncLLM": "actorlm.async_llm",
          "EngineDeadError": "actorlm.actors.supervisor",

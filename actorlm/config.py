@@ -73,6 +73,12 @@ class EngineConfig:
     # draft tokens proposed each step and verified in one forward: vLLM's JSON, e.g.
     # {"method": "ngram", "num_speculative_tokens": 3} (``actorlm.speculative``)
     speculative_config: SpeculativeConfig | None = None  # (given as JSON text or a dict)
+    # LoRA adapters (``LoRARequest``): up to max_loras distinct ones in a step, of rank up to
+    # max_lora_rank, max_cpu_loras of them kept read in memory (None: max_loras)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self):
         dtype = _DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower())
@@ -83,13 +89,14 @@ class EngineConfig:
             raise ValueError(f"--device must be auto, cpu or cuda; got {self.device!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                      "num_kv_blocks", "kv_cache_memory_bytes", "tensor_parallel_size",
-                     "data_parallel_size"):
+                     "data_parallel_size", "max_loras", "max_lora_rank", "max_cpu_loras"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or value <= 0):  # True is an int to Python
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be a positive integer, got {value!r}")
-        for name in ("enable_chunked_prefill", "enable_prefix_caching", "enable_expert_parallel"):
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "enable_expert_parallel",
+                     "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be true or false, got {getattr(self, name)!r}")
@@ -115,6 +122,12 @@ class EngineConfig:
             reasoning_parser(self.reasoning_parser)  # unknown: an error listing the known ones
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.parse(self.speculative_config))
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not implemented "
+                             "yet (the adapters' A and B are not sharded)")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least "
+                             f"--max-loras ({self.max_loras})")
 
     @classmethod
     def from_flags(cls, model: str | None = None, **flags) -> EngineConfig:

@@ -14,6 +14,7 @@ from actorlm.actors.supervisor import EngineDeadError
 from actorlm.actors.system import EngineSystem
 from actorlm.config import EngineConfig
 from actorlm.engine_core import start_engine
+from actorlm.lora_request import LoRARequest
 from actorlm.messages import AbortRequests, SubmitRequest
 from actorlm.outputs import RequestOutput
 from actorlm.sampling_params import SamplingParams
@@ -58,8 +59,12 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order.
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order. ``lora_request``: the
+        LoRA adapter of every prompt, or one per prompt (None: the base model; needs
+        ``enable_lora``).
 
         A prompt is text, a list of token ids, or ``{"prompt_token_ids": [...]}``. If any prompt
         or parameter is refused, nothing of this call keeps running and the error is raised.
@@ -71,8 +76,12 @@ class LLM:
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
+        loras = [lora_request] * len(prompts) if lora_request is None or \
+            isinstance(lora_request, LoRARequest) else list(lora_request)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} lora_requests")
         sink: queue.Queue[RequestOutput | EngineDeadError] = queue.Queue()
-        request_ids = self._submit(prompts, params, sink)
+        request_ids = self._submit(prompts, params, sink, loras)
         watch = self.engine.supervisor.watch(sink.put)  # a dead engine wakes us with its error
         by_id: dict[str, RequestOutput] = {}
         try:
@@ -92,13 +101,15 @@ class LLM:
         self.flush_trace()
         return [by_id[rid] for rid in request_ids]
 
-    def _submit(self, prompts: list, params: list[SamplingParams], sink) -> list[str]:
+    def _submit(self, prompts: list, params: list[SamplingParams], sink,
+                loras: list[LoRARequest | None]) -> list[str]:
         """Submit every prompt or, if one is refused, none (the others are aborted)."""
         request_ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, lora in zip(prompts, params, loras):
                 request_id = str(next(self._ids))
-                self.engine.frontend.ask(SubmitRequest(request_id, prompt_input(prompt), p, sink))
+                self.engine.frontend.ask(SubmitRequest(request_id, prompt_input(prompt), p, sink,
+                                                       lora_request=lora))
                 request_ids.append(request_id)
         except pykka.ActorDeadError:
             raise self.engine.supervisor.dead_error() from None

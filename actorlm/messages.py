@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from actorlm.lora_request import LoRARequest
 from actorlm.sampling_params import SamplingParams
 
 
@@ -42,6 +43,7 @@ class SubmitRequest(_Message):
     sampling_params: SamplingParams
     sink: Any = None
     stream: bool = False
+    lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
 
 
 # --- frontend <-> scheduler ------------------------------------------------------------------
@@ -60,6 +62,7 @@ class AddRequest(_Message):
     # a request resumed in a restarted engine core: the tokens it had streamed, recomputed
     # as after a preemption before it continues (n = 1 here: each child resumes alone)
     output_token_ids: list[int] = []
+    lora_request: LoRARequest | None = None  # (its directory checked by the frontend)
 
 
 class AbortRequests(_Message):
@@ -192,6 +195,7 @@ class NewRequestData(_StepMessage):
     sampling_params: SamplingParams
     seed: int
     bad_words_token_ids: list[list[int]] = []
+    lora_request: LoRARequest | None = None
 
 
 class CachedRequestData(_StepMessage):

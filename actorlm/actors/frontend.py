@@ -31,8 +31,12 @@ MAX_RESUMES = 2  # a request live at a third engine-core death fails alone (it m
 
 class FrontendActor(EngineActor):
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int,
-                 scheduler: pykka.ActorRef, seed: int = 0, clock=time, on_death=None):
+                 scheduler: pykka.ActorRef, seed: int = 0, clock=time, on_death=None,
+                 lora_checker=None):
         super().__init__(on_death)
+        # reads a request's adapter directory before it enters (``LoRAChecker``); None: LoRA
+        # is off, and a request asking for an adapter is refused
+        self.lora_checker = lora_checker
         self.clock = clock  # anything with monotonic(): the time module or a ManualClock
         self.tokenizer, self.scheduler = tokenizer, scheduler
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
@@ -66,6 +70,11 @@ class FrontendActor(EngineActor):
         token_ids = self.tokenize(msg.prompt)
         params = msg.sampling_params
         self._validate(params)
+        if msg.lora_request is not None:
+            if self.lora_checker is None:
+                raise ValueError(f"LoRA adapter {msg.lora_request.lora_name!r}: LoRA is not "
+                                 f"enabled (--enable-lora)")
+            self.lora_checker.check(msg.lora_request)
         seed = self._rng.randrange(SEED_RANGE) if params.seed is None else params.seed % SEED_RANGE
         text = msg.prompt if isinstance(msg.prompt, str) else None
         stream = OutputStream(msg.request_id, text, token_ids, params, self.tokenizer, msg.sink,
@@ -75,7 +84,7 @@ class FrontendActor(EngineActor):
             self._children[engine_id] = (stream, index)
         arrival_time = self.clock.monotonic()
         added = AddRequest(msg.request_id, token_ids, params, seed, arrival_time,
-                           self._bad_words(params.bad_words))
+                           self._bad_words(params.bad_words), lora_request=msg.lora_request)
         self._added[msg.request_id] = added
         self.scheduler.tell(added)
         return token_ids
@@ -201,4 +210,4 @@ def _resumed(added: AddRequest, engine_id: str, index: int, token_ids: list[int]
         params = msgspec.structs.replace(params, n=1)
     return AddRequest(engine_id, added.prompt_token_ids, params,
                       (added.seed + index) % SEED_RANGE, added.arrival_time,
-                      added.bad_words_token_ids, list(token_ids))
+                      added.bad_words_token_ids, list(token_ids), added.lora_request)

@@ -30,6 +30,7 @@ from actorlm.fsm.machine import Listener
 from actorlm.generation_config import load_sampling_defaults
 from actorlm.messages import (Connect, ExecutorStats, GetStats, KVStats, ResetPrefixCache,
                               SchedulerStats)
+from actorlm.models.lora_adapter import lora_checker
 from actorlm.models.parts import ModelParts, load_model_parts
 from actorlm.reasoning import ThinkTokens, reasoning_parser
 from actorlm.tokenizer import PerThreadTokenizer
@@ -116,7 +117,8 @@ class EngineSystem:
             block_size=config.block_size, enable_chunked_prefill=config.enable_chunked_prefill,
             eos_token_ids=parts.eos_token_ids,
             enable_prefix_caching=config.enable_prefix_caching,
-            speculative=config.speculative_config is not None),
+            speculative=config.speculative_config is not None,
+            max_loras=config.max_loras if config.enable_lora else 0),
             listeners=[*listeners, trace.on_transition] if trace else listeners)
         self.trace = trace
         link = _direct_link
@@ -142,7 +144,7 @@ class EngineSystem:
             self.frontend = frontend or FrontendActor.start(
                 self.tokenizer, config.max_model_len, parts.vocab_size,
                 link(to_scheduler, "frontend", "scheduler"), config.seed, clock=clock,
-                on_death=on_death("frontend"))
+                on_death=on_death("frontend"), lora_checker=lora_checker(config, self.hf_config))
         except BaseException:
             self.stop()
             raise

@@ -6,6 +6,7 @@ from typing import Iterable
 
 from actorlm.fsm import REQUEST_LIFECYCLE, FinishReason, Machine, RequestEvent, RequestState
 from actorlm.fsm.machine import Listener
+from actorlm.lora_request import LoRARequest
 from actorlm.sampling_params import SamplingParams
 
 
@@ -15,11 +16,12 @@ class Request:
                  "stop_reason", "error", "num_preemptions", "is_known_to_workers",
                  "bad_words_token_ids", "num_prompt_logprobs_sent", "num_faults",
                  "block_hashes", "num_cached_blocks", "num_cached_tokens", "grammar",
-                 "awaiting_grammar", "spec_token_ids")
+                 "awaiting_grammar", "spec_token_ids", "lora_request")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  seed: int, arrival_time: float, listeners: Iterable[Listener] = (),
-                 bad_words_token_ids: list[list[int]] | None = None):
+                 bad_words_token_ids: list[list[int]] | None = None,
+                 lora_request: LoRARequest | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -47,6 +49,18 @@ class Request:
         # speculative decoding: drafts proposed to follow its tokens (once scheduled, the ones
         # its step verifies), computed with them but not yet its tokens
         self.spec_token_ids: list[int] = []
+        self.lora_request = lora_request  # its adapter; None: the base model
+
+    @property
+    def lora_id(self) -> int | None:
+        return None if self.lora_request is None else self.lora_request.lora_int_id
+
+    @property
+    def block_hash_keys(self) -> tuple:
+        """What besides its tokens makes its KV (``block_hash.extra_keys``): its adapter, so
+        no prefix cached under one adapter, or none, is served to another."""
+        lora = self.lora_request
+        return () if lora is None else (("lora", lora.lora_int_id, lora.lora_path),)
 
     @property
     def state(self) -> RequestState:

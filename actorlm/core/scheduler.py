@@ -62,6 +62,7 @@ class SchedulerConfig:
     eos_token_ids: frozenset[int] = frozenset()
     enable_prefix_caching: bool = True
     speculative: bool = False  # the runner proposes drafts (``--speculative-config``)
+    max_loras: int = 0  # distinct LoRA adapters in one step (``--max-loras``); 0: LoRA off
 
 
 class Scheduler:
@@ -97,9 +98,13 @@ class Scheduler:
         if self.config.speculative and msg.sampling_params.structured_outputs is not None:
             raise ValueError("structured_outputs: a grammar cannot be combined with "
                              "--speculative-config yet (drafts are not checked against it)")
+        if msg.lora_request is not None and not self.config.max_loras:
+            raise ValueError(f"LoRA adapter {msg.lora_request.lora_name!r}: LoRA is not "
+                             f"enabled (--enable-lora)")
         children = [Request(rid, msg.prompt_token_ids, msg.sampling_params,
                             (msg.seed + i) % SEED_RANGE, msg.arrival_time, self.listeners,
-                            msg.bad_words_token_ids) for i, rid in enumerate(ids)]
+                            msg.bad_words_token_ids, msg.lora_request)
+                    for i, rid in enumerate(ids)]
         if msg.output_token_ids:  # resumed: its prompt's logprobs went out before its tokens
             if len(children) > 1 or msg.sampling_params.structured_outputs is not None:
                 raise ValueError("the engine core restarted, and a request under a grammar "
@@ -166,9 +171,19 @@ class Scheduler:
                 plan.running_tokens.append(num_tokens)
                 budget -= num_tokens
             num_seqs = len(self.running)
+            adapters = {r.lora_id for r in self.running} - {None}
+            lora_blocked = False  # a request waits for an adapter slot
             for request in self.waiting:
                 if request.awaiting_grammar:
                     continue  # still compiling: the ones behind it need not wait
+                if request.lora_id is not None and (
+                        lora_blocked or request.lora_id not in adapters):
+                    # a step holds max_loras adapters: this one waits for a slot, and no
+                    # adapter's request overtakes it (the running ones drain, it gets in)
+                    if lora_blocked or len(adapters) >= cfg.max_loras:
+                        lora_blocked = True
+                        continue
+                    adapters.add(request.lora_id)
                 num_tokens = request.num_tokens - request.num_computed_tokens
                 if budget <= 0 or num_seqs >= cfg.max_num_seqs or (
                         num_tokens > budget and not cfg.enable_chunked_prefill):
@@ -359,7 +374,7 @@ class Scheduler:
         proposed every step: its tokens are copied only when a block has filled since)."""
         if len(request.block_hashes) < request.num_tokens // self.config.block_size:
             extend_block_hashes(request.block_hashes, request.all_token_ids,
-                                self.config.block_size)
+                                self.config.block_size, request.block_hash_keys)
         return request.block_hashes
 
     def _release(self, request: Request) -> None:
@@ -471,4 +486,5 @@ class Scheduler:
     def _new_request_data(self, request: Request, block_ids: list[list[int]]) -> NewRequestData:
         return NewRequestData(request.request_id, request.all_token_ids, request.num_prompt_tokens,
                               block_ids, request.num_computed_tokens, request.sampling_params,
-                              request.seed, request.bad_words_token_ids)
+                              request.seed, request.bad_words_token_ids,
+                              request.lora_request)

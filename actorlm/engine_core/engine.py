@@ -34,6 +34,7 @@ from actorlm.engine_core.wire import CoreReady
 from actorlm.generation_config import load_sampling_defaults
 from actorlm.messages import ExecutorStats, KVStats, SchedulerStats
 from actorlm.models.loader import load_hf_config
+from actorlm.models.lora_adapter import lora_checker
 from actorlm.reasoning import ThinkTokens, reasoning_parser
 from actorlm.tokenizer import PerThreadTokenizer
 
@@ -65,7 +66,8 @@ class EngineCoreSystem(EngineSystem):
             self.frontend = FrontendActor.start(
                 self.tokenizer, self.config.max_model_len, ready.vocab_size, to_core,
                 self.config.seed, on_death=functools.partial(self.supervisor.actor_died,
-                                                             "frontend"))
+                                                             "frontend"),
+                lora_checker=lora_checker(self.config, self.hf_config))
         except BaseException:
             self.stop()
             raise

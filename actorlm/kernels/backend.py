@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from actorlm.kernels import rejection
+from actorlm.kernels import lora, rejection
 from actorlm.kernels.metadata import AttentionMetadata
 
 ACTIVATIONS = ("silu", "gelu_tanh")  # act_and_mul's: SiLU, GeLU's tanh approximation
@@ -238,6 +238,13 @@ class KernelBackend:
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V] -> [B] int64, each row's first maximum (a greedy step)."""
         return logits.argmax(dim=-1)
+
+    def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
+                 lora_b: torch.Tensor, mapping: lora.LoRAMapping) -> torch.Tensor:
+        """A linear layer's LoRA deltas on its output y [T, out] for its input x [T, in]: the
+        rows of each slot of ``mapping`` get ``x @ lora_a[s].T @ lora_b[s].T`` (``kernels.lora``
+        says how; torch, any device). Returns y, changed in place."""
+        return lora.add_lora(y, x, lora_a, lora_b, mapping)
 
     def rejection_sample(self, logits, num_drafts, draft_token_ids, temperature, top_k, top_p,
                          min_p, seeds, positions) -> torch.Tensor:

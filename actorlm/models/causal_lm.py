@@ -71,6 +71,7 @@ class CausalLM(nn.Module):
         rope_types = rope_layer_types(config)
         table_types = sorted(set(rope_types), key=str)  # one RoPE table per distinct type
         self.config, self.backend, self.dtype, self.tp = config, backend, dtype, tp
+        self.device = device
         self.num_layers = config.num_hidden_layers
         self.head_dim = spec.head_dim
         self.vocab_size = config.vocab_size
@@ -95,6 +96,7 @@ class CausalLM(nn.Module):
         self.rope_tables = [_rope_table(config, t, max_positions, dtype, device)
                             for t in table_types]
         self.decode_step = None  # the backend's one-call decode step, once the weights load
+        self.lora_state = None  # LoRA adapters' step mapping, once enabled (``lora_slots``)
         self.moe_timer = _moe_timer(self.model, device)
 
     def ropes(self, positions) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -112,7 +114,9 @@ class CausalLM(nn.Module):
         x, residual = self.model.embed_tokens(input_ids), None  # [T, hidden]
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        fused = None if self.decode_step is None else \
+        # (the one call knows no LoRA: a step with an adapter's tokens runs the Python layers)
+        with_lora = self.lora_state is not None and bool(self.lora_state.mapping.groups)
+        fused = None if self.decode_step is None or with_lora else \
             self.decode_step(x, ropes, kv_caches, metas)
         if fused is not None:  # every layer in one call (a decode step on a CPU)
             x, residual = fused

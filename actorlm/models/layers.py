@@ -33,6 +33,8 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), False) if bias else None
         self.quantized: dict[int, QuantizedWeight] = {}  # first row -> rows in blocks
         self.prepared = None  # x -> linear(x): the backend's, once the weights are loaded
+        self.in_features, self.out_features = in_features, out_features
+        self.lora = None  # its LoRA adapters' slot table (``lora_slots.LoRAWeights``), if any
 
     def load_quantized(self, first_row: int, weight: QuantizedWeight) -> None:
         """Rows ``first_row:`` in blocks (a merged layer's parts arrive one by one, each in its
@@ -65,9 +67,8 @@ class Linear(nn.Module):
         return self.weight
 
     def forward(self, x):
-        if self.prepared is not None:
-            return self.prepared(x)
-        return F.linear(x, self.weight, self.bias)
+        y = self.prepared(x) if self.prepared is not None else F.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora.add(y, x)
 
 
 class RowParallelLinear(Linear):

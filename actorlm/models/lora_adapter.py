@@ -207,3 +207,37 @@ def _scale(config: dict, module: str, rank: int) -> float:
     alpha = next((value for pattern, value in (config.get("alpha_pattern") or {}).items()
                   if re.match(rf"(.*\.)?({pattern})$", module)), config["lora_alpha"])
     return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+
+
+class LoRAChecker:
+    """The frontend's check of a request's adapter before the request enters: its directory
+    read once per (id, path), so a malformed one is a clear error for that request alone and
+    never a fault in a worker's step. An id names one adapter: another name or directory
+    under an id already seen is refused."""
+
+    def __init__(self, specs: list[LayerSpec], max_lora_rank: int):
+        self.specs, self.max_lora_rank = specs, max_lora_rank
+        self._seen: dict[int, tuple[str, str]] = {}  # lora_int_id -> (name, path) read fine
+
+    def check(self, lora) -> None:
+        """``lora``: a ``LoRARequest``; raises LoRAAdapterError (a ValueError) if it cannot
+        run."""
+        named = (lora.lora_name, str(lora.lora_path))
+        seen = self._seen.get(lora.lora_int_id)
+        if seen == named:
+            return
+        if seen is not None:
+            raise LoRAAdapterError(f"lora_int_id {lora.lora_int_id} is adapter {seen[0]!r} "
+                                   f"({seen[1]}); {lora.lora_name!r} needs an id of its own")
+        load_lora_adapter(lora.lora_name, lora.lora_path, self.specs, self.max_lora_rank)
+        self._seen[lora.lora_int_id] = named
+
+
+def lora_checker(config, hf_config) -> LoRAChecker | None:
+    """The frontend's checker for an engine of ``config`` (an ``EngineConfig``) on a model of
+    ``hf_config``; None where LoRA is off."""
+    if not config.enable_lora or hf_config is None:
+        return None
+    from actorlm.models.families import layer_specs, text_config
+
+    return LoRAChecker(layer_specs(text_config(hf_config)), config.max_lora_rank)

@@ -36,6 +36,7 @@ from actorlm.models.parallel import (TensorParallel, check_initialised, check_te
 from actorlm.models.expert_parallel import check_expert_parallel, split_intermediate_sizes
 from actorlm.models.families import layer_windows
 from actorlm.models.memory_profile import MemoryProfile, kv_cache_budget, largest_step, load_and_profile
+from actorlm.models.lora_slots import LoRASlots
 from actorlm.models.ngram_proposer import NgramProposer
 from actorlm.models.runner import ModelRunner
 from actorlm.openmp import on_passing_thread
@@ -96,6 +97,7 @@ class RunnerFactory:
     quantization: str | None = None
     enable_expert_parallel: bool = False
     speculative_config: SpeculativeConfig | None = None
+    lora: tuple[int, int, int | None] | None = None  # max_loras, max_lora_rank, max_cpu_loras
     profiled: list = field(default_factory=list, compare=False)
 
     def __call__(self, rank: int) -> ModelRunner:
@@ -118,8 +120,9 @@ class RunnerFactory:
         spec = self.speculative_config
         proposer = None if spec is None else NgramProposer(
             spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        lora_slots = None if self.lora is None else LoRASlots(model, *self.lora)
         return ModelRunner(model, self.backend, num_blocks, self.block_size, self.dtype,
-                           self.device, self.eos_token_ids, model.tp, proposer)
+                           self.device, self.eos_token_ids, model.tp, proposer, lora_slots)
 
     def __getstate__(self):
         return {**self.__dict__, "profiled": []}
@@ -181,7 +184,9 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
     factory = RunnerFactory(path, dtype, device, block_size, eos_ids,
                             tensor_parallel_size=tp_size, quantization=config.quantization,
                             enable_expert_parallel=expert_parallel,
-                            speculative_config=config.speculative_config)
+                            speculative_config=config.speculative_config,
+                            lora=(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+                            if config.enable_lora else None)
     profile = None
     if profile_gpu:
         step = largest_step(resolved.max_num_batched_tokens, resolved.max_num_seqs,

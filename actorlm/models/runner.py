@@ -28,6 +28,7 @@ import torch
 
 from actorlm.kernels import KernelBackend
 from actorlm.kv_groups import KVCacheGroup, layer_slots
+from actorlm.lora_request import LoRARequest
 from actorlm.messages import (GrammarBitmask, NewRequestData, PromptLogprobs, ScheduleStep,
                               StepResult)
 from actorlm.models.parallel import TensorParallel
@@ -45,12 +46,14 @@ class _CachedState:
     seed: int
     bad_words_token_ids: list[list[int]]
     spec_token_ids: list[int] = field(default_factory=list)  # this step's drafts
+    lora_request: LoRARequest | None = None
 
     @classmethod
     def from_new(cls, data: NewRequestData, num_groups: int) -> _CachedState:
         return cls(list(data.token_ids), data.num_prompt_tokens,
                    _block_tables(data, num_groups), data.num_computed_tokens,
-                   data.sampling_params, data.seed, data.bad_words_token_ids)
+                   data.sampling_params, data.seed, data.bad_words_token_ids,
+                   lora_request=data.lora_request)
 
 
 def _attention_rows(states: list[_CachedState], num_scheduled: list[int], seq_lens: list[int]
@@ -121,8 +124,9 @@ class ModelRunner:
     def __init__(self, model, backend: KernelBackend, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device,
                  eos_token_ids: frozenset[int] = frozenset(),
-                 tp: TensorParallel = TensorParallel(), proposer=None):
+                 tp: TensorParallel = TensorParallel(), proposer=None, lora_slots=None):
         self.model, self.backend, self.tp = model, backend, tp
+        self.lora_slots = lora_slots  # the model's LoRA adapters (``LoRASlots``); None: off
         self.proposer = proposer  # speculative decoding's (``speculative.Proposer``); None: off
         self._moe_timer = getattr(model, "moe_timer", None)  # None: no MoE layers, or a GPU
         self.block_size, self.dtype, self.device = block_size, dtype, device
@@ -242,6 +246,8 @@ class ModelRunner:
                  for g in range(self.num_kv_groups)]  # one per KV-cache group
         input_ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         positions = torch.tensor(positions, dtype=torch.int64, device=dev)
+        if self.lora_slots is not None:
+            self.lora_slots.set_mapping([s.lora_request for s in states], num_scheduled)
         t_prepared = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, metas)  # [T, hidden]
         t_forward = time.perf_counter()

@@ -11,28 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from lora_adapters import ALL_TARGETS, make_adapter
+
 from actorlm.models.families import layer_specs
 from actorlm.models.loader import load_hf_config
 from actorlm.models.lora_adapter import (CONFIG_FILE, WEIGHTS_FILE, LoRAAdapterError,
                                          load_lora_adapter)
-
-ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def make_adapter(model_dir, path, seed, **config):
-    """A random PEFT adapter of the model at ``model_dir`` (B non-zero: PEFT's default init
-    would make every delta zero), saved at ``path``; returns PEFT's model."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = {"r": 4, "lora_alpha": 8, "target_modules": ALL_TARGETS, **config}
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = get_peft_model(base, LoraConfig(init_lora_weights=False, **config))
-    model.save_pretrained(path)
-    return model
-
 
 def peft_delta(peft_model, layer: int, module: str, x: torch.Tensor) -> torch.Tensor:
     """What PEFT's module adds to its base layer's output for x."""

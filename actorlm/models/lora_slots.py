@@ -1,0 +1,136 @@
+"""LoRA adapters on a model: a table of ``max_loras`` slots in each adapted layer, the adapters
+that sit in them, and the step's token-to-slot mapping.
+
+Each adapted layer (every decoder layer's ``qkv_proj``, ``o_proj`` and, in a dense MLP,
+``gate_up_proj`` and ``down_proj``) holds ``a`` [max_loras, rank, in] and ``b`` [max_loras, out,
+rank], zero where a slot's adapter is smaller or absent, with rank ``max_lora_rank`` times the
+parts it merges (q, k, v: three). All of them read one ``LoRAState``, whose ``mapping`` the
+runner sets before each forward: a layer adds its slots' deltas to the rows of their tokens
+through the backend's door (``KernelBackend.add_lora``), and with no adapter in the step it
+adds nothing and costs nothing.
+
+``LoRASlots`` decides which adapter sits where. The scheduler never puts more than
+``max_loras`` distinct adapters in a step, so a step's adapters always fit; an adapter not in a
+slot takes a free one or the one least recently used by a step, and is read from its directory
+unless one of the ``max_cpu_loras`` adapters kept read in memory (least recently used beyond)
+is it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+import torch
+
+from actorlm.kernels.lora import LoRAMapping
+from actorlm.lora_request import LoRARequest
+from actorlm.models.families import layer_specs
+from actorlm.models.lora_adapter import LoRAAdapter, load_lora_adapter
+
+_ADAPTED = {"self_attn": ("qkv_proj", 3, "o_proj", 1), "mlp": ("gate_up_proj", 2, "down_proj", 1)}
+
+
+class LoRAState:
+    """The step's token groups by slot, shared by every adapted layer of the model."""
+
+    def __init__(self):
+        self.mapping = LoRAMapping([])
+
+
+class LoRAWeights:
+    """One layer's slot table; ``add`` puts the step's deltas on its output."""
+
+    def __init__(self, state: LoRAState, backend, max_loras: int, rank: int, in_features: int,
+                 out_features: int, dtype, device):
+        self.state, self.backend = state, backend
+        self.a = torch.zeros(max_loras, rank, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, out_features, rank, dtype=dtype, device=device)
+
+    def load(self, slot: int, module) -> None:
+        """Slot ``slot`` to hold ``module`` (a ``LoRAModule``), or nothing."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        if module is not None:
+            self.a[slot, :module.rank] = module.a.to(self.a.dtype)
+            self.b[slot, :, :module.rank] = module.b.to(self.b.dtype)
+
+    def add(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        mapping = self.state.mapping
+        if not mapping.groups:
+            return y
+        return self.backend.add_lora(y, x, self.a, self.b, mapping)
+
+
+def adapted_layers(model):
+    """(layer index, engine layer name, the Linear) of every layer an adapter may change."""
+    for i, layer in enumerate(model.model.layers):
+        for block_name, (first, _, second, _) in _ADAPTED.items():
+            block = getattr(layer, block_name, None)
+            for name in (first, second):
+                linear = getattr(block, name, None)
+                if linear is not None:  # (a mixture of experts has neither)
+                    yield i, name, linear
+
+
+class LoRASlots:
+    def __init__(self, model, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None):
+        self.model, self.max_loras, self.max_lora_rank = model, max_loras, max_lora_rank
+        self.max_cpu_loras = max_cpu_loras or max_loras
+        self.specs = layer_specs(model.config)
+        self.state = LoRAState()
+        self.layers: dict[tuple[int, str], LoRAWeights] = {}
+        parts = {name: n for first, n1, second, n2 in _ADAPTED.values()
+                 for name, n in ((first, n1), (second, n2))}
+        for i, name, linear in adapted_layers(model):
+            linear.lora = self.layers[(i, name)] = LoRAWeights(
+                self.state, model.backend, max_loras, parts[name] * max_lora_rank,
+                linear.in_features, linear.out_features, model.dtype, model.device)
+        model.lora_state = self.state
+        self.slot_of: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, LRU first
+        self.read: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU first
+
+    def set_mapping(self, loras: Sequence[LoRARequest | None], num_tokens: Sequence[int]
+                    ) -> None:
+        """The step's requests' adapters (None: the base model), each for its tokens, in
+        order: their adapters placed in slots, and the layers told which rows are whose."""
+        slots = {}
+        for lora in loras:
+            if lora is not None and lora.lora_int_id not in slots:
+                slots[lora.lora_int_id] = self._place(lora, slots)
+        token_slots = []
+        for lora, n in zip(loras, num_tokens):
+            token_slots += [-1 if lora is None else slots[lora.lora_int_id]] * n
+        self.state.mapping = LoRAMapping.build(token_slots, self.model.device)
+
+    def _place(self, lora: LoRARequest, in_step: dict[int, int]) -> int:
+        """The slot of ``lora``, loading it there if it is in none."""
+        lora_id = lora.lora_int_id
+        if lora_id in self.slot_of:
+            self.slot_of.move_to_end(lora_id)
+            return self.slot_of[lora_id]
+        taken = set(self.slot_of.values())
+        free = [s for s in range(self.max_loras) if s not in taken]
+        if free:
+            slot = free[0]
+        else:  # the least recently used slot whose adapter this step does not run
+            victim = next((i for i in self.slot_of if i not in in_step), None)
+            if victim is None:
+                raise RuntimeError(f"a step with more than {self.max_loras} LoRA adapters "
+                                   f"(the scheduler should never make one)")
+            slot = self.slot_of.pop(victim)
+        adapter = self._read(lora)
+        for key, weights in self.layers.items():
+            weights.load(slot, adapter.modules.get(key))
+        self.slot_of[lora_id] = slot
+        return slot
+
+    def _read(self, lora: LoRARequest) -> LoRAAdapter:
+        adapter = self.read.pop(lora.lora_int_id, None)
+        if adapter is None or str(adapter.path) != str(lora.lora_path):
+            adapter = load_lora_adapter(lora.lora_name, lora.lora_path, self.specs,
+                                        self.max_lora_rank)
+        self.read[lora.lora_int_id] = adapter
+        while len(self.read) > self.max_cpu_loras:
+            self.read.popitem(last=False)
+        return adapter
