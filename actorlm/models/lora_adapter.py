@@ -229,7 +229,10 @@ class LoRAChecker:
         if seen is not None:
             raise LoRAAdapterError(f"lora_int_id {lora.lora_int_id} is adapter {seen[0]!r} "
                                    f"({seen[1]}); {lora.lora_name!r} needs an id of its own")
-        load_lora_adapter(lora.lora_name, lora.lora_path, self.specs, self.max_lora_rank)
+        try:
+            load_lora_adapter(lora.lora_name, lora.lora_path, self.specs, self.max_lora_rank)
+        except LoRAAdapterError as exc:
+            raise LoRAAdapterError(f"LoRA adapter {lora.lora_name!r}: {exc}") from None
         self._seen[lora.lora_int_id] = named
 
 
