@@ -5,11 +5,17 @@
 with its prefix-cache hit, the steps with their batch composition and forward time (a mixture
 of experts': how much of it the routers and the experts took), the KV cache's use over
 time, summary figures (the cache-hit rate among them), filters, zoom, and hover details.
+With speculative decoding, each verification is a mark on its request's lane (its height the
+drafts, its dark part the accepted ones), the steps chart shows rejected drafts apart from
+the decode tokens, and steps, segments and lanes say in their details how many drafts they
+verified and accepted.
 The data travels inside the page as JSON, its figures computed here; the script only lays
 them out. Every lane carries ``data-request-id`` and ``data-cached-tokens``, every state
 segment ``data-state`` (plus ``data-phase`` for running, ``data-reason`` for finished), each
-summary figure ``data-figure``, and the page root gets ``data-rendered="true"`` once built,
-or ``data-js-errors`` if a script failed — so tests and tools can check the page.
+summary figure ``data-figure``, a lane with drafts ``data-draft-tokens`` and
+``data-accepted-tokens`` (its marks: ``data-verifications``), a step with drafts the same
+two, and the page root gets ``data-rendered="true"`` once built, or ``data-js-errors`` if a
+script failed — so tests and tools can check the page.
 """
 
 from __future__ import annotations
@@ -45,21 +51,27 @@ def page_data(timeline: Timeline, title: str) -> dict:
                     max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                     block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
                     enable_chunked_prefill=config.enable_chunked_prefill,
-                    num_dropped=config.num_dropped, wall_time=config.wall_time)
+                    num_dropped=config.num_dropped, wall_time=config.wall_time,
+                    num_speculative_tokens=config.num_speculative_tokens)
     lanes = []
     for lane in timeline.lanes:
         segments = [[s.state, ms(s.t_start), ms(s.t_end), s.step_start, s.step_end, s.phase,
-                     s.num_tokens, s.num_steps, s.num_blocks, s.num_cached_tokens]
+                     s.num_tokens, s.num_steps, s.num_blocks, s.num_cached_tokens,
+                     s.num_draft_tokens, s.num_accepted_tokens]
                     for s in lane.segments]
         stop = lane.stop_reason if isinstance(lane.stop_reason, (int, str)) else None
         lanes.append([lane.request_id, lane.num_prompt_tokens, lane.num_output_tokens,
                       lane.finish_reason, stop, lane.num_preemptions, lane.is_open, segments,
-                      lane.num_cached_tokens])
+                      lane.num_cached_tokens, lane.num_draft_tokens, lane.num_accepted_tokens,
+                      [[ms(step.t_start), ms(step.t_end), d, a]
+                       for step, d, a in lane.verifications]])
     steps = [[s.step, ms(s.t_start), ms(s.t_end), s.num_prefill_tokens, s.num_decode_tokens,
               s.kv_blocks_used, s.kv_blocks_free, s.num_running, s.num_waiting, s.request_ids,
               s.num_scheduled_tokens, s.preempted_ids, s.failed_ids, s.num_cached_tokens,
               s.kv_blocks_cached, s.kv_blocks_per_group, _ms_or_none(s.forward_s),
-              _ms_or_none(s.router_s), _ms_or_none(s.experts_s)] for s in timeline.steps]
+              _ms_or_none(s.router_s), _ms_or_none(s.experts_s),
+              [len(d) for d in s.draft_token_ids], s.num_accepted_tokens]
+             for s in timeline.steps]
     return {"meta": meta, "summary": summary_figures(timeline), "lanes": lanes, "steps": steps}
 
 
@@ -92,6 +104,23 @@ def summary_figures(timeline: Timeline) -> dict:
         "cache_hit_rate": None if rate is None else round(100 * rate, 1),
         "num_cached_tokens": timeline.num_cached_tokens,
         "num_admitted_tokens": timeline.num_admitted_tokens,
+        **_spec_figures(steps),
+    }
+
+
+def _spec_figures(steps) -> dict:
+    """Speculative decoding's figures, as the engine's counters (``LLM.stats()``) have them;
+    the rate is a percentage and both derived figures None without drafts."""
+    drafted = sum(s.num_draft_tokens for s in steps)
+    accepted = sum(s.num_accepted_drafts for s in steps)
+    verifications = sum(s.num_verifications for s in steps)
+    return {
+        "num_draft_tokens": drafted, "num_accepted_drafts": accepted,
+        "num_verifications": verifications,
+        "draft_acceptance_rate": round(100 * accepted / drafted, 1) if drafted else None,
+        # tokens a verification yields: the accepted drafts and the token drawn after them
+        "mean_acceptance_length": round(1 + accepted / verifications, 2) if verifications
+        else None,
     }
 
 

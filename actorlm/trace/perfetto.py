@@ -7,7 +7,10 @@ has the steps as ``X`` events and counters (``C``) for KV blocks and batch size,
 per worker rank with its input preparation, forward and sampling of each step (laid end to end
 so that they end with the step: a rank's own clock is not this process's); inside rank 0's
 forward of a mixture-of-experts model, its routers' and its experts' time, each summed over the
-layers (so laid end to end too, not where each layer ran them). Timestamps
+layers (so laid end to end too, not where each layer ran them). With speculative decoding a
+step's args say how many drafts it verified and accepted (``drafts``: per request, [drafts,
+accepted]), a decode span's args the same over its steps, and a "drafts" counter follows them
+per step. Timestamps
 are microseconds from the first record; events are sorted by time, so every track's are
 monotonic.
 """
@@ -59,7 +62,7 @@ def write_perfetto(records: list[Record], path) -> None:
 def _config_items(config):
     for name in ("model", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
                  "block_size", "num_kv_blocks", "enable_chunked_prefill", "num_dropped",
-                 "kv_cache_windows"):
+                 "kv_cache_windows", "num_speculative_tokens"):
         yield name, getattr(config, name)
 
 
@@ -104,8 +107,23 @@ def _requests(timeline: Timeline, us, meta: list, events: list) -> None:
                                         {"num_tokens": part.num_tokens,
                                          "num_steps": part.num_steps,
                                          "step_start": part.step_start,
-                                         "step_end": part.step_end}))
+                                         "step_end": part.step_end, **_draft_args(part)}))
             i = j
+
+
+def _draft_args(part) -> dict:
+    if not part.num_draft_tokens:
+        return {}
+    return {"num_draft_tokens": part.num_draft_tokens,
+            "num_accepted_tokens": part.num_accepted_tokens}
+
+
+def _step_draft_args(s) -> dict:
+    if not s.draft_token_ids:
+        return {}
+    return {"num_draft_tokens": s.num_draft_tokens, "num_accepted_tokens": s.num_accepted_drafts,
+            "drafts": {rid: [d, a] for rid, (d, a) in zip(s.request_ids, s.drafts_per_request())
+                       if d}}
 
 
 def _span(name: str, cat: str, start: float, end: float, pid: int, tid: int, args: dict) -> dict:
@@ -140,6 +158,7 @@ def _engine(timeline: Timeline, us, meta: list, events: list) -> None:
     meta.append(_meta("thread_name", _ENGINE, 1, "steps"))
     total = timeline.config.num_kv_blocks if timeline.config is not None else None
     num_ranks = max((len(s.rank_timings) for s in timeline.steps), default=0)
+    speculative = any(s.draft_token_ids for s in timeline.steps)
     for rank in range(num_ranks):
         meta.append(_meta("thread_name", _ENGINE, 2 + rank, f"rank {rank}"))
     for s in timeline.steps:
@@ -157,7 +176,8 @@ def _engine(timeline: Timeline, us, meta: list, events: list) -> None:
             "preempted_ids": s.preempted_ids, "failed_ids": s.failed_ids,
             "kv_blocks_used": s.kv_blocks_used, "kv_blocks_free": s.kv_blocks_free,
             "kv_blocks_cached": s.kv_blocks_cached, "num_cached_tokens": s.num_cached_tokens,
-            "scheduled": dict(zip(s.request_ids, s.num_scheduled_tokens))}))
+            "scheduled": dict(zip(s.request_ids, s.num_scheduled_tokens)),
+            **_step_draft_args(s)}))
         ts = us(s.t_start)
         kv = {"used": s.kv_blocks_used, "free": s.kv_blocks_free, "cached": s.kv_blocks_cached}
         if len(s.kv_blocks_per_group) > 1:  # KV-cache groups: what each holds
@@ -169,3 +189,7 @@ def _engine(timeline: Timeline, us, meta: list, events: list) -> None:
         events.append({"name": "batch", "ph": "C", "ts": ts, "pid": _ENGINE, "tid": 0,
                        "args": {"requests": s.num_requests, "prefill_tokens": s.num_prefill_tokens,
                                 "decode_tokens": s.num_decode_tokens}})
+        if speculative:  # every step, zero included: a counter holds its last value
+            events.append({"name": "drafts", "ph": "C", "ts": ts, "pid": _ENGINE, "tid": 0,
+                           "args": {"verified": s.num_draft_tokens,
+                                    "accepted": s.num_accepted_drafts}})

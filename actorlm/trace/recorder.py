@@ -6,8 +6,9 @@ The recorder is fed from three places, all cheap enough to leave on in productio
 - the actor message path: ``wrap(ref, sender, receiver)`` returns a ref that records each
   message it carries (type, step, msgpack size) before passing it on;
 - the scheduler actor's loop: ``before_plan`` / ``planned`` / ``granted`` / ``step_result``
-  produce one ``StepSummary`` per planned step, and ``on_arrival`` / ``on_control`` record
-  what reached the scheduler and at which step.
+  produce one ``StepSummary`` per planned step (with speculative decoding: the drafts each
+  request verified, read off the granted plan, and how many the result accepted), and
+  ``on_arrival`` / ``on_control`` record what reached the scheduler and at which step.
 
 Records are frozen msgspec Structs (``actorlm.trace.records``) kept in a
 ``deque(maxlen=capacity)``, so memory stays flat on a long-running server. With ``path``,
@@ -101,12 +102,13 @@ class TracedRef:
 
 
 class _PendingStep:
-    __slots__ = ("plan", "t_start", "num_running", "num_waiting", "granted")
+    __slots__ = ("plan", "t_start", "num_running", "num_waiting", "granted", "drafts")
 
     def __init__(self, plan, t_start, num_running, num_waiting):
         self.plan, self.t_start = plan, t_start
         self.num_running, self.num_waiting = num_running, num_waiting
         self.granted = None  # the allocator's SlotsGranted
+        self.drafts: list[list[int]] = []  # per plan request, the drafts it verifies
 
 
 class TraceRecorder:
@@ -149,6 +151,7 @@ class TraceRecorder:
         """Record the engine configuration (an ``EngineConfig`` after ``resolve``) and the
         window of each KV-cache group the block pool serves."""
         windows = list(kv_cache_windows)
+        spec = getattr(config, "speculative_config", None)
         self._num_usable_blocks = num_usable_blocks(config.num_kv_blocks, windows)
         self.config = TraceConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -158,7 +161,8 @@ class TraceRecorder:
             eos_token_ids=sorted(eos_token_ids),
             enable_prefix_caching=config.enable_prefix_caching, model=model, t0=self._now(),
             wall_time=self._wall(), capacity=self.capacity,
-            kv_cache_windows=[] if windows == [None] else windows)
+            kv_cache_windows=[] if windows == [None] else windows,
+            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0)
         if self._forwarded is not None:
             self._forwarded.append(self.config)
         if self._file is not None:
@@ -250,6 +254,12 @@ class TraceRecorder:
         pending.granted = granted
         if not ran:
             self._emit_step(pending, self._now(), [], None)
+            return
+        # the grant has cut each request's drafts to the budget: these are the ones verified
+        # (copied: the scheduler replaces them when the step's result arrives)
+        drafts = [r.spec_token_ids for r in plan.requests]
+        if any(drafts):
+            pending.drafts = [list(d) for d in drafts]
 
     def step_result(self, plan, result) -> None:
         """The step's result arrived (before the scheduler applies it)."""
@@ -258,7 +268,8 @@ class TraceRecorder:
         if pending is not None and pending.plan is plan:
             self._emit_step(pending, self._now(), list(result.failed_request_ids), result.error,
                             result.fault, list(result.blame_request_ids), result.timings,
-                            result.rank_timings, (result.router_s, result.experts_s))
+                            result.rank_timings, (result.router_s, result.experts_s),
+                            _num_accepted(pending, result))
 
     # --- export -------------------------------------------------------------------------------
 
@@ -334,7 +345,8 @@ class TraceRecorder:
                    error: str | None, fault: str | None = None,
                    blamed_ids: list[str] = (), timings: list[float] = (),
                    rank_timings: list[list[float]] = (),
-                   moe_seconds: tuple[float | None, float | None] = (None, None)) -> None:
+                   moe_seconds: tuple[float | None, float | None] = (None, None),
+                   num_accepted: list[int] = ()) -> None:
         self._pending = None
         plan, granted = pending.plan, pending.granted
         counts = list(plan.num_scheduled_tokens)
@@ -354,4 +366,14 @@ class TraceRecorder:
             num_running=pending.num_running, num_waiting=pending.num_waiting, error=error,
             fault=fault, blamed_ids=list(blamed_ids), num_cached_tokens=plan.num_cached_tokens,
             rank_timings=[list(t) for t in rank_timings], router_s=moe_seconds[0],
-            experts_s=moe_seconds[1], **dict(zip(_TIMINGS, timings))))
+            experts_s=moe_seconds[1], draft_token_ids=pending.drafts,
+            num_accepted_tokens=list(num_accepted), **dict(zip(_TIMINGS, timings))))
+
+
+def _num_accepted(pending: _PendingStep, result) -> list[int]:
+    """Per plan request, how many of its drafts ``result`` accepted (empty: no drafts). A
+    request the step did not sample (failed, faulted) accepted none."""
+    if not pending.drafts:
+        return []
+    accepted = dict(zip(result.request_ids, map(len, result.accepted_token_ids)))
+    return [accepted.get(r.request_id, 0) for r in pending.plan.requests]

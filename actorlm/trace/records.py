@@ -49,6 +49,7 @@ class TraceConfig(_Record, tag="config"):
     # the window of each KV-cache group the block pool served (None: full attention); empty:
     # one full-attention group (traces from before the groups)
     kv_cache_windows: list[int | None] = []
+    num_speculative_tokens: int = 0  # drafts proposed per request and step at most; 0: none
 
 
 class Arrival(_Record, tag="arrival"):
@@ -128,6 +129,13 @@ class StepSummary(_Record, tag="step"):
     KV-cache group ``g`` holds after the grant (they add up to ``kv_blocks_used``).
     ``router_s`` and ``experts_s`` are the parts of rank 0's forward spent in the routers and
     in the experts of a mixture-of-experts model (``StepResult``), None where not measured.
+
+    Speculative decoding: ``draft_token_ids[i]`` are the draft tokens ``request_ids[i]``
+    verified in this step (counted in its ``num_scheduled_tokens``; empty for a prefill) and
+    ``num_accepted_tokens[i]`` how many of them the step accepted — always a prefix of the
+    drafts, so the accepted ids are ``draft_token_ids[i][:num_accepted_tokens[i]]``. Both lists
+    are empty when no request of the step had drafts (every step of a run without
+    speculation, and traces from before drafts were recorded). A faulted step accepted none.
     """
 
     step: int
@@ -157,10 +165,34 @@ class StepSummary(_Record, tag="step"):
     kv_blocks_per_group: list[int] = []
     router_s: float | None = None
     experts_s: float | None = None
+    draft_token_ids: list[list[int]] = []
+    num_accepted_tokens: list[int] = []
 
     @property
     def num_requests(self) -> int:
         return len(self.request_ids)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens this step verified, over its requests."""
+        return sum(map(len, self.draft_token_ids))
+
+    @property
+    def num_accepted_drafts(self) -> int:
+        """Draft tokens this step accepted, over its requests."""
+        return sum(self.num_accepted_tokens)
+
+    def drafts_per_request(self) -> list[tuple[int, int]]:
+        """(drafts verified, drafts accepted) of each of ``request_ids``; (0, 0) for all
+        where the step had no drafts."""
+        if not self.draft_token_ids:
+            return [(0, 0)] * len(self.request_ids)
+        return list(zip(map(len, self.draft_token_ids), self.num_accepted_tokens))
+
+    @property
+    def num_verifications(self) -> int:
+        """Requests that verified drafts in this step (the engine's ``spec_num_drafts``)."""
+        return sum(1 for drafts in self.draft_token_ids if drafts)
 
 
 Record = Union[TraceConfig, Arrival, Abort, Stop, StateChange, MessageSent, StepSummary]

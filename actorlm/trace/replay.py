@@ -14,14 +14,17 @@ blocks) or the step's result — and after each step compares the replay's plan 
 recorded one: which requests, how many tokens each, which preemptions, KV blocks in use (and
 per KV-cache group: the pool serves the recorded groups' windows).
 
-Fake tokens are not the recorded ones, so no token may end a request: the replay runs without
-EOS or stop tokens, and a request that finished on its own (EOS, stop token, a length cap)
-is given ``max_tokens`` equal to the output length it finished at. Prefix-cache hits follow
-the recorded block hashes: a request gets the hash chain its transitions recorded, and its fake
-tokens (prompt and output) are drawn from that chain, so two requests hold equal fake tokens
-exactly where the recording had them share a prefix. A stop string arrives as
-the recorded ``StopRequests``. Request failures the recording saw are injected into the fake
-runner, and a worker fault is answered as the executor answered it.
+Fake tokens are not the recorded ones, so no fake token may end a request by accident: the
+replay runs without EOS, and ``replay_runner.ReplayRunner`` samples a finish token (a stop
+token of every replayed request) exactly where a request finished on a token in the
+recording; length caps stay as recorded. Prefix-cache hits follow the recorded block hashes: a
+request gets the hash chain its transitions recorded, and its fake tokens (prompt and output)
+are drawn from that chain, so two requests hold equal fake tokens exactly where the recording
+had them share a prefix. With speculative decoding the runner proposes, after each step, the
+drafts the request's next recorded step verified, of which as many are right as that step
+accepted. A stop string arrives as the recorded ``StopRequests``. Request failures the
+recording saw are injected into the fake runner, and a worker fault is answered as the
+executor answered it.
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ from types import SimpleNamespace
 
 import msgspec
 
-from actorlm.core.block_hash import hash_block
 from actorlm.core.block_pool import BlockPool
 from actorlm.testing.fake_runner import FakeModelRunner
 from actorlm.core.scheduler import Scheduler, SchedulerConfig
@@ -41,6 +43,8 @@ from actorlm.messages import (AbortRequests, AddRequest, ScheduleStep, SlotsGran
                               StopRequests, engine_request_ids)
 from actorlm.sampling_params import SamplingParams
 from actorlm.trace.recorder import TraceRecorder
+from actorlm.trace.replay_runner import (FINISH_TOKEN, RecordedDrafts, ReplayRunner, token_at,
+                                         token_finish_positions)
 from actorlm.trace.records import (TRACE_VERSION, Abort, Arrival, Record, StateChange,
                                    StepSummary, Stop, TraceConfig)
 
@@ -185,11 +189,11 @@ def replay_trace(records: list[Record], *, check_kv: bool = True) -> ReplayRepor
     if config.num_dropped:
         raise TraceIncomplete(f"the ring buffer dropped {config.num_dropped} records before "
                               f"this export; replay needs a complete trace (use a trace file)")
-    finish_lengths = _natural_finish_lengths(records)
     chains = _hash_chains(records)
     recorder = TraceRecorder(capacity=2 * len(records) + 64)
-    runner = _ChainRunner(chains, config.block_size, check_kv and config.num_kv_blocks,
-                          config.kv_cache_windows or [None])
+    runner = ReplayRunner(chains, config.block_size, check_kv and config.num_kv_blocks,
+                          config.kv_cache_windows or [None], token_finish_positions(records),
+                          RecordedDrafts(records) if config.num_speculative_tokens else None)
     engine = SyncEngine(msgspec.structs.replace(config, eos_token_ids=[]), recorder=recorder,
                         runner=runner)
     report = ReplayReport(0, 0)
@@ -204,7 +208,7 @@ def replay_trace(records: list[Record], *, check_kv: bool = True) -> ReplayRepor
                     report.num_requests += 1
                 engine.send(_message(record, chains, config.block_size))
                 if isinstance(record, Arrival):
-                    _follow_recording(engine.scheduler, record, finish_lengths, chains)
+                    _follow_recording(engine.scheduler, record, chains)
         else:
             continue
         if divergence is None and engine.runner.violations:
@@ -259,9 +263,9 @@ def _replay_step(engine: SyncEngine, recorder: TraceRecorder, recorded: StepSumm
 def _message(record, chains: dict[str, list[int]], block_size: int):
     if isinstance(record, Arrival):
         params = SamplingParams(n=record.n, max_tokens=record.max_tokens, temperature=0.0,
-                                ignore_eos=True)
+                                ignore_eos=True, stop_token_ids=[FINISH_TOKEN])
         chain = chains.get(engine_request_ids(record.request_id, record.n)[0], [])
-        prompt = [_token_at(chain, p, block_size) or 1 + p % 7
+        prompt = [token_at(chain, p, block_size) or 1 + p % 7
                   for p in range(record.num_prompt_tokens)]
         return AddRequest(record.request_id, prompt, params, 0, record.arrival_time)
     if isinstance(record, Stop):
@@ -269,19 +273,13 @@ def _message(record, chains: dict[str, list[int]], block_size: int):
     return AbortRequests(list(record.request_ids))
 
 
-def _follow_recording(scheduler: Scheduler, arrival: Arrival, finish_lengths: dict[str, int],
+def _follow_recording(scheduler: Scheduler, arrival: Arrival,
                       chains: dict[str, list[int]]) -> None:
-    """Each request (or child) that finished on its own stops at the same output length, and
-    its blocks hash as they did in the recording."""
+    """Each request (or child) hashes its blocks as it did in the recording."""
     for request_id in engine_request_ids(arrival.request_id, arrival.n):
         request = scheduler.requests.get(request_id)
-        if request is None:
-            continue
-        request.block_hashes = list(chains.get(request_id, ()))
-        length = finish_lengths.get(request_id)
-        if length:
-            request.sampling_params = msgspec.structs.replace(request.sampling_params,
-                                                              max_tokens=length)
+        if request is not None:
+            request.block_hashes = list(chains.get(request_id, ()))
 
 
 def _hash_chains(records: list[Record]) -> dict[str, list[int]]:
@@ -291,40 +289,6 @@ def _hash_chains(records: list[Record]) -> dict[str, list[int]]:
         if isinstance(r, StateChange) and len(r.block_hashes) > len(chains.get(r.request_id, ())):
             chains[r.request_id] = r.block_hashes
     return chains
-
-
-def _token_at(chain: list[int], position: int, block_size: int) -> int | None:
-    """A fake token for ``position`` drawn from the recorded hash of its block (None past the
-    chain): equal hashes give equal tokens, so the fake KV agrees wherever the recording's did."""
-    index = position // block_size
-    if index >= len(chain):
-        return None
-    return 10 + hash_block(chain[index], (position % block_size,)) % 990
-
-
-class _ChainRunner(FakeModelRunner):
-    """Samples, inside each request's recorded chain, the tokens the chain says were there."""
-
-    def __init__(self, chains: dict[str, list[int]], block_size: int, num_blocks: int | None,
-                 windows: list[int | None]):
-        super().__init__(block_size=block_size if num_blocks else None,
-                         num_blocks=num_blocks or None, windows=windows)
-        self.chains, self.chain_block_size = chains, block_size
-
-    def _sample(self, state, position: int) -> int:
-        token = _token_at(self.chains.get(state.request_id, ()), position, self.chain_block_size)
-        return super()._sample(state, position) if token is None else token
-
-
-def _natural_finish_lengths(records: list[Record]) -> dict[str, int]:
-    """Output length of every request that finished by EOS, a stop token or a length cap
-    (not by a stop string, which replays as its StopRequests)."""
-    lengths = {}
-    for r in records:
-        if isinstance(r, StateChange) and r.event == "finish" and \
-                not isinstance(r.stop_reason, str):
-            lengths[r.request_id] = r.num_output_tokens
-    return lengths
 
 
 def _all_finished(records: list[Record]) -> bool:

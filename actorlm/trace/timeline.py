@@ -10,6 +10,10 @@ Prefix-cache hits come from the transitions into ``running``: each carries the t
 admission found cached. A lane shows its first admission's (later ones re-admit a preempted
 request, whose hit is mostly its own earlier work); the cache-hit rate counts every admission,
 as the share of the tokens to admit that the cache already held.
+
+Speculative decoding: a running segment counts the draft tokens its steps verified and how many
+of them they accepted, and its lane the same over the request's life; ``Lane.verifications``
+lists each verification as (step summary, drafts, accepted), for the lane's marks.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ class Segment:
     reason: str | None = None  # finished only
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0  # first running segment of a stay: the admission's cache hit
+    num_draft_tokens: int = 0  # running only: drafts its steps verified
+    num_accepted_tokens: int = 0  # ... and accepted
 
 
 @dataclass
@@ -49,6 +55,15 @@ class Lane:
     stop_reason: int | str | None = None
     segments: list[Segment] = field(default_factory=list)
     is_open: bool = False  # still live when the trace ends
+    verifications: list[tuple[StepSummary, int, int]] = field(default_factory=list)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(d for _, d, _ in self.verifications)
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return sum(a for _, _, a in self.verifications)
 
     @property
     def t_end(self) -> float:
@@ -78,7 +93,7 @@ def build_timeline(records: list[Record]) -> Timeline:
     config = records[0] if records and isinstance(records[0], TraceConfig) else None
     arrivals: dict[str, Arrival] = {}
     transitions: dict[str, list[StateChange]] = {}
-    step_runs: dict[str, list[tuple[StepSummary, int, bool]]] = {}
+    step_runs: dict[str, list[_Run]] = {}
     steps, messages, controls, order = [], [], [], []
     times = []
     num_cached = num_admitted = 0
@@ -101,9 +116,9 @@ def build_timeline(records: list[Record]) -> Timeline:
                 num_admitted += record.num_prompt_tokens + record.num_output_tokens
         elif isinstance(record, StepSummary):
             steps.append(record)
-            for rid, n, prefill in zip(record.request_ids, record.num_scheduled_tokens,
-                                       record.is_prefill):
-                step_runs.setdefault(rid, []).append((record, n, prefill))
+            for rid, n, prefill, (d, a) in zip(record.request_ids, record.num_scheduled_tokens,
+                                               record.is_prefill, record.drafts_per_request()):
+                step_runs.setdefault(rid, []).append(_Run(record, n, prefill, d, a))
             times += (record.t_start, record.t_end)
         elif isinstance(record, MessageSent):
             messages.append(record)
@@ -120,9 +135,21 @@ def build_timeline(records: list[Record]) -> Timeline:
                     num_admitted)
 
 
+@dataclass(frozen=True)
+class _Run:
+    """One step's work for one request."""
+
+    step: StepSummary
+    num_tokens: int
+    is_prefill: bool
+    num_drafts: int = 0
+    num_accepted: int = 0
+
+
 def _lane(request_id: str, arrival: Arrival | None, changes: list[StateChange],
-          runs: list[tuple[StepSummary, int, bool]], t_max: float, last_step: int) -> Lane:
+          runs: list[_Run], t_max: float, last_step: int) -> Lane:
     lane = Lane(request_id, arrival)
+    lane.verifications = [(r.step, r.num_drafts, r.num_accepted) for r in runs if r.num_drafts]
     if arrival is not None:
         lane.num_prompt_tokens = arrival.num_prompt_tokens
         state, t, step = "waiting", arrival.t, arrival.step
@@ -155,31 +182,33 @@ def _lane(request_id: str, arrival: Arrival | None, changes: list[StateChange],
 
 
 def _close(lane: Lane, state: str, t_start: float, t_end: float, step_start: int,
-           step_end: int, runs, num_blocks: int | None, num_cached: int) -> None:
+           step_end: int, runs: list[_Run], num_blocks: int | None, num_cached: int) -> None:
     """Append the segment(s) of one stay in ``state``; running stays split by phase."""
     if state != "running":
         lane.segments.append(Segment(state, t_start, t_end, step_start, step_end,
                                      num_blocks=num_blocks or 0))
         return
-    inside = [(s, n, p) for s, n, p in runs if t_start <= s.t_start <= t_end]
+    inside = [r for r in runs if t_start <= r.step.t_start <= t_end]
     if not inside:
         lane.segments.append(Segment(state, t_start, t_end, step_start, step_end,
                                      num_blocks=num_blocks or 0, num_cached_tokens=num_cached))
         return
-    groups: list[list[tuple[StepSummary, int, bool]]] = []
-    for item in inside:
-        if groups and groups[-1][-1][2] == item[2]:
-            groups[-1].append(item)
+    groups: list[list[_Run]] = []
+    for run in inside:
+        if groups and groups[-1][-1].is_prefill == run.is_prefill:
+            groups[-1].append(run)
         else:
-            groups.append([item])
+            groups.append([run])
     start = t_start
     for index, group in enumerate(groups):
         last = index == len(groups) - 1
-        end = t_end if last else group[-1][0].t_end
+        end = t_end if last else group[-1].step.t_end
         lane.segments.append(Segment(
-            "running", start, end, group[0][0].step, group[-1][0].step,
-            phase="prefill" if group[0][2] else "decode",
-            num_tokens=sum(n for _, n, _ in group), num_steps=len(group),
+            "running", start, end, group[0].step.step, group[-1].step.step,
+            phase="prefill" if group[0].is_prefill else "decode",
+            num_tokens=sum(r.num_tokens for r in group), num_steps=len(group),
             num_blocks=(num_blocks or 0) if last else 0,
-            num_cached_tokens=num_cached if index == 0 else 0))
+            num_cached_tokens=num_cached if index == 0 else 0,
+            num_draft_tokens=sum(r.num_drafts for r in group),
+            num_accepted_tokens=sum(r.num_accepted for r in group)))
         start = end

@@ -7,7 +7,7 @@ CSS = r"""
 :root {
   --waiting: #cbd5e1; --prefill: #3b82f6; --decode: #22c55e; --running: #60a5fa;
   --preempted: #f97316; --stop: #166534; --length: #7c3aed; --abort: #dc2626;
-  --error: #111827; --ink: #0f172a; --muted: #64748b; --line: #e2e8f0; --bg: #f8fafc;
+  --error: #111827; --draft: #f59e0b; --accepted: #14532d; --ink: #0f172a; --muted: #64748b; --line: #e2e8f0; --bg: #f8fafc;
   --label-w: 180px;
 }
 * { box-sizing: border-box; }
@@ -66,9 +66,12 @@ h1 { font-size: 18px; margin: 0; font-weight: 650; letter-spacing: -0.01em; }
 .s-finished { width: 5px; top: 1px; height: 15px; border-radius: 0 3px 3px 0; }
 .r-stop { background: var(--stop); } .r-length { background: var(--length); }
 .r-abort { background: var(--abort); } .r-error { background: var(--error); }
+.spec { position: absolute; left: 0; top: 2px; width: 100%; height: 13px; overflow: visible;
+        pointer-events: none; z-index: 1; }
+.spec path { fill: none; stroke-width: 2px; vector-effect: non-scaling-stroke; }
 .seg:hover { outline: 1.5px solid var(--ink); z-index: 1; }
 .hide-waiting .s-waiting, .hide-prefill .s-prefill, .hide-decode .s-decode, .hide-decode .s-running,
-.hide-preempted .s-preempted, .hide-finished .s-finished { visibility: hidden; }
+.hide-preempted .s-preempted, .hide-finished .s-finished, .hide-drafts .spec { visibility: hidden; }
 #band { position: absolute; top: 0; bottom: 0; background: rgba(59, 130, 246, .10);
         border-left: 1px solid rgba(59, 130, 246, .5); border-right: 1px solid rgba(59, 130, 246, .5);
         pointer-events: none; z-index: 2; }
@@ -157,6 +160,7 @@ SCRIPT = r"""
   if (META.num_kv_blocks) conf.push(META.num_kv_blocks + ' KV blocks \u00d7 ' + META.block_size + ' tokens');
   if (META.max_num_batched_tokens) conf.push('budget ' + META.max_num_batched_tokens + ' tokens / ' + META.max_num_seqs + ' seqs');
   if (META.max_model_len) conf.push('max_model_len ' + META.max_model_len);
+  if (META.num_speculative_tokens) conf.push('speculative decoding: up to ' + META.num_speculative_tokens + ' drafts');
   if (META.wall_time) conf.push(new Date(META.wall_time * 1000).toISOString().replace('T', ' ').slice(0, 19) + ' UTC');
   el('span', 'sub', header, conf.join(' \u00b7 '));
 
@@ -187,6 +191,12 @@ SCRIPT = r"""
       fmtInt(SUM.num_cached_tokens) + ' of ' + fmtInt(SUM.num_admitted_tokens) +
       ' tokens at admission found in the prefix cache';
   }
+  if (SUM.num_verifications) {
+    chip('draft-acceptance', SUM.draft_acceptance_rate + '%', 'drafts accepted', 'var(--accepted)').title =
+      fmtInt(SUM.num_accepted_drafts) + ' of ' + fmtInt(SUM.num_draft_tokens) + ' draft tokens accepted in ' +
+      fmtInt(SUM.num_verifications) + ' verifications';
+    chip('acceptance-length', SUM.mean_acceptance_length.toFixed(2), 'tokens per verification');
+  }
   REASONS.forEach(function (r) {
     if (SUM.by_reason[r]) chip('finished-' + r, fmtInt(SUM.by_reason[r]), 'finished: ' + r, 'var(--' + r + ')');
   });
@@ -194,13 +204,16 @@ SCRIPT = r"""
 
   var bar = el('div', 'toolbar', app);
   var legend = el('span', 'group', bar);
-  [['waiting', 'waiting'], ['prefill', 'prefill'], ['decode', 'decode'], ['preempted', 'preempted'],
-   ['finished', 'finished']].forEach(function (kind) {
+  var kinds = [['waiting', 'waiting'], ['prefill', 'prefill'], ['decode', 'decode'],
+               ['preempted', 'preempted'], ['finished', 'finished']];
+  if (SUM.num_verifications) kinds.push(['drafts', 'drafts (accepted: dark)']);
+  kinds.forEach(function (kind) {
     var lab = el('label', '', legend);
     var box = el('input', '', lab); box.type = 'checkbox'; box.checked = true;
     box.setAttribute('data-kind', kind[0]);
     var sw = el('span', 'sw', lab);
-    sw.style.background = kind[0] === 'finished' ? 'var(--stop)' : kind[0] === 'preempted' ? 'var(--preempted)' : 'var(--' + kind[0] + ')';
+    sw.style.background = kind[0] === 'finished' ? 'var(--stop)' : kind[0] === 'preempted' ? 'var(--preempted)'
+      : kind[0] === 'drafts' ? 'linear-gradient(var(--draft) 50%, var(--accepted) 50%)' : 'var(--' + kind[0] + ')';
     el('span', '', lab, kind[1]);
     box.addEventListener('change', function () { app.classList.toggle('hide-' + kind[0], !box.checked); });
   });
@@ -251,16 +264,23 @@ SCRIPT = r"""
   bandLayer.style.cssText = 'position:absolute;top:0;bottom:0;pointer-events:none;left:' + LABEL_W + 'px';
   var band = el('div', '', bandLayer); band.id = 'band'; band.hidden = true;
 
-  var stepRects = [], kvRects = [], segEls = [], rows = [], rowById = {};
+  var stepRects = [], kvRects = [], segEls = [], specMarks = [], rows = [], rowById = {};
+  var maxDrafts = META.num_speculative_tokens || 1;
+  LANES.forEach(function (l) { l[11].forEach(function (v) { maxDrafts = Math.max(maxDrafts, v[2]); }); });
   var shown = Math.min(LANES.length, META.max_lanes || 3000);
 
+  function total(list) { return list.reduce(function (a, x) { return a + x; }, 0); }
   STEPS.forEach(function (s, k) {
-    var y = STEPS_H - 4, hp = (STEPS_H - 10) * s[3] / tokenScale, hd = (STEPS_H - 10) * s[4] / tokenScale;
+    // rejected drafts were computed for nothing: drawn atop the decode tokens they are part of
+    var drafted = total(s[19]), accepted = total(s[20]), px = (STEPS_H - 10) / tokenScale;
+    var y = STEPS_H - 4, hp = px * s[3], hr = px * (drafted - accepted), hd = px * s[4] - hr;
     var g = svgEl('g', {'data-step': k}, stepsSvg);
+    if (drafted) { g.setAttribute('data-draft-tokens', drafted); g.setAttribute('data-accepted-tokens', accepted); }
     var p = svgEl('rect', {y: y - hp, height: Math.max(hp, 0), fill: 'var(--prefill)'}, g);
     var d = svgEl('rect', {y: y - hp - hd, height: Math.max(hd, 0), fill: 'var(--decode)'}, g);
+    var r = svgEl('rect', {y: y - hp - hd - hr, height: Math.max(hr, 0), fill: 'var(--draft)'}, g);
     var hit = svgEl('rect', {y: 0, height: STEPS_H, fill: 'transparent'}, g);
-    var marks = [];
+    var marks = [r];
     if (s[11].length) marks.push(svgEl('rect', {y: 0, height: 5, fill: 'var(--preempted)'}, g));
     if (s[12].length) marks.push(svgEl('rect', {y: 0, height: 5, fill: 'var(--abort)'}, g));
     stepRects.push([s, [p, d, hit].concat(marks)]);
@@ -280,7 +300,7 @@ SCRIPT = r"""
     var label = el('div', 'label', row, lane[0]);
     label.setAttribute('data-lane', i);
     el('small', '', label, lane[1] + '\u2192' + lane[2] + (lane[8] ? ' \u00b7 ' + lane[8] + ' cached' : '') +
-      (lane[5] ? ' \u21bb' + lane[5] : ''));
+      (lane[9] ? ' \u00b7 ' + lane[10] + '/' + lane[9] + ' drafts' : '') + (lane[5] ? ' \u21bb' + lane[5] : ''));
     var track = el('div', 'track', row);
     lane[7].forEach(function (seg, j) {
       var cls = seg[0] === 'running' ? 's-' + (seg[5] || 'running')
@@ -292,6 +312,15 @@ SCRIPT = r"""
       node.setAttribute('data-seg', i + ':' + j);
       segEls.push([seg, node]);
     });
+    if (lane[11].length) {
+      row.setAttribute('data-draft-tokens', lane[9]);
+      row.setAttribute('data-accepted-tokens', lane[10]);
+      // one mark per verification, as two paths (not one node each: lanes x steps is many)
+      var spec = svgEl('svg', {'class': 'spec', viewBox: '0 0 1 1', preserveAspectRatio: 'none',
+                               'data-verifications': lane[11].length}, track);
+      specMarks.push([lane[11], svgEl('path', {stroke: 'var(--draft)'}, spec),
+                      svgEl('path', {stroke: 'var(--accepted)'}, spec)]);
+    }
     rows.push(row);
     rowById[lane[0]] = row;
   }
@@ -311,6 +340,16 @@ SCRIPT = r"""
     stepRects.forEach(function (pair) {
       var a = frac(pair[0][1]), b = frac(pair[0][2]);
       pair[1].forEach(function (r) { r.setAttribute('x', pct(a)); r.setAttribute('width', pct(Math.max(b - a, 0.0004))); });
+    });
+    specMarks.forEach(function (m) {
+      var drafted = '', accepted = '';
+      m[0].forEach(function (v) {  // [t_start, t_end, drafts, accepted] of each verification
+        var x = ((frac(v[0]) + frac(v[1])) / 2).toFixed(6);
+        drafted += 'M' + x + ' 1V' + (1 - v[2] / maxDrafts).toFixed(3);
+        if (v[3]) accepted += 'M' + x + ' 1V' + (1 - v[3] / maxDrafts).toFixed(3);
+      });
+      m[1].setAttribute('d', drafted);
+      m[2].setAttribute('d', accepted || 'M0 1');
     });
     kvRects.forEach(function (pair, k) {
       var a = frac(pair[0][1]);
@@ -417,6 +456,7 @@ SCRIPT = r"""
       var first = run[0][1] - s[0][1];
       lines.push(kv('queued', fmtMs(first)) + ' &nbsp; ' + kv('steps', run.reduce(function (a, x) { return a + x[7]; }, 0)));
     }
+    if (l[9]) lines.push(kv('drafts', l[10] + ' of ' + l[9] + ' accepted in ' + l[11].length + ' verifications'));
     if (l[5]) lines.push(kv('preempted', l[5] + '\u00d7'));
     lines.push(kv('finish', l[6] ? 'still live' : (l[3] || '?') + (l[4] !== null && l[4] !== undefined ? ' (' + esc(l[4]) + ')' : '')));
     return lines.join('<br>');
@@ -432,6 +472,7 @@ SCRIPT = r"""
       lines.push(kv('steps', seg[3] + '\u2013' + seg[4]));
       if (seg[0] === 'running') lines.push(kv('tokens computed', seg[6]) + ' in ' + seg[7] + ' step' + (seg[7] === 1 ? '' : 's'));
       if (seg[9]) lines.push(kv('from the prefix cache', seg[9] + ' tokens'));
+      if (seg[10]) lines.push(kv('drafts', seg[11] + ' of ' + seg[10] + ' accepted'));
       if (seg[8]) lines.push(kv('blocks held', seg[8]));
     }
     lines.push(kv('prompt', l[1]) + ' &nbsp; ' + kv('preemptions', l[5]));
@@ -446,10 +487,14 @@ SCRIPT = r"""
     if (s[16]) lines.push(kv('forward', fmtMs(s[16])) + (s[17] === null ? '' :
       ' &nbsp; ' + kv('router', fmtMs(s[17])) + ' &nbsp; ' + kv('experts', fmtMs(s[18]))));
     if (s[13]) lines.push(kv('cache hits', s[13] + ' tokens'));
+    if (s[19].length) lines.push(kv('drafts', total(s[20]) + ' of ' + total(s[19]) + ' accepted'));
     if (s[11].length) lines.push(kv('preempted', esc(s[11].join(', '))));
     if (s[12].length) lines.push(kv('failed', esc(s[12].join(', '))));
     if (s[9].length) {
-      var parts = s[9].slice(0, 40).map(function (id, k) { return esc(id) + ':' + s[10][k]; });
+      var parts = s[9].slice(0, 40).map(function (id, k) {
+        var d = s[19].length ? s[19][k] : 0;  // id:tokens, and accepted/drafts where it verified
+        return esc(id) + ':' + s[10][k] + (d ? ' \u2713' + s[20][k] + '/' + d : '');
+      });
       if (s[9].length > 40) parts.push('\u2026 +' + (s[9].length - 40));
       lines.push('<div class="ids">' + parts.join('  ') + '</div>');
     }

@@ -12,12 +12,12 @@ import random
 import pytest
 from engine_helpers import TOP, engine_greedy
 from greedy import check_logprobs_close
+from spec_proposers import KnowingProposer
 
 import actorlm.models.parts
 from actorlm import SamplingParams
 from actorlm.kernels.cpu import linear as cpu_linear
 from actorlm.kernels.cpu.decode_step import DecodeStep
-from actorlm.models.ngram_proposer import NgramProposer
 
 NUM_TOKENS = 40
 VOCAB = 200  # prompt ids are drawn below this (the tiny tokenizer has more)
@@ -42,24 +42,6 @@ def _greedy(llm, prompts, num_tokens=NUM_TOKENS):
     return engine_greedy(outputs)
 
 
-class _KnowingProposer(NgramProposer):
-    """Proposes each request's true continuation, with the draft at ``len % (k + 2)`` wrong
-    when that is a draft's index (so k of every k + 2 proposals have one bad draft)."""
-
-    def __init__(self, sequences, k):  # (its batch and forget are prompt lookup's)
-        self.sequences, self.k = sequences, k
-
-    def propose(self, token_ids):
-        n = len(token_ids)
-        for sequence in self.sequences:
-            if sequence[:n] == token_ids:
-                drafts = sequence[n:n + self.k]
-                if (bad := n % (self.k + 2)) < len(drafts):
-                    drafts[bad] = (drafts[bad] + 1) % VOCAB
-                return drafts
-        return []
-
-
 @pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("setting", ["roomy", "chunked", "preempting"])
 def test_greedy_tokens_are_those_without_speculation(make_llm, tiny_llama_dir, monkeypatch, k,
@@ -70,7 +52,7 @@ def test_greedy_tokens_are_those_without_speculation(make_llm, tiny_llama_dir, m
     expected = _greedy(make_llm(str(tiny_llama_dir), **flags), prompts)
     answers = [p + tokens for p, (tokens, _) in zip(prompts, expected)]
     monkeypatch.setattr(actorlm.models.parts, "NgramProposer",
-                        lambda k, *_: _KnowingProposer(answers, k))
+                        lambda k, *_: KnowingProposer(answers, k))
     spec = make_llm(str(tiny_llama_dir), **flags,
                     speculative_config={"method": "ngram", "num_speculative_tokens": k})
     assert _greedy(spec, prompts) == expected
@@ -90,7 +72,7 @@ def test_bf16_greedy_tokens_are_close_to_those_without_speculation(make_llm, tin
     prompts = _prompts()
     expected = _greedy(make_llm(str(tiny_llama_dir), dtype="bfloat16",
                                 max_num_batched_tokens=16), prompts)
-    monkeypatch.setattr(actorlm.models.parts, "NgramProposer", lambda k, *_: _KnowingProposer(
+    monkeypatch.setattr(actorlm.models.parts, "NgramProposer", lambda k, *_: KnowingProposer(
         [p + tokens for p, (tokens, _) in zip(prompts, expected)], k))
     spec = make_llm(str(tiny_llama_dir), dtype="bfloat16", max_num_batched_tokens=16,
                     speculative_config={"method": "ngram", "num_speculative_tokens": k})
@@ -121,7 +103,7 @@ def test_stops_max_tokens_and_n_cut_drafts_as_without_speculation(make_llm, tiny
     expected = outcome(base)
     reasons = {type(c[3]) for o in expected for c in o}
     assert reasons == {str, int, type(None)}  # a stop string, a stop token, max_tokens
-    monkeypatch.setattr(actorlm.models.parts, "NgramProposer", lambda k, *_: _KnowingProposer(
+    monkeypatch.setattr(actorlm.models.parts, "NgramProposer", lambda k, *_: KnowingProposer(
         [p + tokens for p, (tokens, _) in zip(prompts, free)], k))
     spec = make_llm(str(tiny_llama_dir),
                     speculative_config={"method": "ngram", "num_speculative_tokens": 5})
@@ -137,7 +119,7 @@ def test_verification_steps_take_the_one_call_decode_step(make_llm, tiny_llama_d
     k, prompt = 3, _prompts()[1]
     expected = _greedy(make_llm(str(tiny_llama_dir), dtype="float32"), [prompt])
     monkeypatch.setattr(actorlm.models.parts, "NgramProposer",
-                        lambda k, *_: _KnowingProposer([prompt + expected[0][0]], k))
+                        lambda k, *_: KnowingProposer([prompt + expected[0][0]], k))
     calls = []  # (rows, whether the one call ran them) of every forward
     one_call = DecodeStep.__call__
     monkeypatch.setattr(DecodeStep, "__call__", lambda step, x, *args: calls.append(
@@ -157,7 +139,7 @@ def test_the_triton_backend_verifies_drafts_to_the_same_tokens(make_llm, tiny_ll
     """The Triton kernels (CPU interpreter) attend a verification's rows as decode rows too."""
     prompts, k = _prompts()[:2], 3
     expected = _greedy(make_llm(str(tiny_llama_dir)), prompts, num_tokens=12)
-    monkeypatch.setattr(actorlm.models.parts, "NgramProposer", lambda k, *_: _KnowingProposer(
+    monkeypatch.setattr(actorlm.models.parts, "NgramProposer", lambda k, *_: KnowingProposer(
         [p + tokens for p, (tokens, _) in zip(prompts, expected)], k))
     monkeypatch.setenv("ACTORLM_ATTENTION_BACKEND", "triton")
     spec = make_llm(str(tiny_llama_dir), dtype="float32",
