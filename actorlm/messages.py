@@ -355,6 +355,10 @@ class SchedulerStats(_Message):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = []
+    # the adapters of the running and of the waiting requests, by name (``/metrics``'
+    # vllm:lora_requests_info)
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
 
 
 class ExecutorStats(_Message):

@@ -215,6 +215,8 @@ class EngineSystem:
                 "spec_num_draft_tokens": s.spec_num_draft_tokens,
                 "spec_num_accepted_tokens": s.spec_num_accepted_tokens,
                 "spec_accepted_per_position": list(s.spec_accepted_per_position),
+                "running_lora_adapters": list(s.running_lora_adapters),
+                "waiting_lora_adapters": list(s.waiting_lora_adapters),
                 "num_free_blocks": kv.num_free_blocks, "num_total_blocks": kv.num_total_blocks,
                 "num_cached_blocks": kv.num_cached_blocks,
                 "num_requests_holding_blocks": kv.num_requests_holding_blocks,

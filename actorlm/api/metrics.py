@@ -1,11 +1,11 @@
 """Prometheus metrics under vLLM's names, on a registry of the app's own (not the global one).
 
-Gauges (running, waiting, KV usage) and the preemption, worker- and engine-core-restart
-counters are read from the engine's actors at scrape time, one sample per data-parallel
-replica (vLLM's ``engine`` label), the process's memory and CPU from /proc; latencies and
-token counts are observed as outputs reach the event loop (``AsyncLLM`` calls the ``observe_*``
-methods). ``StatsLogger`` writes vLLM's periodic INFO line while the server has work and sleeps
-on an event while it has none.
+Gauges (running, waiting, KV usage, the LoRA adapters running and waiting) and the
+preemption, worker- and engine-core-restart counters are read from the engine's actors at
+scrape time, one sample per data-parallel replica (vLLM's ``engine`` label), the process's
+memory and CPU from /proc; latencies and token counts are observed as outputs reach the event
+loop (``AsyncLLM`` calls the ``observe_*`` methods). ``StatsLogger`` writes vLLM's periodic
+INFO line while the server has work and sleeps on an event while it has none.
 """
 
 from __future__ import annotations
@@ -91,6 +91,23 @@ class _EngineCollector:
             for position, count in enumerate(stats["spec_accepted_per_position"]):
                 per_position.add_metric([self.model_name, str(index), str(position)], count)
         yield per_position
+        if engine.config.enable_lora:
+            yield lora_requests_info(replicas, engine.config.max_loras)
+
+
+def lora_requests_info(replicas: list[dict], max_loras: int) -> GaugeMetricFamily:
+    """vLLM's ``vllm:lora_requests_info``: the adapters running and waiting, by name, joined
+    with commas in its labels, and the wall-clock time as its value (readers take the sample
+    with the latest time). vLLM sets it every step on a labelled gauge, so each set of
+    adapters it ever saw stays exposed with its last time; read at scrape time here, only the
+    current set is."""
+    info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                             labels=["max_lora", "waiting_lora_adapters",
+                                     "running_lora_adapters"])
+    running = sorted(set().union(*(stats["running_lora_adapters"] for stats in replicas)))
+    waiting = sorted(set().union(*(stats["waiting_lora_adapters"] for stats in replicas)))
+    info.add_metric([str(max_loras), ",".join(waiting), ",".join(running)], time.time())
+    return info
 
 
 class ServerMetrics:

@@ -149,6 +149,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def lora_adapters(self) -> tuple[list[str], list[str]]:
+        """The adapters of the running and of the waiting requests, by name, sorted: vLLM's
+        ``running_lora_adapters`` and ``waiting_lora_adapters``."""
+        return _lora_names(self.running), _lora_names(self.waiting)
+
     # --- one step -----------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
@@ -488,3 +493,7 @@ class Scheduler:
                               block_ids, request.num_computed_tokens, request.sampling_params,
                               request.seed, request.bad_words_token_ids,
                               request.lora_request)
+
+
+def _lora_names(requests: Iterable[Request]) -> list[str]:
+    return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})

@@ -80,7 +80,7 @@ class StepLoop:
         return SchedulerStats(len(s.running), len(s.waiting), s.num_preemptions, self.num_steps,
                               s.num_finished, s.num_scheduled_tokens, s.num_prefill_tokens,
                               spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
-                              list(spec.accepted_per_position))
+                              list(spec.accepted_per_position), *s.lora_adapters())
 
     # --- the loop -----------------------------------------------------------------------------
 

@@ -134,12 +134,15 @@ def start_all(clients: list[EngineCoreClient]) -> CoreReady:
 
 def merge_stats(per_replica: list):
     """The replicas' counters as one: numbers summed, lists summed position by position
-    (blocks per KV-cache group, drafts accepted per position) or joined (worker pids)."""
+    (blocks per KV-cache group, drafts accepted per position) or joined (worker pids; the
+    LoRA adapters running and waiting, each name once)."""
     first, merged = per_replica[0], {}
     for field in first.__struct_fields__:
         values = [getattr(stats, field) for stats in per_replica]
         if field == "worker_pids":
             merged[field] = [pid for pids in values for pid in pids]
+        elif field.endswith("_lora_adapters"):
+            merged[field] = sorted(set().union(*values))
         elif isinstance(values[0], list):
             merged[field] = [sum(column) for column in itertools.zip_longest(*values,
                                                                              fillvalue=0)]
