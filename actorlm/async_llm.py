@@ -42,6 +42,7 @@ from actorlm.actors.system import EngineSystem
 from actorlm.config import EngineConfig
 from actorlm.engine_core import start_engine
 from actorlm.llm import PromptType, prompt_input
+from actorlm.lora_request import LoRARequest
 from actorlm.messages import AbortRequests, SubmitRequest
 from actorlm.outputs import RequestOutput
 from actorlm.sampling_params import SamplingParams
@@ -219,9 +220,11 @@ class AsyncLLM:
     # --- requests -------------------------------------------------------------------------------
 
     async def add_request(self, request_id: str, prompt: PromptType,
-                          sampling_params: SamplingParams | None = None) -> RequestStream:
-        """Validate and start one request; raises ValueError for bad input,
-        EngineOverloadedError when the waiting queue is full, EngineDeadError after a fault."""
+                          sampling_params: SamplingParams | None = None,
+                          lora_request: LoRARequest | None = None) -> RequestStream:
+        """Validate and start one request (with a LoRA adapter: needs ``enable_lora``); raises
+        ValueError for bad input, EngineOverloadedError when the waiting queue is full,
+        EngineDeadError after a fault."""
         self._check_alive()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -229,7 +232,7 @@ class AsyncLLM:
         arrival = time.monotonic()
         params = sampling_params or self.get_default_sampling_params()
         submit = loop.run_in_executor(self._submitter, self._submit, request_id,
-                                      prompt_input(prompt), params, sink)
+                                      prompt_input(prompt), params, sink, lora_request)
         try:
             # shielded: a cancelled caller must not leave a submitted request running unseen
             prompt_token_ids = await asyncio.shield(submit)
@@ -247,11 +250,12 @@ class AsyncLLM:
         return stream
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, lora_request: LoRARequest | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Yield a cumulative ``RequestOutput`` after every step; the last has ``finished``.
         Leaving the loop early (or being cancelled) aborts the request."""
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
-        stream = await self.add_request(request_id, prompt, sampling_params)
+        stream = await self.add_request(request_id, prompt, sampling_params, lora_request)
         try:
             async for output in stream:
                 yield output
@@ -270,7 +274,8 @@ class AsyncLLM:
         except pykka.ActorDeadError:
             pass
 
-    def _submit(self, request_id: str, prompt, params: SamplingParams, sink) -> list[int]:
+    def _submit(self, request_id: str, prompt, params: SamplingParams, sink,
+                lora_request: LoRARequest | None = None) -> list[int]:
         # on the submit thread: blocking asks are fine here
         try:
             if self.max_num_waiting is not None:
@@ -284,7 +289,8 @@ class AsyncLLM:
                     raise EngineOverloadedError(
                         f"the server is overloaded: {num_waiting} requests are waiting "
                         f"(--max-num-waiting {self.max_num_waiting}); retry later")
-            return self.engine.frontend.ask(SubmitRequest(request_id, prompt, params, sink, True))
+            return self.engine.frontend.ask(SubmitRequest(request_id, prompt, params, sink, True,
+                                                          lora_request))
         except pykka.ActorDeadError:
             raise self.engine.supervisor.dead_error() from None
 

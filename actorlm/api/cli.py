@@ -9,6 +9,7 @@ import logging
 import sys
 
 from actorlm.api.flags import add_engine_flags, engine_flags
+from actorlm.api.lora_models import lora_module
 from actorlm.api.options import ServerOptions, add_server_flags
 from actorlm.trace.cli import add_trace_commands
 
@@ -44,6 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",
                      help="on SIGTERM or SIGINT, let running requests finish for this long, "
                           "then end them with an error (streams with an error event and [DONE])")
+    srv.add_argument("--lora-modules", nargs="+", type=lora_module, default=[],
+                     metavar="NAME=PATH",
+                     help="LoRA adapters served by name (needs --enable-lora): name=path, or "
+                          "vLLM's JSON {\"name\": ..., \"path\": ..., \"base_model_name\": "
+                          "...}; a request picks one with its model field")
     add_server_flags(srv)
     srv.set_defaults(run=_serve)
 
@@ -191,7 +197,8 @@ def _serve(args) -> int:
                    served_model_name=args.served_model_name,
                    max_num_waiting=args.max_num_waiting,
                    log_stats_interval=args.log_stats_interval, trace_file=args.trace_file,
-                   shutdown_timeout=args.shutdown_timeout, options=ServerOptions.from_args(args))
+                   shutdown_timeout=args.shutdown_timeout, options=ServerOptions.from_args(args),
+                   lora_modules=args.lora_modules)
     # the process ends now: spare it the interpreter's final collection over torch's and
     # transformers' objects (over a second), which would stretch a graceful stop
     gc.freeze()

@@ -17,13 +17,14 @@ class ApiError(Exception):
              503: "ServiceUnavailableError"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, error_type: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers
+        self.error_type = error_type  # None: the status's (vLLM names a few others)
 
     def response(self) -> ErrorResponse:
-        return ErrorResponse(ErrorInfo(self.message, self.TYPES.get(self.status, "Error"),
-                                       self.param, self.status))
+        error_type = self.error_type or self.TYPES.get(self.status, "Error")
+        return ErrorResponse(ErrorInfo(self.message, error_type, self.param, self.status))
 
 
 _PATH = re.compile(r"at `\$\.?([^`]*)`|missing required field `([^`]*)`$")

@@ -12,6 +12,7 @@ from typing import Callable
 import uvicorn
 
 from actorlm.api.connection import GuardedH11Protocol
+from actorlm.api.lora_models import LoRAModulePath, check_lora_modules
 from actorlm.api.options import ServerOptions
 from actorlm.api.server import create_app
 from actorlm.async_llm import AsyncLLM
@@ -22,9 +23,10 @@ log = logging.getLogger(__name__)
 def serve(model: str | None, engine_flags: dict, *, host: str = "127.0.0.1", port: int = 8000,
           served_model_name: str | None = None, max_num_waiting: int | None = None,
           log_stats_interval: float = 10.0, trace_file: str | None = None,
-          shutdown_timeout: float = 5.0, options: ServerOptions | None = None) -> int:
+          shutdown_timeout: float = 5.0, options: ServerOptions | None = None,
+          lora_modules: list[LoRAModulePath] = ()) -> int:
     """Run the server until SIGTERM or SIGINT, then stop gracefully (see ``_GracefulServer``)
-    and return 0; the engine loads while the port already answers."""
+    and return 0; the engine loads while the port already answers, then ``lora_modules``."""
     from actorlm.config import EngineConfig
 
     options = dataclasses.replace(options or ServerOptions(), host=host)
@@ -32,7 +34,8 @@ def serve(model: str | None, engine_flags: dict, *, host: str = "127.0.0.1", por
     # loop, the frontend and the detokenizer share no GIL with the scheduler and the model's
     # Python, and a core that dies is restarted with its requests resumed
     engine_flags = {"engine_core_process": True, **engine_flags}
-    EngineConfig.from_flags(model, **engine_flags)  # bad flags fail now, not in the background
+    config = EngineConfig.from_flags(model, **engine_flags)  # bad flags fail now, not later
+    check_lora_modules(lora_modules, config.enable_lora)
     if max_num_waiting is not None and max_num_waiting < 1:
         raise ValueError(f"--max-num-waiting must be at least 1, got {max_num_waiting}")
     if not shutdown_timeout >= 0:  # also refuses nan
@@ -47,7 +50,7 @@ def serve(model: str | None, engine_flags: dict, *, host: str = "127.0.0.1", por
     app = create_app(lambda: AsyncLLM(model, max_num_waiting=max_num_waiting,
                                       trace_file=trace_file, **engine_flags),
                      served_model_name=served_model_name, log_stats_interval=log_stats_interval,
-                     on_load_error=on_load_error, options=options)
+                     on_load_error=on_load_error, options=options, lora_modules=lora_modules)
     if not options.api_keys and not options.binds_loopback:
         log.warning("serving on %s without an API key: anyone who reaches the port may use "
                     "it (--api-key)", host)

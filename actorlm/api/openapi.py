@@ -12,6 +12,7 @@ import msgspec
 import actorlm
 from actorlm.api import protocol as p
 from actorlm.api.errors import ErrorResponse
+from actorlm.api.lora_routes import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from actorlm.api.security import OPEN_PATHS
 
 _REF = "#/components/schemas/{name}"
@@ -29,7 +30,7 @@ OPERATIONS = [
      "true)", p.CompletionRequest, p.CompletionResponse),
     ("post", "/v1/chat/completions", "Chat completions (streamed as Server-Sent Events when "
      "stream is true)", p.ChatCompletionRequest, p.ChatCompletionResponse),
-    ("get", "/v1/models", "The served model", None, p.ModelList),
+    ("get", "/v1/models", "The served model and its LoRA adapters", None, p.ModelList),
     ("post", "/tokenize", "Token ids of a prompt or a conversation", p.TokenizeRequest,
      p.TokenizeResponse),
     ("post", "/detokenize", "Text of token ids", p.DetokenizeRequest, p.DetokenizeResponse),
@@ -45,15 +46,23 @@ OPERATIONS = [
      {"application/json": {"schema": {"type": "object"}}}),
 ]
 _STREAMING = {"/v1/completions", "/v1/chat/completions"}
+# with VLLM_ALLOW_RUNTIME_LORA_UPDATING only
+LORA_OPERATIONS = [
+    ("post", "/v1/load_lora_adapter", "Serve a LoRA adapter's directory under a model name",
+     LoadLoRAAdapterRequest, {"text/plain": _TEXT}),
+    ("post", "/v1/unload_lora_adapter", "Stop serving a LoRA adapter", UnloadLoRAAdapterRequest,
+     {"text/plain": _TEXT}),
+]
 
 
-def openapi_document(requires_api_key: bool) -> dict:
-    types = [t for op in OPERATIONS for t in (op[3], op[4]) if isinstance(t, type)]
+def openapi_document(requires_api_key: bool, runtime_lora: bool = False) -> dict:
+    operations = OPERATIONS + (LORA_OPERATIONS if runtime_lora else [])
+    types = [t for op in operations for t in (op[3], op[4]) if isinstance(t, type)]
     refs, schemas = msgspec.json.schema_components([*types, ErrorResponse],
                                                    ref_template=_REF)
     ref_of = dict(zip([*types, ErrorResponse], refs))
     paths: dict[str, dict] = {}
-    for method, path, summary, request, response in OPERATIONS:
+    for method, path, summary, request, response in operations:
         if isinstance(response, type):
             content = {"application/json": {"schema": ref_of[response]}}
         else:

@@ -404,8 +404,8 @@ class ModelCard(Struct):
     created: int
     owned_by: str
     root: str
-    max_model_len: int
-    parent: str | None = None
+    max_model_len: int | None  # None on an adapter's card, as vLLM's
+    parent: str | None = None  # an adapter's base model
 
 
 class ModelList(Struct):

@@ -2,12 +2,14 @@
 
 Routes: ``/v1/completions`` and ``/v1/chat/completions`` (see ``serving``), ``/v1/models``,
 ``/health``, ``/metrics``, ``/version``, ``/tokenize``, ``/detokenize``,
-``/reset_prefix_cache``, ``/openapi.json`` and the trace. Errors have OpenAI's shape
-``{"error": {"message", "type", "param", "code"}}``. Before a route sees a request it passes
-``security.RequestGuard`` (Host, API key, content type, body size) and, when the operator
-allows origins, CORS; uvicorn's connections get the deadlines of ``connection``. The engine
-loads in the background, so the port answers at once and ``/health`` says 503 until the engine
-is ready (and after a fatal fault).
+``/reset_prefix_cache``, ``/openapi.json``, the trace, and with
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
+(``lora_routes``; a request's ``model`` names the base model or an adapter, ``lora_models``).
+Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``. Before a route
+sees a request it passes ``security.RequestGuard`` (Host, API key, content type, body size)
+and, when the operator allows origins, CORS; uvicorn's connections get the deadlines of
+``connection``. The engine loads in the background, so the port answers at once and
+``/health`` says 503 until the engine is ready (and after a fatal fault).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import actorlm
 from actorlm.api import protocol as p
 from actorlm.api import serving
 from actorlm.api.chat_template import apply_chat_template
+from actorlm.api.lora_models import LoRAModels, LoRAModulePath, runtime_updating_allowed
+from actorlm.api.lora_routes import load_lora_adapter, unload_lora_adapter
 from actorlm.api.request_body import RequestDecoder
 from actorlm.api.metrics import ServerMetrics, StatsLogger
 from actorlm.api.openapi import openapi_document
@@ -39,7 +43,9 @@ from actorlm.api.prompt_limits import check_token_ids
 from actorlm.api.responses import as_api_error, error_response, json_response
 from actorlm.api.security import RequestGuard
 from actorlm.async_llm import AsyncLLM
+from actorlm.lora_request import LoRARequest
 from actorlm.models import gguf_file
+from actorlm.models.lora_adapter import lora_checker
 from actorlm.trace import render_html
 
 log = logging.getLogger(__name__)
@@ -49,15 +55,18 @@ log = logging.getLogger(__name__)
 
 
 class ServerState:
-    """The app's engine (built in the background when given a factory), name, metrics, options
-    and request decoder."""
+    """The app's engine (built in the background when given a factory), name, LoRA adapters,
+    metrics, options and request decoder."""
 
     def __init__(self, engine: AsyncLLM | Callable[[], AsyncLLM], served_model_name: str | None,
                  log_stats_interval: float, on_load_error: Callable[[str], None] | None,
-                 options: ServerOptions):
+                 options: ServerOptions, lora_modules: list[LoRAModulePath] = (),
+                 runtime_lora: bool = False):
         self.options = options
+        self.lora = LoRAModels()  # its checker comes with the engine
+        self.lora_modules = list(lora_modules)  # loaded once the engine is, before serving
         self.decoder = RequestDecoder()
-        self.openapi = openapi_document(bool(options.api_keys))
+        self.openapi = openapi_document(bool(options.api_keys), runtime_lora)
         self.max_token_chars = 0  # the longest text one token stands for; set when ready
         self.factory = None if isinstance(engine, AsyncLLM) else engine
         self.engine: AsyncLLM | None = engine if isinstance(engine, AsyncLLM) else None
@@ -83,15 +92,20 @@ class ServerState:
             raise p.ApiError(503, f"the engine is not serving: {problem}")
         return self.engine
 
+    def resolve_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names; None for the base model; a 404 for a
+        model nobody serves."""
+        return self.lora.resolve(model, self.model_name)
+
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise p.ApiError(404, f"The model `{model}` does not exist.", "model")
+        self.resolve_model(model)  # (the base model's tokenizer serves its adapters too)
 
     async def start(self) -> None:
         if self.engine is None:
             self._tasks.append(asyncio.create_task(self._load()))
         else:
             self.max_token_chars = await asyncio.to_thread(max_token_chars, self.engine)
+            await asyncio.to_thread(self._load_lora_modules, self.engine)
             self._engine_ready()
 
     async def stop(self) -> None:
@@ -103,6 +117,11 @@ class ServerState:
     async def _load(self) -> None:
         def build() -> tuple[AsyncLLM, int]:
             engine = self.factory()
+            try:
+                self._load_lora_modules(engine)
+            except BaseException:
+                engine.shutdown()
+                raise
             return engine, max_token_chars(engine)
 
         future = asyncio.get_running_loop().run_in_executor(None, build)
@@ -120,6 +139,13 @@ class ServerState:
             return
         self.engine = engine
         self._engine_ready()
+
+    def _load_lora_modules(self, engine: AsyncLLM) -> None:
+        """The checker of ``engine``'s adapters, then ``--lora-modules`` (blocking)."""
+        self.lora.checker = lora_checker(engine.config, engine.engine.hf_config)
+        if self.lora_modules:
+            self.lora.load_static(self.lora_modules,
+                                  self.served_model_name or default_model_name(engine))
 
     def _engine_ready(self) -> None:
         self.metrics = ServerMetrics(self.model_name, lambda: self.engine)
@@ -167,7 +193,8 @@ async def models(request: Request) -> Response:
     engine = state.ready_engine()
     card = p.ModelCard(state.model_name, "model", state.created, "actorlm", str(engine.model_path),
                        engine.max_model_len)
-    return json_response(p.ModelList("list", [card]))
+    adapters = state.lora.cards(state.model_name, state.created)
+    return json_response(p.ModelList("list", [card, *adapters]))
 
 
 async def metrics(request: Request) -> Response:
@@ -258,11 +285,16 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str | None = None,
                log_stats_interval: float = 10.0,
                on_load_error: Callable[[str], None] | None = None,
-               options: ServerOptions | None = None) -> Starlette:
+               options: ServerOptions | None = None,
+               lora_modules: list[LoRAModulePath] = ()) -> Starlette:
     """The app over ``engine``: an AsyncLLM (the caller owns it) or a factory that builds one
-    in the background at start-up (the app owns it and shuts it down)."""
+    in the background at start-up (the app owns it and shuts it down). ``lora_modules`` are
+    served by name from the start; the runtime LoRA routes exist when
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is true now."""
     options = options or ServerOptions()
-    state = ServerState(engine, served_model_name, log_stats_interval, on_load_error, options)
+    runtime_lora = runtime_updating_allowed()
+    state = ServerState(engine, served_model_name, log_stats_interval, on_load_error, options,
+                        lora_modules, runtime_lora)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -288,6 +320,16 @@ def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: 
         Route("/v1/chat/completions", _endpoint(_generation(serving.create_chat_completion)),
               methods=["POST"]),
     ]
+    if runtime_lora:
+        log.warning("LoRA dynamic loading & unloading is enabled in the API server "
+                    "(%s). This should ONLY be used for local development!",
+                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+        routes += [
+            Route("/v1/load_lora_adapter", _endpoint(_generation(load_lora_adapter)),
+                  methods=["POST"]),
+            Route("/v1/unload_lora_adapter", _endpoint(_generation(unload_lora_adapter)),
+                  methods=["POST"]),
+        ]
     # CORS outermost: a preflight carries no API key, and a refusal must reach the page
     middleware = [Middleware(RequestGuard, options=options)]
     if options.allowed_origins:

@@ -11,9 +11,11 @@ previous chunk, ``finish_reason`` rides on a choice's last chunk, a usage chunk 
 has started is sent as an error event before ``[DONE]``. Both kinds of answer watch the
 connection: a client that hangs up aborts its requests at once (the engine finishes them as
 ``abort`` and frees their blocks). Sampling fields a request leaves out take the model's
-defaults (``--generation-config``). In chat, with ``--reasoning-parser``, each choice's think is
-split out first (``reasoning``: ``reasoning_content``, whole or as it streams); tool calls are
-then read out of the rest by its ``tool_stream`` (``tool_choice``).
+defaults (``--generation-config``). A ``model`` that names a LoRA adapter runs every prompt
+with it (``lora_models``), and the answer names the adapter. In chat, with
+``--reasoning-parser``, each choice's think is split out first (``reasoning``:
+``reasoning_content``, whole or as it streams); tool calls are then read out of the rest by its
+``tool_stream`` (``tool_choice``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from actorlm.api.structured import checked_constraint
 from actorlm.api.tool_choice import ToolUse, decoding_constraint, tool_use
 from actorlm.api.tool_stream import collect
 from actorlm.async_llm import AsyncLLM, RequestStream
+from actorlm.lora_request import LoRARequest
 from actorlm.outputs import RequestOutput
 from actorlm.reasoning import ThinkTokens, split_reasoning
 
@@ -46,7 +49,7 @@ log = logging.getLogger(__name__)
 async def create_completion(state, request: Request) -> Response:
     engine = state.ready_engine()
     req = state.decoder.decode(await request.body(), p.CompletionRequest)
-    state.check_model(req.model)
+    lora = state.resolve_model(req.model)
     req.check_supported()
     prompts = req.prompts()
     add_special = p.or_default(req.add_special_tokens, True)
@@ -70,7 +73,7 @@ async def create_completion(state, request: Request) -> Response:
     if req.echo:
         echo = await engine.run_blocking(
             lambda: [x if isinstance(x, str) else engine.decode(x) for x in prompts])
-    gen = _Generation(engine, state.model_name, "cmpl", request, req)
+    gen = _Generation(engine, _model_name(state, lora), "cmpl", request, req, lora=lora)
     await gen.start(prompt_ids, params)
     if req.stream:
         return EventStream(gen.completion_events(echo), gen.abort)
@@ -80,7 +83,7 @@ async def create_completion(state, request: Request) -> Response:
 async def create_chat_completion(state, request: Request) -> Response:
     engine = state.ready_engine()
     req = state.decoder.decode(await request.body(), p.ChatCompletionRequest)
-    state.check_model(req.model)
+    lora = state.resolve_model(req.model)
     req.check_supported()
     tools = tool_use(req.tools, req.tool_choice, req.parallel_tool_calls, state.options)
     constraint = await decoding_constraint(tools, await checked_constraint(req))
@@ -98,11 +101,17 @@ async def create_chat_completion(state, request: Request) -> Response:
     max_tokens = max_tokens_for(len(ids), req.requested_max_tokens, engine.max_model_len, field,
                                 defaults.get("max_tokens", None))
     params = req.sampling_params(max_tokens, req.num_logprobs, constraint, defaults)
-    gen = _Generation(engine, state.model_name, "chatcmpl", request, req, tools, engine.reasoning)
+    gen = _Generation(engine, _model_name(state, lora), "chatcmpl", request, req, tools,
+                      engine.reasoning, lora)
     await gen.start([ids], [params])
     if req.stream:
         return EventStream(gen.chat_events(), gen.abort)
     return await gen.respond(request, gen.chat_response)
+
+
+def _model_name(state, lora: LoRARequest | None) -> str:
+    """The ``model`` an answer names: the adapter's, as vLLM's do, else the base model's."""
+    return state.model_name if lora is None else lora.lora_name
 
 
 class _Progress:
@@ -134,8 +143,10 @@ class _Generation:
     """One API request's engine requests (one per prompt) and how to answer with them."""
 
     def __init__(self, engine: AsyncLLM, model_name: str, kind: str, request: Request, req,
-                 tools: ToolUse | None = None, reasoning: ThinkTokens | None = None):
+                 tools: ToolUse | None = None, reasoning: ThinkTokens | None = None,
+                 lora: LoRARequest | None = None):
         self.engine, self.model_name, self.req = engine, model_name, req
+        self.lora = lora  # the adapter every prompt runs with; None: the base model
         self.tools = tools if tools is not None and tools.reads_calls else None
         self.reasoning = reasoning  # chat with --reasoning-parser: split the think out
         self.prompt_token_ids: list[list[int]] = []
@@ -154,7 +165,7 @@ class _Generation:
         try:
             for i, (ids, sp) in enumerate(zip(prompt_ids, params)):
                 rid = self.engine_id if len(prompt_ids) == 1 else f"{self.engine_id}-{i}"
-                self.streams.append(await self.engine.add_request(rid, ids, sp))
+                self.streams.append(await self.engine.add_request(rid, ids, sp, self.lora))
         except BaseException:
             self.abort()
             raise

@@ -62,6 +62,16 @@ def serving(model_dir, log_path, *flags: str, env: dict[str, str] | None = None)
         proc.wait()
 
 
+@contextlib.contextmanager
+def openai_client(base_url: str):
+    """The official client on a server, without retries (a test sees every refusal)."""
+    import openai
+
+    with openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0,
+                       timeout=60) as client:
+        yield client
+
+
 def rss_bytes(pid: int) -> int:
     """The resident memory of a process now."""
     with open(f"/proc/{pid}/status") as status:
