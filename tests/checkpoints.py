@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-__all__ = ["tiny_tokenizer_dir", "tiny_llama_dir", "tiny_llama_long_dir", "tiny_qwen2_dir",
+__all__ = ["tiny_tokenizer_dir", "tiny_llama_dir", "tiny_llama_long_dir", "tiny_llama_draft_dir",
+           "tiny_qwen2_dir",
            "tiny_qwen3_dir", "tiny_window_dirs", "tiny_moe_dirs", "smollm2_dir", "smollm2_gguf",
            "smollm2_dense_dir"]
 
@@ -124,6 +125,27 @@ def tiny_llama_long_dir(tiny_llama_dir, tmp_path_factory):
     config = json.loads((path / "config.json").read_text())
     config["max_position_embeddings"] = 8192
     (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_draft_dir(tiny_llama_dir, tmp_path_factory):
+    """A draft for the tiny Llama: its weights with noise on the MLPs (5 % of each matrix's
+    spread), so its greedy tokens agree with the Llama's often, not always: a draft model's
+    proposals are accepted in part."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path_factory.mktemp("tiny_llama_draft") / "model"
+    shutil.copytree(tiny_llama_dir, path)
+    weights = load_file(path / "model.safetensors")
+    noise = torch.Generator().manual_seed(1)
+    for name, tensor in weights.items():
+        if ".mlp." in name:
+            weights[name] = tensor + 0.05 * tensor.std() * torch.randn(tensor.shape,
+                                                                       generator=noise)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     return path
 
 

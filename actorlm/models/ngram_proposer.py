@@ -27,6 +27,9 @@ class NgramProposer:
     def forget(self, request_id: str) -> None:
         """Nothing to forget: prompt lookup keeps no state between steps."""
 
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """No KV cache: prompt lookup runs no model."""
+
     def propose(self, token_ids: list[int]) -> list[int]:
         """Up to ``k`` drafts to follow ``token_ids`` (prompt + output); [] without a match."""
         tokens = np.asarray(token_ids, dtype=np.int64)

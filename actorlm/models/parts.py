@@ -36,6 +36,7 @@ from actorlm.models.parallel import (TensorParallel, check_initialised, check_te
 from actorlm.models.expert_parallel import check_expert_parallel, split_intermediate_sizes
 from actorlm.models.families import layer_windows
 from actorlm.models.memory_profile import MemoryProfile, kv_cache_budget, largest_step, load_and_profile
+from actorlm.models.draft_proposer import DraftModelProposer, check_draft_vocabulary
 from actorlm.models.lora_slots import LoRASlots
 from actorlm.models.ngram_proposer import NgramProposer
 from actorlm.models.runner import ModelRunner
@@ -61,6 +62,16 @@ def eos_token_ids(path, tokenizer) -> frozenset[int]:
         eos = None
     ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     return frozenset(ids)
+
+
+def kv_bytes_per_block(hf_config, block_size: int, tp_size: int, dtype: torch.dtype,
+                       num_layers: int | None = None) -> int:
+    """A KV block's bytes on one rank: ``num_layers`` (default: every layer) pages of K and
+    V, each rank holding its share of the KV heads."""
+    layers, num_kv_heads, head_dim = model_geometry(hf_config)
+    return 2 * (num_layers or layers) * block_size * \
+        num_kv_heads_per_rank(num_kv_heads, tp_size) * head_dim * \
+        torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass(frozen=True)
@@ -97,6 +108,7 @@ class RunnerFactory:
     quantization: str | None = None
     enable_expert_parallel: bool = False
     speculative_config: SpeculativeConfig | None = None
+    draft_path: Any = None  # the draft model's directory (``speculative_config.model``'s)
     lora: tuple[int, int, int | None] | None = None  # max_loras, max_lora_rank, max_cpu_loras
     profiled: list = field(default_factory=list, compare=False)
 
@@ -117,12 +129,23 @@ class RunnerFactory:
         return select_backend(self.device)
 
     def build(self, model, num_blocks: int) -> ModelRunner:
-        spec = self.speculative_config
-        proposer = None if spec is None else NgramProposer(
-            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        proposer = self._proposer(model)
         lora_slots = None if self.lora is None else LoRASlots(model, *self.lora)
         return ModelRunner(model, self.backend, num_blocks, self.block_size, self.dtype,
                            self.device, self.eos_token_ids, model.tp, proposer, lora_slots)
+
+    def _proposer(self, model):
+        spec = self.speculative_config
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                 spec.prompt_lookup_max)
+        if not model.tp.is_driver:  # rank 0 proposes; the other ranks read its drafts
+            return None
+        draft = load_model(self.draft_path, self.dtype, self.device, self.backend)
+        return DraftModelProposer(draft, self.backend, spec.num_speculative_tokens,
+                                  self.block_size, self.dtype, self.device)
 
     def __getstate__(self):
         return {**self.__dict__, "profiled": []}
@@ -149,7 +172,7 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
     """Resolve ``config.model`` and the config against it; see the module's docstring."""
     path = resolve_model(config.model)
     hf_config = load_hf_config(path)
-    _, num_kv_heads, head_dim = model_geometry(hf_config)
+    _, num_kv_heads, _ = model_geometry(hf_config)
     tp_size, expert_parallel = config.tensor_parallel_size, config.enable_expert_parallel
     check_expert_parallel(path.name, hf_config, tp_size, expert_parallel)
     check_tensor_parallel(path.name, hf_config.num_attention_heads, num_kv_heads,
@@ -165,18 +188,25 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
     # (their KV tensors are shared); each rank holds its share of the KV heads, so the pool
     # is sized per rank
     groups = tuple(kv_cache_groups(layer_windows(hf_config)))
-    layers_per_block = max(len(g.layers) for g in groups)
-    bytes_per_block = 2 * layers_per_block * config.block_size * \
-        num_kv_heads_per_rank(num_kv_heads, tp_size) * head_dim * \
-        torch.empty((), dtype=dtype).element_size()
+    bytes_per_block = kv_bytes_per_block(hf_config, config.block_size, tp_size, dtype,
+                                         max(len(g.layers) for g in groups))
     profile_gpu = device.type == "cuda" and not config.is_kv_pool_sized_by_user
     if profile_gpu and tp_size > 1:  # profiling loads the whole model in this process
         raise ValueError(f"--tensor-parallel-size {tp_size} on a GPU needs the KV pool sized "
                          f"by --num-kv-blocks or --kv-cache-memory-bytes (per rank)")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    draft_path = None
+    spec = config.speculative_config
+    if spec is not None and spec.method == "draft_model":  # checked before anything loads
+        draft_path = resolve_model(spec.model)
+        draft_config = load_hf_config(draft_path)
+        check_draft_vocabulary(spec.model, tokenizer, AutoTokenizer.from_pretrained(draft_path),
+                               hf_config.vocab_size, draft_config.vocab_size)
+        # its own KV pool has as many blocks as the target's (rank 0 holds it)
+        bytes_per_block += kv_bytes_per_block(draft_config, config.block_size, 1, dtype)
     # flags are checked against the model before anything heavy loads
     resolved = config.resolve_lengths(hf_config) if profile_gpu else \
         config.resolve(hf_config, bytes_per_block)
-    tokenizer = AutoTokenizer.from_pretrained(path)
     backend = select_backend(device)
     eos_ids = eos_token_ids(path, tokenizer)
     block_size = config.block_size
@@ -184,7 +214,7 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
     factory = RunnerFactory(path, dtype, device, block_size, eos_ids,
                             tensor_parallel_size=tp_size, quantization=config.quantization,
                             enable_expert_parallel=expert_parallel,
-                            speculative_config=config.speculative_config,
+                            speculative_config=spec, draft_path=draft_path,
                             lora=(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
                             if config.enable_lora else None)
     profile = None

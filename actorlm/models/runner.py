@@ -154,6 +154,8 @@ class ModelRunner:
                          for _ in range(max(len(g.layers) for g in self.kv_cache_groups))]
         # per layer, as the model takes them: layer i stores into pair slot_of[i]
         self.kv_caches = [self.kv_pairs[slot] for slot in self._slot_of]
+        if self.proposer is not None:  # a draft model's own pool has as many blocks
+            self.proposer.allocate_kv_cache(num_blocks)
 
     def execute(self, step: ScheduleStep) -> StepResult | None:
         """Run one step. A fault raises: the worker is then replaced and the step recomputed

@@ -15,7 +15,7 @@ from greedy import check_logprobs_close
 from spec_proposers import KnowingProposer
 
 import actorlm.models.parts
-from actorlm import SamplingParams
+from actorlm import LLM, SamplingParams
 from actorlm.kernels.cpu import linear as cpu_linear
 from actorlm.kernels.cpu.decode_step import DecodeStep
 
@@ -62,6 +62,42 @@ def test_greedy_tokens_are_those_without_speculation(make_llm, tiny_llama_dir, m
     assert stats["spec_num_draft_tokens"] > stats["spec_num_accepted_tokens"]  # some failed
     if setting == "preempting":
         assert stats["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("k, setting", [(1, "roomy"), (3, "chunked"), (5, "preempting")])
+def test_a_draft_models_drafts_leave_the_greedy_tokens_unchanged(make_llm, tiny_llama_dir,
+                                                                 tiny_llama_draft_dir, k,
+                                                                 setting):
+    """A draft model (the tiny Llama with noisy MLPs) is right about some drafts: whatever
+    it proposes, the tokens and top-5 logprobs are those without speculation."""
+    flags = {"roomy": {}, "chunked": {"max_num_batched_tokens": 16},
+             "preempting": {"num_kv_blocks": 40, "block_size": 4, "max_model_len": 128}}[setting]
+    prompts = _prompts()
+    expected = _greedy(make_llm(str(tiny_llama_dir), **flags), prompts)
+    spec = make_llm(str(tiny_llama_dir), **flags, speculative_config={
+        "model": str(tiny_llama_draft_dir), "num_speculative_tokens": k})
+    assert _greedy(spec, prompts) == expected
+    stats = spec.stats()
+    assert all(n > 0 for n in stats["spec_accepted_per_position"])  # every depth was reached
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
+    if setting == "preempting":
+        assert stats["num_preemptions"] > 0
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused_before_loading(tiny_llama_dir,
+                                                                         tmp_path):
+    import json
+    import shutil
+
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny_llama_dir, draft)
+    config = json.loads((draft / "config.json").read_text())
+    config["vocab_size"] += 1
+    (draft / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"draft model '{draft}' has a vocabulary of "
+                                         f"{config['vocab_size']} tokens"):
+        LLM(str(tiny_llama_dir), speculative_config={"model": str(draft),
+                                                     "num_speculative_tokens": 2})
 
 
 @pytest.mark.parametrize("k", [1, 5])
@@ -172,14 +208,18 @@ def test_prompt_lookup_on_smollm2_keeps_its_greedy_tokens_and_saves_steps(make_l
     assert stats["num_steps"] < steps * 0.6  # a verification yields several tokens
 
 
-def test_tensor_parallel_ranks_verify_the_same_drafts(make_llm, tiny_llama_dir):
-    """TP=2 over worker processes with prompt lookup: rank 1 reads the drafts from the step and
-    learns what was accepted from the next one; the tokens are TP=1's without drafts."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_tensor_parallel_ranks_verify_the_same_drafts(make_llm, tiny_llama_dir,
+                                                      tiny_llama_draft_dir, method):
+    """TP=2 over worker processes with prompt lookup, or a draft model that rank 0 alone
+    runs: rank 1 reads the drafts from the step and learns what was accepted from the next
+    one; the tokens are TP=1's without drafts."""
     prompts = _prompts()
     expected = _greedy(make_llm(str(tiny_llama_dir)), prompts, num_tokens=64)
+    proposer = {"ngram": {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+                "draft_model": {"model": str(tiny_llama_draft_dir)}}[method]
     spec = make_llm(str(tiny_llama_dir), tensor_parallel_size=2,
                     distributed_executor_backend="mp",
-                    speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                        "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+                    speculative_config={**proposer, "num_speculative_tokens": 3})
     assert [t for t, _ in _greedy(spec, prompts, num_tokens=64)] == [t for t, _ in expected]
     assert spec.stats()["spec_num_draft_tokens"] > 0
