@@ -11,7 +11,8 @@ the decode tokens, and steps, segments and lanes say in their details how many d
 verified and accepted.
 The data travels inside the page as JSON, its figures computed here; the script only lays
 them out. Every lane carries ``data-request-id`` and ``data-cached-tokens``, every state
-segment ``data-state`` (plus ``data-phase`` for running, ``data-reason`` for finished), each
+segment ``data-state`` (plus ``data-phase`` for running, ``data-reason`` for finished), a
+request with a LoRA adapter ``data-lora`` (its label names the adapter too), each
 summary figure ``data-figure``, a lane with drafts ``data-draft-tokens`` and
 ``data-accepted-tokens`` (its marks: ``data-verifications``), a step with drafts the same
 two, and the page root gets ``data-rendered="true"`` once built, or ``data-js-errors`` if a
@@ -64,7 +65,7 @@ def page_data(timeline: Timeline, title: str) -> dict:
                       lane.finish_reason, stop, lane.num_preemptions, lane.is_open, segments,
                       lane.num_cached_tokens, lane.num_draft_tokens, lane.num_accepted_tokens,
                       [[ms(step.t_start), ms(step.t_end), d, a]
-                       for step, d, a in lane.verifications]])
+                       for step, d, a in lane.verifications], lane.lora_name])
     steps = [[s.step, ms(s.t_start), ms(s.t_end), s.num_prefill_tokens, s.num_decode_tokens,
               s.kv_blocks_used, s.kv_blocks_free, s.num_running, s.num_waiting, s.request_ids,
               s.num_scheduled_tokens, s.preempted_ids, s.failed_ids, s.num_cached_tokens,

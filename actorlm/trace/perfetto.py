@@ -62,7 +62,7 @@ def write_perfetto(records: list[Record], path) -> None:
 def _config_items(config):
     for name in ("model", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
                  "block_size", "num_kv_blocks", "enable_chunked_prefill", "num_dropped",
-                 "kv_cache_windows", "num_speculative_tokens"):
+                 "kv_cache_windows", "num_speculative_tokens", "max_loras"):
         yield name, getattr(config, name)
 
 
@@ -72,7 +72,8 @@ def _meta(kind: str, pid: int, tid: int, name: str) -> dict:
 
 def _requests(timeline: Timeline, us, meta: list, events: list) -> None:
     for tid, lane in enumerate(timeline.lanes, 1):
-        meta.append(_meta("thread_name", _REQUESTS, tid, f"request {lane.request_id}"))
+        adapter = f" ({lane.lora_name})" if lane.lora_name is not None else ""
+        meta.append(_meta("thread_name", _REQUESTS, tid, f"request {lane.request_id}{adapter}"))
         meta.append({"name": "thread_sort_index", "ph": "M", "pid": _REQUESTS, "tid": tid,
                      "args": {"sort_index": tid}})
         segments = lane.segments

@@ -152,6 +152,7 @@ class TraceRecorder:
         window of each KV-cache group the block pool serves."""
         windows = list(kv_cache_windows)
         spec = getattr(config, "speculative_config", None)
+        max_loras = config.max_loras if getattr(config, "enable_lora", False) else 0
         self._num_usable_blocks = num_usable_blocks(config.num_kv_blocks, windows)
         self.config = TraceConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -162,7 +163,8 @@ class TraceRecorder:
             enable_prefix_caching=config.enable_prefix_caching, model=model, t0=self._now(),
             wall_time=self._wall(), capacity=self.capacity,
             kv_cache_windows=[] if windows == [None] else windows,
-            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0)
+            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+            max_loras=max_loras)
         if self._forwarded is not None:
             self._forwarded.append(self.config)
         if self._file is not None:
@@ -223,10 +225,12 @@ class TraceRecorder:
             block_hashes=hashes))
 
     def on_arrival(self, msg: AddRequest) -> None:
-        p = msg.sampling_params
+        p, lora = msg.sampling_params, msg.lora_request
         self._append(Arrival(self._now(), self.next_step_id, msg.request_id,
                              len(msg.prompt_token_ids), p.n, p.max_tokens, p.min_tokens,
-                             p.ignore_eos, list(p.stop_token_ids or ()), msg.arrival_time))
+                             p.ignore_eos, list(p.stop_token_ids or ()), msg.arrival_time,
+                             lora.lora_name if lora is not None else None,
+                             lora.lora_int_id if lora is not None else 0))
 
     def on_control(self, msg: AbortRequests | StopRequests) -> None:
         now, step = self._now(), self.next_step_id

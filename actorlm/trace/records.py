@@ -22,6 +22,8 @@ from typing import Iterable, Iterator, Union
 
 import msgspec
 
+from actorlm.lora_request import LoRARequest
+
 TRACE_VERSION = 2
 
 
@@ -50,6 +52,7 @@ class TraceConfig(_Record, tag="config"):
     # one full-attention group (traces from before the groups)
     kv_cache_windows: list[int | None] = []
     num_speculative_tokens: int = 0  # drafts proposed per request and step at most; 0: none
+    max_loras: int = 0  # distinct LoRA adapters a step holds at most; 0: LoRA off
 
 
 class Arrival(_Record, tag="arrival"):
@@ -65,6 +68,14 @@ class Arrival(_Record, tag="arrival"):
     ignore_eos: bool
     stop_token_ids: list[int]
     arrival_time: float = 0.0
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
+    lora_int_id: int = 0
+
+    @property
+    def lora_request(self) -> LoRARequest | None:
+        """Its adapter as the scheduler saw it (the directory is not recorded)."""
+        return None if self.lora_name is None else \
+            LoRARequest(self.lora_name, self.lora_int_id, "")
 
 
 class Abort(_Record, tag="abort"):

@@ -71,16 +71,17 @@ class SyncEngine:
             config = SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
                                      config.max_model_len, config.block_size,
                                      config.enable_chunked_prefill, frozenset(config.eos_token_ids),
-                                     config.enable_prefix_caching)
+                                     config.enable_prefix_caching, max_loras=config.max_loras)
         self.recorder = recorder
         windows = list(kv_cache_windows or [None])  # one per KV-cache group
         listeners = [recorder.on_transition] if recorder is not None else []
         self.scheduler = Scheduler(config, listeners=listeners)
         if recorder is not None:
-            recorder.configure(SimpleNamespace(num_kv_blocks=num_kv_blocks, **{
+            recorder.configure(SimpleNamespace(
+                num_kv_blocks=num_kv_blocks, enable_lora=bool(config.max_loras), **{
                 name: getattr(config, name) for name in (
                     "max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
-                    "enable_chunked_prefill", "enable_prefix_caching")}),
+                    "enable_chunked_prefill", "enable_prefix_caching", "max_loras")}),
                 config.eos_token_ids, "replay", windows)
             recorder.attach(self.scheduler)
         self.pool = BlockPool(num_kv_blocks, config.block_size, config.enable_prefix_caching,
@@ -267,7 +268,8 @@ def _message(record, chains: dict[str, list[int]], block_size: int):
         chain = chains.get(engine_request_ids(record.request_id, record.n)[0], [])
         prompt = [token_at(chain, p, block_size) or 1 + p % 7
                   for p in range(record.num_prompt_tokens)]
-        return AddRequest(record.request_id, prompt, params, 0, record.arrival_time)
+        return AddRequest(record.request_id, prompt, params, 0, record.arrival_time,
+                          lora_request=record.lora_request)
     if isinstance(record, Stop):
         return StopRequests(list(record.request_ids), list(record.stop_reasons))
     return AbortRequests(list(record.request_ids))

@@ -58,6 +58,11 @@ class Lane:
     verifications: list[tuple[StepSummary, int, int]] = field(default_factory=list)
 
     @property
+    def lora_name(self) -> str | None:
+        """The LoRA adapter the request ran with (None: the base model, or no arrival)."""
+        return self.arrival.lora_name if self.arrival is not None else None
+
+    @property
     def num_draft_tokens(self) -> int:
         return sum(d for _, d, _ in self.verifications)
 

@@ -297,9 +297,11 @@ SCRIPT = r"""
     row.setAttribute('data-request-id', lane[0]);
     row.setAttribute('data-lane', i);
     row.setAttribute('data-cached-tokens', lane[8]);
+    if (lane[12] !== null) row.setAttribute('data-lora', lane[12]);
     var label = el('div', 'label', row, lane[0]);
     label.setAttribute('data-lane', i);
-    el('small', '', label, lane[1] + '\u2192' + lane[2] + (lane[8] ? ' \u00b7 ' + lane[8] + ' cached' : '') +
+    el('small', '', label, (lane[12] !== null ? lane[12] + ' \u00b7 ' : '') +
+      lane[1] + '\u2192' + lane[2] + (lane[8] ? ' \u00b7 ' + lane[8] + ' cached' : '') +
       (lane[9] ? ' \u00b7 ' + lane[10] + '/' + lane[9] + ' drafts' : '') + (lane[5] ? ' \u21bb' + lane[5] : ''));
     var track = el('div', 'track', row);
     lane[7].forEach(function (seg, j) {
@@ -448,6 +450,7 @@ SCRIPT = r"""
   function laneTip(l) {
     var s = l[7], lines = ['<b>' + esc(l[0]) + '</b>'];
     lines.push(kv('prompt', l[1]) + ' &nbsp; ' + kv('output', l[2]) + ' tokens');
+    if (l[12] !== null) lines.push(kv('LoRA adapter', esc(l[12])));
     if (l[8]) lines.push(kv('prefix cache', l[8] + ' tokens found at admission'));
     if (s.length) lines.push(kv('arrived', fmtMs(s[0][1])) + ' &nbsp; ' + kv('end', fmtMs(s[s.length - 1][2])) +
       ' &nbsp; ' + kv('latency', fmtMs(s[s.length - 1][2] - s[0][1])));
