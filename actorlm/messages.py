@@ -63,6 +63,9 @@ class AddRequest(_Message):
     # as after a preemption before it continues (n = 1 here: each child resumes alone)
     output_token_ids: list[int] = []
     lora_request: LoRARequest | None = None  # (its directory checked by the frontend)
+    # resumed after more than one engine-core death: it runs alone for a step (on probation)
+    # before it rejoins the batch, so a death in that step is known to be its doing
+    suspect: bool = False
 
 
 class AbortRequests(_Message):
@@ -99,10 +102,17 @@ class RequestDelta(_StepMessage):
 
 
 class EngineOutputs(_StepMessage):
-    """Everything the frontend needs from one step: one message, a delta per request."""
+    """Everything the frontend needs from one step: one message, a delta per request.
+
+    A request on probation runs alone in a step (``Scheduler``: after worker faults, or as an
+    engine-core death's suspect, ``AddRequest.suspect``): ``on_trial`` names it as that step
+    starts, ``trial_over`` once the step has ended, so that a frontend whose engine core dies
+    in between knows that request was the one running."""
 
     step_id: int
     deltas: list[RequestDelta]
+    on_trial: list[str] = []
+    trial_over: list[str] = []
 
 
 # --- scheduler <-> allocator -----------------------------------------------------------------
@@ -359,6 +369,9 @@ class SchedulerStats(_Message):
     # vllm:lora_requests_info)
     running_lora_adapters: list[str] = []
     waiting_lora_adapters: list[str] = []
+    # how long the step in flight has run (0: none in flight): a worker stuck in a kernel
+    # shows here while the scheduler itself still answers
+    step_running_s: float = 0.0
 
 
 class ExecutorStats(_Message):

@@ -6,7 +6,11 @@ delivered to the request's sink (a queue the caller reads): after every step whe
 once at the end otherwise. Stop strings are found here, since only the frontend sees text.
 A request whose output cannot be processed (its detokenization raises, say) fails alone.
 After an engine core in a process of its own has been restarted, ``ResumeRequests`` gives
-every live child back as an ``AddRequest`` with the tokens it has streamed.
+every live child back as an ``AddRequest`` with the tokens it has streamed. Blame narrows as
+deaths repeat: a request live at a second death resumes as a suspect, which the new core runs
+alone for a step (on probation); if the core dies in that step (the frontend was told,
+``EngineOutputs.on_trial``) that request alone fails, and the others' counts stay as they
+were. A request live at ``MAX_RESUMES + 1`` deaths that no trial explained fails anyway.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from actorlm.sampling_params import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 
 log = logging.getLogger(__name__)
 
-MAX_RESUMES = 2  # a request live at a third engine-core death fails alone (it may be the cause)
+SUSPECT_AFTER = 2  # engine-core deaths a request lived through before it runs alone a step
+MAX_RESUMES = 4  # a request live at a fifth death that no trial explained fails
 
 
 class FrontendActor(EngineActor):
@@ -46,6 +51,7 @@ class FrontendActor(EngineActor):
         self._added: dict[str, AddRequest] = {}  # what each live request entered the engine as
         self._aborted: set[str] = set()  # live ones whose abort the engine has yet to report
         self._resumes: dict[str, int] = {}  # live ones resumed after an engine-core restart
+        self._on_trial: set[str] = set()  # engine ids running alone in a step in flight
 
     def on_start(self):
         getattr(self.tokenizer, "for_this_thread", None)  # this thread's copy, made now
@@ -93,21 +99,31 @@ class FrontendActor(EngineActor):
         """After an engine-core restart: every live child again (of those in ``engine_ids``,
         the restarted core's, if given), as the prompt and the tokens it has streamed, in
         arrival order; children already stopped (a stop string) or aborted are finished here,
-        since the new core never knew them."""
+        since the new core never knew them. Blame as the module says."""
         wanted = None if engine_ids is None else set(engine_ids)
+        culprits = {eid for eid in self._on_trial if wanted is None or eid in wanted}
+        self._on_trial -= culprits
         resumed, live = [], []
         for request_id, stream in list(self._streams.items()):
             if wanted is not None and wanted.isdisjoint(stream.engine_ids):
                 continue  # another core runs it
             live.append(request_id)
             added, aborted = self._added[request_id], request_id in self._aborted
-            self._resumes[request_id] = self._resumes.get(request_id, 0) + 1
-            if self._resumes[request_id] > MAX_RESUMES and not aborted:
+            if not culprits:  # a death no trial explains: everyone live is suspect
+                self._resumes[request_id] = self._resumes.get(request_id, 0) + 1
+            if aborted:
+                pass  # (finished below)
+            elif not culprits.isdisjoint(stream.engine_ids):
+                stream.fail("the engine core died while this request ran alone (on probation "
+                            "after earlier deaths): it is taken to be the cause, and is not "
+                            "resumed again")
+            elif self._resumes.get(request_id, 0) > MAX_RESUMES:
                 stream.fail(f"the engine core died {MAX_RESUMES + 1} times while this request "
                             f"ran; it is not resumed again")
+            suspect = self._resumes.get(request_id, 0) >= SUSPECT_AFTER
             for index, (engine_id, seq) in enumerate(zip(stream.engine_ids, stream.sequences)):
                 if seq.finish_reason is None and not aborted:
-                    resumed.append(_resumed(added, engine_id, index, seq.token_ids))
+                    resumed.append(_resumed(added, engine_id, index, seq.token_ids, suspect))
                 elif aborted and seq.finish_reason is None:
                     seq.finish_reason = "abort"
                 seq.engine_finished |= seq.finish_reason is not None
@@ -131,6 +147,9 @@ class FrontendActor(EngineActor):
         return token_ids
 
     def deliver(self, outputs: EngineOutputs) -> None:
+        if outputs.on_trial or outputs.trial_over:
+            self._on_trial.update(outputs.on_trial)
+            self._on_trial.difference_update(outputs.trial_over)
         touched: dict[str, OutputStream] = {}
         stops: list[tuple[str, str]] = []
         to_abort: list[str] = []
@@ -163,6 +182,7 @@ class FrontendActor(EngineActor):
             del self._added[stream.request_id]
             self._aborted.discard(stream.request_id)
             self._resumes.pop(stream.request_id, None)
+            self._on_trial.difference_update(stream.engine_ids)
             for engine_id in stream.engine_ids:
                 del self._children[engine_id]
         if stream.finished or (streaming and stream.stream):
@@ -203,11 +223,12 @@ class FrontendActor(EngineActor):
         return out
 
 
-def _resumed(added: AddRequest, engine_id: str, index: int, token_ids: list[int]) -> AddRequest:
+def _resumed(added: AddRequest, engine_id: str, index: int, token_ids: list[int],
+             suspect: bool) -> AddRequest:
     """Child ``index`` of ``added`` as a request of its own, with the tokens it has made."""
     params = added.sampling_params
     if params.n > 1:
         params = msgspec.structs.replace(params, n=1)
     return AddRequest(engine_id, added.prompt_token_ids, params,
                       (added.seed + index) % SEED_RANGE, added.arrival_time,
-                      added.bad_words_token_ids, list(token_ids), added.lora_request)
+                      added.bad_words_token_ids, list(token_ids), added.lora_request, suspect)

@@ -15,6 +15,9 @@ so every running request is preempted and recomputed. To tell a request that mak
 fault (a poison request) from the ones batched with it, a request in ``PROBATION_AFTER``
 faulted steps is put on probation: it runs alone until one step of it succeeds. It fails when
 it faults alone, or after ``MAX_FAULTS`` faulted steps in any company; no other request does.
+A request resumed after engine-core deaths (``AddRequest.suspect``) goes on probation too; the
+frontend, told which request a step runs alone (``EngineOutputs.on_trial``), blames it if the
+core dies in that step.
 
 Blocks are the allocator's alone (``core/block_pool.py``): the scheduler knows tokens, not
 blocks. A plan is a proposal — every running request in priority order with the tokens it
@@ -113,6 +116,8 @@ class Scheduler:
             children[0].num_prompt_logprobs_sent = len(msg.prompt_token_ids)
         for request in children:
             self.requests[request.request_id] = request
+        if msg.suspect:  # an engine core died with it more than once: it runs alone first
+            self._on_probation.update(ids)
         if len(children) > 1 and self.config.enable_prefix_caching:
             self.waiting.append(children[0])
             self._pending_forks[children[0].request_id] = children[1:]
@@ -168,6 +173,7 @@ class Scheduler:
             for request in reversed(list(self.running)):
                 self._preempt(request, plan)
             self._propose(plan, suspect, budget)
+            plan.on_trial = suspect.request_id
         else:
             for request in self.running:  # (drafts count against the budget: they compute)
                 num_tokens = min(request.num_tokens_with_spec - request.num_computed_tokens,
@@ -242,8 +248,9 @@ class Scheduler:
 
     def update_from_output(self, plan: StepPlan, result: StepResult) -> EngineOutputs:
         """Apply sampled tokens, finish what is done, and say what happened in one message."""
+        trial = [plan.on_trial] if plan.on_trial is not None else []
         if result.fault is not None:
-            return EngineOutputs(plan.step_id, self._on_fault(result))
+            return EngineOutputs(plan.step_id, self._on_fault(result), trial_over=trial)
         if self._on_probation:
             self._on_probation.difference_update(r.request_id for r in plan.requests)  # passed
         caching = self.config.enable_prefix_caching
@@ -295,7 +302,7 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is not None and (positions := self._new_prompt_logprobs(request, chunk)):
                 deltas.append(RequestDelta(request_id, [], prompt_logprobs=positions))
-        return EngineOutputs(plan.step_id, deltas)
+        return EngineOutputs(plan.step_id, deltas, trial_over=trial)
 
     # --- internals ----------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ constrained requests sample, the loop fills their ``GrammarBitmask`` right after
 from __future__ import annotations
 
 import logging
+import time
 from enum import Enum
 from typing import Callable
 
@@ -43,9 +44,11 @@ class _Phase(Enum):
 
 class StepLoop:
     def __init__(self, scheduler: Scheduler, send: Callable[[str, object], None], trace=None,
-                 grammars: GrammarCompiler | None = None):
+                 grammars: GrammarCompiler | None = None, clock=time.monotonic):
         self.scheduler = scheduler
         self.send = send
+        self.clock = clock
+        self._running_since = 0.0  # when the step in flight went to the executor
         self.trace = trace  # an actorlm.trace.TraceRecorder, or None
         self.grammars = grammars  # None: structured outputs are refused
         self._phase = _Phase.IDLE
@@ -80,7 +83,9 @@ class StepLoop:
         return SchedulerStats(len(s.running), len(s.waiting), s.num_preemptions, self.num_steps,
                               s.num_finished, s.num_scheduled_tokens, s.num_prefill_tokens,
                               spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
-                              list(spec.accepted_per_position), *s.lora_adapters())
+                              list(spec.accepted_per_position), *s.lora_adapters(),
+                              self.clock() - self._running_since
+                              if self._phase is _Phase.RUNNING else 0.0)
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -134,8 +139,10 @@ class StepLoop:
             self._phase, self._plan = _Phase.IDLE, None
             self._kick()
             return
-        self._phase = _Phase.RUNNING
+        self._phase, self._running_since = _Phase.RUNNING, self.clock()
         self.num_steps += 1
+        if self._plan.on_trial is not None:  # before the step: it may not come back
+            self.send("frontend", EngineOutputs(step.step_id, [], on_trial=[self._plan.on_trial]))
         self.send("executor", step)
         if step.structured_request_ids:  # filled while the workers run the forward
             matchers = [self.scheduler.requests[rid].grammar
@@ -152,7 +159,8 @@ class StepLoop:
         # free blocks (the next proposal carries them) before the frontend hears of the
         # finish, so a caller woken by its last output never sees its blocks still held
         self._kick()
-        self._send_outputs(EngineOutputs(outputs.step_id, deltas))
+        self._send_outputs(EngineOutputs(outputs.step_id, deltas,
+                                         trial_over=outputs.trial_over))
 
     def _apply_deferred(self) -> list:
         deltas = []
@@ -166,5 +174,5 @@ class StepLoop:
         return deltas
 
     def _send_outputs(self, outputs: EngineOutputs) -> None:
-        if outputs.deltas:
+        if outputs.deltas or outputs.trial_over:
             self.send("frontend", outputs)

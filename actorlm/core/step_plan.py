@@ -26,6 +26,7 @@ class StepPlan:
     is_prefill: list[bool] = field(default_factory=list)  # False: computes just its newest token
     preempted_ids: list[str] = field(default_factory=list)
     num_cached_tokens: int = 0  # prefix-cache hits of the requests admitted
+    on_trial: str | None = None  # a request on probation, which the step runs alone
 
     @property
     def num_tokens(self) -> int:

@@ -10,8 +10,9 @@ recorder, keeps the core's latest heartbeat (its load, for the balancer) and ans
 queries (``ask``) that wait on it.
 
 When the core dies (``kill -9``, a crash) the reader sees it (the process has ended, checked
-every poll), and when it hangs (``HANG_S`` without a word, heartbeats included) the reader
-kills it; either way it restarts it: what the frontend sends meanwhile is held; the outputs
+every poll), and when it hangs (``HANG_S`` without a word, heartbeats included), or its
+heartbeat says a step has run longer than ``STEP_HANG_S`` (a worker stuck in a kernel: the
+scheduler still answers, the step never does), the reader kills it; either way it restarts it: what the frontend sends meanwhile is held; the outputs
 the dead core still sent are delivered; then the new core gets its live requests back from
 the FrontendActor (``ResumeRequests``: the prompt and the tokens streamed so far, recomputed
 as after a preemption), and what was held follows. Outputs are stamped with their core's
@@ -51,6 +52,8 @@ POLL_MS = 100  # the reader checks that the core still runs at least this often
 ASK_TIMEOUT_S = 30.0
 DRAIN_S = 0.2  # after a death: how long the dead core's last outputs may take to arrive
 HANG_S = 30.0  # a core silent this long (no output, no heartbeat) hangs, and is killed
+# a step running this long hangs (vLLM's variable and default: a step, not a heartbeat, is late)
+STEP_HANG_S = float(os.environ.get("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", 300))
 STOP_GRACE_S = 5.0
 
 
@@ -190,16 +193,21 @@ class EngineCoreClient:
                     return
                 heard = time.monotonic()
             elif time.monotonic() - heard > HANG_S:  # its heartbeat has stopped: it hangs
-                log.error("%s has not been heard from for %.0f s; killing it", self.name,
-                          time.monotonic() - heard)
-                self._proc.kill()
-                self._proc.wait()
+                self._kill(f"has not been heard from for {time.monotonic() - heard:.0f} s")
+
+    def _kill(self, why: str) -> None:
+        log.error("%s %s; killing it", self.name, why)
+        self._proc.kill()
+        self._proc.wait()  # (the reader's next poll sees it dead, and restarts it)
 
     def _deliver(self, output) -> None:
         if output.generation != self._generation:
             return  # a dead core's late words: its requests have been resumed elsewhere
         if output.heartbeat is not None:
             self.last_heartbeat = output.heartbeat
+            if output.heartbeat.step_running_s > STEP_HANG_S:
+                self._kill(f"has run one step for {output.heartbeat.step_running_s:.0f} s "
+                           f"(VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS: {STEP_HANG_S:.0f})")
         self._ingest_trace(output.trace)
         if output.outputs is not None:
             self._frontend.tell(output.outputs)

@@ -141,6 +141,8 @@ def merge_stats(per_replica: list):
         values = [getattr(stats, field) for stats in per_replica]
         if field == "worker_pids":
             merged[field] = [pid for pids in values for pid in pids]
+        elif field == "step_running_s":  # the replica that waits longest
+            merged[field] = max(values)
         elif field.endswith("_lora_adapters"):
             merged[field] = sorted(set().union(*values))
         elif isinstance(values[0], list):

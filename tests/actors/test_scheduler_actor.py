@@ -119,3 +119,33 @@ def test_the_allocators_preemption_and_admission_decide_the_step(wired):
     [new] = step.new_requests
     assert (new.request_id, new.token_ids, new.num_computed_tokens, step.num_scheduled_tokens) \
         == ("a", [3, 4, 5, 6, 9], 4, [1])
+
+
+def test_a_suspect_runs_alone_for_a_step_and_the_frontend_hears_before_and_after(wired):
+    """A request resumed after engine-core deaths (``suspect``) runs alone for one step: the
+    frontend is told before the step goes out (the core may not survive it) and once it has
+    ended; then the suspect rejoins the batch."""
+    import msgspec
+
+    scheduler, frontend, allocator, executor = wired
+    scheduler.tell(add("a", 3, max_tokens=4))
+    allocator.expect_message(AllocateSlots)
+    scheduler.tell(SlotsGranted(0, [], [], [Admitted("a", [[1]], 0, 3)], 6, 0))
+    executor.expect_message(ScheduleStep)
+    scheduler.tell(msgspec.structs.replace(add("s", 3, max_tokens=4), suspect=True))
+    scheduler.tell(StepResult(0, ["a"], [42]))
+    ask = allocator.expect_message(AllocateSlots)
+    # the suspect alone: a makes room (preempted, its blocks freed)
+    assert (ask.request_ids, ask.free_request_ids) == ([], ["a"])
+    assert [c.request_id for c in ask.candidates] == ["s"]
+    frontend.expect_message(EngineOutputs)  # a's token
+    scheduler.tell(SlotsGranted(1, [], [], [Admitted("s", [[2]], 0, 3)], 6, 0))
+    notice = frontend.expect_message(EngineOutputs)
+    assert (notice.step_id, notice.deltas, notice.on_trial) == (1, [], ["s"])
+    step = executor.expect_message(ScheduleStep)
+    assert step.request_ids == ["s"]
+    scheduler.tell(StepResult(1, ["s"], [50]))
+    ask = allocator.expect_message(AllocateSlots)
+    assert sorted(c.request_id for c in ask.candidates) == ["a"] and ask.request_ids == ["s"]
+    over = frontend.expect_message(EngineOutputs)
+    assert over.trial_over == ["s"] and over.on_trial == []

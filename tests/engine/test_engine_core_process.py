@@ -124,6 +124,36 @@ def test_a_core_that_hangs_is_killed_restarted_and_its_requests_resumed(
     assert llm.stats()["num_engine_core_restarts"] == 1 and llm.engine.core_pid != pid
 
 
+def test_a_step_stuck_in_a_worker_is_a_hang_the_core_is_restarted_and_requests_resumed(
+        tiny_llama_long_dir, expected, make_llm, monkeypatch):
+    """The worker (a process of its own) stops mid-step, as a kernel that never returns: the
+    core's scheduler still answers its heartbeat, which says how long the step has run, and
+    past the deadline the frontend kills the core and resumes its requests."""
+    from actorlm.engine_core import client
+
+    monkeypatch.setattr(client, "STEP_HANG_S", 2.0)  # (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS)
+    monkeypatch.setattr(client, "HANG_S", 60.0)  # not a silent core
+    llm = make_llm(str(tiny_llama_long_dir), engine_core_process=True,
+                   distributed_executor_backend="mp", **FLAGS)
+    core = llm.engine.core_pid
+    (worker,) = llm.engine.executor_stats().worker_pids
+    outputs: list = []
+    run = threading.Thread(target=lambda: outputs.extend(
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)))
+    run.start()
+    try:
+        while llm.engine.scheduler_stats().num_steps < 10:
+            time.sleep(0.005)
+        os.kill(worker, signal.SIGSTOP)  # alive, and never answering its step
+        run.join(timeout=120)
+    finally:
+        os.kill(worker, signal.SIGKILL)  # (stopped, it cannot see its parent go)
+    assert not run.is_alive()
+    assert full_length_tokens(outputs) == expected
+    assert llm.stats()["num_engine_core_restarts"] == 1 and llm.engine.core_pid != core
+    assert llm.engine.scheduler_stats().step_running_s < 2.0
+
+
 def test_a_model_the_core_cannot_load_raises_in_the_caller_and_leaves_no_process(
         tiny_llama_dir, tmp_path):
     broken = tmp_path / "broken"
@@ -161,11 +191,13 @@ def test_a_core_exits_when_its_frontend_is_gone(tiny_llama_dir, tmp_path):
     assert not core.is_running()
 
 
-def test_the_frontend_resumes_live_children_finishes_aborted_ones_and_gives_up_at_the_third(
+def test_the_frontend_resumes_live_children_finishes_aborted_ones_and_narrows_the_blame(
         tiny_llama_dir):
     """``ResumeRequests``, against the frontend alone: an n = 2 request resumes as two
-    requests of one child each, with their tokens and seeds; an aborted one is finished; one
-    live at a third engine-core death fails alone."""
+    requests of one child each, with their tokens and seeds; an aborted one is finished.
+    At a second death the live ones resume as suspects (each runs alone for a step); a death
+    while one of them runs alone fails that one only, and counts against no other; a request
+    live at five deaths that no trial explained fails."""
     import queue
 
     from actorlm.actors.frontend import FrontendActor
@@ -175,35 +207,41 @@ def test_the_frontend_resumes_live_children_finishes_aborted_ones_and_gives_up_a
     from transformers import AutoTokenizer
 
     class Scheduler:
-        def __init__(self):
-            self.told = []
-
         def tell(self, message):
-            self.told.append(message)
+            pass
 
-    scheduler = Scheduler()
     tokenizer = PerThreadTokenizer(AutoTokenizer.from_pretrained(tiny_llama_dir))
-    frontend = FrontendActor.start(tokenizer, 512, 256, scheduler)
+    frontend = FrontendActor.start(tokenizer, 512, 256, Scheduler())
+    sinks = {rid: queue.Queue() for rid in ("pair", "gone", "bystander")}
+    first, second = child_request_id("pair", 0), child_request_id("pair", 1)
+
+    def resumed_ids():
+        return {r.request_id: r.suspect for r in frontend.ask(ResumeRequests()).requests}
+
     try:
-        sinks = {rid: queue.Queue() for rid in ("pair", "gone")}
         frontend.ask(SubmitRequest("pair", [5, 6, 7], SamplingParams(n=2, seed=40,
                                                                       max_tokens=9), sinks["pair"]))
         frontend.ask(SubmitRequest("gone", [8, 9], SamplingParams(max_tokens=9), sinks["gone"]))
-        first, second = child_request_id("pair", 0), child_request_id("pair", 1)
+        frontend.ask(SubmitRequest("bystander", [4], SamplingParams(max_tokens=9),
+                                   sinks["bystander"]))
         frontend.tell(EngineOutputs(0, [RequestDelta(first, [11, 12]),
                                         RequestDelta(second, [13]),
                                         RequestDelta("gone", [14])]))
         frontend.tell(AbortRequests(["gone"]))
-        resumed = frontend.ask(ResumeRequests())
-        assert frontend.ask(ResumeRequests()).requests  # a second death: resumed again
-        third = frontend.ask(ResumeRequests())  # a third: the request may be the cause
+        resumed = frontend.ask(ResumeRequests())  # a first death: no one is suspect yet
+        second_death = resumed_ids()  # a second: the live ones run alone a step each
+        frontend.tell(EngineOutputs(3, [], on_trial=["bystander"]))
+        frontend.tell(EngineOutputs(3, [], trial_over=["bystander"]))  # it passed
+        frontend.tell(EngineOutputs(4, [], on_trial=[first]))
+        third_death = frontend.ask(ResumeRequests())  # in pair's trial: pair is the cause
+        later = [resumed_ids() for _ in range(2)]  # (deaths that no trial explains)
+        fifth = frontend.ask(ResumeRequests())  # bystander was live at five of them
     finally:
         frontend.stop()
-    assert third.requests == [] and third.request_ids == ["pair"]
-    failed = sinks["pair"].get(timeout=5)
-    assert failed.finished and "died 3 times" in failed.error
     by_id = {r.request_id: r for r in resumed.requests}
-    assert set(by_id) == {first, second} and sorted(resumed.request_ids) == ["gone", "pair"]
+    assert set(by_id) == {first, second, "bystander"}
+    assert sorted(resumed.request_ids) == ["bystander", "gone", "pair"]
+    assert not any(r.suspect for r in resumed.requests)
     assert by_id[first].output_token_ids == [11, 12] and by_id[second].output_token_ids == [13]
     assert by_id[first].sampling_params.n == by_id[second].sampling_params.n == 1
     assert by_id[second].seed == by_id[first].seed + 1 == 41
@@ -211,3 +249,12 @@ def test_the_frontend_resumes_live_children_finishes_aborted_ones_and_gives_up_a
     final = sinks["gone"].get(timeout=5)
     assert final.finished and final.outputs[0].finish_reason == "abort"
     assert final.outputs[0].token_ids == [14]
+    assert second_death == {first: True, second: True, "bystander": True}
+    assert [r.request_id for r in third_death.requests] == ["bystander"]
+    failed = sinks["pair"].get(timeout=5)
+    assert failed.finished and "ran alone" in failed.error
+    assert later == [{"bystander": True}] * 2  # its count did not move at the third
+    assert fifth.requests == [] and fifth.request_ids == ["bystander"]
+    assert "died 5 times" in sinks["bystander"].get(timeout=5).error
+
+
