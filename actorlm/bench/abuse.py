@@ -5,12 +5,15 @@ headers, mid-stream, or after a few events), half read to the end. Then the serv
 back to nothing running, nothing waiting, no KV block used, and ``/health`` 200.
 
 ``soak``: thousands of short requests (completions and chat, streamed and not) from a fixed
-number of clients; the server's resident memory (``process_resident_memory_bytes`` in
-``/metrics``) after a warm-up is compared with the end.
+number of clients; the resident memory of every process of the server (the one listening on
+the port and its descendants: the engine core, its workers) after a warm-up is compared with
+the end, and sampled every tenth of the run so that a leak (a steady climb) is told from caches
+filling up (a climb that flattens). A server on another machine is measured through
+``process_resident_memory_bytes`` in ``/metrics`` (its frontend's process only).
 
 ``python -m actorlm.bench.abuse --base-url URL [--api-key KEY] [--soak]`` runs both and
-prints one JSON object on its last line; ``--soak`` is the long variant (50,000 requests
-instead of the suite's few thousand).
+prints one JSON object on its last line; ``--soak`` is the long variant (10,000 requests after
+500 of warm-up, instead of the suite's few thousand).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import random
 import time
 
 import httpx
+import psutil
 
 PROMPTS = ["Once upon a time", "The quick brown fox", "The baker opened his last sack",
            "Machine learning models read text", "One winter the river froze"]
@@ -121,9 +125,33 @@ def abort_storm(base_url: str, num_streams: int = 300, *, headers: dict | None =
             "health": httpx.get(base_url + "/health", timeout=30).status_code}
 
 
+def server_processes(base_url: str) -> list[psutil.Process]:
+    """The process listening on ``base_url``'s port and its descendants; [] when none here."""
+    port = httpx.URL(base_url).port
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+            server = psutil.Process(conn.pid)
+            return [server, *server.children(recursive=True)]
+    return []
+
+
+def resident_mb(base_url: str, processes: list[psutil.Process]) -> dict[str, float]:
+    """Resident MiB of each process, by its title (``ps``'s name) and pid."""
+    if not processes:
+        return {"server": round(scrape(base_url)["process_resident_memory_bytes"] / 2**20, 1)}
+    sizes = {}
+    for process in processes:
+        try:
+            sizes[f"{process.cmdline()[0]} ({process.pid})"] = \
+                round(process.memory_info().rss / 2**20, 1)
+        except (psutil.NoSuchProcess, IndexError):
+            pass  # (a worker restarted under load: its successor is not followed)
+    return sizes
+
+
 def soak(base_url: str, num_requests: int = 3000, *, concurrency: int = 32,
          headers: dict | None = None, model: str | None = None, max_tokens: int = 4,
-         num_warmup: int = 300) -> dict:
+         num_warmup: int = 300, num_samples: int = 10) -> dict:
     async def worker(http, queue: asyncio.Queue, failures: list) -> None:
         while (i := queue.get_nowait() if not queue.empty() else None) is not None:
             path, body = _body(i, model, max_tokens, stream=i % 3 == 0)
@@ -140,18 +168,24 @@ def soak(base_url: str, num_requests: int = 3000, *, concurrency: int = 32,
             await asyncio.gather(*(worker(http, queue, failures) for _ in range(concurrency)))
         return failures
 
+    processes = server_processes(base_url)
     asyncio.run(run(num_warmup, 0))  # caches, pools and allocator arenas fill up first
-    rss_before = scrape(base_url)["process_resident_memory_bytes"]
-    start = time.monotonic()
-    failures = asyncio.run(run(num_requests, num_warmup))
+    curve = [resident_mb(base_url, processes)]
+    start, failures, done = time.monotonic(), [], 0
+    for part in range(1, num_samples + 1):
+        count = num_requests * part // num_samples - done
+        failures += asyncio.run(run(count, num_warmup + done))
+        done += count
+        curve.append(resident_mb(base_url, processes))
     seconds = time.monotonic() - start
-    rss_after = scrape(base_url)["process_resident_memory_bytes"]
-    return {"num_requests": num_requests, "concurrency": concurrency,
+    growth = {name: round(curve[-1].get(name, mb) - mb, 1) for name, mb in curve[0].items()}
+    return {"num_requests": num_requests, "num_warmup": num_warmup, "concurrency": concurrency,
             "num_failed": len(failures), "first_failure": failures[0] if failures else None,
             "seconds": round(seconds, 2), "requests_per_s": round(num_requests / seconds, 1),
-            "rss_mb_before": round(rss_before / 2**20, 1),
-            "rss_mb_after": round(rss_after / 2**20, 1),
-            "rss_growth_mb": round((rss_after - rss_before) / 2**20, 1)}
+            "rss_mb_before": curve[0], "rss_mb_after": curve[-1], "rss_growth_mb": growth,
+            "max_rss_growth_mb": max(growth.values()),
+            "rss_mb_curve": [{"requests": num_requests * k // num_samples, **sizes}
+                             for k, sizes in enumerate(curve)]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,13 +195,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="model name to send (default: none)")
     parser.add_argument("--num-streams", type=int, default=300)
     parser.add_argument("--num-requests", type=int, default=3000)
-    parser.add_argument("--soak", action="store_true", help="the long run: 50,000 requests")
+    parser.add_argument("--num-warmup", type=int, default=300)
+    parser.add_argument("--soak", action="store_true", help="the long run: 10,000 requests "
+                        "after 500 of warm-up")
     args = parser.parse_args(argv)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     storm = abort_storm(args.base_url, args.num_streams, headers=headers, model=args.model)
     print("abort storm:", storm)
-    num_requests = 50_000 if args.soak else args.num_requests
-    soaked = soak(args.base_url, num_requests, headers=headers, model=args.model)
+    num_requests, num_warmup = (10_000, 500) if args.soak else (args.num_requests,
+                                                                args.num_warmup)
+    soaked = soak(args.base_url, num_requests, headers=headers, model=args.model,
+                  num_warmup=num_warmup)
     print("soak:", soaked)
     print(json.dumps({"abort_storm": storm, "soak": soaked}))
     return 0 if storm["idle"] and storm["health"] == 200 and not soaked["num_failed"] else 1

@@ -173,9 +173,11 @@ class TraceRecorder:
                                  + b"\n")
 
     def forward(self) -> None:
-        """Keep every record made from now on (the configuration's too) for ``take_new``:
-        an engine-core process's recorder, whose records go to the frontend's."""
+        """Keep every record made from now on (the configuration's too) for ``take_new``, and
+        no more in a ring: an engine-core process's recorder, whose records go to the
+        frontend's ring (a second ring here would hold ~45 MiB that nobody reads)."""
         self._forwarded = deque([self.config] if self.config is not None else [])
+        self._records = deque(maxlen=0)
 
     def take_new(self) -> list[Record]:
         """The records made since the last call, oldest first (``forward`` first)."""

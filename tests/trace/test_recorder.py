@@ -123,3 +123,21 @@ def test_a_trace_file_holds_the_whole_run_beyond_the_ring_buffer(tmp_path):
     records = parse_lines(lines)
     assert records[0].capacity == 0 and records[0].num_dropped == 0
     assert replay_trace(records).matched
+
+
+def test_a_forwarding_recorder_hands_every_record_on_and_keeps_none():
+    """An engine core's recorder: its records go to the frontend's ring, once each, in order;
+    a second ring in the core would only grow its memory."""
+    core, frontend = TraceRecorder(capacity=5000), TraceRecorder(capacity=5000)
+    engine = SyncEngine(SchedulerConfig(64, 8, 64, 4, True, frozenset()), 64, recorder=core)
+    core.forward()
+    for i in range(40):
+        _add(engine, i)
+        if i % 8 == 7:
+            frontend.ingest(core.take_new())
+    engine.run_until_idle()
+    frontend.ingest(core.take_new())
+    assert core.take_new() == [] and len(core._records) == 0
+    records = frontend.records()
+    assert len(records) == core.num_recorded + 1
+    assert replay_trace(records).matched
