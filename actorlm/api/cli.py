@@ -16,6 +16,7 @@ from actorlm.trace.cli import add_trace_commands
 
 def main(argv: list[str] | None = None) -> int:
     from actorlm.bench.datasets import add_dataset_arguments
+    from actorlm.bench.lora import add_lora_arguments
     from actorlm.bench.prefix import add_prefix_arguments, bench_prefix
     from actorlm.bench.serve import DEFAULT_PERCENTILE_METRICS
 
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="record a trace (into a temporary file) while measuring")
     tp.add_argument("--profile", action="store_true",
                     help="report where the steps' time went (forward, sampling, engine)")
+    add_lora_arguments(tp)
     tp.set_defaults(run=_bench_throughput)
     lat = bench.add_parser("latency", help="one batch: time to first token, time per token")
     add_engine_flags(lat)
@@ -80,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     lat.add_argument("--profile", action="store_true",
                      help="report where the steps' time went (forward, sampling, engine)")
     lat.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    add_lora_arguments(lat)
     lat.set_defaults(run=_bench_latency)
     so = bench.add_parser("structured", help="structured outputs against free text, one engine")
     add_engine_flags(so)
@@ -155,11 +158,14 @@ def _generate(args) -> int:
 
 
 def _bench_throughput(args) -> int:
+    from actorlm.bench.lora import bench_loras
     from actorlm.bench.throughput import run_throughput
 
-    result = run_throughput(args.model, engine_flags(args), args.num_prompts, args.output_len,
+    flags = engine_flags(args)
+    result = run_throughput(args.model, flags, args.num_prompts, args.output_len,
                             compare_hf=args.compare == "hf", num_iters=args.num_iters,
-                            trace=args.trace, profile=args.profile)
+                            trace=args.trace, profile=args.profile,
+                            loras=bench_loras(args.lora_path, args.num_loras, flags))
     return _report(result, args.json)
 
 
@@ -173,11 +179,14 @@ def _bench_structured(args) -> int:
 
 def _bench_latency(args) -> int:
     from actorlm.bench.latency import run_latency
+    from actorlm.bench.lora import bench_loras
 
-    result = run_latency(args.model, engine_flags(args), args.batch_size, args.input_len,
+    flags = engine_flags(args)
+    result = run_latency(args.model, flags, args.batch_size, args.input_len,
                          args.output_len, num_iters=args.num_iters,
                          compare_hf=args.compare == "hf", profile=args.profile,
-                         workload=args.workload)
+                         workload=args.workload,
+                         loras=bench_loras(args.lora_path, args.num_loras, flags))
     return _report(result, args.json)
 
 

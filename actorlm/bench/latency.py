@@ -6,7 +6,9 @@ measured apart. Every request decodes exactly ``output_len`` tokens (greedy, EOS
 ``--compare hf`` runs transformers' ``generate`` on the same prompt ids in the same process,
 taking turns with the engine run by run (ratios are medians of each pair's): its TTFT is a
 one-token ``generate``, its decode rate the rest of a full one. ``--profile`` adds the engine's
-per-step breakdown (see ``actorlm.trace.step_breakdown``).
+per-step breakdown (see ``actorlm.trace.step_breakdown``). With ``--lora-path``
+(``bench.lora``) each run is followed by the same batch spread over LoRA adapters, and
+``decode_ratio_lora_vs_base`` is the median of those pairs' decode-time ratios.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import time
 
 import torch
 
+from actorlm.bench.lora import lora_fields, spread
 from actorlm.bench.throughput import bench_prompts, conversation_ids, profiled, step_breakdown
+from actorlm.lora_request import LoRARequest
 from actorlm.openmp import on_passing_thread
 from actorlm.sampling_params import SamplingParams
 
@@ -58,7 +62,8 @@ def grounded_prompts(llm, batch_size: int, input_len: int) -> list[list[int]]:
 
 def run_latency(model: str | None, flags: dict, batch_size: int, input_len: int,
                 output_len: int, num_iters: int = 3, compare_hf: bool = False,
-                profile: bool = False, workload: str = "free") -> dict:
+                profile: bool = False, workload: str = "free",
+                loras: list[LoRARequest] | None = None) -> dict:
     """``workload``: free (chat prompts cut to ``input_len`` tokens) or grounded (requests to
     repeat an answer of up to ``input_len`` tokens, see ``grounded_prompts``)."""
     from actorlm.llm import LLM
@@ -74,18 +79,22 @@ def run_latency(model: str | None, flags: dict, batch_size: int, input_len: int,
             prompts = grounded_prompts(llm, batch_size, input_len) if workload == "grounded" \
                 else latency_prompts(functools.partial(conversation_ids, llm), batch_size,
                                      input_len)
-            _timed_batch(llm, prompts[:1], 4)  # warm-up: first-call allocations, threads
+            for lora in [None, *(loras or ())]:  # warm-up: allocations, threads, adapters
+                _timed_batch(llm, prompts[:1], 4, [lora])
             path, dtype = llm.engine.model_path, llm.engine.dtype
             hf_run = on_passing_thread(_hf_runner, path, dtype, prompts, output_len) \
                 if compare_hf else None
             since, before = time.monotonic(), llm.stats()
-            runs, hf = [], []
+            runs, hf, lora_runs = [], [], []
             for _ in range(num_iters):  # taking turns with transformers, as bench throughput
                 runs.append(_timed_batch(llm, prompts, output_len))
+                if loras:
+                    lora_runs.append(_timed_batch(llm, prompts, output_len,
+                                                  spread(loras, batch_size)))
                 if hf_run is not None:
                     hf.append(on_passing_thread(hf_run))
             breakdown = step_breakdown(llm, since) if profile else None
-            stats = llm.stats()
+            stats, config = llm.stats(), llm.config
         finally:
             llm.shutdown()
     ttft = statistics.median(r[0] for r in runs)
@@ -105,6 +114,18 @@ def run_latency(model: str | None, flags: dict, batch_size: int, input_len: int,
     if drafts:  # speculative decoding: tokens per verification, over the timed runs
         result["spec_acceptance_length"] = round(1 + accepted / drafts, 3)
         result["spec_draft_acceptance_rate"] = round(accepted / draft_tokens, 3)
+    if loras:
+        decode_ratios = [(r[1] - r[0]) / (lr[1] - lr[0]) for r, lr in zip(runs, lora_runs)]
+        lora_tpot = statistics.median((r[1] - r[0]) / (output_len - 1) for r in lora_runs)
+        result.update({
+            **lora_fields(loras, config),
+            "lora_ttft_ms": round(1e3 * statistics.median(r[0] for r in lora_runs), 2),
+            "lora_tpot_ms": round(1e3 * lora_tpot, 2),
+            "lora_decode_tokens_per_s": round(batch_size / lora_tpot, 2),
+            # each run with adapters against the run without right before it
+            "decode_ratio_lora_vs_base": round(statistics.median(decode_ratios), 3),
+            "decode_ratios_lora_vs_base": [round(ratio, 3) for ratio in decode_ratios],
+        })
     if compare_hf:
         hf_ttft = statistics.median(r[0] for r in hf)
         hf_tpot = statistics.median((r[1] - r[0]) / (output_len - 1) for r in hf)
@@ -122,8 +143,10 @@ def run_latency(model: str | None, flags: dict, batch_size: int, input_len: int,
     return result
 
 
-def _timed_batch(llm, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
-    """(time to the last request's first token, time to the last token) of one batch."""
+def _timed_batch(llm, prompts: list[list[int]], output_len: int,
+                 loras: list[LoRARequest | None] | None = None) -> tuple[float, float]:
+    """(time to the last request's first token, time to the last token) of one batch, request
+    i with adapter ``loras[i]`` (None: none)."""
     from actorlm.messages import SubmitRequest
     from actorlm.sampling_params import SamplingParams
 
@@ -131,7 +154,8 @@ def _timed_batch(llm, prompts: list[list[int]], output_len: int) -> tuple[float,
     sink: queue.Queue = queue.Queue()
     start = time.perf_counter()
     for i, ids in enumerate(prompts):
-        llm.engine.frontend.ask(SubmitRequest(f"latency-{i}-{start}", ids, params, sink, True))
+        llm.engine.frontend.ask(SubmitRequest(f"latency-{i}-{start}", ids, params, sink, True,
+                                              None if loras is None else loras[i]))
     first: dict[str, float] = {}
     done = 0
     while done < len(prompts):

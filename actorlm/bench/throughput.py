@@ -5,7 +5,9 @@ distinct chat prompts, so runs are comparable across machines and commits. ``--c
 runs transformers' batched ``generate`` (left-padded, same dtype, same threads) on the same
 prompt ids in the same process, taking turns with the engine run by run (the engine idle
 meanwhile): on a shared machine whose speed drifts from minute to minute, each ratio compares
-two runs a few seconds apart, and ``ratio_vs_hf`` is the median of those ratios.
+two runs a few seconds apart, and ``ratio_vs_hf`` is the median of those ratios. With
+``--lora-path`` (``bench.lora``) each run is followed by the same prompts spread over LoRA
+adapters, and ``ratio_lora_vs_base`` is the median of those pairs' ratios.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import time
 
 import torch
 
+from actorlm.bench.lora import lora_fields, spread
+from actorlm.lora_request import LoRARequest
 from actorlm.openmp import on_passing_thread
 
 _TOPICS = ["a lighthouse", "the ocean", "a mountain village", "a robot", "an old library",
@@ -65,9 +69,10 @@ def step_breakdown(llm, since: float) -> dict:
 
 def run_throughput(model: str | None, flags: dict, num_prompts: int, output_len: int,
                    compare_hf: bool = False, num_iters: int = 1, trace: bool = False,
-                   profile: bool = False) -> dict:
+                   profile: bool = False, loras: list[LoRARequest] | None = None) -> dict:
     """``trace``: record the run into a temporary trace file (to measure tracing's cost);
-    ``profile``: record it and report the per-step breakdown."""
+    ``profile``: record it and report the per-step breakdown; ``loras``: each run without
+    adapters is followed by one of the same prompts spread over these (``bench.lora``)."""
     from actorlm.llm import LLM
     from actorlm.sampling_params import SamplingParams
 
@@ -79,22 +84,30 @@ def run_throughput(model: str | None, flags: dict, num_prompts: int, output_len:
         try:
             prompt_ids = [conversation_ids(llm, c) for c in bench_prompts(num_prompts)]
             num_prompt_tokens = sum(map(len, prompt_ids))
-            llm.generate([{"prompt_token_ids": prompt_ids[0]}], SamplingParams(max_tokens=4),
-                         use_tqdm=False)  # warm-up: first-call allocations and thread start-up
+            # warm-up: first-call allocations and thread start-up (each adapter read into its
+            # slot, as a serving engine has them)
+            for lora in [None, *(loras or ())]:
+                llm.generate([{"prompt_token_ids": prompt_ids[0]}], SamplingParams(max_tokens=4),
+                             use_tqdm=False, lora_request=lora)
             path, dtype = llm.engine.model_path, llm.engine.dtype
             hf_run = on_passing_thread(_hf_runner, path, dtype, prompt_ids, output_len) \
                 if compare_hf else None
             since = time.monotonic()
-            runs, hf_runs = [], []
+            runs, hf_runs, lora_runs = [], [], []
+            prompts = [{"prompt_token_ids": p} for p in prompt_ids]
             for _ in range(num_iters):
                 start = time.perf_counter()
-                outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
-                                       use_tqdm=False)
+                outputs = llm.generate(prompts, params, use_tqdm=False)
                 runs.append(time.perf_counter() - start)
+                if loras:
+                    start = time.perf_counter()
+                    lora_outputs = llm.generate(prompts, params, use_tqdm=False,
+                                                lora_request=spread(loras, num_prompts))
+                    lora_runs.append(time.perf_counter() - start)
                 if hf_run is not None:
                     hf_runs.append(on_passing_thread(hf_run))
             num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
-            stats = llm.stats()
+            stats, config = llm.stats(), llm.config
             breakdown = step_breakdown(llm, since) if profile else None
         finally:
             llm.shutdown()
@@ -114,6 +127,17 @@ def run_throughput(model: str | None, flags: dict, num_prompts: int, output_len:
         result["trace_file_bytes"] = trace_bytes
     if breakdown is not None:
         result["profile"] = breakdown
+    if loras:
+        num_lora_output = sum(len(o.outputs[0].token_ids) for o in lora_outputs)
+        lora_elapsed = statistics.median(lora_runs)
+        result.update({
+            **lora_fields(loras, config), "lora_elapsed_s": round(lora_elapsed, 3),
+            "lora_output_tokens_per_s": round(num_lora_output / lora_elapsed, 2),
+            # each run with adapters against the run without right before it
+            "ratio_lora_vs_base": round(statistics.median(
+                base / lora for base, lora in zip(runs, lora_runs)), 3),
+            "ratios_lora_vs_base": [round(base / lora, 3) for base, lora in zip(runs, lora_runs)],
+        })
     if compare_hf:
         hf_elapsed = statistics.median(hf_runs)
         hf_tps = num_prompts * output_len / hf_elapsed
