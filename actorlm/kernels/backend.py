@@ -18,6 +18,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from actorlm.kernels import lora, rejection
+from actorlm.kernels.lora import LoRATable
 from actorlm.kernels.metadata import AttentionMetadata
 
 ACTIVATIONS = ("silu", "gelu_tanh")  # act_and_mul's: SiLU, GeLU's tanh approximation
@@ -134,6 +135,9 @@ class DecoderLayerPlan(NamedTuple):
     # one vector before RoPE (OLMoE), in place of the attention's per-head norms
     projection_norms: tuple[Norm, Norm] | None = None
     clip_qkv: float | None = None  # q, k and v clamped to +-clip_qkv after the norms (OLMoE)
+    # LoRA adapters' slots of (qkv, o, gate_up, down), each a ``LoRATable`` or None: a step's
+    # rows with a slot get its delta on each (``add_lora``); None: no LoRA
+    lora: tuple[LoRATable | None, ...] | None = None
 
 
 class KernelBackend:
@@ -239,12 +243,12 @@ class KernelBackend:
         """logits [B, V] -> [B] int64, each row's first maximum (a greedy step)."""
         return logits.argmax(dim=-1)
 
-    def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
-                 lora_b: torch.Tensor, mapping: lora.LoRAMapping) -> torch.Tensor:
+    def add_lora(self, y: torch.Tensor, x: torch.Tensor, table: LoRATable,
+                 mapping: lora.LoRAMapping) -> torch.Tensor:
         """A linear layer's LoRA deltas on its output y [T, out] for its input x [T, in]: the
-        rows of each slot of ``mapping`` get ``x @ lora_a[s].T @ lora_b[s].T`` (``kernels.lora``
-        says how; torch, any device). Returns y, changed in place."""
-        return lora.add_lora(y, x, lora_a, lora_b, mapping)
+        rows of each slot s of ``mapping`` get ``x @ table.a[s].T @ table.b[s]``
+        (``kernels.lora`` says how; torch, any device). Returns y, changed in place."""
+        return lora.add_lora(y, x, table, mapping)
 
     def rejection_sample(self, logits, num_drafts, draft_token_ids, temperature, top_k, top_p,
                          min_p, seeds, positions) -> torch.Tensor:
@@ -258,12 +262,14 @@ class KernelBackend:
 
     def decode_step(self, layers: Sequence[DecoderLayerPlan],
                     dtype: torch.dtype) -> Callable | None:
-        """Once, at load: ``step(x, ropes, kv_caches, metas) -> (out, stream) | None`` running
-        a step in which every request decodes one token through all ``layers`` at once, as the
-        layers would one by one (x [T, hidden] the embeddings; ``ropes`` the step's
-        (cos, sin_signed) tables; ``kv_caches`` per layer; ``metas`` the step's attention
-        metadata per KV-cache group, layer L reading ``metas[L.kv_group]``; None for a step it
-        does not take) — or None where this backend has no such path for these layers. A step
+        """Once, at load: ``step(x, ropes, kv_caches, metas, lora_slots=None) -> (out, stream)
+        | None`` running a step in which every request decodes one token through all
+        ``layers`` at once, as the layers would one by one (x [T, hidden] the embeddings;
+        ``ropes`` the step's (cos, sin_signed) tables; ``kv_caches`` per layer; ``metas`` the
+        step's attention metadata per KV-cache group, layer L reading ``metas[L.kv_group]``;
+        ``lora_slots`` [T] int32 each row's LoRA slot in the layers' ``lora`` tables, -1 for
+        none, or None for a step without adapters; None for a step it does not take) — or
+        None where this backend has no such path for these layers. A step
         may say where its last call's time went in the mixture-of-experts layers: its
         ``moe_seconds``, (router, experts) summed over them (see ``models.moe.MoeTimer``)."""
         return None

@@ -114,10 +114,10 @@ class CausalLM(nn.Module):
         x, residual = self.model.embed_tokens(input_ids), None  # [T, hidden]
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        # (the one call knows no LoRA: a step with an adapter's tokens runs the Python layers)
-        with_lora = self.lora_state is not None and bool(self.lora_state.mapping.groups)
-        fused = None if self.decode_step is None or with_lora else \
-            self.decode_step(x, ropes, kv_caches, metas)
+        # (the step's LoRA slots, each row's, where it has adapters: the one call takes them)
+        lora_slots = None if self.lora_state is None else self.lora_state.mapping.token_slots
+        fused = None if self.decode_step is None else \
+            self.decode_step(x, ropes, kv_caches, metas, lora_slots)
         if fused is not None:  # every layer in one call (a decode step on a CPU)
             x, residual = fused
             # (the step timed its MoE layers itself, where it says so: KernelBackend.decode_step)
@@ -209,6 +209,11 @@ class CausalLM(nn.Module):
             if isinstance(module, (Linear, Embedding, RoutedExperts)) and \
                     not (tied and module is self.lm_head):
                 module.prepare(self.backend)
+        self.build_decode_step()
+
+    def build_decode_step(self) -> None:
+        """The backend's one-call decode step over the layers' plans (again once LoRA slots
+        join them: ``lora_slots``)."""
         plans = [layer.plan() for layer in self.model.layers]
         # (a step of parallel layers needs their collectives; a layer without a plan, such as
         # one of routed experts, runs only on the Python path, and so do the others with it)

@@ -191,11 +191,15 @@ class DecoderLayer(nn.Module):
                 mlp.activation, None
         else:  # routed experts in the dense MLP's place
             dense, activation, moe = (None, None), mlp.experts.activation, _moe_plan(mlp)
+        adapted = (attn.qkv_proj, attn.o_proj, *((mlp.gate_up_proj, mlp.down_proj)
+                                                 if isinstance(mlp, MLP) else (None, None)))
+        lora = tuple(None if p is None or p.lora is None else p.lora.table for p in adapted)
         return DecoderLayerPlan(
             self.attn_norm.norm, attn.layer, attn.qkv_proj.prepared, attn.o_proj.prepared,
             self.mlp_norm.norm, *dense, activation,
             *(None if n is None else n.norm for n in (self.attn_out_norm, self.mlp_out_norm)),
-            self.rope, self.kv_group, moe, projection_norms, attn.clip_qkv)
+            self.rope, self.kv_group, moe, projection_norms, attn.clip_qkv,
+            None if lora == (None,) * 4 else lora)
 
 
 def _moe_plan(block: SparseMoeBlock) -> MoePlan:

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from actorlm.models.decoder import LayerSpec
+from actorlm.openmp import on_passing_thread
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # the engine's merged layers: (transformers' module, its rows' size) per part, in stacking order
@@ -54,10 +55,13 @@ class LoRAAdapterError(ValueError):
 
 @dataclass(frozen=True)
 class LoRAModule:
-    """One engine layer's delta ``x @ a.T @ b.T`` (its scale folded into ``b``)."""
+    """One engine layer's delta ``x @ a.T @ b.T`` (its scale folded into ``b``): its parts'
+    adapters in the layer's order (q, k, v; gate, up), ``part_ranks`` each one's rank (0 for
+    a part the adapter leaves alone)."""
 
     a: torch.Tensor  # [rank, in_features]
     b: torch.Tensor  # [out_features, rank]
+    part_ranks: tuple[int, ...]
 
     @property
     def rank(self) -> int:
@@ -168,11 +172,15 @@ def _merge(path: Path, config: dict, layer: int, merged: str, parts, spec: Layer
            max_lora_rank: int) -> LoRAModule:
     """The parts' adapters as one of the merged layer (see the module's docstring)."""
     in_features = _INPUTS[merged](spec)
-    a_blocks, b_blocks, rows, row = [], [], 0, {}
+    a_blocks, b_blocks, rows, row, part_ranks = [], [], 0, {}, []
     for module, size_of in _PARTS[merged]:
         row[module] = rows
         rows += size_of(spec)
-    for module, sides in parts.items():
+    for module, _ in _PARTS[merged]:  # in the layer's order
+        sides = parts.get(module)
+        if sides is None:
+            part_ranks.append(0)
+            continue
         where = f"{path / WEIGHTS_FILE}: layer {layer} {module}"
         if set(sides) != {"A", "B"}:
             raise LoRAAdapterError(f"{where}: lora_A and lora_B come in pairs; only "
@@ -188,6 +196,7 @@ def _merge(path: Path, config: dict, layer: int, merged: str, parts, spec: Layer
             raise LoRAAdapterError(f"{where}: rank {rank} exceeds --max-lora-rank "
                                    f"{max_lora_rank}")
         a_blocks.append(a)
+        part_ranks.append(rank)
         block = "self_attn" if merged in ("qkv_proj", "o_proj") else "mlp"
         scale = _scale(config, f"model.layers.{layer}.{block}.{module}", rank)
         b_blocks.append((row[module], b * scale))
@@ -197,7 +206,7 @@ def _merge(path: Path, config: dict, layer: int, merged: str, parts, spec: Layer
     for first_row, block in b_blocks:
         b[first_row:first_row + block.shape[0], column:column + block.shape[1]] = block
         column += block.shape[1]
-    return LoRAModule(torch.cat(a_blocks).contiguous(), b)
+    return LoRAModule(torch.cat(a_blocks).contiguous(), b, tuple(part_ranks))
 
 
 def _scale(config: dict, module: str, rank: int) -> float:
@@ -213,7 +222,9 @@ class LoRAChecker:
     """The frontend's check of a request's adapter before the request enters: its directory
     read once per (id, path), so a malformed one is a clear error for that request alone and
     never a fault in a worker's step. An id names one adapter: another name or directory
-    under an id already seen is refused."""
+    under an id already seen is refused. The read runs on a passing thread: torch work on the
+    frontend's own would give it an OpenMP pool for good, and a process with more pool threads
+    than cores slows every step of the worker (4.5 ms a SmolLM2 decode step became 20)."""
 
     def __init__(self, specs: list[LayerSpec], max_lora_rank: int):
         self.specs, self.max_lora_rank = specs, max_lora_rank
@@ -229,8 +240,9 @@ class LoRAChecker:
         if seen is not None:
             raise LoRAAdapterError(f"lora_int_id {lora.lora_int_id} is adapter {seen[0]!r} "
                                    f"({seen[1]}); {lora.lora_name!r} needs an id of its own")
-        try:
-            load_lora_adapter(lora.lora_name, lora.lora_path, self.specs, self.max_lora_rank)
+        try:  # (its torch work off this thread: see actorlm.openmp)
+            on_passing_thread(load_lora_adapter, lora.lora_name, lora.lora_path, self.specs,
+                              self.max_lora_rank)
         except LoRAAdapterError as exc:
             raise LoRAAdapterError(f"LoRA adapter {lora.lora_name!r}: {exc}") from None
         self._seen[lora.lora_int_id] = named

@@ -2,12 +2,14 @@
 that sit in them, and the step's token-to-slot mapping.
 
 Each adapted layer (every decoder layer's ``qkv_proj``, ``o_proj`` and, in a dense MLP,
-``gate_up_proj`` and ``down_proj``) holds ``a`` [max_loras, rank, in] and ``b`` [max_loras, out,
-rank], zero where a slot's adapter is smaller or absent, with rank ``max_lora_rank`` times the
-parts it merges (q, k, v: three). All of them read one ``LoRAState``, whose ``mapping`` the
-runner sets before each forward: a layer adds its slots' deltas to the rows of their tokens
-through the backend's door (``KernelBackend.add_lora``), and with no adapter in the step it
-adds nothing and costs nothing.
+``gate_up_proj`` and ``down_proj``) holds a ``kernels.lora.LoRATable``: ``a`` [max_loras, rank,
+in] and ``b`` [max_loras, rank, out] (B transposed), zero where a slot's adapter is smaller or
+absent, with rank ``max_lora_rank`` times the parts it merges (q, k, v: three), each part's
+share of the rank at its own output rows. All of them read one ``LoRAState``, whose
+``mapping`` the runner sets before each forward: a layer adds its slots' deltas to the rows of
+their tokens through the backend's door (``KernelBackend.add_lora``), and with no adapter in
+the step it adds nothing and costs nothing. The tables also go into the layers' plans, so a
+CPU's one-call decode step applies the same deltas (``CausalLM.build_decode_step``).
 
 ``LoRASlots`` decides which adapter sits where. The scheduler never puts more than
 ``max_loras`` distinct adapters in a step, so a step's adapters always fit; an adapter not in a
@@ -23,12 +25,12 @@ from typing import Sequence
 
 import torch
 
-from actorlm.kernels.lora import LoRAMapping
+from actorlm.kernels.lora import LoRAMapping, LoRATable
 from actorlm.lora_request import LoRARequest
 from actorlm.models.families import layer_specs
 from actorlm.models.lora_adapter import LoRAAdapter, load_lora_adapter
 
-_ADAPTED = {"self_attn": ("qkv_proj", 3, "o_proj", 1), "mlp": ("gate_up_proj", 2, "down_proj", 1)}
+_ADAPTED = {"self_attn": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "down_proj")}
 
 
 class LoRAState:
@@ -39,38 +41,59 @@ class LoRAState:
 
 
 class LoRAWeights:
-    """One layer's slot table; ``add`` puts the step's deltas on its output."""
+    """One layer's slot table; ``add`` puts the step's deltas on its output. ``out_parts``:
+    the output rows of each part it merges, whose adapters each get ``max_lora_rank`` of the
+    rank."""
 
-    def __init__(self, state: LoRAState, backend, max_loras: int, rank: int, in_features: int,
-                 out_features: int, dtype, device):
+    def __init__(self, state: LoRAState, backend, max_loras: int, max_lora_rank: int,
+                 in_features: int, out_parts: tuple[int, ...], dtype, device):
         self.state, self.backend = state, backend
-        self.a = torch.zeros(max_loras, rank, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras, out_features, rank, dtype=dtype, device=device)
+        self.max_lora_rank, rank = max_lora_rank, max_lora_rank * len(out_parts)
+        self.table = LoRATable(
+            torch.zeros(max_loras, rank, in_features, dtype=dtype, device=device),
+            torch.zeros(max_loras, rank, sum(out_parts), dtype=dtype, device=device),
+            tuple(out_parts))
 
     def load(self, slot: int, module) -> None:
-        """Slot ``slot`` to hold ``module`` (a ``LoRAModule``), or nothing."""
-        self.a[slot].zero_()
-        self.b[slot].zero_()
-        if module is not None:
-            self.a[slot, :module.rank] = module.a.to(self.a.dtype)
-            self.b[slot, :, :module.rank] = module.b.to(self.b.dtype)
+        """Slot ``slot`` to hold ``module`` (a ``LoRAModule``), or nothing. Each part's rank
+        goes to its own share of the table's, so B stays block-diagonal by parts."""
+        a, b, out_parts = self.table
+        a[slot].zero_()
+        b[slot].zero_()
+        if module is None:
+            return
+        first_row = 0
+        for part, (rows, rank) in enumerate(zip(out_parts, module.part_ranks, strict=True)):
+            src, dst = sum(module.part_ranks[:part]), part * self.max_lora_rank
+            a[slot, dst:dst + rank] = module.a[src:src + rank].to(a.dtype)
+            b[slot, dst:dst + rank, first_row:first_row + rows] = \
+                module.b[first_row:first_row + rows, src:src + rank].T.to(b.dtype)
+            first_row += rows
 
     def add(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         mapping = self.state.mapping
         if not mapping.groups:
             return y
-        return self.backend.add_lora(y, x, self.a, self.b, mapping)
+        return self.backend.add_lora(y, x, self.table, mapping)
 
 
 def adapted_layers(model):
-    """(layer index, engine layer name, the Linear) of every layer an adapter may change."""
+    """(layer index, engine layer name, the Linear, its parts' output rows) of every layer an
+    adapter may change (this rank's rows, under tensor parallelism)."""
     for i, layer in enumerate(model.model.layers):
-        for block_name, (first, _, second, _) in _ADAPTED.items():
+        for block_name, names in _ADAPTED.items():
             block = getattr(layer, block_name, None)
-            for name in (first, second):
+            for name in names:
                 linear = getattr(block, name, None)
-                if linear is not None:  # (a mixture of experts has neither)
-                    yield i, name, linear
+                if linear is None:  # (a mixture of experts has neither)
+                    continue
+                if name == "qkv_proj":
+                    parts = (block.q_size, block.kv_size, block.kv_size)
+                elif name == "gate_up_proj":
+                    parts = (linear.out_features // 2,) * 2
+                else:
+                    parts = (linear.out_features,)
+                yield i, name, linear, parts
 
 
 class LoRASlots:
@@ -80,13 +103,12 @@ class LoRASlots:
         self.specs = layer_specs(model.config)
         self.state = LoRAState()
         self.layers: dict[tuple[int, str], LoRAWeights] = {}
-        parts = {name: n for first, n1, second, n2 in _ADAPTED.values()
-                 for name, n in ((first, n1), (second, n2))}
-        for i, name, linear in adapted_layers(model):
+        for i, name, linear, out_parts in adapted_layers(model):
             linear.lora = self.layers[(i, name)] = LoRAWeights(
-                self.state, model.backend, max_loras, parts[name] * max_lora_rank,
-                linear.in_features, linear.out_features, model.dtype, model.device)
+                self.state, model.backend, max_loras, max_lora_rank, linear.in_features,
+                out_parts, model.dtype, model.device)
         model.lora_state = self.state
+        model.build_decode_step()  # its plans now name the slots
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, LRU first
         self.read: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU first
 

@@ -28,13 +28,15 @@ def requests_of(adapters):
     return {"base": None, **loras}
 
 
-def peft_greedy(model_dir, adapter_dir, prompts):
+def peft_greedy(model_dir, adapter_dir, prompts, base=None):
     """PEFT's (or, without an adapter, transformers') greedy tokens, top-5 ids at each
-    position and the logprob of each token chosen."""
+    position and the logprob of each token chosen; on ``base`` (a transformers model) where
+    given, else on the checkpoint ``model_dir``."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = base if base is not None else \
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, adapter_dir)
     model.eval()

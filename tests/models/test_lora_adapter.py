@@ -6,6 +6,7 @@ model, is refused naming it."""
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
@@ -13,10 +14,13 @@ from safetensors.torch import load_file, save_file
 
 from lora_adapters import ALL_TARGETS, make_adapter
 
+from actorlm import LoRARequest
+from actorlm.models import lora_adapter
 from actorlm.models.families import layer_specs
 from actorlm.models.loader import load_hf_config
 from actorlm.models.lora_adapter import (CONFIG_FILE, WEIGHTS_FILE, LoRAAdapterError,
-                                         load_lora_adapter)
+                                         LoRAChecker, load_lora_adapter)
+from actorlm.models.lora_slots import LoRAState, LoRAWeights
 
 def peft_delta(peft_model, layer: int, module: str, x: torch.Tensor) -> torch.Tensor:
     """What PEFT's module adds to its base layer's output for x."""
@@ -73,6 +77,43 @@ def test_a_part_without_an_adapter_adds_nothing_to_its_rows(tiny_llama_dir, spec
     delta = ours(adapter, 1, "qkv_proj", torch.randn(2, s.hidden_size))
     assert delta[:, q:q + kv].abs().max() == 0  # k: no adapter
     assert delta[:, :q].abs().max() > 0 and delta[:, q + kv:].abs().max() > 0
+    assert adapter.modules[(1, "qkv_proj")].part_ranks == (4, 0, 4)
+
+
+def test_a_slot_holds_each_parts_adapter_at_its_share_of_the_rank(tiny_llama_dir, specs,
+                                                                  tmp_path):
+    """A merged layer's slot gives each part max_lora_rank columns (B transposed, zero off its
+    part's rows): the slot's delta is the adapter's, whatever rank each part has."""
+    make_adapter(tiny_llama_dir, tmp_path, seed=5, target_modules=["q_proj", "v_proj"],
+                 rank_pattern={"v_proj": 2})
+    module = load_lora_adapter("a", tmp_path, specs, max_lora_rank=8).modules[(0, "qkv_proj")]
+    assert module.part_ranks == (4, 0, 2)
+    s = specs[0]
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    weights = LoRAWeights(LoRAState(), None, 3, 8, s.hidden_size, (q, kv, kv), torch.float32,
+                          "cpu")
+    weights.load(1, module)
+    a, b, parts = weights.table
+    assert a.shape == (3, 24, s.hidden_size) and b.shape == (3, 24, q + 2 * kv)
+    x = torch.randn(2, s.hidden_size)
+    assert torch.allclose(x @ a[1].T @ b[1], x @ module.a.T @ module.b.T, atol=1e-5)
+    for p, rows in enumerate(((0, q), (q, q + kv), (q + kv, q + 2 * kv))):  # block-diagonal
+        off = torch.ones(24, dtype=torch.bool)
+        off[8 * p:8 * (p + 1)] = False
+        assert b[1, off, rows[0]:rows[1]].abs().max() == 0
+    assert a[0].abs().max() == 0 and b[2].abs().max() == 0  # the other slots stay empty
+    weights.load(1, None)
+    assert a.abs().max() == 0 and b.abs().max() == 0
+
+
+def test_the_checker_reads_an_adapter_off_the_callers_thread(specs, monkeypatch):
+    """Torch work on the frontend's thread would give it an OpenMP pool for good (see
+    actorlm.openmp): the checker reads on a passing thread."""
+    readers = []
+    monkeypatch.setattr(lora_adapter, "load_lora_adapter",
+                        lambda *args: readers.append(threading.current_thread()))
+    LoRAChecker(specs, 16).check(LoRARequest("a", 1, "/nowhere"))
+    assert readers and readers[0] is not threading.current_thread()
 
 
 def _corrupt(path, config=None, tensors=None):

@@ -43,6 +43,12 @@ STRUCTS = {
         ("actorlm_linear", "router"), ("actorlm_experts", "experts"), ("int32_t", "top_k"),
         ("int32_t", "renormalize"), ("actorlm_linear", "shared_gate_up"),
         ("actorlm_linear", "shared_down"), ("actorlm_linear", "shared_gate")],
+    # A layer's LoRA slots (kernels.lora.LoRATable): a [slots, rank, in], b [slots, rank, out]
+    # in the model's dtype; a merged layer's num_parts parts each own rank / num_parts columns
+    # of the rank and the output rows up to part_ends[p] (num_parts ints); a null: no LoRA
+    "actorlm_lora": [
+        ("const void*", "a"), ("const void*", "b"), ("int32_t", "rank"),
+        ("int32_t", "num_parts"), ("const int64_t*", "part_ends")],
     "actorlm_decoder_layer": [
         ("actorlm_norm", "attn_norm"), ("actorlm_norm", "attn_out_norm"),
         ("actorlm_norm", "mlp_norm"), ("actorlm_norm", "mlp_out_norm"),
@@ -58,7 +64,9 @@ STRUCTS = {
         # 1: q_norm and k_norm span the whole projections, [Hq D] and [Hkv D] (OLMoE); 0: heads
         ("int32_t", "projection_norms"),
         ("float", "clip_qkv"),  # q, k and v clamped to +-clip_qkv after the norms; 0: none
-        ("const actorlm_moe*", "moe")],  # null: the dense gate_up and down
+        ("const actorlm_moe*", "moe"),  # null: the dense gate_up and down
+        ("actorlm_lora", "qkv_lora"), ("actorlm_lora", "o_lora"),  # LoRA slots of each
+        ("actorlm_lora", "gate_up_lora"), ("actorlm_lora", "down_lora")],
     # one KV-cache group's view of a step: its slot per row, its block table [rows, max_blocks]
     "actorlm_kv_group": [
         ("const int64_t*", "slots"), ("const int32_t*", "block_tables"),
@@ -71,7 +79,8 @@ STRUCTS = {
         ("const void* const*", "cos"), ("const void* const*", "sin_signed"),  # per RoPE table
         ("const actorlm_kv_group*", "groups"),  # per KV-cache group
         ("const int32_t*", "seq_lens"),
-        ("actorlm_moe_seconds*", "moe_seconds")],  # added to by the step (null: not timed)
+        ("actorlm_moe_seconds*", "moe_seconds"),  # added to by the step (null: not timed)
+        ("const int32_t*", "lora_slots")],  # each row's LoRA slot, -1: none (null: no LoRA)
 }
 
 # (return type, name, parameters)
@@ -124,6 +133,13 @@ FUNCTIONS = [
     ("void", "actorlm_moe_experts", [
         ("const actorlm_experts*", "experts"), ("const T*", "x"), ("const int64_t*", "ids"),
         ("const float*", "weights"), ("T*", "out"), ("int64_t", "rows"), ("int", "top_k")]),
+    # lora.cpp: rows of y [rows, out] += their slot's x @ A.T @ B (slots [rows], -1: none)
+    ("void", "actorlm_lora_add", [
+        ("const actorlm_lora*", "lora"), ("const T*", "x"), ("int64_t", "x_stride"),
+        ("T*", "y"), ("int64_t", "y_stride"), ("int64_t", "rows"), ("int64_t", "in_features"),
+        ("int64_t", "out_features"), ("const int32_t*", "slots")]),
+    ("int", "actorlm_lora_isa", []),  # 0 portable, 1 avx512
+    ("int", "actorlm_lora_set_isa", [("int", "isa")]),  # -1 where this CPU or build lacks it
     # decode_step.cpp
     ("void", "actorlm_decode_layers", [
         ("const actorlm_decoder_layer*", "layers"), ("int", "num_layers"),

@@ -7,7 +7,7 @@ import torch
 
 from actorlm.kernels import moe, portable
 from actorlm.kernels.backend import AttentionLayer, KernelBackend, Norm, QuantizedWeight
-from actorlm.kernels.cpu import attention, fused, linear, quant, sampler
+from actorlm.kernels.cpu import attention, fused, linear, lora, quant, sampler
 from actorlm.kernels.cpu.experts import PanelExperts
 from actorlm.kernels.cpu.decode_step import DecodeStep
 
@@ -72,6 +72,9 @@ class CpuBackend(KernelBackend):
 
     def argmax(self, logits):
         return fused.argmax(logits)
+
+    def add_lora(self, y, x, table, mapping):
+        return lora.add_lora(y, x, table, mapping)
 
     def decode_step(self, layers, dtype):
         return DecodeStep.build(layers, dtype)

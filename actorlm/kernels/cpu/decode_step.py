@@ -15,6 +15,10 @@ their router and shared expert), and a step whose every request decodes one toke
 order (in bf16, one or two requests: beyond, oneDNN's AMX GEMM runs the linear layers); for
 anything else ``DecodeStep`` answers None and the Python layers run.
 
+Rows whose request runs a LoRA adapter get its deltas on each adapted projection inside the
+call (``csrc/lora.cpp``, from the layers' ``lora`` tables and the step's ``lora_slots``), the
+kernel the CPU backend's ``add_lora`` runs for the Python layers too.
+
 Layers of different KV-cache groups (``kv_groups``: full-attention layers and sliding ones) read
 their blocks through their own group's block table and write their new K/V at its slots: the
 step hands the C++ side one (slots, block table) pair per group, and each layer its index.
@@ -28,7 +32,7 @@ from typing import Sequence
 import torch
 
 from actorlm.kernels.backend import ACTIVATIONS, DecoderLayerPlan, MoePlan, Norm
-from actorlm.kernels.cpu import abi, decode_attention, fused, native
+from actorlm.kernels.cpu import abi, decode_attention, fused, lora, native
 from actorlm.kernels.cpu.attention import AttentionPlan
 from actorlm.kernels.cpu.experts import PanelExperts
 from actorlm.kernels.cpu.linear import PanelLinear
@@ -42,6 +46,7 @@ _MoeStruct = abi.STRUCT_TYPES["actorlm_moe"]
 _GroupStruct = abi.STRUCT_TYPES["actorlm_kv_group"]
 _StepStruct = abi.STRUCT_TYPES["actorlm_decode_step"]
 _MoeSecondsStruct = abi.STRUCT_TYPES["actorlm_moe_seconds"]
+_LoRAStruct = lora.LoRAStruct
 
 
 class DecodeStep:
@@ -62,6 +67,9 @@ class DecodeStep:
                       for layer in self.layers]
         self._seconds = _MoeSecondsStruct()  # the C++ step adds to it: zeroed before each
         self._seconds_pointer = ctypes.pointer(self._seconds)
+        # the layers' LoRA structs (what they point to kept alive with them), if any has slots
+        self._loras = [_lora_structs(layer.lora) for layer in self.layers]
+        self.has_lora = any(layer.lora is not None for layer in self.layers)
 
     @classmethod
     def build(cls, layers: Sequence[DecoderLayerPlan], dtype: torch.dtype) -> DecodeStep | None:
@@ -74,18 +82,22 @@ class DecodeStep:
         return cls(layers, dtype, function, min(limits, default=None))
 
     def __call__(self, x: torch.Tensor, ropes: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                 kv_caches, metas: Sequence[AttentionMetadata]
+                 kv_caches, metas: Sequence[AttentionMetadata],
+                 lora_slots: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the last layer's output, the residual stream before it) for the embeddings x
-        [T, hidden], as the Python layers compute them, bit for bit; ``metas``: the step's
-        attention metadata per KV-cache group (they share ``query_start_loc`` and
-        ``seq_lens``), layer L reading ``metas[L.kv_group]``. None, with nothing done, if the
-        step is not one decode token per request in request order (or the caches' shape is
-        beyond the kernel)."""
+        [T, hidden], as the Python layers compute them, bit for bit (their LoRA deltas on the
+        CPU backend's kernel, ``lora.add_lora``, too); ``metas``: the step's attention
+        metadata per KV-cache group (they share ``query_start_loc`` and ``seq_lens``), layer L
+        reading ``metas[L.kv_group]``; ``lora_slots`` [T] int32: each row's LoRA slot (-1:
+        none), or None. None, with nothing done, if the step is not one decode token per
+        request in request order, has adapters and the layers no LoRA slots (or the caches'
+        shape is beyond the kernel)."""
         rows = x.shape[0]
         if len(metas) < self.num_groups or rows == 0 or x.dtype != self.dtype or \
                 (self.max_rows is not None and rows > self.max_rows) or \
-                not all(map(_is_plain_decode, metas[:self.num_groups])):
+                not all(map(_is_plain_decode, metas[:self.num_groups])) or \
+                (lora_slots is not None and not _slots_fit(lora_slots, rows, self.has_lora)):
             return None
         structs = self._layer_structs(kv_caches)
         if structs is None:
@@ -102,7 +114,8 @@ class DecodeStep:
         step = _StepStruct(rows, kv_caches[0][0].shape[1],
                            ctypes.cast(cos_tables, ctypes.c_void_p),
                            ctypes.cast(sin_tables, ctypes.c_void_p), groups,
-                           metas[0].plan.decode.seq_lens.data_ptr(), self._seconds_pointer)
+                           metas[0].plan.decode.seq_lens.data_ptr(), self._seconds_pointer,
+                           None if lora_slots is None else lora_slots.data_ptr())
         self._seconds.router = self._seconds.experts = 0.0
         residual = torch.empty_like(x)
         self.function(structs, len(self.layers), ctypes.byref(step), x.data_ptr(),
@@ -130,8 +143,9 @@ class DecodeStep:
                 for layer, (k, v) in zip(self.layers, kv_caches)):
             return None
         self._structs = (_LayerStruct * len(self.layers))(*(
-            _layer_struct(layer, moe, k, v)
-            for layer, moe, (k, v) in zip(self.layers, self._moes, kv_caches)))
+            _layer_struct(layer, moe, k, v, loras)
+            for layer, moe, (k, v), loras in zip(self.layers, self._moes, kv_caches,
+                                                 self._loras)))
         return self._structs
 
 
@@ -141,6 +155,11 @@ def _is_plain_decode(meta: AttentionMetadata) -> bool:
     return isinstance(plan, AttentionPlan) and not plan.groups and plan.decode is not None and \
         plan.decode.rows is None and meta.slot_mapping.dtype == torch.int64 and \
         meta.slot_mapping.is_contiguous()
+
+
+def _slots_fit(slots: torch.Tensor, rows: int, has_lora: bool) -> bool:
+    return has_lora and slots.dtype == torch.int32 and slots.shape == (rows,) and \
+        slots.device.type == "cpu" and slots.is_contiguous()
 
 
 def _runs_here(layer: DecoderLayerPlan, dtype: torch.dtype) -> bool:
@@ -169,10 +188,31 @@ def _runs_here(layer: DecoderLayerPlan, dtype: torch.dtype) -> bool:
         qkv.out_features == q_size + 2 * kv_size and \
         (layer.projection_norms is None or q_norm.weight.shape == (q_size,) and
          k_norm.weight.shape == (kv_size,))
+    if not _loras_fit(layer, dtype):
+        return False
     if layer.moe is not None:
         return attention_fits and _moe_fits(layer.moe, layer.activation, hidden, dtype)
     gate_up, down = linears[2:]
     return attention_fits and _mlp_fits(gate_up, down, hidden)
+
+
+def _loras_fit(layer: DecoderLayerPlan, dtype: torch.dtype) -> bool:
+    """Whether the layer's LoRA tables (if any) are what lora.cpp reads: the model's dtype,
+    contiguous, shaped for their projections, the rank split evenly over the parts."""
+    if layer.lora is None:
+        return True
+    projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
+    for table, linear in zip(layer.lora, projections, strict=True):
+        if table is None:
+            continue
+        a, b, parts = table
+        if linear is None or a.dtype != dtype or b.dtype != dtype or \
+                not (a.is_contiguous() and b.is_contiguous()) or \
+                a.shape[1:] != (table.rank, linear.in_features) or \
+                b.shape != (a.shape[0], table.rank, linear.out_features) or \
+                not parts or sum(parts) != linear.out_features or table.rank % len(parts):
+            return False
+    return True
 
 
 def _mlp_fits(gate_up, down, hidden: int) -> bool:
@@ -250,10 +290,30 @@ def _moe_struct(moe: MoePlan) -> _MoeStruct:
                                             moe.shared_gate)))
 
 
+def _lora_structs(tables) -> tuple[list[_LoRAStruct], list[torch.Tensor]] | None:
+    """The structs of a layer's LoRA tables (qkv, o, gate_up, down; a zeroed one where a
+    projection has none), with the tensors of their parts' ends that they point to; None
+    without LoRA."""
+    if tables is None:
+        return None
+    structs, ends = [], []
+    for table in tables:
+        if table is None:
+            structs.append(_LoRAStruct())
+            continue
+        ends.append(lora.part_ends(table.out_parts))
+        structs.append(_LoRAStruct(table.a.data_ptr(), table.b.data_ptr(), table.rank,
+                                   len(table.out_parts), ends[-1].data_ptr()))
+    return structs, ends
+
+
 def _layer_struct(layer: DecoderLayerPlan, moe: _MoeStruct | None, k_cache,
-                  v_cache) -> _LayerStruct:
-    """``moe``: the layer's experts' struct, which the caller keeps alive, or None."""
+                  v_cache, loras) -> _LayerStruct:
+    """``moe``: the layer's experts' struct, which the caller keeps alive, or None; ``loras``:
+    its LoRA structs (``_lora_structs``), or None."""
     a = layer.attention
+    lora = {} if loras is None else dict(zip(("qkv_lora", "o_lora", "gate_up_lora",
+                                              "down_lora"), loras[0]))
     return _LayerStruct(
         *map(_norm_struct, (layer.attn_norm, layer.attn_out_norm, layer.mlp_norm,
                             layer.mlp_out_norm, *_qk_norms(layer))),
@@ -261,4 +321,4 @@ def _layer_struct(layer: DecoderLayerPlan, moe: _MoeStruct | None, k_cache,
         k_cache.data_ptr(), v_cache.data_ptr(), a.num_heads, a.num_kv_heads, a.head_dim,
         ACTIVATIONS.index(layer.activation), layer.rope, a.scale, a.window or 0,
         a.softcap or 0.0, layer.kv_group, int(layer.projection_norms is not None),
-        layer.clip_qkv or 0.0, None if moe is None else ctypes.pointer(moe))
+        layer.clip_qkv or 0.0, None if moe is None else ctypes.pointer(moe), **lora)

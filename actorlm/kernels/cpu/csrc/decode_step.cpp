@@ -5,7 +5,8 @@
 // they scale, q/k norms per head or over whole projections, q/k/v clipping, the activation,
 // biases, the attention scale, window and score cap, the RoPE table, the KV-cache group whose
 // slots and block table it reads, routed experts in the dense MLP's place), which a model family
-// gives (kernels.backend.DecoderLayerPlan); nothing here knows a family. Each
+// gives (kernels.backend.DecoderLayerPlan), and LoRA adapters' deltas on its projections for
+// the rows whose request has one (lora.cpp); nothing here knows a family. Each
 // layer runs the kernels the Python layers call one by one, in their order, with their bits.
 // What goes is the Python between them: a decode step streams hundreds of MB of weights
 // through the caches, which evicts the interpreter's working set, so each Python-level op
@@ -40,6 +41,7 @@ struct Kernels;
     static constexpr auto quant_linear = actorlm_quant_linear_##S;        \
     static constexpr auto moe_route = actorlm_moe_route_##S;              \
     static constexpr auto moe_experts = actorlm_moe_experts_##S;          \
+    static constexpr auto lora_add = actorlm_lora_add_##S;                \
   };
 ACTORLM_KERNELS_OF(float, f32)
 ACTORLM_KERNELS_OF(uint16_t, bf16)
@@ -57,6 +59,16 @@ inline void linear(const actorlm_linear& l, const T* x, int64_t x_stride, T* y, 
   }
   Kernels<T>::linear(x, x_stride, static_cast<const T*>(l.packed), l.bias, y, rows,
                      l.out_features, l.in_features);
+}
+
+// y [rows, out_features] (rows `y_stride` apart) += each row's LoRA delta of the layer `l`
+// for its input x, where the layer has adapters and the step rows with one (lora.cpp)
+template <typename T>
+inline void add_lora(const actorlm_lora& lora, const actorlm_linear& l, const int32_t* slots,
+                     const T* x, int64_t x_stride, T* y, int64_t y_stride, int64_t rows) {
+  if (lora.a && slots)
+    Kernels<T>::lora_add(&lora, x, x_stride, y, y_stride, rows, l.in_features, l.out_features,
+                         slots);
 }
 
 // x [rows, dim] normed in place, where the layer has a norm there
@@ -186,6 +198,7 @@ void decode_layers(const actorlm_decoder_layer* layers, int num_layers,
                       l.attn_norm.eps, l.attn_norm.unit_offset);
     }
     linear(l.qkv, x, hidden, t.qkv, rows);
+    add_lora(l.qkv_lora, l.qkv, s.lora_slots, x, hidden, t.qkv, qkv_size, rows);
     if (l.q_norm.weight && l.projection_norms) {
       projection_norm(l.q_norm, t.qkv, qkv_size, 0, q_size, rows, t.attention);
       projection_norm(l.k_norm, t.qkv, qkv_size, q_size, int64_t(l.num_kv_heads) * l.head_dim,
@@ -203,15 +216,19 @@ void decode_layers(const actorlm_decoder_layer* layers, int num_layers,
               s.seq_lens, t.attention, int(rows), l.num_heads, l.num_kv_heads, l.head_dim,
               s.block_size, l.scale, l.window, l.softcap);
     linear(l.o, t.attention, q_size, x, rows);
+    add_lora(l.o_lora, l.o, s.lora_slots, t.attention, q_size, x, hidden, rows);
     norm_in_place(l.attn_out_norm, x, rows, hidden);
     K::add_rms_norm(x, residual, weight_of<T>(l.mlp_norm), rows, int(hidden), l.mlp_norm.eps,
                     l.mlp_norm.unit_offset);
     if (l.moe) {
       moe_mlp(*l.moe, l.activation, x, rows, hidden, t, s.moe_seconds);
     } else {
+      const int64_t inter = l.down.in_features;
       linear(l.gate_up, x, hidden, t.gate_up, rows);
-      K::act_and_mul(t.gate_up, t.activation, rows, int(l.down.in_features), l.activation);
-      linear(l.down, t.activation, l.down.in_features, x, rows);
+      add_lora(l.gate_up_lora, l.gate_up, s.lora_slots, x, hidden, t.gate_up, 2 * inter, rows);
+      K::act_and_mul(t.gate_up, t.activation, rows, int(inter), l.activation);
+      linear(l.down, t.activation, inter, x, rows);
+      add_lora(l.down_lora, l.down, s.lora_slots, t.activation, inter, x, hidden, rows);
     }
     norm_in_place(l.mlp_out_norm, x, rows, hidden);
   }
