@@ -20,6 +20,8 @@ skip the zero blocks.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
 import torch
@@ -40,12 +42,25 @@ class LoRATable(NamedTuple):
         return self.a.shape[1]
 
 
-class LoRAMapping(NamedTuple):
+class LoRASegments(NamedTuple):
+    """The step's rows with an adapter grouped by slot, for kernels that launch once over all
+    of them (on the model's device): group g is ``rows[starts[g]:starts[g + 1]]``, of slot
+    ``slots[g]``."""
+
+    rows: torch.Tensor  # [n] int32, row indices, group after group
+    starts: torch.Tensor  # [G + 1] int32
+    slots: torch.Tensor  # [G] int32
+    max_rows: int  # the largest group's rows (the host knows it: no sync to size a grid)
+
+
+@dataclass(frozen=True)
+class LoRAMapping:
     """The step's token groups: ``(slot, rows)`` per slot that some token uses, and
     ``token_slots`` [T] int32, each token's slot (-1: none), on the model's device."""
 
     groups: list[tuple[int, slice | torch.Tensor]]
     token_slots: torch.Tensor | None = None
+    members: tuple[tuple[int, ...], ...] = field(default=(), compare=False, repr=False)
 
     @classmethod
     def build(cls, token_slots: Sequence[int], device) -> LoRAMapping:
@@ -62,7 +77,23 @@ class LoRAMapping(NamedTuple):
             else:
                 groups.append((slot, torch.tensor(members, dtype=torch.int64, device=device)))
         slots = torch.tensor(token_slots, dtype=torch.int32, device=device) if groups else None
-        return cls(groups, slots)
+        return cls(groups, slots, tuple(tuple(members) for members in rows.values()))
+
+    @functools.cached_property
+    def segments(self) -> LoRASegments:
+        """The groups as ``LoRASegments``, built at the first call of the step (by its first
+        adapted layer) and kept for the others."""
+        device = self.token_slots.device
+        sizes = [len(members) for members in self.members]
+        rows = [row for members in self.members for row in members]
+        starts = [0]
+        for size in sizes:
+            starts.append(starts[-1] + size)
+        # one copy to the device for the three
+        packed = torch.tensor(rows + starts + [slot for slot, _ in self.groups],
+                              dtype=torch.int32).to(device)
+        n, g = len(rows), len(sizes)
+        return LoRASegments(packed[:n], packed[n:n + g + 1], packed[n + g + 1:], max(sizes))
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, table: LoRATable,

@@ -171,3 +171,13 @@ def test_settings_that_cannot_work_are_refused_at_start(flags, message):
 
     with pytest.raises(ValueError, match=message):
         EngineConfig(enable_lora=True, **flags)
+
+
+@pytest.mark.slow
+def test_the_triton_backend_gives_each_request_its_adapters_output(
+        make_llm, tiny_llama_dir, tiny_llama_adapters, oracle, monkeypatch):
+    """The Triton kernels (CPU interpreter) add the deltas of a mixed batch too."""
+    monkeypatch.setenv("ACTORLM_ATTENTION_BACKEND", "triton")
+    llm = make_llm(str(tiny_llama_dir), **LORA_FLAGS)
+    assert llm.engine.backend_name == "triton"
+    assert_like_peft(mixed_run(llm, tiny_llama_adapters, ["base", "alpha", "gamma"]), oracle)

@@ -1,7 +1,8 @@
 """The GPU backend: Triton kernels for the norms, activations, the K/V write, paged attention,
 sampling, speculative decoding's verification walk (after torch's target distributions), the
-linear layers in GGUF blocks and the routed experts (a grouped GEMM over the slots sorted by
-expert; experts in GGUF blocks: each expert's rows through the quantized GEMM); cuBLAS
+linear layers in GGUF blocks, the routed experts (a grouped GEMM over the slots sorted by
+expert; experts in GGUF blocks: each expert's rows through the quantized GEMM) and LoRA
+adapters' deltas (a grouped shrink and expand over the rows sorted by adapter); cuBLAS
 (``F.linear``) for the dense linear layers; torch ops for RoPE."""
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ class TritonBackend(KernelBackend):
                               max_seq_len=meta.max_seq_len, window=layer.window,
                               softcap=layer.softcap)
         return out.reshape(num_tokens, q_size)
+
+    def add_lora(self, y, x, table, mapping):
+        from actorlm.kernels.triton.lora import add_lora
+
+        return add_lora(y, x, table, mapping)
 
     def prepare_experts(self, experts):
         if experts.is_quantized:
