@@ -122,9 +122,6 @@ class EngineConfig:
             reasoning_parser(self.reasoning_parser)  # unknown: an error listing the known ones
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.parse(self.speculative_config))
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not implemented "
-                             "yet (the adapters' A and B are not sharded)")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least "
                              f"--max-loras ({self.max_loras})")

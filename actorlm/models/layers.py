@@ -84,6 +84,8 @@ class RowParallelLinear(Linear):
     def forward(self, x):
         # x: [T, in / size] -> [T, out]
         y = self.prepared(x) if self.prepared is not None else F.linear(x, self.weight)
+        if self.lora is not None:  # this rank's columns of A: a partial delta, reduced with y
+            y = self.lora.add(y, x)
         all_reduce(self.tp, y)
         return y if self.bias is None else y + self.bias
 

@@ -21,7 +21,7 @@ is it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -29,6 +29,7 @@ from actorlm.kernels.lora import LoRAMapping, LoRATable
 from actorlm.lora_request import LoRARequest
 from actorlm.models.families import layer_specs
 from actorlm.models.lora_adapter import LoRAAdapter, load_lora_adapter
+from actorlm.models.parallel import first_kv_head
 
 _ADAPTED = {"self_attn": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "down_proj")}
 
@@ -40,14 +41,26 @@ class LoRAState:
         self.mapping = LoRAMapping([])
 
 
+class LoRAShard(NamedTuple):
+    """Where a layer's slots sit in an adapter's whole (merged) module: part p's rows of B
+    start at ``part_rows[p]`` (this rank's share of the part's rows, under tensor
+    parallelism: a column-parallel layer's B is split by its output rows), and A's columns
+    ``in_cols`` (first, count) are this rank's (a row-parallel layer's A is split by its
+    input columns, the partial deltas summed by the layer's all-reduce)."""
+
+    part_rows: tuple[int, ...]
+    in_cols: tuple[int, int]
+
+
 class LoRAWeights:
     """One layer's slot table; ``add`` puts the step's deltas on its output. ``out_parts``:
     the output rows of each part it merges, whose adapters each get ``max_lora_rank`` of the
-    rank."""
+    rank; ``shard``: which rows and columns of an adapter's module it holds."""
 
     def __init__(self, state: LoRAState, backend, max_loras: int, max_lora_rank: int,
-                 in_features: int, out_parts: tuple[int, ...], dtype, device):
-        self.state, self.backend = state, backend
+                 in_features: int, out_parts: tuple[int, ...], shard: LoRAShard, dtype,
+                 device):
+        self.state, self.backend, self.shard = state, backend, shard
         self.max_lora_rank, rank = max_lora_rank, max_lora_rank * len(out_parts)
         self.table = LoRATable(
             torch.zeros(max_loras, rank, in_features, dtype=dtype, device=device),
@@ -62,12 +75,14 @@ class LoRAWeights:
         b[slot].zero_()
         if module is None:
             return
-        first_row = 0
+        (first_col, num_cols), first_row = self.shard.in_cols, 0
         for part, (rows, rank) in enumerate(zip(out_parts, module.part_ranks, strict=True)):
             src, dst = sum(module.part_ranks[:part]), part * self.max_lora_rank
-            a[slot, dst:dst + rank] = module.a[src:src + rank].to(a.dtype)
+            src_row = self.shard.part_rows[part]
+            a[slot, dst:dst + rank] = \
+                module.a[src:src + rank, first_col:first_col + num_cols].to(a.dtype)
             b[slot, dst:dst + rank, first_row:first_row + rows] = \
-                module.b[first_row:first_row + rows, src:src + rank].T.to(b.dtype)
+                module.b[src_row:src_row + rows, src:src + rank].T.to(b.dtype)
             first_row += rows
 
     def add(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -77,23 +92,34 @@ class LoRAWeights:
         return self.backend.add_lora(y, x, self.table, mapping)
 
 
-def adapted_layers(model):
-    """(layer index, engine layer name, the Linear, its parts' output rows) of every layer an
-    adapter may change (this rank's rows, under tensor parallelism)."""
+def adapted_layers(model, specs):
+    """(layer index, engine layer name, the Linear, its parts' output rows, its
+    ``LoRAShard``) of every layer an adapter may change (this rank's share of each, under
+    tensor parallelism); ``specs``: the model's layers' (``families.layer_specs``)."""
+    tp = model.tp
     for i, layer in enumerate(model.model.layers):
+        spec = specs[i]
         for block_name, names in _ADAPTED.items():
             block = getattr(layer, block_name, None)
             for name in names:
                 linear = getattr(block, name, None)
                 if linear is None:  # (a mixture of experts has neither)
                     continue
+                # whole parts' rows, and this rank's first of each (the checkpoint's split)
                 if name == "qkv_proj":
+                    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+                    kv0 = first_kv_head(tp, spec.num_heads, spec.num_kv_heads) * spec.head_dim
                     parts = (block.q_size, block.kv_size, block.kv_size)
+                    part_rows = (tp.rank * block.q_size, q + kv0, q + kv + kv0)
                 elif name == "gate_up_proj":
-                    parts = (linear.out_features // 2,) * 2
-                else:
-                    parts = (linear.out_features,)
-                yield i, name, linear, parts
+                    half = linear.out_features // 2
+                    parts = (half, half)
+                    part_rows = (tp.rank * half, spec.intermediate_size + tp.rank * half)
+                else:  # row-parallel: all of the outputs, this rank's inputs
+                    parts, part_rows = (linear.out_features,), (0,)
+                in_cols = (tp.rank * linear.in_features, linear.in_features) \
+                    if name in ("o_proj", "down_proj") else (0, linear.in_features)
+                yield i, name, linear, parts, LoRAShard(part_rows, in_cols)
 
 
 class LoRASlots:
@@ -103,10 +129,10 @@ class LoRASlots:
         self.specs = layer_specs(model.config)
         self.state = LoRAState()
         self.layers: dict[tuple[int, str], LoRAWeights] = {}
-        for i, name, linear, out_parts in adapted_layers(model):
+        for i, name, linear, out_parts, shard in adapted_layers(model, self.specs):
             linear.lora = self.layers[(i, name)] = LoRAWeights(
                 self.state, model.backend, max_loras, max_lora_rank, linear.in_features,
-                out_parts, model.dtype, model.device)
+                out_parts, shard, model.dtype, model.device)
         model.lora_state = self.state
         model.build_decode_step()  # its plans now name the slots
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, LRU first

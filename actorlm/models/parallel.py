@@ -69,6 +69,13 @@ def num_kv_heads_per_rank(num_kv_heads: int, size: int) -> int:
     return max(1, num_kv_heads // size)
 
 
+def first_kv_head(tp: TensorParallel, num_heads: int, num_kv_heads: int) -> int:
+    """The first of the model's ``num_kv_heads`` KV heads that this rank's query heads read
+    (with fewer KV heads than ranks, the one it holds a copy of): where its k and v rows
+    start in the whole k and v projections."""
+    return tp.rank * (num_heads // tp.size) * num_kv_heads // num_heads
+
+
 def check_tensor_parallel(name: str, num_heads: int, num_kv_heads: int,
                           intermediate_size: int | Mapping[str, int], size: int) -> None:
     """Raise ValueError, naming the flag, if the model ``name`` cannot be split ``size`` ways.

@@ -162,7 +162,6 @@ def test_what_cannot_run_is_refused_and_the_engine_keeps_serving(
 
 
 @pytest.mark.parametrize("flags, message", [
-    (dict(tensor_parallel_size=2), "--enable-lora with --tensor-parallel-size > 1"),
     (dict(max_loras=2, max_cpu_loras=1), "--max-cpu-loras \\(1\\) must be at least"),
     (dict(max_lora_rank=0), "--max-lora-rank must be a positive integer"),
 ])

@@ -20,7 +20,7 @@ from actorlm.models.families import layer_specs
 from actorlm.models.loader import load_hf_config
 from actorlm.models.lora_adapter import (CONFIG_FILE, WEIGHTS_FILE, LoRAAdapterError,
                                          LoRAChecker, load_lora_adapter)
-from actorlm.models.lora_slots import LoRAState, LoRAWeights
+from actorlm.models.lora_slots import LoRAShard, LoRAState, LoRAWeights
 
 def peft_delta(peft_model, layer: int, module: str, x: torch.Tensor) -> torch.Tensor:
     """What PEFT's module adds to its base layer's output for x."""
@@ -90,8 +90,8 @@ def test_a_slot_holds_each_parts_adapter_at_its_share_of_the_rank(tiny_llama_dir
     assert module.part_ranks == (4, 0, 2)
     s = specs[0]
     q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    weights = LoRAWeights(LoRAState(), None, 3, 8, s.hidden_size, (q, kv, kv), torch.float32,
-                          "cpu")
+    weights = LoRAWeights(LoRAState(), None, 3, 8, s.hidden_size, (q, kv, kv),
+                          LoRAShard((0, q, q + kv), (0, s.hidden_size)), torch.float32, "cpu")
     weights.load(1, module)
     a, b, parts = weights.table
     assert a.shape == (3, 24, s.hidden_size) and b.shape == (3, 24, q + 2 * kv)
