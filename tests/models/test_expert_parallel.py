@@ -187,10 +187,10 @@ def test_the_one_call_decode_step_runs_a_ranks_experts(tiny_moe_dirs):
             [*first, last._replace(moe=last.moe._replace(experts=experts))], torch.float32))
     whole, outputs = model.decode_step, []
 
-    def every_step(x, ropes, kv_caches, metas):
+    def every_step(x, ropes, kv_caches, metas, lora_slots):
         # (the halves first: each step writes into x; the K/V each writes are the whole's)
-        parts = [half(x.clone(), ropes, kv_caches, metas) for half in halves]
-        out = whole(x, ropes, kv_caches, metas)
+        parts = [half(x.clone(), ropes, kv_caches, metas, lora_slots) for half in halves]
+        out = whole(x, ropes, kv_caches, metas, lora_slots)
         if out is not None:  # (a prefill: None from each, the Python layers run)
             outputs.append((out[0].clone(), [part[0] for part in parts]))
         return out
