@@ -101,6 +101,28 @@ def test_a_mixed_batch_gives_each_request_its_adapters_output(make_llm, tiny_lla
     assert_idle_and_nothing_leaked(llm)
 
 
+def test_a_mixed_batch_on_qwen2_gives_each_request_its_adapters_output(
+        make_llm, tiny_qwen2_dir, tmp_path_factory):
+    """Qwen2 (q, k and v with biases, an untied LM head): the deltas join the biased
+    projections as PEFT's do."""
+    from lora_adapters import make_adapter
+
+    adapters = {}
+    for seed, (name, config) in enumerate({"alpha": dict(r=4),
+                                           "beta": dict(r=8, use_rslora=True)}.items()):
+        adapters[name] = tmp_path_factory.mktemp(f"qwen2_lora_{name}")
+        make_adapter(tiny_qwen2_dir, adapters[name], seed=30 + seed, **config)
+    oracle = {name: peft_greedy(tiny_qwen2_dir, None if lora is None else lora.lora_path,
+                                PROMPTS)
+              for name, lora in requests_of(adapters).items()}
+    llm = make_llm(str(tiny_qwen2_dir), **LORA_FLAGS)
+    by_name = mixed_run(llm, adapters, ["base", "alpha", "beta"])
+    assert_like_peft(by_name, oracle)
+    tokens = {name: [o.outputs[0].token_ids for o in outputs] for name, outputs in by_name.items()}
+    assert len({json.dumps(t) for t in tokens.values()}) == 3
+    assert_idle_and_nothing_leaked(llm)
+
+
 def test_at_most_max_loras_adapters_share_a_step_and_none_starves(
         make_llm, tiny_llama_dir, tiny_llama_adapters, oracle, monkeypatch):
     per_step = []
