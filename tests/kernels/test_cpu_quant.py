@@ -24,7 +24,9 @@ From ``QuantLinear.panel_from_rows`` rows of x on (where AVX-512 is there) the k
 other path, dequantized weight panels times x in a dense tile: x is not quantized, the weight
 is exact in fp32 and rounded once to bf16 for bf16 x (u_bf16 |w|), and k exact products are
 summed in fp32; its bound (``_panel_bound``) is that rounding carried through |x| plus fp32's
-accumulation plus the output's rounding. Every ISA path the machine has runs, forced by
+accumulation plus the output's rounding. On a CPU with AMX tiles, bf16 x of many rows takes
+the weight dequantized whole through torch's GEMM: the same bound, plus the bias's rounding to
+bf16 (oneDNN adds a bias of x's dtype). Every ISA path the machine has runs, forced by
 ``set_isa``; each path runs at every number of rows, forced by ``set_panel_from_rows``.
 """
 
@@ -95,9 +97,10 @@ def _bounds(parts, x, bias, out_dtype):
     return exact, loose, quantized, tight
 
 
-def _panel_bound(parts, x, bias, out_dtype):
+def _panel_bound(parts, x, bias, out_dtype, bias_rounded=False):
     """(true value, bound) of the many-row path: x as it is against the dequantized weight,
-    exact in fp32 (bf16: rounded once to bf16, u_bf16 |w|), k products summed in fp32."""
+    exact in fp32 (bf16: rounded once to bf16, u_bf16 |w|), k products summed in fp32; with
+    ``bias_rounded``, the bias first rounded to ``out_dtype``."""
     x64 = x.double()
     weight = torch.cat([gb.dequantized(t, b) for t, b in parts])
     exact = x64 @ weight.T
@@ -105,6 +108,8 @@ def _panel_bound(parts, x, bias, out_dtype):
     bound = sum_error(x.shape[1] + 2, abs_sum)
     if bias is not None:
         exact, bound = exact + bias.double(), bound + sum_error(x.shape[1] + 2, bias.double().abs())
+        if bias_rounded:
+            bound = bound + unit_roundoff(out_dtype) * bias.double().abs()
     if out_dtype != torch.float32:
         bound = bound + unit_roundoff(out_dtype) * abs_sum + rounding_error(exact, out_dtype)
     return exact, bound
@@ -117,7 +122,9 @@ def _check(layer, parts, x, bias, what):
     y = y.reshape(rows.shape[0], -1)
     panel_from = layer.panel_from_rows(x.dtype)
     if panel_from is not None and rows.shape[0] >= panel_from:
-        exact, bound = _panel_bound(parts, rows, bias, x.dtype)
+        amx_from = quant._amx_from_rows(x.dtype)
+        exact, bound = _panel_bound(parts, rows, bias, x.dtype,
+                                    amx_from is not None and rows.shape[0] >= amx_from)
         assert_within(y, exact, bound, f"{what}, panels, against dequant(W) @ x")
         return
     exact, loose, quantized, tight = _bounds(parts, rows, bias, x.dtype)
@@ -178,6 +185,34 @@ def test_each_path_at_any_number_of_rows(type_name, panel_from_rows):
             for m in (1, 7, 64):
                 x = torch.randn(m, k).to(dtype)
                 _check(layer, [(type_name, blocks)], x, bias, f"{type_name} m={m} from {rows_from}")
+
+
+@pytest.mark.parametrize("type_name", quant.KEPT_TYPES)
+def test_many_bf16_rows_take_torchs_gemm_on_a_cpu_with_amx(type_name, monkeypatch):
+    """From ``_AMX_FROM_ROWS`` bf16 rows the weight is dequantized whole and multiplied by
+    torch (oneDNN's AMX tiles); fewer rows, or fp32, stay on the kernels."""
+    if not quant._has_amx():
+        pytest.skip("this CPU has no AMX tiles (torch.cpu reports none)")
+    if quant.isa() != quant.ISAS[-1]:
+        pytest.skip(f"the kernels run {quant.isa()}, not the best ISA (ACTORLM_CPU_ISA?)")
+    calls = []
+
+    def linear(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return torch.nn.functional.linear(*args, **kwargs)
+
+    monkeypatch.setattr(quant, "F", type("F", (), {"linear": staticmethod(linear)}))
+    rng = np.random.default_rng(23)
+    k, n = gb.block_values(type_name) * 2, 40
+    parts = [(type_name, gb.random_blocks(type_name, n, k, rng)),
+             ("Q8_0", gb.random_blocks("Q8_0", 8, k, rng))]  # a merged layer: two parts
+    bias = torch.randn(n + 8) * 4
+    layer = quant.QuantLinear([gb.quantized_weight(t, b, k) for t, b in parts], bias)
+    many = quant._AMX_FROM_ROWS
+    for m, dtype in ((many, torch.bfloat16), (many - 1, torch.bfloat16), (many, torch.float32)):
+        x = torch.randn(m, k).to(dtype)
+        _check(layer, parts, x, bias, f"{type_name} m={m} {dtype}")
+    assert calls == [many]
 
 
 @pytest.mark.parametrize("type_name,mutate", [
