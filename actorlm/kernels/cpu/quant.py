@@ -10,11 +10,11 @@ back (a tied LM head's copy is the embedding's too: ``QuantLinear.rows``).
 Those layers keep to integers up to 192 rows in bf16 and at every size in fp32, where they
 are the faster path. On a CPU with AMX tiles, bf16 x of 192 rows or more takes the weight
 dequantized whole, for the call only, through torch's GEMM (oneDNN's AMX kernels), several
-times faster than the panels there (``_AMX_FROM_ROWS``). Their int8 x costs accuracy where the reference model is at a near-tie
-(SmolLM2's first token of "What is the capital of France?" is "The" by 0.08 nats in fp32
-transformers, and the prompt read in int8, as llama.cpp reads it, turns it to "L"); over a
-long text the next-token distribution stays within KL 0.0013 nats of transformers' fp32
-(0.0004 with the panels).
+times faster than the panels there (``_AMX_FROM_ROWS``). The integers' int8 x costs accuracy
+where the reference model is at a near-tie (SmolLM2's first token of "What is the capital
+of France?" is "The" by 0.08 nats in fp32 transformers, and the prompt read in int8, as
+llama.cpp reads it, turns it to "L"); over a long text the next-token distribution stays
+within KL 0.0013 nats of transformers' fp32 (0.0004 with the panels).
 
 ``ACTORLM_CPU_ISA=vnni|avx2|scalar`` forces one of the kernels' instruction-set paths (to
 compare them; a lesser one than the CPU's best also turns the dense path off, as on a CPU
