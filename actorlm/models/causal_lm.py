@@ -24,7 +24,8 @@ from actorlm.models.families import (GEMMA_NORMS, LLAMA_NORMS,
 from actorlm.models.layers import Embedding, Linear, RMSNorm, VocabParallelEmbedding
 from actorlm.models.expert_parallel import check_expert_parallel, split_intermediate_sizes
 from actorlm.models.moe import MoeTimer, RoutedExperts, SparseMoeBlock
-from actorlm.models.parallel import TensorParallel, check_tensor_parallel, gather_last_dim
+from actorlm.models.parallel import (TensorParallel, check_tensor_parallel, first_kv_head,
+                                     gather_last_dim)
 
 # HF checkpoint name fragment -> (merged parameter fragment, shard index)
 _STACKED = {
@@ -245,7 +246,7 @@ class CausalLM(nn.Module):
             # the KV heads this rank's query heads read (a replicated head: the same on several)
             num_kv_heads = getattr(self.config, "num_key_value_heads", None) or \
                 self.config.num_attention_heads
-            first = rank * attn.num_heads * num_kv_heads // self.config.num_attention_heads
+            first = first_kv_head(self.tp, self.config.num_attention_heads, num_kv_heads)
             start, length = first * self.head_dim, attn.kv_size
         elif ".gate_proj." in name or ".up_proj." in name:  # this rank's half of gate_up
             start, length = rank * dst.shape[0], dst.shape[0]
