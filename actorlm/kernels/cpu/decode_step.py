@@ -67,7 +67,7 @@ class DecodeStep:
                       for layer in self.layers]
         self._seconds = _MoeSecondsStruct()  # the C++ step adds to it: zeroed before each
         self._seconds_pointer = ctypes.pointer(self._seconds)
-        # the layers' LoRA structs (what they point to kept alive with them), if any has slots
+        # the layers' LoRA structs, if any has slots (they point into the plans' tables)
         self._loras = [_lora_structs(layer.lora) for layer in self.layers]
         self.has_lora = any(layer.lora is not None for layer in self.layers)
 
@@ -202,17 +202,9 @@ def _loras_fit(layer: DecoderLayerPlan, dtype: torch.dtype) -> bool:
     if layer.lora is None:
         return True
     projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
-    for table, linear in zip(layer.lora, projections, strict=True):
-        if table is None:
-            continue
-        a, b, parts = table
-        if linear is None or a.dtype != dtype or b.dtype != dtype or \
-                not (a.is_contiguous() and b.is_contiguous()) or \
-                a.shape[1:] != (table.rank, linear.in_features) or \
-                b.shape != (a.shape[0], table.rank, linear.out_features) or \
-                not parts or sum(parts) != linear.out_features or table.rank % len(parts):
-            return False
-    return True
+    return all(table is None or linear is not None and
+               lora.table_fits(table, linear.in_features, linear.out_features, dtype)
+               for table, linear in zip(layer.lora, projections, strict=True))
 
 
 def _mlp_fits(gate_up, down, hidden: int) -> bool:
@@ -290,21 +282,12 @@ def _moe_struct(moe: MoePlan) -> _MoeStruct:
                                             moe.shared_gate)))
 
 
-def _lora_structs(tables) -> tuple[list[_LoRAStruct], list[torch.Tensor]] | None:
+def _lora_structs(tables) -> list[_LoRAStruct] | None:
     """The structs of a layer's LoRA tables (qkv, o, gate_up, down; a zeroed one where a
-    projection has none), with the tensors of their parts' ends that they point to; None
-    without LoRA."""
+    projection has none); None without LoRA."""
     if tables is None:
         return None
-    structs, ends = [], []
-    for table in tables:
-        if table is None:
-            structs.append(_LoRAStruct())
-            continue
-        ends.append(lora.part_ends(table.out_parts))
-        structs.append(_LoRAStruct(table.a.data_ptr(), table.b.data_ptr(), table.rank,
-                                   len(table.out_parts), ends[-1].data_ptr()))
-    return structs, ends
+    return [_LoRAStruct() if table is None else lora.table_struct(table) for table in tables]
 
 
 def _layer_struct(layer: DecoderLayerPlan, moe: _MoeStruct | None, k_cache,
@@ -313,7 +296,7 @@ def _layer_struct(layer: DecoderLayerPlan, moe: _MoeStruct | None, k_cache,
     its LoRA structs (``_lora_structs``), or None."""
     a = layer.attention
     lora = {} if loras is None else dict(zip(("qkv_lora", "o_lora", "gate_up_lora",
-                                              "down_lora"), loras[0]))
+                                              "down_lora"), loras))
     return _LayerStruct(
         *map(_norm_struct, (layer.attn_norm, layer.attn_out_norm, layer.mlp_norm,
                             layer.mlp_out_norm, *_qk_norms(layer))),

@@ -31,9 +31,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, table: lora.LoRATable,
     fn = _function(y, x, table, mapping)
     if fn is None:
         return lora.add_lora(y, x, table, mapping)
-    struct = LoRAStruct(table.a.data_ptr(), table.b.data_ptr(), table.rank,
-                         len(table.out_parts), part_ends(table.out_parts).data_ptr())
-    fn(ctypes.byref(struct), x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[0],
+    fn(ctypes.byref(table_struct(table)), x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[0],
        x.shape[1], y.shape[1], mapping.token_slots.data_ptr())
     return y
 
@@ -51,24 +49,37 @@ def set_isa(name: str) -> bool:
     return fn is not None and fn(ISAS.index(name)) >= 0
 
 
+def table_fits(table: lora.LoRATable, in_features: int, out_features: int,
+               dtype: torch.dtype) -> bool:
+    """Whether the kernel reads ``table`` for a layer of these features in ``dtype``:
+    contiguous, shaped for the layer, the rank split evenly over the parts."""
+    a, b, parts = table
+    return a.dtype == b.dtype == dtype and a.is_contiguous() and b.is_contiguous() and \
+        a.shape[1:] == (table.rank, in_features) and \
+        b.shape == (a.shape[0], table.rank, out_features) and \
+        bool(parts) and sum(parts) == out_features and table.rank % len(parts) == 0
+
+
+def table_struct(table: lora.LoRATable) -> LoRAStruct:
+    """The kernel's view of ``table`` (it points into the table's tensors: keep them)."""
+    return LoRAStruct(table.a.data_ptr(), table.b.data_ptr(), table.rank,
+                      len(table.out_parts), _part_ends(table.out_parts).data_ptr())
+
+
 @functools.cache
-def part_ends(out_parts: tuple[int, ...]) -> torch.Tensor:
+def _part_ends(out_parts: tuple[int, ...]) -> torch.Tensor:
     """Where each part's output rows end, [parts] int64 (kept: the kernel reads it)."""
     return torch.tensor(out_parts, dtype=torch.int64).cumsum(0)
 
 
 def _function(y, x, table: lora.LoRATable, mapping: lora.LoRAMapping):
     """The C++ function for these tensors, or None where it does not take them."""
-    slots, (a, b, parts) = mapping.token_slots, table
+    slots = mapping.token_slots
     suffix = native.dtype_suffix(y.dtype)
     if suffix is None or slots is None or y.device.type != "cpu" or y.dim() != 2 or \
             x.dim() != 2 or x.shape[0] != y.shape[0] or slots.shape != (x.shape[0],) or \
-            x.shape[0] > MAX_ROWS or slots.dtype != torch.int32 or \
-            any(t.dtype != y.dtype for t in (x, a, b)) or \
-            not (a.is_contiguous() and b.is_contiguous() and slots.is_contiguous()) or \
-            x.stride(1) != 1 or y.stride(1) != 1 or \
-            a.shape[1:] != (table.rank, x.shape[1]) or \
-            b.shape != (a.shape[0], table.rank, y.shape[1]) or \
-            sum(parts) != y.shape[1] or table.rank % len(parts):
+            x.shape[0] > MAX_ROWS or slots.dtype != torch.int32 or x.dtype != y.dtype or \
+            not slots.is_contiguous() or x.stride(1) != 1 or y.stride(1) != 1 or \
+            not table_fits(table, x.shape[1], y.shape[1], y.dtype):
         return None
     return native.function(f"actorlm_lora_add_{suffix}")
