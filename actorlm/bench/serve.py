@@ -17,6 +17,7 @@ import dataclasses
 import json
 import time
 
+import aiohttp
 import numpy as np
 
 from actorlm.bench.datasets import (BUILTIN_OUTPUT_LEN, DatasetOptions, SampleRequest,
@@ -106,22 +107,17 @@ class RequestOutcome:
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
-async def _send(client, url: str, payload: dict, outcome: RequestOutcome) -> RequestOutcome:
+async def _send(session, url: str, payload: dict, outcome: RequestOutcome) -> RequestOutcome:
     """Streams one request. As in vLLM, every chunk that carries a choice counts as a token
     chunk (the first is TTFT, the others ITL gaps) and the last one ends the request."""
     start = last = time.perf_counter()
     num_chunks = 0
     try:
-        async with client.stream("POST", url, json=payload) as response:
-            if response.status_code != 200:
-                outcome.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+        async with session.post(url, json=payload) as response:
+            if response.status != 200:
+                outcome.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
                 return outcome
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: "):]
-                if data == "[DONE]":
-                    break
+            async for data in _events(response):
                 chunk = json.loads(data)
                 if "error" in chunk:
                     outcome.error = chunk["error"].get("message", str(chunk["error"]))
@@ -146,6 +142,20 @@ async def _send(client, url: str, payload: dict, outcome: RequestOutcome) -> Req
     outcome.ok, outcome.latency = True, last - start
     outcome.output_tokens = outcome.output_tokens or num_chunks
     return outcome
+
+
+async def _events(response):
+    """The ``data:`` payloads of a server-sent event stream, up to ``[DONE]`` (lines of any
+    length: the body is read as it comes and split here)."""
+    pending = b""
+    async for piece in response.content.iter_any():
+        *lines, pending = (pending + piece).split(b"\n")
+        for line in lines:
+            if line.startswith(b"data: "):
+                data = line[len(b"data: "):].rstrip(b"\r")
+                if data == b"[DONE]":
+                    return
+                yield data
 
 
 def compute_metrics(outcomes: list[RequestOutcome], duration: float,
@@ -235,22 +245,22 @@ class ServeBenchmark:
         return asyncio.run(self._run())
 
     async def _run(self) -> dict:
-        import httpx
-
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        timeout = httpx.Timeout(None, connect=10.0)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-            model, root = await self._served_model(client)
+        # vLLM's client library: the load generator shares the machine with the server, and
+        # aiohttp reads a stream for about half the CPU that httpx takes
+        connector = aiohttp.TCPConnector(limit=0)  # no cap: max_concurrency is the cap
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            model, root = await self._served_model(session)
             tokenizer = load_tokenizer(self.tokenizer or root) \
                 if self.dataset.needs_tokenizer else None
             requests = sample_requests(self.dataset, self.num_prompts, tokenizer, self.seed,
                                        self.builtin_output_len)
             url = self.base_url + self.endpoint
-            probe = await _send(client, url, self._payload(model, requests[0].prompt,
+            probe = await _send(session, url, self._payload(model, requests[0].prompt,
                                                            _PROBE_TOKENS), RequestOutcome())
             if not probe.ok:
                 raise RuntimeError(f"the test request to {url} failed: {probe.error}")
-            outcomes, duration = await self._measure(client, url, model, requests)
+            outcomes, duration = await self._measure(session, url, model, requests)
         rate = self.request_rate if self.request_rate != float("inf") else "inf"
         return {"model": model, "endpoint": self.endpoint,
                 "dataset_name": self.dataset.name or "builtin", "request_rate": rate,
@@ -260,7 +270,7 @@ class ServeBenchmark:
                 **compute_metrics(outcomes, duration, self.percentile_metrics,
                                   self.metric_percentiles, self.goodput)}
 
-    async def _measure(self, client, url: str, model: str,
+    async def _measure(self, session, url: str, model: str,
                        requests: list[SampleRequest]) -> tuple[list[RequestOutcome], float]:
         """Sends every request at its arrival time; their outcomes and the seconds it took."""
         payloads = [self._payload(model, r.prompt, r.expected_output_len) for r in requests]
@@ -269,7 +279,7 @@ class ServeBenchmark:
 
         async def limited(payload: dict, request: SampleRequest) -> RequestOutcome:
             async with semaphore:  # the request's clock starts once it is sent
-                return await _send(client, url, payload,
+                return await _send(session, url, payload,
                                    RequestOutcome(prompt_tokens=request.prompt_len or 0))
 
         tasks = []
@@ -282,10 +292,15 @@ class ServeBenchmark:
         outcomes = await asyncio.gather(*tasks)
         return outcomes, time.perf_counter() - start
 
-    async def _served_model(self, client) -> tuple[str, str]:
+    async def _served_model(self, session) -> tuple[str, str]:
         """The model name to send and the directory it was loaded from (``root``)."""
-        listing = (await client.get(self.base_url + "/v1/models")).raise_for_status().json()
-        cards = listing["data"]
+        try:
+            async with session.get(self.base_url + "/v1/models",
+                                   raise_for_status=True) as response:
+                cards = (await response.json())["data"]
+        except aiohttp.ClientError as exc:
+            raise ValueError(f"--base-url {self.base_url}: no OpenAI-compatible server answers "
+                             f"there ({type(exc).__name__}: {exc})") from exc
         card = next((c for c in cards if c["id"] == self.model), cards[0])
         return self.model or card["id"], card.get("root") or card["id"]
 

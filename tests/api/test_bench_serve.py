@@ -175,6 +175,11 @@ def test_bad_flags_exit_with_a_message_before_any_request(capsys):
         assert capsys.readouterr().err.startswith("error: --"), flags
 
 
+def test_a_base_url_where_no_server_answers_is_an_error_naming_it(capsys):
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "2"]) == 2
+    assert capsys.readouterr().err.startswith("error: --base-url http://127.0.0.1:9: no ")
+
+
 # --- figures -----------------------------------------------------------------------------------
 
 def _outcome(ttft: float, gaps: list[float], output_tokens: int, prompt_tokens: int = 10):
