@@ -219,14 +219,18 @@ def _bench_serve(args) -> int:
     from actorlm.bench.serve import (parse_goodput, parse_metric_percentiles,
                                      parse_percentile_metrics, print_report, run_serve_benchmark)
 
-    result = run_serve_benchmark(
-        args.base_url, args.num_prompts, args.request_rate, endpoint=args.endpoint,
-        max_tokens=args.max_tokens, model=args.model, max_concurrency=args.max_concurrency,
-        seed=args.seed, ignore_eos=args.ignore_eos, dataset=DatasetOptions.from_args(args),
-        tokenizer=args.tokenizer, burstiness=args.burstiness,
-        percentile_metrics=parse_percentile_metrics(args.percentile_metrics),
-        metric_percentiles=parse_metric_percentiles(args.metric_percentiles),
-        goodput=parse_goodput(args.goodput))
+    try:
+        result = run_serve_benchmark(
+            args.base_url, args.num_prompts, args.request_rate, endpoint=args.endpoint,
+            max_tokens=args.max_tokens, model=args.model, max_concurrency=args.max_concurrency,
+            seed=args.seed, ignore_eos=args.ignore_eos, dataset=DatasetOptions.from_args(args),
+            tokenizer=args.tokenizer, burstiness=args.burstiness,
+            percentile_metrics=parse_percentile_metrics(args.percentile_metrics),
+            metric_percentiles=parse_metric_percentiles(args.metric_percentiles),
+            goodput=parse_goodput(args.goodput))
+    except RuntimeError as exc:  # the server refused the test request (an unknown --model...)
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(result))
     else:

@@ -312,3 +312,10 @@ def test_bench_serve_table(server, capsys):
     assert "Serving Benchmark Result" in out and "Mean TTFT (ms)" in out and "P99 ITL (ms)" in out
     assert "Request goodput (req/s)" in out and "Maximum request concurrency:" in out
     assert "E2EL" not in out  # not among vLLM's default --percentile-metrics
+
+
+def test_bench_serve_of_a_model_the_server_lacks_says_what_the_server_answered(server, capsys):
+    assert main(["bench", "serve", "--base-url", server, "--model", "nope",
+                 "--num-prompts", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: the test request to ") and "HTTP 404" in err, err
