@@ -31,8 +31,8 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, table: lora.LoRATable,
     fn = _function(y, x, table, mapping)
     if fn is None:
         return lora.add_lora(y, x, table, mapping)
-    fn(ctypes.byref(table_struct(table)), x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[0],
-       x.shape[1], y.shape[1], mapping.token_slots.data_ptr())
+    fn(ctypes.byref(table_struct(table)), x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0),
+       x.shape[0], x.shape[1], y.shape[1], mapping.token_slots.data_ptr())
     return y
 
 

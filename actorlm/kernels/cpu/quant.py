@@ -213,7 +213,8 @@ class QuantLinear:
         if _library() is None or suffix is None or x.device.type != "cpu":
             return self._torch_path(x)
         rows = x.reshape(-1, self.in_features)  # [M, in], a view where x's layout allows
-        if rows.shape[0] >= _AMX_FROM_ROWS and _amx_from_rows(x.dtype) is not None:
+        amx_from = _amx_from_rows(x.dtype)
+        if amx_from is not None and rows.shape[0] >= amx_from:
             bias = None if self.bias is None else self.bias.to(x.dtype)
             y = F.linear(rows, self.dequantized(x.dtype), bias)
             return y.view(*x.shape[:-1], self.out_features)
