@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(run=_generate)
 
     srv = commands.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    # vLLM's form, ``vllm serve MODEL``, as well as --model
+    srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                     help="HF directory or .gguf file (the same as --model)")
     add_engine_flags(srv)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
@@ -202,7 +205,9 @@ def _report(result: dict, as_json: bool) -> int:
 def _serve(args) -> int:
     from actorlm.api.launcher import serve
 
-    status = serve(args.model, engine_flags(args), host=args.host, port=args.port,
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ValueError(f"two models: {args.model_tag} and --model {args.model} (give one)")
+    status = serve(args.model_tag or args.model, engine_flags(args), host=args.host, port=args.port,
                    served_model_name=args.served_model_name,
                    max_num_waiting=args.max_num_waiting,
                    log_stats_interval=args.log_stats_interval, trace_file=args.trace_file,

@@ -138,3 +138,26 @@ def test_non_streaming_client_that_hangs_up_aborts(tiny_llama_dir, path):
                 time.sleep(0.02)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("argv, model", [
+    (["serve", "path/to/model"], "path/to/model"),  # vLLM's ``vllm serve MODEL``
+    (["serve", "--model", "path/to/model"], "path/to/model"),
+    (["serve", "path/to/model", "--model", "path/to/model"], "path/to/model"),
+    (["serve"], None),  # the default model
+])
+def test_serve_takes_the_model_as_vllm_does(argv, model, monkeypatch):
+    from actorlm.api import cli, launcher
+
+    served = []
+    monkeypatch.setattr(launcher, "serve", lambda model, *args, **kwargs: served.append(model))
+    monkeypatch.setattr(cli.gc, "freeze", lambda: None)  # (it would freeze this test process)
+    assert cli.main(argv) == 0
+    assert served == [model]
+
+
+def test_serve_refuses_two_different_models(capsys):
+    from actorlm.api import cli
+
+    assert cli.main(["serve", "a", "--model", "b"]) == 2
+    assert "error: two models: a and --model b (give one)" in capsys.readouterr().err
