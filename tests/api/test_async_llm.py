@@ -176,3 +176,26 @@ def test_a_dead_worker_is_replaced_and_counted_and_its_stream_completes(tiny_lla
         assert samples["actorlm:worker_restarts_total"] == 1
     finally:
         engine.shutdown()
+
+
+def test_the_submit_thread_has_its_tokenizer_before_the_first_request(tiny_llama_dir,
+                                                                   monkeypatch):
+    import copy
+    import threading
+
+    llm = AsyncLLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=64)
+    try:
+        copied_in = []
+        real = copy.deepcopy
+
+        def counting(obj, *args):
+            copied_in.append(threading.current_thread().name)
+            return real(obj, *args)
+
+        monkeypatch.setattr(copy, "deepcopy", counting)
+        # the server's chat templates and /tokenize run there (``run_blocking``)
+        ids = asyncio.run(llm.run_blocking(llm.encode, "Hello"))
+        assert ids and ids == llm.tokenizer.encode("Hello")
+        assert not [name for name in copied_in if name.startswith("actorlm-submit")]
+    finally:
+        llm.shutdown()
