@@ -262,6 +262,24 @@ def test_dequantized_rows_equal_gguf(type_name):
     assert torch.equal(quant.dequantize_rows(weight, ids, torch.bfloat16), expected.bfloat16())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_layers_whole_weight_dequantized_equals_gguf(dtype):
+    """What a prefill on AMX multiplies by (``QuantLinear.dequantized``): every part, with
+    its rows interleaved 16 at a time (Q4_1 and Q8_0 here, with the VNNI kernels) or as the
+    file has them (Q4_0 of 21 rows, Q4_K), bit for bit as above."""
+    rng = np.random.default_rng(12)
+    k = 512
+    parts = [("Q4_1", gb.random_blocks("Q4_1", 48, k, rng)),
+             ("Q8_0", gb.random_blocks("Q8_0", 16, k, rng)),
+             ("Q4_0", gb.random_blocks("Q4_0", 21, k, rng)),
+             ("Q4_K", gb.random_blocks("Q4_K", 5, k, rng))]
+    layer = quant.QuantLinear([gb.quantized_weight(t, b, k) for t, b in parts], None)
+    if quant.isa() == "vnni":
+        assert layer.interleaved == (True, True, False, False)
+    expected = torch.cat([gb.dequantized(t, b) for t, b in parts]).float().to(dtype)
+    assert torch.equal(layer.dequantized(dtype), expected)
+
+
 def test_without_the_library_the_torch_path_computes_the_same(monkeypatch):
     rng = np.random.default_rng(5)
     k = 256

@@ -238,9 +238,13 @@ class QuantLinear:
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole weight in ``dtype``, [out, in], dequantized now (not kept: a dense copy
         would take a dense model's memory)."""
-        return torch.cat([
-            _rows_of_part(part, shape, torch.arange(shape[0]), dtype, blocks)
-            for part, blocks, (_, shape) in zip(self._part_array, self._blocks, self._kinds)])
+        out = torch.empty(self.out_features, self.in_features, dtype=dtype)
+        start = 0
+        for part, blocks, (_, shape) in zip(self._part_array, self._blocks, self._kinds):
+            _rows_of_part(part, shape, _every_row(shape[0]), dtype, blocks,
+                          out=out[start:start + shape[0]])
+            start += shape[0]
+        return out
 
     def panel_from_rows(self, dtype: torch.dtype) -> int | None:
         """The rows of x from which this layer runs in ``dtype`` on its weight dequantized (in
@@ -284,13 +288,20 @@ def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor,
     return _rows_of_part(part, weight.shape, rows, dtype, blocks)
 
 
+@functools.cache
+def _every_row(num_rows: int) -> torch.Tensor:
+    return torch.arange(num_rows)
+
+
 def _rows_of_part(part, shape: tuple[int, int], rows: torch.Tensor, dtype: torch.dtype,
-                  blocks: torch.Tensor) -> torch.Tensor:
-    """Rows ``rows`` of the part (``blocks`` its memory, kept alive until the call returns)."""
+                  blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``rows`` of the part (``blocks`` its memory, kept alive until the call returns),
+    into ``out`` ([rows, in], contiguous) if given."""
     ids = rows.reshape(-1).to(torch.int64).contiguous()
     if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < shape[0]):
         raise IndexError(f"row ids out of range [0, {shape[0]})")
-    out = torch.empty(ids.numel(), shape[1], dtype=dtype)
+    if out is None:
+        out = torch.empty(ids.numel(), shape[1], dtype=dtype)
     native.function(f"actorlm_quant_dequantize_rows_{native.dtype_suffix(dtype)}")(
         ctypes.byref(part), shape[1], ids.data_ptr(), ids.numel(), out.data_ptr())
     del blocks
