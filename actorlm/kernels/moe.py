@@ -1,5 +1,6 @@
 """Routed experts in torch ops, on any device (``KernelBackend.fused_moe``): the CPU wing's path
-where its experts are not packed, and the routing (``route``) that every path shares.
+where its experts are not packed (and, on AMX tiles, for packed experts' large steps), and the
+routing (``route``) that every path shares.
 
 A step's tokens are grouped by expert, not looped over: the (token, expert) pairs are sorted by
 expert, each expert with tokens runs its gate/up and down projections once over all of its rows,

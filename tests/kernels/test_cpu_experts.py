@@ -114,3 +114,43 @@ def test_experts_the_kernel_cannot_take_stay_on_the_torch_path(monkeypatch):
     monkeypatch.setattr(cpu_linear, "_kernel", lambda dtype=None: None)  # no AVX-512
     plain = _experts(4, torch.float32)
     assert backend.prepare_experts(plain) is plain
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n, k", [(80, 40), (130, 41), (1, 7)])
+def test_unpacking_gives_back_the_packed_weight(dtype, n, k):
+    """What the AMX path multiplies by: the weight as loaded, bit for bit (a bf16 row of odd k
+    ends in half a 32-bit lane)."""
+    _needs(dtype)
+    kernel = cpu_linear._kernel(dtype)
+    weight = torch.randn(n, k).to(dtype)
+    packed = cpu_linear.aligned_empty(cpu_linear.packed_numel(n, k, dtype, kernel), dtype)
+    kernel.pack(weight.data_ptr(), packed.data_ptr(), n, k)
+    unpacked = torch.full((n, k), float("nan"), dtype=dtype)
+    kernel.unpack(packed.data_ptr(), unpacked.data_ptr(), n, k)
+    assert torch.equal(unpacked, weight)
+
+
+@pytest.mark.parametrize("amx_from, unpacks", [(2, True), (100, False)])
+def test_large_bf16_steps_on_amx_run_torchs_gemm_over_the_unpacked_experts(
+        amx_from, unpacks, monkeypatch):
+    """From ``_AMX_FROM_EXPERT_ROWS`` rows an expert (here 24 tokens x top 2 / 8 experts: 6),
+    with AMX tiles, the step is ``moe.grouped_experts`` over the weights as loaded, to the bit;
+    below, the panels as before."""
+    _needs(torch.bfloat16)
+    monkeypatch.setattr(cpu_experts.native, "has_amx", lambda: True)
+    monkeypatch.setattr(cpu_experts, "_AMX_FROM_EXPERT_ROWS", amx_from)
+    unpacked = []
+    real = cpu_experts.PanelExperts.unpacked_linear
+    monkeypatch.setattr(cpu_experts.PanelExperts, "unpacked_linear",
+                        lambda self, *args: unpacked.append(args[:2]) or real(self, *args))
+    experts = _experts(8, torch.bfloat16)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(24, HIDDEN, generator=gen).bfloat16()
+    weights, ids = moe.route(torch.randn(24, 8, generator=gen), 2, True)
+    out = cpu_experts.PanelExperts.build(experts).run(x, weights, ids)
+    if unpacks:
+        assert torch.equal(out, moe.grouped_experts(x, weights, ids, experts, fused.act_and_mul))
+        assert {e for _, e in unpacked} == set(ids.flatten().tolist())
+    else:
+        assert torch.equal(out, _panel_reference(x, weights, ids, experts)) and not unpacked

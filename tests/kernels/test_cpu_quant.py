@@ -191,7 +191,7 @@ def test_each_path_at_any_number_of_rows(type_name, panel_from_rows):
 def test_many_bf16_rows_take_torchs_gemm_on_a_cpu_with_amx(type_name, monkeypatch):
     """From ``_AMX_FROM_ROWS`` bf16 rows the weight is dequantized whole and multiplied by
     torch (oneDNN's AMX tiles); fewer rows, or fp32, stay on the kernels."""
-    if not quant._has_amx():
+    if not native.has_amx():
         pytest.skip("this CPU has no AMX tiles (torch.cpu reports none)")
     if quant.isa() != quant.ISAS[-1]:
         pytest.skip(f"the kernels run {quant.isa()}, not the best ISA (ACTORLM_CPU_ISA?)")

@@ -122,6 +122,8 @@ FUNCTIONS = [
     ("int", "actorlm_linear_panel_bf16", []),
     ("void", "actorlm_linear_pack", [
         ("const T*", "weight"), ("T*", "packed"), ("int64_t", "n"), ("int64_t", "k")]),
+    ("void", "actorlm_linear_unpack", [  # actorlm_linear_pack undone
+        ("const T*", "packed"), ("T*", "weight"), ("int64_t", "n"), ("int64_t", "k")]),
     ("void", "actorlm_linear", [
         ("const T*", "x"), ("int64_t", "x_stride"), ("const T*", "packed"),
         ("const float*", "bias"), ("T*", "y"), ("int64_t", "m"), ("int64_t", "n"),

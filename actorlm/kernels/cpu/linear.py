@@ -131,6 +131,7 @@ class _Kernel:
         self.max_rows = _BF16_MAX_ROWS if suffix == "bf16" else \
             _AVX2_MAX_ROWS if self.panel == _AVX2_PANEL else None
         self.pack = native.function(f"actorlm_linear_pack_{suffix}")
+        self.unpack = native.function(f"actorlm_linear_unpack_{suffix}")  # pack undone
         self.run = native.function(f"actorlm_linear_{suffix}")
 
 

@@ -61,6 +61,12 @@ def function(name: str) -> ctypes._CFuncPtr | None:
     return fn
 
 
+@functools.cache
+def has_amx() -> bool:
+    """Whether this CPU has AMX tiles (which torch's bf16 GEMM, oneDNN's, then runs on)."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())  # (private)
+
+
 def dtype_suffix(dtype: torch.dtype) -> str | None:
     """The suffix of the library's functions for ``dtype`` (``_f32``, ``_bf16``), or None where
     it has none."""

@@ -111,14 +111,10 @@ def set_panel_from_rows(rows: int | None) -> None:
 
 
 @functools.cache
-def _has_amx() -> bool:
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())  # (private)
-
-
 def _amx_from_rows(dtype: torch.dtype) -> int | None:
     """The rows from which bf16 x takes the dequantized weight through torch's GEMM (AMX);
     None: never (no AMX, fp32, a lesser ISA forced, or the paths forced by rows)."""
-    if dtype != torch.bfloat16 or _panel_override is not None or not _has_amx() or \
+    if dtype != torch.bfloat16 or _panel_override is not None or not native.has_amx() or \
             _isa_index() != len(ISAS) - 1:
         return None
     return _AMX_FROM_ROWS

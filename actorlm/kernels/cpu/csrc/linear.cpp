@@ -60,6 +60,39 @@ void pack(const T* weight, T* packed, int64_t n, int64_t k) {
   }
 }
 
+// packed -> weight [n, k]: pack undone (a GEMM elsewhere, oneDNN's on AMX, reads it plain).
+// A panel is [k / d][kPanel] 32-bit lanes and a row k / d of them: a transpose of lanes, done
+// in 16 x kPanel blocks so that the 16 lines it reads stay in L1 while they are used up.
+template <typename T>
+void unpack(const T* packed, T* weight, int64_t n, int64_t k) {
+  constexpr int d = kDepth<T>;
+  const int64_t panels = (n + kPanel - 1) / kPanel, depth_k = (k + d - 1) / d * d;
+  if (k % d == 0) {
+    const int64_t lanes = k / d;
+    const uint32_t* from = reinterpret_cast<const uint32_t*>(packed);
+    uint32_t* to = reinterpret_cast<uint32_t*>(weight);
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+      const int columns = int(std::min<int64_t>(kPanel, n - p * kPanel));
+      for (int64_t i0 = 0; i0 < lanes; i0 += 16) {
+        const int64_t i1 = std::min<int64_t>(i0 + 16, lanes);
+        for (int c = 0; c < columns; ++c)
+          for (int64_t i = i0; i < i1; ++i)
+            to[(p * kPanel + c) * lanes + i] = from[(p * lanes + i) * kPanel + c];
+      }
+    }
+    return;
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    for (int c = 0; c < kPanel && p * kPanel + c < n; ++c) {
+      T* row = weight + (p * kPanel + c) * k;
+      for (int64_t i = 0; i < k; ++i)
+        row[i] = packed[((p * depth_k + i - i % d) * kPanel) + c * d + i % d];
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -86,6 +119,14 @@ void actorlm_linear_pack_f32(const float* weight, float* packed, int64_t n, int6
 }
 void actorlm_linear_pack_bf16(const uint16_t* weight, uint16_t* packed, int64_t n, int64_t k) {
   pack(weight, packed, n, k);
+}
+
+void actorlm_linear_unpack_f32(const float* packed, float* weight, int64_t n, int64_t k) {
+  unpack(packed, weight, n, k);
+}
+void actorlm_linear_unpack_bf16(const uint16_t* packed, uint16_t* weight, int64_t n,
+                                int64_t k) {
+  unpack(packed, weight, n, k);
 }
 
 // y [m, n] = x [m, k] (rows x_stride apart) @ weight^T + bias (fp32, padded to the packed
