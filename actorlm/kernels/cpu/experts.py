@@ -101,7 +101,6 @@ class PanelExperts:
                           out.data_ptr(), x.shape[0], ids.shape[1])
         return out
 
-
     def _on_amx(self, num_slots: int) -> bool:
         return self.dtype == torch.bfloat16 and native.has_amx() and \
             num_slots >= _AMX_FROM_EXPERT_ROWS * self.num_experts
@@ -125,9 +124,9 @@ class _Unpacked:
 
     def __init__(self, experts: PanelExperts):
         self.activation, self.first_expert = experts.activation, experts.first_expert
-        self.gate_up, self.down = ([functools.partial(experts.unpacked_linear, projection, e)
-                                    for e in range(experts.num_experts)]
-                                   for projection in ("gate_up", "down"))
+        ids = range(experts.num_experts)
+        self.gate_up = [functools.partial(experts.unpacked_linear, "gate_up", e) for e in ids]
+        self.down = [functools.partial(experts.unpacked_linear, "down", e) for e in ids]
 
 
 _buffers = threading.local()

@@ -110,7 +110,6 @@ def set_panel_from_rows(rows: int | None) -> None:
     _panel_override = rows or None
 
 
-@functools.cache
 def _amx_from_rows(dtype: torch.dtype) -> int | None:
     """The rows from which bf16 x takes the dequantized weight through torch's GEMM (AMX);
     None: never (no AMX, fp32, a lesser ISA forced, or the paths forced by rows)."""
