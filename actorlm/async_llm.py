@@ -207,8 +207,7 @@ class AsyncLLM:
         self.stats_listener = None  # metrics: observe_first_token, observe_inter_token, …
         self.num_generation_tokens = 0  # since start, for throughput logs
         self._submitter = ThreadPoolExecutor(1, thread_name_prefix="actorlm-submit")
-        # its thread's copy of the tokenizer (``PerThreadTokenizer``), made now rather than in
-        # the first request's time to first token (~0.2 s for SmolLM2's)
+        # its thread's tokenizer copy (PerThreadTokenizer) now, not in the first request's TTFT
         self._submitter.submit(getattr, self.tokenizer, "for_this_thread", None).result()
         self._live: dict[str, RequestStream] = {}
         self._live_lock = threading.Lock()

@@ -14,6 +14,6 @@ import json; d=json.load(open('$OUT/gguf-after-c$c-r$round.json')); print('gguf-
   done
   pkill -f "port 8200"; sleep 6
   if [ $round = 1 ]; then
-    for c in 16 64; do HF_HUB_OFFLINE=1 .venv/bin/python $OUT/offline.py $GGUF $c 2>/dev/null | tail -1 | sed 's/^{/{"after": "vectorised dequantizing", /' >> $OUT/offline.jsonl; done
+    for c in 16 64; do HF_HUB_OFFLINE=1 .venv/bin/python docs/benchmark-data/serve-vs-vllm-20261203-amx/offline.py $GGUF $c 2>/dev/null | tail -1 | sed 's/^{/{"after": "vectorised dequantizing", /' >> $OUT/offline.jsonl; done
   fi
 done

