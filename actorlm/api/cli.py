@@ -207,7 +207,8 @@ def _serve(args) -> int:
 
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         raise ValueError(f"two models: {args.model_tag} and --model {args.model} (give one)")
-    status = serve(args.model_tag or args.model, engine_flags(args), host=args.host, port=args.port,
+    model = args.model if args.model_tag is None else args.model_tag  # ("" is not the default)
+    status = serve(model, engine_flags(args), host=args.host, port=args.port,
                    served_model_name=args.served_model_name,
                    max_num_waiting=args.max_num_waiting,
                    log_stats_interval=args.log_stats_interval, trace_file=args.trace_file,

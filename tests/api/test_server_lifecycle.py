@@ -145,6 +145,7 @@ def test_non_streaming_client_that_hangs_up_aborts(tiny_llama_dir, path):
     (["serve", "--model", "path/to/model"], "path/to/model"),
     (["serve", "path/to/model", "--model", "path/to/model"], "path/to/model"),
     (["serve"], None),  # the default model
+    (["serve", ""], ""),  # refused as --model "" is, not taken for the default
 ])
 def test_serve_takes_the_model_as_vllm_does(argv, model, monkeypatch):
     from actorlm.api import cli, launcher
