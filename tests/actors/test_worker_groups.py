@@ -52,13 +52,18 @@ def step(step_id: int, new=(), cached=(), finished=()) -> ScheduleStep:
                         [len(r.token_ids) for r in new] + [1] * len(cached), list(finished))
 
 
-def children() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children() if p.is_running() and
-            p.status() != psutil.STATUS_ZOMBIE]
+@pytest.fixture
+def new_children():
+    """This process's live children that the test started: not those running before it (a
+    Ray cluster that a session-wide fixture of another module has started, say)."""
+    before = {p.pid for p in psutil.Process().children()}
+    return lambda: [p for p in psutil.Process().children() if p.pid not in before and
+                    p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
 @pytest.mark.parametrize("num_ranks", [1, 2])
-def test_a_killed_rank_restarts_every_rank_and_its_step_faults(make_probe, num_ranks):
+def test_a_killed_rank_restarts_every_rank_and_its_step_faults(make_probe, num_ranks,
+                                                               new_children):
     scheduler = make_probe("scheduler")
     executor = ExecutorActor.start(FakeRunnerFactory(), num_ranks, scheduler.ref, backend="mp")
     try:
@@ -86,12 +91,13 @@ def test_a_killed_rank_restarts_every_rank_and_its_step_faults(make_probe, num_r
                        psutil.STATUS_ZOMBIE for pid in pids)  # the survivors were killed too
     finally:
         executor.stop()
-    assert children() == []
+    assert new_children() == []
 
 
-def test_a_rank_that_cannot_load_raises_in_the_caller_and_leaves_no_process(make_probe):
+def test_a_rank_that_cannot_load_raises_in_the_caller_and_leaves_no_process(make_probe,
+                                                                             new_children):
     with pytest.raises(ValueError, match="rank 1: no such checkpoint") as raised:
         ExecutorActor.start(FakeRunnerFactory(fail_rank=1), 2, make_probe().ref, backend="mp")
     assert "worker process 1" in "".join(getattr(raised.value, "__notes__", []))
-    assert children() == []
+    assert new_children() == []
 
