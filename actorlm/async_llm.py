@@ -207,8 +207,8 @@ class AsyncLLM:
         self.stats_listener = None  # metrics: observe_first_token, observe_inter_token, …
         self.num_generation_tokens = 0  # since start, for throughput logs
         self._submitter = ThreadPoolExecutor(1, thread_name_prefix="actorlm-submit")
-        # its thread's tokenizer copy (PerThreadTokenizer) now, not in the first request's TTFT
-        self._submitter.submit(getattr, self.tokenizer, "for_this_thread", None).result()
+        # now, not in the first request's TTFT: the thread's tokenizer copy, the chat template
+        self._submitter.submit(_warm_submit_thread, self.engine).result()
         self._live: dict[str, RequestStream] = {}
         self._live_lock = threading.Lock()
         self._ids = itertools.count()
@@ -388,6 +388,19 @@ class AsyncLLM:
 
     async def __aexit__(self, *exc) -> None:
         await asyncio.to_thread(self.shutdown)
+
+
+def _warm_submit_thread(engine: EngineSystem) -> None:
+    """Make the submit thread's tokenizer copy (``PerThreadTokenizer``) and compile the chat
+    template (jinja: 10-30 ms, which transformers then caches) by rendering a short
+    conversation through it."""
+    getattr(engine.tokenizer, "for_this_thread", None)
+    if getattr(engine.tokenizer, "chat_template", None) is None:
+        return
+    try:
+        engine.apply_chat_template([{"role": "user", "content": "Hello"}])
+    except Exception:  # noqa: BLE001 — a template may refuse this conversation; compiled anyway
+        log.debug("the chat template refused the warm-up conversation", exc_info=True)
 
 
 def _stop(engine: EngineSystem, trace: TraceRecorder, submitter: ThreadPoolExecutor) -> None:

@@ -199,3 +199,34 @@ def test_the_submit_thread_has_its_tokenizer_before_the_first_request(tiny_llama
         assert not [name for name in copied_in if name.startswith("actorlm-submit")]
     finally:
         llm.shutdown()
+
+
+def test_the_chat_template_is_compiled_before_the_first_request(tiny_llama_dir, tmp_path,
+                                                                monkeypatch):
+    import shutil
+
+    import jinja2
+
+    # a template of its own: transformers caches compiled templates, and other tests have
+    # compiled the checkpoint's
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    template = model / "chat_template.jinja"
+    template.write_text(template.read_text() + "{# this test's own #}")
+    llm = AsyncLLM(str(model), dtype="float32", num_kv_blocks=64)
+    try:
+        compiled = []
+        real = jinja2.Environment.from_string
+
+        def counting(env, source, *args, **kwargs):
+            compiled.append(source)
+            return real(env, source, *args, **kwargs)
+
+        monkeypatch.setattr(jinja2.Environment, "from_string", counting)
+        conversation = [{"role": "user", "content": "What is two plus two?"}]
+        ids = asyncio.run(llm.run_blocking(llm.apply_chat_template, conversation))
+        assert compiled == []
+        assert ids == llm.tokenizer.apply_chat_template(
+            conversation, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+    finally:
+        llm.shutdown()
