@@ -23,15 +23,25 @@ def _needs(dtype):
         pytest.skip(f"no {dtype} panel GEMM here (fp32: AVX-512 or AVX2 and FMA; bf16: avx512_bf16)")
 
 
-def _experts(num_experts, dtype, activation="silu", seed=0):
+def _experts(num_experts, dtype, activation="silu", seed=0, hidden=HIDDEN,
+             intermediate=INTERMEDIATE):
     gen = torch.Generator().manual_seed(seed)
-    gate_up = torch.randn(num_experts, 2 * INTERMEDIATE, HIDDEN, generator=gen) * 0.2
-    down = torch.randn(num_experts, HIDDEN, INTERMEDIATE, generator=gen) * 0.2
+    gate_up = torch.randn(num_experts, 2 * intermediate, hidden, generator=gen) * 0.2
+    down = torch.randn(num_experts, hidden, intermediate, generator=gen) * 0.2
     return Experts(gate_up.to(dtype), down.to(dtype), activation)
 
 
 def _unused(x):  # the wider GEMM a panel layer takes beyond its rows: one row never needs it
     raise AssertionError("one row ran beyond the panel GEMM")
+
+
+def _rowwise(layer, x):
+    """``layer(x)`` as the experts run it: each row computed the same whatever the rows beside
+    it (bf16 on AMX tiles where the CPU has them, at every row count)."""
+    y = x.new_empty(x.shape[0], layer.out_features)
+    layer.kernel.rowwise(x.data_ptr(), x.stride(0), layer.packed.data_ptr(), None, y.data_ptr(),
+                         x.shape[0], layer.out_features, layer.in_features)
+    return y
 
 
 def _panel_reference(x, weights, ids, experts):
@@ -44,8 +54,8 @@ def _panel_reference(x, weights, ids, experts):
             e = int(ids[t, j])
             gate_up, down = (cpu_linear.PanelLinear.build(w.contiguous(), None, wide=_unused)
                              for w in (experts.gate_up[e], experts.down[e]))
-            hidden = fused.act_and_mul(gate_up(x[t:t + 1]), experts.activation)
-            slot = (down(hidden) * weights[t, j]).to(x.dtype)
+            hidden = fused.act_and_mul(_rowwise(gate_up, x[t:t + 1]), experts.activation)
+            slot = (_rowwise(down, hidden) * weights[t, j]).to(x.dtype)
             total = slot if total is None else total + slot
         out.append(total)
     return torch.cat(out)
@@ -78,12 +88,14 @@ def test_a_tie_goes_to_the_lower_index():
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("num_tokens, num_experts, top_k", [(1, 8, 2), (2, 8, 3), (29, 6, 2),
                                                             (9, 3, 3)])
+# (64, 32): both projections' k a multiple of 32, which bf16 runs on AMX tiles where they are
+@pytest.mark.parametrize("hidden, intermediate", [(HIDDEN, INTERMEDIATE), (64, 32)])
 def test_experts_have_the_grouped_torch_paths_roundings_over_the_panel_gemm(
-        dtype, activation, num_tokens, num_experts, top_k):
+        dtype, activation, num_tokens, num_experts, top_k, hidden, intermediate):
     _needs(dtype)
-    experts = _experts(num_experts, dtype, activation)
+    experts = _experts(num_experts, dtype, activation, hidden=hidden, intermediate=intermediate)
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(num_tokens, HIDDEN, generator=gen).to(dtype)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
     logits = torch.randn(num_tokens, num_experts, generator=gen)
     weights, ids = moe.route(logits, top_k, True)
     prepared = cpu_experts.PanelExperts.build(experts)
@@ -154,3 +166,21 @@ def test_large_bf16_steps_on_amx_run_torchs_gemm_over_the_unpacked_experts(
         assert {e for _, e in unpacked} == set(ids.flatten().tolist())
     else:
         assert torch.equal(out, _panel_reference(x, weights, ids, experts)) and not unpacked
+
+
+def test_large_bf16_steps_stay_on_the_panels_where_those_run_on_amx_tiles(monkeypatch):
+    """Both projections' depth a multiple of 32: the panels themselves run on the tiles, faster
+    than torch's GEMM after unpacking, at any step."""
+    _needs(torch.bfloat16)
+    if cpu_linear.amx_tiles() is None:
+        pytest.skip("no AMX tiles here (AMX-BF16 in the CPU and the build, and the kernel's "
+                    "permission)")
+    monkeypatch.setattr(cpu_experts, "_AMX_FROM_EXPERT_ROWS", 2)
+    monkeypatch.setattr(cpu_experts.PanelExperts, "unpacked_linear",
+                        lambda *args: pytest.fail("a projection was unpacked"))
+    experts = _experts(8, torch.bfloat16, hidden=64, intermediate=32)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(24, 64, generator=gen).bfloat16()
+    weights, ids = moe.route(torch.randn(24, 8, generator=gen), 2, True)
+    out = cpu_experts.PanelExperts.build(experts).run(x, weights, ids)
+    assert torch.equal(out, _panel_reference(x, weights, ids, experts))

@@ -69,6 +69,47 @@ def test_packed_fp32_linear_is_the_oracle_within_rounding_at_every_row_count(wit
                 assert torch.equal(got, F.linear(x, weight, bias)), rows
 
 
+@pytest.fixture
+def amx_tiles():
+    """The bf16 panels on AMX tiles, switched back on after the test (which may compare the
+    AVX-512 tile); skipped where there are none."""
+    if cpu_linear.amx_tiles() is None:
+        pytest.skip("no AMX tiles here (AMX-BF16 in the CPU and the build, and the kernel's "
+                    "permission): bf16 panels run on the AVX-512 tile")
+    yield cpu_linear.amx_tiles
+    cpu_linear.amx_tiles(True)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_panels_on_amx_tiles_are_the_oracle_within_rounding_whatever_rows_are_beside(
+        amx_tiles, with_bias):
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(100, 96, generator=gen).to(torch.bfloat16)  # k: three tiles' depth
+    bias = torch.randn(100, generator=gen).to(torch.bfloat16) if with_bias else None
+    linear = packed_linear(weight, bias)
+    assert linear.max_rows == 64  # where the tiles beat oneDNN's GEMM; beyond, oneDNN
+    x = torch.randn(65, 96, generator=gen).to(torch.bfloat16)
+    with torch.inference_mode():
+        three = linear(x[:3])
+        # the AVX-512 tile below 3 rows; on the tiles a part of an A tile, one, two
+        for rows in (1, 2, 3, 16, 17, 64):
+            got = linear(x[:rows])
+            _assert_matches_reference(got, x[:rows], weight, bias, f"{rows} rows")
+            if rows >= 3:
+                assert torch.equal(got[:3], three), rows  # a row's bits are its own
+        assert torch.equal(linear(x), F.linear(x, weight, bias))  # 65 rows: oneDNN
+        tiles = linear(x[:17])
+        amx_tiles(False)  # the AVX-512 tile: the same sums, a pair's products rounded otherwise
+        avx = linear(x[:17])
+    _assert_matches_reference(avx, x[:17], weight, bias, "17 rows, AVX-512")
+    assert (avx != tiles).float().mean() < 0.01  # a last bit now and then
+
+
+def test_bf16_panels_keep_to_two_rows_where_k_is_not_a_multiple_of_32(amx_tiles):
+    linear = packed_linear(torch.randn(100, 80).to(torch.bfloat16), None)
+    assert linear.max_rows == 2
+
+
 def test_packing_applies_to_bf16_and_fp32_only():
     assert packed_linear(torch.randn(8, 4, dtype=torch.float16), None) is None
 

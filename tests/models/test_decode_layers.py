@@ -1,8 +1,9 @@
 """A decode step through all layers in one C++ call (``kernels/cpu/decode_step.py``) computes
-what the Python layers compute, bit for bit, in fp32 and (for one or two requests) bf16; it
-executes each layer's description, so a family with q/k norms (Qwen3), or one that describes
-other norms and activations, a sliding window or capped scores, takes it as Llama does; layers
-of two KV-cache groups read each their own group's blocks; steps it does not take fall back."""
+what the Python layers compute, bit for bit, in fp32 and, for the rows the bf16 panels take
+(two; 64 on AMX tiles), bf16; it executes each layer's description, so a family with q/k
+norms (Qwen3), or one that describes other norms and activations, a sliding window or capped
+scores, takes it as Llama does; layers of two KV-cache groups read each their own group's
+blocks; steps it does not take fall back."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def _twin_runs(model, prompts, steps):
     one_call, outputs = model.decode_step, []
     for fused in (one_call, None):
         model.decode_step = fused
-        cache, logits = PagedContexts(model, seed=3), []
+        cache, logits = PagedContexts(model, num_blocks=max(96, 8 * len(prompts)), seed=3), []
         logits.append(cache.step(model, list(enumerate(prompts))))
         for step in steps:
             logits.append(cache.step(model, step))
@@ -88,14 +89,17 @@ def test_steps_that_are_not_pure_decode_run_the_python_layers(tiny_llama_dir):
 
 @needs_bf16_kernels
 @pytest.mark.parametrize("checkpoint", ["tiny_qwen2_dir", "tiny_qwen3_dir"])
-def test_bf16_decode_steps_of_one_or_two_requests_have_the_python_layers_bits(checkpoint,
-                                                                              request):
+def test_bf16_decode_steps_up_to_the_panels_rows_have_the_python_layers_bits(checkpoint,
+                                                                            request):
     model = load_model(request.getfixturevalue(checkpoint), torch.bfloat16, "cpu",
                        select_backend("cpu"))
+    limit = model.decode_step.max_rows  # two; 64 where the panels run on AMX tiles
+    prompts = [PROMPT_IDS[rid % len(PROMPT_IDS)] for rid in range(limit + 1)]
     steps = [[(0, [11]), (1, [12])], [(2, [13])],  # two rows, one row: the one call
-             [(rid, [14 + rid]) for rid in range(3)]]  # three rows: oneDNN's GEMM, in Python
-    _assert_twins(model, PROMPT_IDS, steps)
-    assert model.decode_step.num_steps == 2
+             [(rid, [14 + rid % 5]) for rid in range(limit)],  # the most it takes
+             [(rid, [20 + rid % 5]) for rid in range(limit + 1)]]  # one more: in Python
+    _assert_twins(model, prompts, steps)
+    assert model.decode_step.num_steps == 3
 
 
 @needs_kernels

@@ -1,9 +1,9 @@
 """Routed experts inside the one-call decode step (``kernels/cpu/decode_step.py``): a
 mixture-of-experts layer's router, top-k, experts and shared expert run in the same C++ call
-as its attention, with the Python layers' bits (fp32, and bf16 for one or two requests) on the
-tiny checkpoints of Qwen3-MoE (dense and routed layers mixed), Mixtral, Qwen2-MoE (a gated
-shared expert, sliding layers) and OLMoE (q and k normed over their whole projections, q/k/v
-clipped)."""
+as its attention, with the Python layers' bits (fp32, and bf16 for the rows its panels take)
+on the tiny checkpoints of Qwen3-MoE (dense and routed layers mixed), Mixtral, Qwen2-MoE (a
+gated shared expert, sliding layers) and OLMoE (q and k normed over their whole projections,
+q/k/v clipped)."""
 
 from __future__ import annotations
 
@@ -32,13 +32,16 @@ def test_fp32_decode_steps_in_one_call_have_the_python_layers_bits(family, tiny_
 
 @needs_bf16_kernels
 @pytest.mark.parametrize("family", FAMILIES)
-def test_bf16_decode_steps_of_one_or_two_requests_have_the_python_layers_bits(family,
-                                                                              tiny_moe_dirs):
+def test_bf16_decode_steps_up_to_the_panels_rows_have_the_python_layers_bits(family,
+                                                                            tiny_moe_dirs):
     model = load_model(tiny_moe_dirs[family], torch.bfloat16, "cpu", select_backend("cpu"))
+    limit = model.decode_step.max_rows  # two; 64 where the panels run on AMX tiles
+    prompts = [PROMPT_IDS[rid % len(PROMPT_IDS)] for rid in range(limit + 1)]
     steps = [[(0, [11]), (1, [12])], [(2, [13])], [(0, [14])],
-             [(rid, [15 + rid]) for rid in range(3)]]  # three rows: the Python layers
-    _assert_twins(model, PROMPT_IDS, steps)
-    assert model.decode_step.num_steps == 3
+             [(rid, [15 + rid % 5]) for rid in range(limit)],  # the most the one call takes
+             [(rid, [20 + rid % 5]) for rid in range(limit + 1)]]  # one more: the Python layers
+    _assert_twins(model, prompts, steps)
+    assert model.decode_step.num_steps == 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

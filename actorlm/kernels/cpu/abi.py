@@ -120,11 +120,16 @@ FUNCTIONS = [
     # linear.cpp
     ("int", "actorlm_linear_panel_f32", []),
     ("int", "actorlm_linear_panel_bf16", []),
+    ("int", "actorlm_linear_amx", [("int", "on")]),  # bf16 on AMX tiles: 1/0 set, else ask
     ("void", "actorlm_linear_pack", [
         ("const T*", "weight"), ("T*", "packed"), ("int64_t", "n"), ("int64_t", "k")]),
     ("void", "actorlm_linear_unpack", [  # actorlm_linear_pack undone
         ("const T*", "packed"), ("T*", "weight"), ("int64_t", "n"), ("int64_t", "k")]),
     ("void", "actorlm_linear", [
+        ("const T*", "x"), ("int64_t", "x_stride"), ("const T*", "packed"),
+        ("const float*", "bias"), ("T*", "y"), ("int64_t", "m"), ("int64_t", "n"),
+        ("int64_t", "k")]),
+    ("void", "actorlm_linear_rowwise", [  # each row the same whatever the rows: the experts'
         ("const T*", "x"), ("int64_t", "x_stride"), ("const T*", "packed"),
         ("const float*", "bias"), ("T*", "y"), ("int64_t", "m"), ("int64_t", "n"),
         ("int64_t", "k")]),

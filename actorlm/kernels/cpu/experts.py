@@ -9,10 +9,14 @@ came and ``kernels/moe.py`` runs them), and one call routes a step's rows and ru
 experts. (With AVX2 every row runs on the panels, past the 16 a ``PanelLinear`` takes: a large
 prefill's experts cost somewhat more than on the torch path there, docs/benchmarks.md.)
 
-Large bf16 steps on a CPU with AMX tiles (a prefill: ``_AMX_FROM_EXPERT_ROWS`` rows an expert on
-average) run ``moe.grouped_experts`` instead, each expert's projections unpacked from the panels
-for the call (the same bits as the weights loaded) and multiplied by torch's GEMM, which runs on
-the tiles: 1.9x faster at 128 rows an expert and 3.2x at 256, the unpacking included.
+On a CPU with AMX tiles the panels run on them (``csrc/linear.cpp``) where both projections'
+depth (hidden, intermediate) is a multiple of 32: a prefill's many rows an expert too, at 2-5x
+the speed of the path below (16 experts of hidden and width 1,024, top 2: 128 to 2,048 tokens
+3.4-18 against 18-42 ms). Other shapes keep the panels on the AVX-512 tile, and there large bf16
+steps (a prefill: ``_AMX_FROM_EXPERT_ROWS`` rows an expert on average) run
+``moe.grouped_experts`` instead, each expert's projections unpacked from the panels for the call
+(the same bits as the weights loaded) and multiplied by torch's GEMM, which runs on the tiles:
+1.9x faster at 128 rows an expert and 3.2x at 256, the unpacking included.
 
 Routing is C++ too, so that a layer routes alike on this path and inside the one-call decode
 step (``decode_step.py``): the same top-k as ``moe.route`` (fp32 softmax, then the highest
@@ -37,9 +41,10 @@ from actorlm.kernels.cpu import abi, fused, linear, native
 
 _ExpertsStruct = abi.STRUCT_TYPES["actorlm_experts"]
 # Rows an expert gets on average (tokens x top_k / experts) from which, in bf16 on a CPU with
-# AMX tiles, a step's experts run on torch's GEMM (oneDNN's AMX kernels), each projection
-# unpacked from its panels for the call. Measured with 16 experts of hidden and width 1,024,
-# top 2, on a Sapphire Rapids-class Xeon: the panels against the unpacked weights 15.0 against
+# AMX tiles, a step's experts whose panels cannot run on the tiles themselves run on torch's
+# GEMM (oneDNN's AMX kernels), each projection unpacked from its panels for the call. Measured
+# (before the panels ran on the tiles) with 16 experts of hidden and width 1,024, top 2, on a
+# Sapphire Rapids-class Xeon: the panels against the unpacked weights 15.0 against
 # 20.3 ms at 32 rows an expert (256 tokens), 29.0 against 24.1 at 64, 57.6 against 30.0 at
 # 128, 115 against 36 at 256: the unpacking (a read and a write of every weight) is paid once,
 # the GEMM's gain grows with the rows.
@@ -102,7 +107,11 @@ class PanelExperts:
         return out
 
     def _on_amx(self, num_slots: int) -> bool:
-        return self.dtype == torch.bfloat16 and native.has_amx() and \
+        """Whether torch's GEMM on the tiles runs the step over unpacked weights: a large bf16
+        step whose panels cannot run on the tiles themselves."""
+        on_tiles = all(linear.on_amx_tiles(self.dtype, depth)
+                       for depth in (self.hidden, self.intermediate))
+        return self.dtype == torch.bfloat16 and native.has_amx() and not on_tiles and \
             num_slots >= _AMX_FROM_EXPERT_ROWS * self.num_experts
 
     def unpacked_linear(self, projection: str, expert: int, rows: torch.Tensor) -> torch.Tensor:

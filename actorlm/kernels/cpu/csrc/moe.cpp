@@ -5,11 +5,13 @@
 // (actorlm_linear_pack), all experts of a projection in one buffer, `*_stride` values apart.
 // A call groups its (row, expert) slots by expert and runs each expert that has rows once over
 // all of them: a decode row reads only its top_k experts' weights, each GEMM parallel over
-// output columns inside actorlm_linear, so one row reads at the panel GEMM's speed; a prefill
-// reads each expert once. The roundings are kernels/moe.py's grouped_experts': the projections
-// rounded to the dtype, act(gate) rounded before it multiplies up (actorlm_act_and_mul), each
-// expert's output times its fp32 weight rounded to the dtype, then the row's slots summed in
-// ascending expert order, each sum rounded. The panel GEMM computes a row the same way
+// output columns inside actorlm_linear_rowwise (bf16 on AMX tiles where the CPU has them, at
+// every row count), so one row reads at the panel GEMM's speed and a batch's few rows an
+// expert cost about what one does; a prefill reads each expert once. The roundings are
+// kernels/moe.py's grouped_experts': the projections rounded to the dtype, act(gate) rounded
+// before it multiplies up (actorlm_act_and_mul), each expert's output times its fp32 weight
+// rounded to the dtype, then the row's slots summed in ascending expert order, each sum
+// rounded. The panel GEMM computes a row the same way
 // whatever the rows beside it, so a row's result does not depend on the step around it.
 // Under expert parallelism the experts are a rank's share of the router's (first_expert on):
 // a slot routed to another rank's expert runs nothing and adds zero to its row.
@@ -31,12 +33,12 @@ template <typename T>
 struct Gemm;
 template <>
 struct Gemm<float> {
-  static constexpr auto linear = actorlm_linear_f32;
+  static constexpr auto linear = actorlm_linear_rowwise_f32;
   static constexpr auto act_and_mul = actorlm_act_and_mul_f32;
 };
 template <>
 struct Gemm<uint16_t> {
-  static constexpr auto linear = actorlm_linear_bf16;
+  static constexpr auto linear = actorlm_linear_rowwise_bf16;
   static constexpr auto act_and_mul = actorlm_act_and_mul_bf16;
 };
 
