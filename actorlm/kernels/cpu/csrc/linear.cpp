@@ -9,8 +9,9 @@
 // panel stays in L2 for the next tile of rows). bf16 packs two k per column,
 // [panel][k / 2][64][2], for _mm512_dpbf16_ps (a pair's two products into an fp32 sum), and
 // rounds each sum once, as oneDNN does: at one row it reads the weights at 1.6x oneDNN's speed
-// (beyond a few rows oneDNN's AMX GEMM wins, and the callers keep it). Without AVX-512 the
-// library reports it has no such kernel and the callers keep oneDNN.
+// (beyond a few rows oneDNN's AMX GEMM wins over this tile, and the callers keep it, except
+// where the tiles below run). Without AVX-512 the library reports it has no such kernel and
+// the callers keep oneDNN.
 //
 // Where the CPU has AMX tiles, bf16 runs on them over the same panels (k a multiple of 32): a
 // B tile is 16 pairs of k by 16 columns, a 64-byte slice of each of 16 consecutive panel rows
