@@ -32,11 +32,14 @@ bf16 (oneDNN adds a bias of x's dtype). Every ISA path the machine has runs, for
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from actorlm.kernels.cpu import linear as cpu_linear
 from actorlm.kernels.cpu import native, quant
 import gguf_blocks as gb
 from tolerance import assert_within, rounding_error, sum_error, unit_roundoff
@@ -173,18 +176,27 @@ def panel_from_rows():
 
 @pytest.mark.parametrize("type_name", quant.KEPT_TYPES)
 def test_each_path_at_any_number_of_rows(type_name, panel_from_rows):
-    """The integer path at many rows, the panel path at few (where it runs at all)."""
+    """The integer path at many rows, the panel path at few (where it runs at all); bf16
+    panels on the AMX tiles and on the AVX-512 tile where the CPU has tiles."""
     rng = np.random.default_rng(17)
     k, n = gb.block_values(type_name) * 3, 70  # two panels, the second partly empty
     blocks = gb.random_blocks(type_name, n, k, rng)
     bias = torch.randn(n)
     layer = quant.QuantLinear([gb.quantized_weight(type_name, blocks, k)], bias)
-    for rows_from in (1, 1 << 30):
-        panel_from_rows(rows_from)
-        for dtype in (torch.float32, torch.bfloat16):
-            for m in (1, 7, 64):
-                x = torch.randn(m, k).to(dtype)
-                _check(layer, [(type_name, blocks)], x, bias, f"{type_name} m={m} from {rows_from}")
+    tiles = [None] if cpu_linear.amx_tiles() is None else [True, False]
+    try:
+        for rows_from, on_tiles in itertools.product((1, 1 << 30), tiles):
+            panel_from_rows(rows_from)
+            if on_tiles is not None:
+                cpu_linear.amx_tiles(on_tiles)
+            for dtype in (torch.float32, torch.bfloat16):
+                for m in (1, 7, 17, 64):
+                    x = torch.randn(m, k).to(dtype)
+                    _check(layer, [(type_name, blocks)], x, bias,
+                           f"{type_name} m={m} from {rows_from}, tiles {on_tiles}")
+    finally:
+        if tiles[0] is not None:
+            cpu_linear.amx_tiles(True)
 
 
 @pytest.mark.parametrize("type_name", quant.KEPT_TYPES)

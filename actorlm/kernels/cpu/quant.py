@@ -7,10 +7,10 @@ GEMM tile (with AVX-512; ``QuantLinear.panel_from_rows``). With the VNNI kernels
 and Q8_0 weights are copied at load with 16 rows interleaved (``csrc/quant_interleaved.h``):
 one instruction then multiplies 16 rows by x at once, and the panels gather a row's blocks
 back (a tied LM head's copy is the embedding's too: ``QuantLinear.rows``).
-Those layers keep to integers up to 192 rows in bf16 and at every size in fp32, where they
-are the faster path. On a CPU with AMX tiles, bf16 x of 192 rows or more takes the weight
-dequantized whole, for the call only, through torch's GEMM (oneDNN's AMX kernels), several
-times faster than the panels there (``_AMX_FROM_ROWS``). The integers' int8 x costs accuracy
+Those layers keep to integers up to 192 rows in bf16 (48 where the panels run on AMX tiles)
+and at every size in fp32, where they are the faster path. On a CPU with AMX tiles, bf16 x of
+``_AMX_FROM_ROWS`` rows or more (a long prefill) takes the weight dequantized whole, for the
+call only, through torch's GEMM (oneDNN's AMX kernels), faster than the panels there. The integers' int8 x costs accuracy
 where the reference model is at a near-tie (SmolLM2's first token of "What is the capital
 of France?" is "The" by 0.08 nats in fp32 transformers, and the prompt read in int8, as
 llama.cpp reads it, turns it to "L"); over a long text the next-token distribution stays
@@ -43,11 +43,11 @@ KEPT_TYPES = QUANTIZED_FORMATS
 ISAS = ("scalar", "avx2", "vnni")  # the index is the library's isa number
 _MAX_PARTS = 8  # csrc/quant.cpp's kMaxParts
 # bf16 rows of x from which, on a CPU with AMX tiles, a layer dequantizes its whole weight and
-# hands the GEMM to torch (oneDNN's AMX kernels): on a Sapphire Rapids-class Xeon, SmolLM2's
-# layers at 2,048 rows take 6-9x less time so, the dequantizing included (2.2 against 13.3 ms
-# for q, k and v; 4.6 against 39.9 for gate and up), and 1.5-3x less at 192 rows, where the
-# panels took over from the integers; at 128 rows the integers are still faster
-_AMX_FROM_ROWS = 192
+# hands the GEMM to torch (oneDNN's AMX kernels). The dequantized panels run on the tiles too
+# (from 48 rows, where they beat the integers): SmolLM2-shaped Q4_1 layers (q/k/v, gate/up,
+# down) on a Sapphire Rapids-class Xeon take 1.2, 4.1 and 9.6 ms on the panels at 192, 1,024
+# and 1,536 rows against 1.6, 7.1 and 9.0 whole (the dequantizing included)
+_AMX_FROM_ROWS = 1536
 _panel_override: int | None = None  # set_panel_from_rows's: every path chosen by it instead
 
 

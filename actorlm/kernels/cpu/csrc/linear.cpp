@@ -13,12 +13,8 @@
 // where the tiles below run). Without AVX-512 the library reports it has no such kernel and
 // the callers keep oneDNN.
 //
-// Where the CPU has AMX tiles, bf16 runs on them over the same panels (k a multiple of 32): a
-// B tile is 16 pairs of k by 16 columns, a 64-byte slice of each of 16 consecutive panel rows
-// (256 bytes apart), so the packed layout needs no change. Up to 16 rows of x take one A tile
-// and the panel's 64 columns four C tiles, which start at the bias and sum the pairs in k order
-// as the AVX-512 tile does (a last bit differs now and then: the tiles round a pair's products
-// otherwise). From a few rows on the tiles are the faster: 8 rows of a 2048 x 1024 expert 0.15
+// Where the CPU has AMX tiles, bf16 runs on them over the same panels (k a multiple of 32;
+// panel_amx.h). From a few rows on the tiles are the faster: 8 rows of a 2048 x 1024 expert 0.15
 // against 0.23 ms, 16 rows 0.16 against 0.34, oneDNN's AMX GEMM on its own layout 0.19 at
 // either; one or two rows read the weights as fast on either, but a wide layer (an LM head)
 // 3-5 % slower on the tiles (Xeon with AMX, 2 cores, the weights from memory). So
@@ -31,11 +27,31 @@
 
 #include "actorlm_abi.h"
 #include "panel.h"
+#include "panel_amx.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#ifdef ACTORLM_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
-#define ACTORLM_AMX 1
+
+namespace actorlm::panel::amx {
+
+// Linux gives a process the tiles' state only once asked (one request for every thread)
+bool permitted() {
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  static const bool ok = syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  return ok;
+}
+
+// 1: bf16 runs on the tiles; 0: on the AVX-512 tile (actorlm_linear_amx); -1: not yet asked
+std::atomic<int> g_enabled{-1};
+
+bool enabled() {
+  int on = g_enabled.load(std::memory_order_relaxed);
+  if (on < 0) g_enabled.store(on = permitted() ? 1 : 0);
+  return on == 1;
+}
+
+}  // namespace actorlm::panel::amx
 #endif
 
 namespace {
@@ -65,57 +81,18 @@ void linear(const T* x, int64_t x_stride, const T* packed, const float* bias, T*
 #endif
 
 #ifdef ACTORLM_AMX
-namespace amx {
+namespace tiled {
 
-constexpr int kPairs = 16;  // pairs of k in a B tile: 32 values of k a step
-constexpr int kRows = 16;   // rows of x in an A tile
+using namespace actorlm::panel::amx;
+
 constexpr int kFromRows = 3;  // actorlm_linear's rows from which the tiles run
-
-struct alignas(64) TileConfig {  // palette 1's layout (Intel SDM, LDTILECFG)
-  uint8_t palette_id, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// Linux gives a process the tiles' state only once asked (one request for every thread)
-bool permitted() {
-  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  static const bool ok = syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  return ok;
-}
-
-// 1: bf16 runs on the tiles; 0: on the AVX-512 tile (actorlm_linear_amx); -1: not yet asked
-std::atomic<int> g_enabled{-1};
-
-bool enabled() {
-  int on = g_enabled.load(std::memory_order_relaxed);
-  if (on < 0) g_enabled.store(on = permitted() ? 1 : 0);
-  return on == 1;
-}
-
-// tiles 0-3: C, rows x 16 fp32 columns each; 4: A, rows x 32 bf16; 5, 6: B, in turn
-void configure(int rows) {
-  TileConfig cfg{};
-  cfg.palette_id = 1;
-  for (int t = 0; t < 5; ++t) {
-    cfg.rows[t] = uint8_t(rows);
-    cfg.colsb[t] = 64;
-  }
-  for (int t = 5; t < 7; ++t) {
-    cfg.rows[t] = kPairs;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 void linear(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const float* bias,
             uint16_t* y, int64_t m, int64_t n, int64_t k) {
   const int64_t panels = (n + kPanel - 1) / kPanel, panel_size = k * kPanel;
   const int64_t blocks = (m + kRows - 1) / kRows;
-  constexpr int64_t kRowBytes = kPanel * 4;  // a panel row: the 64 columns' pairs
 #pragma omp parallel
   {
-    alignas(64) float c[kRows][kPanel];
     int configured = 0;
     // consecutive items are a panel's blocks of rows: the later ones read it from L2
 #pragma omp for schedule(static)
@@ -123,50 +100,15 @@ void linear(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const f
       const int64_t p = item / blocks, row = item % blocks * kRows;
       const int rows = int(std::min<int64_t>(kRows, m - row));
       if (rows != configured) configure(configured = rows);
-      if (bias) {  // (a stride of 0: every row of the tile the same 16 values)
-        const float* b = bias + p * kPanel;
-        _tile_loadd(0, b, 0);
-        _tile_loadd(1, b + 16, 0);
-        _tile_loadd(2, b + 32, 0);
-        _tile_loadd(3, b + 48, 0);
-      } else {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-      }
-      const uint16_t* a = x + row * x_stride;
-      for (int64_t i = 0; i < k; i += 2 * kPairs) {
-        const uint16_t* w = packed + p * panel_size + i * kPanel;  // pair i / 2's row
-        _tile_loadd(4, a + i, x_stride * 2);
-        _tile_loadd(5, w, kRowBytes);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(6, w + 32, kRowBytes);
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_loadd(5, w + 64, kRowBytes);
-        _tile_dpbf16ps(2, 4, 5);
-        _tile_loadd(6, w + 96, kRowBytes);
-        _tile_dpbf16ps(3, 4, 6);
-      }
-      _tile_stored(0, &c[0][0], kRowBytes);
-      _tile_stored(1, &c[0][16], kRowBytes);
-      _tile_stored(2, &c[0][32], kRowBytes);
-      _tile_stored(3, &c[0][48], kRowBytes);
-      const int valid = int(std::min<int64_t>(kPanel, n - p * kPanel));
-      for (int r = 0; r < rows; ++r)
-        for (int v = 0; v * kLanes < valid; ++v) {
-          const int left = valid - v * kLanes;
-          const __mmask16 mask =
-              left >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-          store_row(y + (row + r) * n + p * kPanel + v * kLanes, mask,
-                    _mm512_load_ps(&c[r][v * kLanes]));
-        }
+      rows_times_panel(x + row * x_stride, x_stride, packed + p * panel_size, k,
+                       bias ? bias + p * kPanel : nullptr, y + row * n + p * kPanel, n, rows,
+                       int(std::min<int64_t>(kPanel, n - p * kPanel)));
     }
     _tile_release();
   }
 }
 
-}  // namespace amx
+}  // namespace tiled
 #endif
 
 // weight [n, k] -> packed [ceil(n / panel), ceil(k / depth), panel, depth], zero past n and k
@@ -265,8 +207,8 @@ void actorlm_linear_f32(const float* x, int64_t x_stride, const float* packed, c
 void actorlm_linear_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed,
                          const float* bias, uint16_t* y, int64_t m, int64_t n, int64_t k) {
 #ifdef ACTORLM_AMX
-  if (m >= amx::kFromRows && k % (2 * amx::kPairs) == 0 && amx::enabled())
-    return amx::linear(x, x_stride, packed, bias, y, m, n, k);
+  if (m >= tiled::kFromRows && k % (2 * tiled::kPairs) == 0 && tiled::enabled())
+    return tiled::linear(x, x_stride, packed, bias, y, m, n, k);
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   linear(x, x_stride, packed, bias, y, m, n, k);
@@ -282,8 +224,8 @@ void actorlm_linear_rowwise_bf16(const uint16_t* x, int64_t x_stride, const uint
                                  const float* bias, uint16_t* y, int64_t m, int64_t n,
                                  int64_t k) {
 #ifdef ACTORLM_AMX
-  if (k % (2 * amx::kPairs) == 0 && amx::enabled())
-    return amx::linear(x, x_stride, packed, bias, y, m, n, k);
+  if (k % (2 * tiled::kPairs) == 0 && tiled::enabled())
+    return tiled::linear(x, x_stride, packed, bias, y, m, n, k);
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   linear(x, x_stride, packed, bias, y, m, n, k);
@@ -295,9 +237,10 @@ void actorlm_linear_rowwise_bf16(const uint16_t* x, int64_t x_stride, const uint
 // the kernel (arch_prctl) gives none
 int actorlm_linear_amx(int on) {
 #ifdef ACTORLM_AMX
-  if (!amx::permitted()) return -1;
-  if (on == 0 || on == 1) amx::g_enabled.store(on);
-  return amx::enabled() ? 1 : 0;
+  namespace tiles = actorlm::panel::amx;
+  if (!tiles::permitted()) return -1;
+  if (on == 0 || on == 1) tiles::g_enabled.store(on);
+  return tiles::enabled() ? 1 : 0;
 #else
   (void)on;
   return -1;

@@ -57,6 +57,9 @@ constexpr int kPanelFromRows[2][2] = {{32, 12}, {192, 32}};
 // positions then see the same arithmetic as the tokens decoded after them.
 constexpr int kNever = 1 << 30;
 constexpr int kInterleavedPanelFromRows[2] = {kNever, 192};
+// ... and in bf16 where the panels run on AMX tiles (panel_amx.h): SmolLM2's Q4_1 layers at 48
+// rows 0.32 against 0.37 ms (gate/up), at 128 rows 0.49 against 0.94, on a Xeon with AMX
+constexpr int kInterleavedOnTilesFromRows = 48;
 
 // out[i R + r] = weight row i (`blocks` blocks at w + i row_bytes) . quantized x row row0 + r,
 // for i < num_rows, r < R: a loop over rows around the inlined kernel (a call per weight row
@@ -168,7 +171,12 @@ int panel_from_rows(const actorlm_linear& l, bool bf16) {
   for (int p = 0; p < l.num_parts; ++p) {
     const int type = type_index(l.parts[p].type);
     if (type < 0) return 0;
-    rows = std::max(rows, l.parts[p].layout != 0 ? kInterleavedPanelFromRows[bf16]
+    const int interleaved =
+#ifdef ACTORLM_AMX
+        bf16 && actorlm::panel::amx::enabled() ? kInterleavedOnTilesFromRows :
+#endif
+        kInterleavedPanelFromRows[bf16];
+    rows = std::max(rows, l.parts[p].layout != 0 ? interleaved
                                                  : kPanelFromRows[kFormats[type].values == 256][bf16]);
   }
   return rows == kNever ? 0 : rows;

@@ -21,6 +21,7 @@
 #include "actorlm_abi.h"
 #include "dtype.h"
 #include "panel.h"
+#include "panel_amx.h"
 #include "quant_blocks.h"
 #include "quant_interleaved.h"
 #include "quant_vnni_rows.h"
@@ -179,11 +180,15 @@ void panel_linear(const LayerRows& layer, const T* x, int64_t x_stride, T* y, in
   // dequantizes it: a small cost against the GEMM of those rows)
   const int64_t groups = std::min(tiles, std::max<int64_t>(1, 2 * threads / panels));
   const int64_t tiles_per_group = (tiles + groups - 1) / groups;
+#ifdef ACTORLM_AMX
+  const bool on_tiles = sizeof(T) == 2 && panel::amx::enabled();  // bf16 (k: whole blocks)
+#endif
 #pragma omp parallel
   {
     T* const buffer = panel_buffer<T>(2 * k * kPanel);  // the panel, then its rows
     T* const rows = buffer + k * kPanel;
     int64_t held = -1;  // the panel in the buffer
+    [[maybe_unused]] int configured = 0;  // the rows the tiles are configured for
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < panels * groups; ++item) {
       const int64_t p = item / groups, g = item % groups;
@@ -197,6 +202,22 @@ void panel_linear(const LayerRows& layer, const T* x, int64_t x_stride, T* y, in
       float bias[kPanel] = {};
       if (layer.l.bias) std::memcpy(bias, layer.l.bias + p * kPanel, valid * sizeof(float));
       const int64_t end = std::min(tiles, (g + 1) * tiles_per_group);
+#ifdef ACTORLM_AMX
+      if constexpr (sizeof(T) == 2) {
+        if (on_tiles) {  // the group's rows in blocks of up to 16, on the tiles
+          const int64_t last = std::min(m, end * panel::kTileRows);
+          for (int64_t row = g * tiles_per_group * panel::kTileRows; row < last;
+               row += panel::amx::kRows) {
+            const int block = int(std::min<int64_t>(panel::amx::kRows, last - row));
+            if (block != configured) panel::amx::configure(configured = block);
+            panel::amx::rows_times_panel(x + row * x_stride, x_stride, buffer, k,
+                                         layer.l.bias ? bias : nullptr, y + row * n + p * kPanel,
+                                         n, block, valid);
+          }
+          continue;
+        }
+      }
+#endif
       for (int64_t t = g * tiles_per_group; t < end; ++t) {
         const int64_t row = t * panel::kTileRows;
         const int tile_rows = int(std::min<int64_t>(panel::kTileRows, m - row));
@@ -205,6 +226,9 @@ void panel_linear(const LayerRows& layer, const T* x, int64_t x_stride, T* y, in
                                nullptr, 0, 1);
       }
     }
+#ifdef ACTORLM_AMX
+    if (configured) _tile_release();
+#endif
   }
 }
 
