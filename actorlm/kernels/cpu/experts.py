@@ -109,10 +109,10 @@ class PanelExperts:
     def _on_amx(self, num_slots: int) -> bool:
         """Whether torch's GEMM on the tiles runs the step over unpacked weights: a large bf16
         step whose panels cannot run on the tiles themselves."""
-        on_tiles = all(linear.on_amx_tiles(self.dtype, depth)
-                       for depth in (self.hidden, self.intermediate))
-        return self.dtype == torch.bfloat16 and native.has_amx() and not on_tiles and \
-            num_slots >= _AMX_FROM_EXPERT_ROWS * self.num_experts
+        return self.dtype == torch.bfloat16 and native.has_amx() and \
+            num_slots >= _AMX_FROM_EXPERT_ROWS * self.num_experts and \
+            not all(linear.on_amx_tiles(self.dtype, depth)
+                    for depth in (self.hidden, self.intermediate))
 
     def unpacked_linear(self, projection: str, expert: int, rows: torch.Tensor) -> torch.Tensor:
         """rows @ expert ``expert``'s ``projection`` ("gate_up" or "down").T over its weight

@@ -85,8 +85,6 @@ namespace tiled {
 
 using namespace actorlm::panel::amx;
 
-constexpr int kFromRows = 3;  // actorlm_linear's rows from which the tiles run
-
 void linear(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const float* bias,
             uint16_t* y, int64_t m, int64_t n, int64_t k) {
   const int64_t panels = (n + kPanel - 1) / kPanel, panel_size = k * kPanel;
@@ -110,6 +108,21 @@ void linear(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const f
 
 }  // namespace tiled
 #endif
+
+constexpr int64_t kTilesFromRows = 3;  // actorlm_linear's rows from which the tiles run
+
+// y = x @ W^T + bias in bf16: on the tiles from `tiles_from` rows (where they run), else the
+// AVX-512 tile
+void linear_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const float* bias,
+                 uint16_t* y, int64_t m, int64_t n, int64_t k, int64_t tiles_from) {
+#ifdef ACTORLM_AMX
+  if (m >= tiles_from && k % (2 * tiled::kPairs) == 0 && tiled::enabled())
+    return tiled::linear(x, x_stride, packed, bias, y, m, n, k);
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  linear(x, x_stride, packed, bias, y, m, n, k);
+#endif
+}
 
 // weight [n, k] -> packed [ceil(n / panel), ceil(k / depth), panel, depth], zero past n and k
 template <typename T>
@@ -206,13 +219,7 @@ void actorlm_linear_f32(const float* x, int64_t x_stride, const float* packed, c
 }
 void actorlm_linear_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed,
                          const float* bias, uint16_t* y, int64_t m, int64_t n, int64_t k) {
-#ifdef ACTORLM_AMX
-  if (m >= tiled::kFromRows && k % (2 * tiled::kPairs) == 0 && tiled::enabled())
-    return tiled::linear(x, x_stride, packed, bias, y, m, n, k);
-#endif
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-  linear(x, x_stride, packed, bias, y, m, n, k);
-#endif
+  linear_bf16(x, x_stride, packed, bias, y, m, n, k, kTilesFromRows);
 }
 
 // actorlm_linear, each row computed the same way whatever the number of rows
@@ -223,13 +230,7 @@ void actorlm_linear_rowwise_f32(const float* x, int64_t x_stride, const float* p
 void actorlm_linear_rowwise_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed,
                                  const float* bias, uint16_t* y, int64_t m, int64_t n,
                                  int64_t k) {
-#ifdef ACTORLM_AMX
-  if (k % (2 * tiled::kPairs) == 0 && tiled::enabled())
-    return tiled::linear(x, x_stride, packed, bias, y, m, n, k);
-#endif
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-  linear(x, x_stride, packed, bias, y, m, n, k);
-#endif
+  linear_bf16(x, x_stride, packed, bias, y, m, n, k, 1);
 }
 
 // bf16 on the AMX tiles (k a multiple of 32): `on` 1 or 0 chooses (0 for tests: the AVX-512
