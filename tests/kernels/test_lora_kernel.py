@@ -97,17 +97,30 @@ def test_each_token_gets_its_own_slots_delta(implementation, out_parts, part_ran
     assert torch.equal(got[base_rows], y[base_rows])
 
 
+# (in, out_parts, part_rank, slots): small; then layers large enough that the CPU kernel splits
+# one call over its threads (one row, one block of rows, many blocks), the outputs' split
+# falling inside a part, widths not a multiple of its vectors
+SHAPES = {
+    "small": (64, (48, 16, 16), 4, [0, 1, -1, 1, 0, 0, 1]),
+    "qkv-one-row": (600, (330, 110, 110), 16, [1]),
+    "qkv-one-block": (600, (330, 110, 110), 16, [-1, 1, 1, 1]),
+    "down-one-row": (1600, (500,), 16, [2]),
+    "gate-up-blocks": (600, (700, 700), 8, [0, 1, -1, 1, 0, 0, 1, 1, 1, 1]),
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS[1:], indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_the_kernels_round_where_torch_rounds(implementation, dtype):
+def test_the_kernels_round_where_torch_rounds(implementation, dtype, shape):
     """Their results are torch's but for the order of the fp32 sums: in bf16 (where the
     rounding of the shrink, the delta and the sum decide) within two units in the last place
     and mostly the same bits; in fp32 within the sums' rounding."""
+    in_features, out_parts, part_rank, slots = shape
     torch.manual_seed(1)
-    table = random_table(2, 64, (48, 16, 16), 4, dtype)
-    slots = [0, 1, -1, 1, 0, 0, 1]
-    x = torch.randn(len(slots), 64, dtype=dtype)
-    y = torch.randn(len(slots), 80, dtype=dtype)
+    table = random_table(3, in_features, out_parts, part_rank, dtype)
+    x = torch.randn(len(slots), in_features, dtype=dtype)
+    y = torch.randn(len(slots), sum(out_parts), dtype=dtype)
     mapping = LoRAMapping.build(slots, "cpu")
     ours = implementation(y.clone(), x, table, mapping)
     theirs = add_lora(y.clone(), x, table, mapping)

@@ -11,11 +11,13 @@
 // add: the shrink's result and the expand's are each rounded to the dtype, then the sum with y.
 //
 // The work splits into items, a block of rows through one part each, which need no barrier
-// between them; a lone block through a lone part (one request's rows on o or down) splits its
-// shrink over A's rows and its expand over the outputs instead. One OpenMP region a call, and
-// none where the work does not pay for waking the team. In a one-row SmolLM2 decode step the
-// adapter's 9.8 MB (bf16) come from memory at about half the rate the base layers' blocks
-// do: short streams, a few dozen kilobytes a call.
+// between them; a lone block (one request's rows) splits its shrink over A's rows and, after
+// a barrier, its expand over equal shares of the outputs, whichever parts they fall in. One
+// OpenMP region a call, and none where the work does not pay for waking the team. Each
+// thread fetches the bytes it is about to read a few kilobytes ahead of its loads (on the
+// AVX-512 path, ReadAhead): in a one-row SmolLM2 decode step the adapter's 9.8 MB (bf16)
+// come from memory in short runs, a few dozen kilobytes a call, which the hardware
+// prefetchers do not follow.
 //
 // Two paths: AVX-512 (its bf16 dot products where the CPU has them), and a portable one, which
 // a CPU without AVX-512 runs and a test can choose (actorlm_lora_set_isa).
@@ -24,6 +26,8 @@
 #include <cstdint>
 #include <type_traits>
 #include <vector>
+
+#include <omp.h>
 
 #include "actorlm_abi.h"
 #include "dtype.h"
@@ -61,6 +65,46 @@ struct Block {  // up to kRowsPerBlock rows of one slot: order[first, first + co
 struct Chunk {  // outputs [begin, end) of one part, which owns rank columns [k0, k1)
   int64_t begin, end;
   int32_t k0, k1;
+};
+
+// The bytes a thread's share of a call reads, in the order its loops read them, fetched into
+// L2 kAheadBytes before the loads get there. A call's runs are short (a pass over four rows
+// of A, a chunk's rows of B: a kilobyte or two each), too short for the hardware prefetchers
+// to get going, and between tokens the base layers' weights push A and B out of the caches:
+// without this, the loads wait on memory a few lines at a time.
+class ReadAhead {
+ public:
+  // `rows` runs of `bytes` each, `stride` bytes apart, read after the runs added before
+  void add(const void* first, int64_t bytes, int64_t stride, int rows) {
+    if (num_ < kMaxSpans && rows > 0 && bytes > 0)
+      spans_[num_++] = {static_cast<const char*>(first), bytes, stride, rows};
+  }
+
+  void start() { read(kAheadBytes); }
+
+  // the loops have read `bytes` more: fetch as many more, ahead of them
+  inline void read(int64_t bytes) {
+    for (owed_ += bytes; owed_ >= kLine && span_ < num_; owed_ -= kLine) {
+      const Span& s = spans_[span_];
+      __builtin_prefetch(s.first + row_ * s.stride + offset_, 0, 2);
+      if ((offset_ += kLine) >= s.bytes) {
+        offset_ = 0;
+        if (++row_ == s.rows) row_ = 0, ++span_;
+      }
+    }
+  }
+
+ private:
+  static constexpr int kMaxSpans = 8;  // runs beyond (a very wide layer's chunks) go unfetched
+  static constexpr int64_t kLine = 64, kAheadBytes = 4096;  // (4 KB: the best of 2-16 measured)
+  struct Span {
+    const char* first;
+    int64_t bytes, stride;
+    int rows;
+  };
+  Span spans_[kMaxSpans];
+  int num_ = 0, span_ = 0, row_ = 0;
+  int64_t offset_ = 0, owed_ = 0;
 };
 
 // y[o] = y[o] + round(delta[o]), rounded, for o < width
@@ -149,10 +193,11 @@ struct Sums {
 // in registers, x read once for all of A's rows
 template <int N, int KC, typename T>
 void shrink_avx512(const T* a, int64_t in, const float* const* xs, float* t, int rank,
-                   int k0) {
+                   int k0, ReadAhead& ahead) {
   Sums<N, KC> sums;
   auto& acc = sums.v;
   for (int64_t i = 0; i < in; i += 16) {
+    ahead.read(KC * 16 * sizeof(T));
     const __mmask16 m = mask16(in - i);
     __m512 x[N];
     for (int j = 0; j < N; ++j) x[j] = _mm512_maskz_loadu_ps(m, xs[j] + i);
@@ -168,10 +213,11 @@ void shrink_avx512(const T* a, int64_t in, const float* const* xs, float* t, int
 // bf16 rows against bf16 A, 32 products a step summed in pairs into fp32 (vdpbf16ps)
 template <int N, int KC>
 void shrink_bf16(const uint16_t* a, int64_t in, const uint16_t* const* xs, float* t, int rank,
-                 int k0) {
+                 int k0, ReadAhead& ahead) {
   Sums<N, KC> sums;
   auto& acc = sums.v;
   for (int64_t i = 0; i < in; i += 32) {
+    ahead.read(KC * 64);
     const __mmask32 m = in - i >= 32 ? __mmask32(0xFFFFFFFF) : __mmask32((1u << (in - i)) - 1);
     __m512bh x[N];
     for (int j = 0; j < N; ++j) x[j] = (__m512bh)_mm512_maskz_loadu_epi16(m, xs[j] + i);
@@ -189,7 +235,7 @@ void shrink_bf16(const uint16_t* a, int64_t in, const uint16_t* const* xs, float
 // each a few lines long, which the prefetchers do not follow), into sums kept in L1
 template <int N, typename T>
 void expand_avx512(const T* b, int64_t out, const Chunk& c, const float* t, int rank,
-                   T* const* ys) {
+                   T* const* ys, ReadAhead& ahead) {
   const int64_t width = c.end - c.begin;
   alignas(64) float acc[N][kOutputsPerChunk];
   for (int k = c.k0; k < c.k1; k += 4) {
@@ -202,6 +248,7 @@ void expand_avx512(const T* b, int64_t out, const Chunk& c, const float* t, int 
         tk[kk][j] = _mm512_set1_ps(kk < kc ? t[j * rank + k + kk] : 0.f);
     }
     for (int64_t o = 0; o < width; o += 16) {
+      ahead.read(kc * 16 * sizeof(T));
       const __mmask16 m = mask16(width - o);
       const __m512 w0 = load16(bk[0] + o, m), w1 = load16(bk[1] + o, m),
                    w2 = load16(bk[2] + o, m), w3 = load16(bk[3] + o, m);
@@ -244,18 +291,18 @@ void with_counts(int num_rows, int num_ranks, F&& f) {
 // one block's shrink of A's rows [k0, k0 + kc) on the chosen path
 template <typename T>
 void shrink_block(int isa, int count, const T* as, int64_t in, const float* const* xf,
-                  const T* const* xt, float* ts, int rank, int k0, int kc) {
+                  const T* const* xt, float* ts, int rank, int k0, int kc, ReadAhead& ahead) {
   with_counts(count, kc, [&](auto rows, auto ranks) {
     constexpr int N = decltype(rows)::value, KC = decltype(ranks)::value;
 #ifdef ACTORLM_LORA_AVX512
     if (isa == kAvx512) {
 #ifdef __AVX512BF16__
-      if constexpr (sizeof(T) == 2) return shrink_bf16<N, KC>(as, in, xt, ts, rank, k0);
+      if constexpr (sizeof(T) == 2) return shrink_bf16<N, KC>(as, in, xt, ts, rank, k0, ahead);
 #endif
-      return shrink_avx512<N, KC>(as, in, xf, ts, rank, k0);
+      return shrink_avx512<N, KC>(as, in, xf, ts, rank, k0, ahead);
     }
 #endif
-    (void)isa, (void)xt;
+    (void)isa, (void)xt, (void)ahead;
     shrink<N>(as, in, xf, ts, rank, k0, KC);
   });
 }
@@ -263,13 +310,13 @@ void shrink_block(int isa, int count, const T* as, int64_t in, const float* cons
 // one block's expand of a chunk on the chosen path
 template <typename T>
 void expand_block(int isa, int count, const T* bs, int64_t out, const Chunk& c,
-                  const float* ts, int rank, T* const* ys) {
+                  const float* ts, int rank, T* const* ys, ReadAhead& ahead) {
   with_counts(count, 1, [&](auto rows, auto) {
     constexpr int N = decltype(rows)::value;
 #ifdef ACTORLM_LORA_AVX512
-    if (isa == kAvx512) return expand_avx512<N>(bs, out, c, ts, rank, ys);
+    if (isa == kAvx512) return expand_avx512<N>(bs, out, c, ts, rank, ys, ahead);
 #endif
-    (void)isa;
+    (void)isa, (void)ahead;
     expand<N>(bs, out, c, ts, rank, ys);
   });
 }
@@ -296,6 +343,24 @@ struct Scratch {
   std::vector<const float*> xf;  // the rows in fp32
   std::vector<float> widened, t;  // bf16 rows widened to fp32; the shrink's results
 };
+
+struct Range {
+  int64_t begin, end;
+};
+
+// thread `thread` of `threads`: its contiguous share of `count` items
+inline Range share(int64_t count, int thread, int threads) {
+  const int64_t base = count / threads, extra = count % threads;
+  const int64_t begin = thread * base + std::min<int64_t>(thread, extra);
+  return {begin, begin + base + (thread < extra)};
+}
+
+// a chunk's rows of B (its part's rank columns), as its expand reads them
+template <typename T>
+void add_chunk(ReadAhead& ahead, const T* b, int64_t out, const Chunk& c) {
+  ahead.add(b + int64_t(c.k0) * out + c.begin, (c.end - c.begin) * int64_t(sizeof(T)),
+            out * int64_t(sizeof(T)), c.k1 - c.k0);
+}
 
 template <typename T>
 void lora_add(const actorlm_lora& l, const T* x, int64_t x_stride, T* y, int64_t y_stride,
@@ -366,46 +431,72 @@ void lora_add(const actorlm_lora& l, const T* x, int64_t x_stride, T* y, int64_t
   auto item = [&](int64_t bi, int p) {
     const Block& blk = block_list[bi];
     const T* as = a + int64_t(blk.slot) * rank * in;
+    const T* bs = b + int64_t(blk.slot) * rank * out;
+    const int k0 = p * part_rank, k1 = k0 + part_rank;
+    ReadAhead ahead;
+    ahead.add(as + int64_t(k0) * in, int64_t(part_rank) * in * sizeof(T), 0, 1);
+    for (int64_t ci = 0; ci < num_chunks; ++ci)
+      if (chunk_list[ci].k0 == k0) add_chunk(ahead, bs, out, chunk_list[ci]);
+    ahead.start();
     float* ts = sums + int64_t(blk.first) * rank;
-    for (int k0 = p * part_rank; k0 < (p + 1) * part_rank; k0 += kRanksPerItem)
-      shrink_block(isa, blk.count, as, in, rows_f + blk.first, rows_t + blk.first, ts, rank, k0,
-                   std::min(kRanksPerItem, (p + 1) * part_rank - k0));
+    for (int k = k0; k < k1; k += kRanksPerItem)
+      shrink_block(isa, blk.count, as, in, rows_f + blk.first, rows_t + blk.first, ts, rank, k,
+                   std::min(kRanksPerItem, k1 - k), ahead);
     T* ys[kRowsPerBlock];
     for (int j = 0; j < blk.count; ++j) ys[j] = y + row_order[blk.first + j] * y_stride;
     for (int64_t ci = 0; ci < num_chunks; ++ci)
-      if (chunk_list[ci].k0 == p * part_rank)
-        expand_block(isa, blk.count, b + int64_t(blk.slot) * rank * out, out, chunk_list[ci],
-                     ts, rank, ys);
+      if (chunk_list[ci].k0 == k0)
+        expand_block(isa, blk.count, bs, out, chunk_list[ci], ts, rank, ys, ahead);
   };
   const int64_t num_items = num_blocks * parts;
   if (work < kParallelFrom) {  // (not even a team of one: its barriers cost a microsecond)
     for (int64_t i = 0; i < num_items; ++i) item(i / parts, int(i % parts));
     return;
   }
-  if (num_items >= 2) {
+  if (num_blocks >= 2) {
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_items; ++i) item(i / parts, int(i % parts));
     return;
   }
-  // one block through one part (a lone request's rows on o or down): the shrink split over
-  // A's rows, then the expand over the outputs
+  // one block (a lone request's rows): each thread's share of the shrink (A's rows, all
+  // parts'), then, after the barrier, its share of the expand: an equal share of the outputs,
+  // whichever parts they fall in (by parts, q beside k and v would leave a thread idle)
   const Block& blk = block_list[0];
   const T* as = a + int64_t(blk.slot) * rank * in;
+  const T* bs = b + int64_t(blk.slot) * rank * out;
   T* ys[kRowsPerBlock];
   for (int j = 0; j < blk.count; ++j) ys[j] = y + row_order[blk.first + j] * y_stride;
   const int64_t num_k_items = (rank + kRanksPerItem - 1) / kRanksPerItem;
 #pragma omp parallel
   {
-#pragma omp for schedule(static)
-    for (int64_t ki = 0; ki < num_k_items; ++ki) {
-      const int k0 = int(ki) * kRanksPerItem;
-      shrink_block(isa, blk.count, as, in, rows_f, rows_t, sums, rank, k0,
-                   std::min(kRanksPerItem, rank - k0));
-    }
-#pragma omp for schedule(static)
-    for (int64_t ci = 0; ci < num_chunks; ++ci)
-      expand_block(isa, blk.count, b + int64_t(blk.slot) * rank * out, out, chunk_list[ci],
-                   sums, rank, ys);
+    const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
+    const Range ks = share(num_k_items, thread, threads);
+    const Range vs = share((out + 15) / 16, thread, threads);  // vectors of outputs
+    const int k_begin = int(ks.begin) * kRanksPerItem;
+    const int k_end = std::min(rank, int(ks.end) * kRanksPerItem);
+    // f(chunk) for this thread's outputs, cut at the parts' ends and into chunks its sums fit
+    auto each_chunk = [&](auto&& f) {
+      int64_t part_begin = 0;
+      for (int p = 0; p < parts; ++p) {
+        const int64_t part_end = parts == 1 ? out : l.part_ends[p];
+        const int64_t end = std::min(part_end, vs.end * 16);
+        for (int64_t o = std::max(part_begin, vs.begin * 16); o < end; o += kOutputsPerChunk)
+          f(Chunk{o, std::min(end, o + kOutputsPerChunk), p * part_rank, (p + 1) * part_rank});
+        part_begin = part_end;
+      }
+    };
+    ReadAhead ahead;
+    if (k_end > k_begin)
+      ahead.add(as + int64_t(k_begin) * in, int64_t(k_end - k_begin) * in * sizeof(T), 0, 1);
+    each_chunk([&](const Chunk& c) { add_chunk(ahead, bs, out, c); });
+    ahead.start();
+    for (int k = k_begin; k < k_end; k += kRanksPerItem)
+      shrink_block(isa, blk.count, as, in, rows_f, rows_t, sums, rank, k,
+                   std::min(kRanksPerItem, k_end - k), ahead);
+#pragma omp barrier
+    each_chunk([&](const Chunk& c) {
+      expand_block(isa, blk.count, bs, out, c, sums, rank, ys, ahead);
+    });
   }
 }
 
