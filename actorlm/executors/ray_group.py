@@ -83,6 +83,18 @@ class RayWorker:
         threading.Event().wait()
 
 
+def rank_bundle(factory) -> dict[str, float]:
+    """What one rank asks of the cluster: a CPU, and the GPU it runs on when the model runs
+    on GPUs (Ray then shows its actor that GPU alone)."""
+    on_gpu = str(getattr(factory, "device", "cpu")).startswith("cuda")
+    return {"CPU": 1, "GPU": 1} if on_gpu else {"CPU": 1}
+
+
+def _spelled(resources: dict, kinds: dict | None = None) -> str:
+    """``{"CPU": 1, "GPU": 1}`` as ``1 CPU and 1 GPU`` (of the kinds in ``kinds``, if given)."""
+    return " and ".join(f"{resources.get(kind, 0):g} {kind}" for kind in (kinds or resources))
+
+
 class RayWorkerGroup:
     def __init__(self, factory, size: int, generation: int, tensor_parallel: bool):
         self.factory, self.size, self.generation = factory, size, generation
@@ -101,20 +113,23 @@ class RayWorkerGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         ensure_ray(ray, self.size)
+        bundle = rank_bundle(self.factory)
         try:
-            self._placement = placement_group([{"CPU": 1}] * self.size)
+            self._placement = placement_group([bundle] * self.size)
             try:
                 ray.get(self._placement.ready(), timeout=PLACEMENT_TIMEOUT_S)
             except ray.exceptions.GetTimeoutError:
-                raise RuntimeError(f"the Ray cluster has no room for {self.size} workers of 1 "
-                                   f"CPU each (--tensor-parallel-size {self.size}); it has "
-                                   f"{ray.available_resources().get('CPU', 0)} CPUs free") \
+                free = ray.available_resources()
+                raise RuntimeError(f"the Ray cluster has no room for {self.size} workers of "
+                                   f"{_spelled(bundle)} each (--tensor-parallel-size "
+                                   f"{self.size}); it has {_spelled(free, bundle)} free") \
                     from None
             actor_class = ray.remote(concurrency_groups={"watch": 1})(RayWorker)
             env = {"PYTHONPATH": os.pathsep.join(
                 [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
             self.actors = [actor_class.options(
-                num_cpus=1, max_restarts=0, runtime_env={"env_vars": env},
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0,
+                runtime_env={"env_vars": env},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self._placement, placement_group_bundle_index=rank)).remote(rank)
                 for rank in range(self.size)]

@@ -106,11 +106,20 @@ def init_tensor_parallel(rank: int, size: int, init_method: str,
     if size > 1:
         device = torch.device(device)
         if device.type == "cuda":
-            torch.cuda.set_device(device)
+            torch.cuda.set_device(rank_gpu(rank, torch.cuda.device_count()))
         torch.distributed.init_process_group(
             "nccl" if device.type == "cuda" else "gloo", init_method=init_method,
             rank=rank, world_size=size)
     return tp
+
+
+def rank_gpu(rank: int, visible: int) -> int:
+    """The GPU a rank runs on, of the ``visible`` ones this process sees: its own where it
+    sees every rank's (worker processes on one node), the one it sees under Ray (which gives
+    each rank's actor one GPU of its own)."""
+    if visible < 1:
+        raise RuntimeError(f"tensor-parallel rank {rank} sees no GPU")
+    return rank % visible
 
 
 def check_initialised(tp: TensorParallel) -> None:

@@ -191,9 +191,13 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
     bytes_per_block = kv_bytes_per_block(hf_config, config.block_size, tp_size, dtype,
                                          max(len(g.layers) for g in groups))
     profile_gpu = device.type == "cuda" and not config.is_kv_pool_sized_by_user
-    if profile_gpu and tp_size > 1:  # profiling loads the whole model in this process
-        raise ValueError(f"--tensor-parallel-size {tp_size} on a GPU needs the KV pool sized "
-                         f"by --num-kv-blocks or --kv-cache-memory-bytes (per rank)")
+    # profiling loads the whole model in this process, where only a worker thread reuses it
+    # (a worker process would load the weights a second time beside the profiled copy)
+    if profile_gpu and config.executor_backend != "uni":
+        what = f"--tensor-parallel-size {tp_size}" if tp_size > 1 else \
+            f"--distributed-executor-backend {config.executor_backend}"
+        raise ValueError(f"{what} on a GPU needs the KV pool sized by --num-kv-blocks or "
+                         f"--kv-cache-memory-bytes (per rank)")
     tokenizer = AutoTokenizer.from_pretrained(path)
     draft_path = None
     spec = config.speculative_config

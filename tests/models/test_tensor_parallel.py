@@ -183,3 +183,49 @@ def test_a_rank_without_a_process_group_is_refused(tiny_llama_dir):
                             frozenset(), num_kv_blocks=8, tensor_parallel_size=2)
     with pytest.raises(RuntimeError, match="init_tensor_parallel"):
         factory(1)
+
+
+@pytest.mark.parametrize("flags, refused", [
+    ({"distributed_executor_backend": "mp"}, "--distributed-executor-backend mp"),
+    ({"distributed_executor_backend": "ray"}, "--distributed-executor-backend ray"),
+    ({"tensor_parallel_size": 2}, "--tensor-parallel-size 2"),
+])
+def test_a_worker_process_on_a_gpu_needs_the_kv_pool_sized_by_a_flag(flags, refused,
+                                                                      tiny_llama_dir):
+    # profiling would load the weights here and the worker process again beside them; the
+    # refusal comes before anything touches a GPU, so it is checked on any machine
+    with pytest.raises(ValueError, match=f"{refused} on a GPU needs the KV pool sized by "
+                                         f"--num-kv-blocks or --kv-cache-memory-bytes"):
+        load_model_parts(EngineConfig(model=str(tiny_llama_dir), device="cuda", **flags))
+
+
+@pytest.mark.parametrize("rank, visible, gpu", [(0, 4, 0), (1, 4, 1), (3, 4, 3), (1, 1, 0),
+                                                (5, 4, 1)])
+def test_each_rank_runs_on_a_gpu_of_its_own(rank, visible, gpu, monkeypatch):
+    from actorlm.models import parallel
+
+    chosen, joined = [], []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(torch.distributed, "init_process_group",
+                        lambda backend, **kw: joined.append((backend, kw["rank"])))
+    parallel.init_tensor_parallel(rank, 8, "tcp://127.0.0.1:1", torch.device("cuda"))
+    assert chosen == [gpu] and joined == [("nccl", rank)]
+
+
+def test_a_rank_that_sees_no_gpu_is_refused_by_name(monkeypatch):
+    from actorlm.models import parallel
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(RuntimeError, match="tensor-parallel rank 1 sees no GPU"):
+        parallel.init_tensor_parallel(1, 2, "tcp://127.0.0.1:1", torch.device("cuda"))
+
+
+@pytest.mark.parametrize("device, bundle", [("cuda", {"CPU": 1, "GPU": 1}),
+                                            ("cpu", {"CPU": 1})])
+def test_a_ray_rank_asks_for_the_gpu_its_model_runs_on(device, bundle, tiny_llama_dir):
+    from actorlm.executors.ray_group import rank_bundle
+
+    factory = RunnerFactory(tiny_llama_dir, torch.float32, torch.device(device), BLOCK_SIZE,
+                            frozenset(), num_kv_blocks=8, tensor_parallel_size=2)
+    assert rank_bundle(factory) == bundle
