@@ -186,17 +186,20 @@ class AsyncLLM:
 
     Engine flags are the same as ``LLM``'s. ``max_num_waiting`` refuses new requests with
     ``EngineOverloadedError`` while that many already wait for a seat (``max_num_seqs``).
-    Construction loads the model and blocks; build it off the event loop.
+    Construction loads the model and blocks; build it off the event loop. Setting
+    ``cancel_load`` (a ``threading.Event``) from another thread while an engine core in a
+    process of its own loads stops it there (``LoadCancelled``).
     """
 
     def __init__(self, model: str | None = None, *, max_num_waiting: int | None = None,
-                 trace_file: str | None = None, trace_capacity: int = 100_000, **engine_flags):
+                 trace_file: str | None = None, trace_capacity: int = 100_000,
+                 cancel_load: threading.Event | None = None, **engine_flags):
         if max_num_waiting is not None and max_num_waiting < 1:
             raise ValueError(f"--max-num-waiting must be at least 1, got {max_num_waiting}")
         # always recording (a bounded ring): the server shows it live at /trace
         self.trace = TraceRecorder(capacity=trace_capacity, path=trace_file)
         self.engine = start_engine(EngineConfig.from_flags(model, **engine_flags),
-                                   trace=self.trace)
+                                   trace=self.trace, cancel_load=cancel_load)
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         self.model_path = self.engine.model_path

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import threading
 from typing import Callable
 
 import uvicorn
@@ -47,10 +48,13 @@ def serve(model: str | None, engine_flags: dict, *, host: str = "127.0.0.1", por
         failed.append(message)
         server.should_exit = True
 
+    cancel_load = threading.Event()  # a SIGTERM while the model loads stops the load
     app = create_app(lambda: AsyncLLM(model, max_num_waiting=max_num_waiting,
-                                      trace_file=trace_file, **engine_flags),
+                                      trace_file=trace_file, cancel_load=cancel_load,
+                                      **engine_flags),
                      served_model_name=served_model_name, log_stats_interval=log_stats_interval,
-                     on_load_error=on_load_error, options=options, lora_modules=lora_modules)
+                     on_load_error=on_load_error, options=options, lora_modules=lora_modules,
+                     cancel_load=cancel_load)
     if not options.api_keys and not options.binds_loopback:
         log.warning("serving on %s without an API key: anyone who reaches the port may use "
                     "it (--api-key)", host)

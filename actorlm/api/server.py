@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import pathlib
+import threading
 import time
 from typing import Callable
 
@@ -61,8 +62,9 @@ class ServerState:
     def __init__(self, engine: AsyncLLM | Callable[[], AsyncLLM], served_model_name: str | None,
                  log_stats_interval: float, on_load_error: Callable[[str], None] | None,
                  options: ServerOptions, lora_modules: list[LoRAModulePath] = (),
-                 runtime_lora: bool = False):
+                 runtime_lora: bool = False, cancel_load: threading.Event | None = None):
         self.options = options
+        self.cancel_load = cancel_load
         self.lora = LoRAModels()  # its checker comes with the engine
         self.lora_modules = list(lora_modules)  # loaded once the engine is, before serving
         self.decoder = RequestDecoder()
@@ -109,6 +111,8 @@ class ServerState:
             self._engine_ready()
 
     async def stop(self) -> None:
+        if self.engine is None and self.cancel_load is not None:
+            self.cancel_load.set()  # (a load still running ends now, not when it would finish)
         for task in self._tasks:
             task.cancel()
         if self.engine is not None and self.factory is not None:
@@ -127,7 +131,8 @@ class ServerState:
         future = asyncio.get_running_loop().run_in_executor(None, build)
         try:
             engine, self.max_token_chars = await asyncio.shield(future)
-        except asyncio.CancelledError:  # shut down while loading: stop it once it is built
+        except asyncio.CancelledError:  # shut down while loading: cancelled (``stop``), or
+            # stopped once built where it cannot be (a core in this process)
             future.add_done_callback(lambda f: f.exception() or f.result()[0].shutdown())
             raise
         except Exception as exc:
@@ -286,15 +291,17 @@ def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: 
                log_stats_interval: float = 10.0,
                on_load_error: Callable[[str], None] | None = None,
                options: ServerOptions | None = None,
-               lora_modules: list[LoRAModulePath] = ()) -> Starlette:
+               lora_modules: list[LoRAModulePath] = (),
+               cancel_load: threading.Event | None = None) -> Starlette:
     """The app over ``engine``: an AsyncLLM (the caller owns it) or a factory that builds one
-    in the background at start-up (the app owns it and shuts it down). ``lora_modules`` are
+    in the background at start-up (the app owns it and shuts it down; if it stops first, it
+    sets ``cancel_load``, the event the factory gave ``AsyncLLM``). ``lora_modules`` are
     served by name from the start; the runtime LoRA routes exist when
     ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is true now."""
     options = options or ServerOptions()
     runtime_lora = runtime_updating_allowed()
     state = ServerState(engine, served_model_name, log_stats_interval, on_load_error, options,
-                        lora_modules, runtime_lora)
+                        lora_modules, runtime_lora, cancel_load)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -2,7 +2,8 @@
 
 It binds the two sockets (``ipc://`` in a private directory; TCP on this node's address when
 Ray places the core, ``ray_core``), starts the core (``core_main``; a data-parallel replica
-on its share of the CPUs) and waits for it to load. It then stands in for the scheduler
+on its share of the CPUs) and waits for it to load (or, if ``cancel_load`` is set meanwhile,
+kills it and raises ``LoadCancelled``). It then stands in for the scheduler
 (behind the ``ReplicaRouter``): it sends on the ``AddRequest``, ``AbortRequests`` and
 ``StopRequests`` it is told; a reader thread receives each step's ``EngineOutputs`` and
 passes them on towards the FrontendActor, feeds the core's trace records to the frontend's
@@ -61,9 +62,15 @@ class EngineCoreDied(RuntimeError):
     """The engine core died, and could not be restarted, while a query waited for it."""
 
 
+class LoadCancelled(RuntimeError):
+    """The engine was asked to stop while its core was still loading the model."""
+
+
 class EngineCoreClient:
-    def __init__(self, config: EngineConfig, *, trace=None, index: int = 0):
+    def __init__(self, config: EngineConfig, *, trace=None, index: int = 0,
+                 cancel_load: threading.Event | None = None):
         self.config, self.trace, self.index = config, trace, index
+        self.cancel_load = cancel_load  # set while loading: the core is killed, start() raises
         self.num_restarts = 0
         self.ready: CoreReady | None = None
         self.last_heartbeat: SchedulerStats | None = None  # the core's latest, with its load
@@ -132,6 +139,10 @@ class EngineCoreClient:
             elif self._proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with code {self._proc.returncode} "
                                    f"while loading the model")
+            if self.cancel_load is not None and self.cancel_load.is_set():
+                self._proc.kill()  # a large model would hold the shutdown for minutes
+                self._proc.wait()
+                raise LoadCancelled(f"{self.name} was stopped while loading the model")
 
     # --- the scheduler, as the FrontendActor sees it -------------------------------------------
 

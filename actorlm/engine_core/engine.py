@@ -42,10 +42,12 @@ log = logging.getLogger(__name__)
 
 
 class EngineCoreSystem(EngineSystem):
-    def __init__(self, config: EngineConfig, *, trace=None):
+    def __init__(self, config: EngineConfig, *, trace=None,
+                 cancel_load: threading.Event | None = None):
         self.trace, self.supervisor = trace, Supervisor()
         self.scheduler = self.allocator = self.executor = self.frontend = None
-        self.clients = [EngineCoreClient(config, trace=trace, index=index)
+        self.clients = [EngineCoreClient(config, trace=trace, index=index,
+                                         cancel_load=cancel_load)
                         for index in range(config.data_parallel_size)]
         self.router = ReplicaRouter(self.clients)
         try:
@@ -153,9 +155,11 @@ def merge_stats(per_replica: list):
     return type(first)(**merged)
 
 
-def start_engine(config: EngineConfig, *, trace=None) -> EngineSystem:
+def start_engine(config: EngineConfig, *, trace=None,
+                 cancel_load: threading.Event | None = None) -> EngineSystem:
     """The engine ``config`` asks for: its core in this process, or in processes of its own
-    (one a data-parallel replica)."""
+    (one a data-parallel replica). Setting ``cancel_load`` while the cores load kills them
+    (``LoadCancelled`` raises here); a core in this process loads to the end."""
     if config.engine_core_process or config.data_parallel_size > 1:
-        return EngineCoreSystem(config, trace=trace)
+        return EngineCoreSystem(config, trace=trace, cancel_load=cancel_load)
     return EngineSystem(config, trace=trace)

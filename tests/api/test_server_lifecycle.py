@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from api_helpers import running, wait_healthy
+from processes import NEVER_LOADS, live_children
 
 from actorlm.api.server import create_app
 from actorlm.async_llm import AsyncLLM
@@ -66,6 +67,28 @@ def test_503_until_ready_then_fatal_fault(tiny_llama_dir):
         assert "scheduler" in _error(answers[0], 500)["message"]
         assert "scheduler" in _error(httpx.get(base + "/health"), 503)["message"]
         _error(httpx.post(base + "/v1/completions", json={"prompt": "Hi"}), 503)
+
+
+def test_a_server_stopped_while_its_core_loads_stops_the_load(tiny_llama_dir, monkeypatch):
+    # a large model loads for minutes: the stop must not wait for it
+    from actorlm.engine_core import client
+
+    monkeypatch.setattr(client, "_BOOT", NEVER_LOADS)
+    cancel, built = threading.Event(), threading.Event()
+
+    def build():
+        try:
+            return AsyncLLM(str(tiny_llama_dir), engine_core_process=True, cancel_load=cancel,
+                            **FLAGS)
+        finally:
+            built.set()
+
+    with running(create_app(build, cancel_load=cancel)) as base:
+        while not live_children("engine_core", "actorlm::engine-core"):
+            time.sleep(0.05)
+        assert "loading" in _error(httpx.get(base + "/health"), 503)["message"]
+    assert cancel.is_set() and built.wait(5)
+    assert live_children("engine_core", "actorlm::engine-core") == []
 
 
 def test_max_num_waiting_answers_503(tiny_llama_dir):

@@ -2,6 +2,7 @@
 
 import torch
 from greedy import TOP, check_logprobs_close, hf_continuation  # noqa: F401  (the oracle rule)
+from processes import live_children  # noqa: F401  (the process tests' check)
 from transformers import AutoModelForCausalLM
 
 # what the process tests (worker processes, engine-core processes, replicas) generate
@@ -42,20 +43,3 @@ def full_length_tokens(outputs) -> list[list[int]]:
     """Each output's tokens, every one of which must have run to its max_tokens."""
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
     return [o.outputs[0].token_ids for o in outputs]
-
-
-def live_children(module: str, title: str) -> list:
-    """This process's own children started as ``python -c`` of ``module``, or already named
-    ``title...`` by themselves (not the processes of a server it runs: grandchildren)."""
-    import psutil
-
-    alive = []
-    for child in psutil.Process().children():
-        try:
-            command = " ".join(child.cmdline())
-            if child.status() != psutil.STATUS_ZOMBIE and (
-                    module in command or command.startswith(title)):
-                alive.append(child)
-        except psutil.NoSuchProcess:
-            pass
-    return alive

@@ -23,6 +23,7 @@ from actorlm.async_llm import AsyncLLM
 from actorlm.llm import LLM
 from engine_helpers import (PROMPTS, TOP, check_logprobs_close, engine_greedy,
                             full_length_tokens, live_children, undisturbed_tokens)
+from processes import NEVER_LOADS
 
 FLAGS = {"dtype": "float32", "block_size": 4, "num_kv_blocks": 1024, "max_model_len": 512}
 GREEDY = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
@@ -164,6 +165,32 @@ def test_a_model_the_core_cannot_load_raises_in_the_caller_and_leaves_no_process
     with pytest.raises(type(in_process.value)) as in_core:
         LLM(str(broken), dtype="float32", engine_core_process=True)
     assert str(in_core.value) == str(in_process.value)
+    assert live_children("engine_core", "actorlm::engine-core") == []
+
+
+def test_a_load_cancelled_while_the_core_loads_kills_the_core_and_raises(tiny_llama_dir,
+                                                                         monkeypatch):
+    from actorlm.engine_core import client
+
+    monkeypatch.setattr(client, "_BOOT", NEVER_LOADS)
+    cancel, raised = threading.Event(), []
+
+    def build():
+        try:
+            AsyncLLM(str(tiny_llama_dir), engine_core_process=True, cancel_load=cancel, **FLAGS)
+        except BaseException as exc:  # noqa: BLE001 — what the test reads
+            raised.append(exc)
+
+    loading = threading.Thread(target=build)
+    loading.start()
+    deadline = time.monotonic() + 30
+    while not live_children("engine_core", "actorlm::engine-core"):
+        assert loading.is_alive() and time.monotonic() < deadline, raised
+        time.sleep(0.05)
+    cancel.set()
+    loading.join(5)
+    assert not loading.is_alive() and isinstance(raised[0], client.LoadCancelled)
+    assert "stopped while loading the model" in str(raised[0])
     assert live_children("engine_core", "actorlm::engine-core") == []
 
 
