@@ -99,6 +99,9 @@ class RequestDelta(_StepMessage):
     num_cached_tokens: int = 0
     new_logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs: list[PositionLogprobs] | None = None  # positions computed in this step
+    # with ``error``: the request field the client got wrong (a grammar that does not compile,
+    # say), which the API answers with a 400 naming it; None: the engine failed
+    error_field: str | None = None
 
 
 class EngineOutputs(_StepMessage):

@@ -42,4 +42,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[PositionLogprobDict | None] | None = None
     error: str | None = None  # set when the engine failed this request (finish_reason "error")
+    error_field: str | None = None  # the request field at fault, where the client's was
     metrics: dict = field(default_factory=dict)

@@ -391,9 +391,9 @@ def _finish_reason(reason: str | None, made_calls: bool) -> str | None:
 
 def _checked(out: RequestOutput) -> RequestOutput:
     if out.error:
-        # a grammar the engine could not compile is the client's constraint, not our fault
-        if out.error.startswith("structured_outputs:"):
-            raise p.ApiError(400, out.error, "structured_outputs")
+        # a field the engine refused (a grammar it could not compile): the client's, not ours
+        if out.error_field is not None:
+            raise p.ApiError(400, out.error, out.error_field)
         raise p.ApiError(500, f"the engine failed this request: {out.error}")
     return out
 

@@ -42,6 +42,7 @@ class OutputStream:
             cumulative_logprob=0.0 if wants_logprobs else None) for _ in range(params.n)]
         self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
         self.error: str | None = None
+        self.error_field: str | None = None  # the request field the error names, if any
         self.num_cached_tokens = 0  # prompt tokens the first child found in the prefix cache
         # text is needed token by token only to stream it or to find stop strings; otherwise
         # one decode at the end gives the same text for a fraction of the work
@@ -85,7 +86,8 @@ class OutputStream:
                     return hit[0]
         if delta.finish_reason is not None:
             seq.finish_reason, seq.stop_reason = delta.finish_reason, delta.stop_reason
-            self.error = self.error or delta.error
+            if self.error is None:
+                self.error, self.error_field = delta.error, delta.error_field
             if not self._incremental:
                 seq.text = seq.detokenizer.decode_all(seq.token_ids)
         return None
@@ -109,7 +111,8 @@ class OutputStream:
                 list(seq.logprobs) if seq.logprobs is not None else None,
                 seq.finish_reason, seq.stop_reason))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions,
-                             finished, error=self.error, num_cached_tokens=self.num_cached_tokens,
+                             finished, error=self.error, error_field=self.error_field,
+                             num_cached_tokens=self.num_cached_tokens,
                              # a copy: this list grows with later chunks, the caller's must not
                              prompt_logprobs=None if self.prompt_logprobs is None
                              else list(self.prompt_logprobs))

@@ -10,10 +10,19 @@ from actorlm.lora_request import LoRARequest
 from actorlm.sampling_params import SamplingParams
 
 
+class RequestRefused(ValueError):
+    """A request the engine refuses for what the client put in one field (``field``), which
+    the API answers with a 400 naming it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
 class Request:
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params", "seed",
                  "arrival_time", "num_computed_tokens", "num_blocks", "fsm", "finish_reason",
-                 "stop_reason", "error", "num_preemptions", "is_known_to_workers",
+                 "stop_reason", "error", "error_field", "num_preemptions", "is_known_to_workers",
                  "bad_words_token_ids", "num_prompt_logprobs_sent", "num_faults",
                  "block_hashes", "num_cached_blocks", "num_cached_tokens", "grammar",
                  "awaiting_grammar", "spec_token_ids", "lora_request")
@@ -36,6 +45,7 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        self.error_field: str | None = None  # the request field the error names, if any
         self.num_preemptions = 0
         self.is_known_to_workers = False  # False: the next step sends it in full
         self.bad_words_token_ids = bad_words_token_ids or []

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from actorlm.core.block_hash import extend_block_hashes
-from actorlm.core.request import Request
+from actorlm.core.request import Request, RequestRefused
 from actorlm.core.spec_decoding import SpecDecodingCounts
 from actorlm.core.step_plan import StepPlan
 from actorlm.core.structured_output import new_matcher
@@ -99,8 +99,8 @@ class Scheduler:
         if taken := [rid for rid in ids if rid in self.requests]:
             raise ValueError(f"request id {taken[0]!r} is already in use")
         if self.config.speculative and msg.sampling_params.structured_outputs is not None:
-            raise ValueError("structured_outputs: a grammar cannot be combined with "
-                             "--speculative-config yet (drafts are not checked against it)")
+            raise RequestRefused("structured_outputs", "a grammar cannot be combined with "
+                                 "--speculative-config yet (drafts are not checked against it)")
         if msg.lora_request is not None and not self.config.max_loras:
             raise ValueError(f"LoRA adapter {msg.lora_request.lora_name!r}: LoRA is not "
                              f"enabled (--enable-lora)")
@@ -125,10 +125,11 @@ class Scheduler:
             self.waiting.extend(children)
 
     def abort(self, request_ids: Iterable[str], event=RequestEvent.ABORT,
-              error: str | None = None, stop_reasons: Iterable[str] | None = None
-              ) -> list[RequestDelta]:
+              error: str | None = None, stop_reasons: Iterable[str] | None = None,
+              error_field: str | None = None) -> list[RequestDelta]:
         """Finish the given live requests (unknown or finished ids are ignored). Between steps
-        only. ``event`` FINISH with ``stop_reasons`` finishes them as stopped (stop strings)."""
+        only. ``event`` FINISH with ``stop_reasons`` finishes them as stopped (stop strings);
+        FAIL with ``error`` (and ``error_field``, where a request field is at fault)."""
         reason = {RequestEvent.ABORT: FinishReason.ABORT, RequestEvent.FAIL: FinishReason.ERROR,
                   RequestEvent.FINISH: FinishReason.STOP}[event]
         stop_reasons = list(stop_reasons) if stop_reasons is not None else [None] * len(request_ids)
@@ -145,7 +146,8 @@ class Scheduler:
                 for siblings in self._pending_forks.values():
                     if request in siblings:
                         siblings.remove(request)
-            request.error, request.stop_reason = error, stop_reason
+            request.error, request.error_field = error, error_field
+            request.stop_reason = stop_reason
             self._release_pending_forks(request)
             deltas.append(self._finish(request, event, reason))
         return deltas
@@ -444,7 +446,7 @@ class Scheduler:
         self._on_probation.discard(request.request_id)
         self.num_finished += 1
         return RequestDelta(request.request_id, [], reason.value, request.stop_reason,
-                            request.error)
+                            request.error, error_field=request.error_field)
 
     def _check_stop(self, request: Request) -> FinishReason | None:
         """vLLM's order: length caps, a grammar that is complete, then (past min_tokens) EOS,
@@ -477,7 +479,8 @@ class Scheduler:
         if request is None:
             return []  # finished while it compiled
         if error is not None:
-            return self.abort([request_id], RequestEvent.FAIL, error)
+            return self.abort([request_id], RequestEvent.FAIL, error,
+                              error_field="structured_outputs")
         request.grammar, request.awaiting_grammar = new_matcher(grammar), False
         return []
 

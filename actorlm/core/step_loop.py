@@ -25,6 +25,7 @@ import time
 from enum import Enum
 from typing import Callable
 
+from actorlm.core.request import RequestRefused
 from actorlm.core.scheduler import Scheduler
 from actorlm.core.step_plan import StepPlan
 from actorlm.core.structured_output import GrammarCompiler, fill_bitmask
@@ -95,8 +96,8 @@ class StepLoop:
                 self.trace.on_arrival(message)
             constraint = message.sampling_params.structured_outputs
             if constraint is not None and self.grammars is None:
-                raise ValueError("structured_outputs: this engine has no tokenizer to compile "
-                                 "grammars with")
+                raise RequestRefused("structured_outputs", "this engine has no tokenizer to "
+                                                     "compile grammars with")
             self.scheduler.add_request(message)
             if constraint is not None:
                 for request_id in engine_request_ids(message.request_id,
@@ -104,7 +105,9 @@ class StepLoop:
                     self.grammars.submit(request_id, constraint, message.prompt_token_ids)
         except Exception as exc:  # noqa: BLE001 — a duplicate id, bad data: refuse it alone
             log.warning("refused request %s: %s", message.request_id, exc)
-            refusal = RequestDelta(message.request_id, [], "error", None, str(exc))
+            refusal = RequestDelta(message.request_id, [], "error", None, str(exc),
+                                   error_field=exc.field if isinstance(exc, RequestRefused)
+                                   else None)
             self.send("frontend", EngineOutputs(-1, [refusal]))
         self._kick()
 

@@ -113,12 +113,17 @@ def test_a_grammar_the_engine_refuses_is_the_clients_error():
     """A constraint that gets past the checks at the edge and fails to compile in the engine
     comes back as the request's error: a 400, not a server fault."""
     failed = RequestOutput("r", None, [1], [CompletionOutput(0, "", [], finish_reason="error")],
-                           finished=True, error="structured_outputs: Rule 'x' is not defined")
+                           finished=True, error="structured_outputs: Rule 'x' is not defined",
+                           error_field="structured_outputs")
     with pytest.raises(ApiError) as refused:
         _checked(failed)
     assert refused.value.status == 400 and "Rule 'x'" in refused.value.message
-    broken = RequestOutput("r", None, [1], [CompletionOutput(0, "", [], finish_reason="error")],
-                           finished=True, error="the worker died")
-    with pytest.raises(ApiError) as fault:
-        _checked(broken)
-    assert fault.value.status == 500
+    assert refused.value.param == "structured_outputs"
+    # the engine's own fault stays a 500, whatever its text begins with
+    for text in ("the worker died", "structured_outputs: the grammar thread died"):
+        broken = RequestOutput("r", None, [1],
+                               [CompletionOutput(0, "", [], finish_reason="error")],
+                               finished=True, error=text)
+        with pytest.raises(ApiError) as fault:
+            _checked(broken)
+        assert fault.value.status == 500
