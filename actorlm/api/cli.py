@@ -15,14 +15,31 @@ from actorlm.trace.cli import add_trace_commands
 
 
 def main(argv: list[str] | None = None) -> int:
-    from actorlm.bench.datasets import add_dataset_arguments
-    from actorlm.bench.lora import add_lora_arguments
-    from actorlm.bench.prefix import add_prefix_arguments, bench_prefix
-    from actorlm.bench.serve import DEFAULT_PERCENTILE_METRICS
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.run(args) or 0
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line: each command's flags come from its own builder below."""
     parser = argparse.ArgumentParser(prog="actorlm", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_generate(commands)
+    _add_serve(commands)
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    for add in (_add_bench_throughput, _add_bench_latency, _add_bench_structured,
+                _add_bench_prefix, _add_bench_serve):
+        add(bench)
+    add_trace_commands(commands)
+    return parser
 
+
+def _add_generate(commands) -> None:
+    """``actorlm generate``."""
     gen = commands.add_parser("generate", help="generate completions for prompts")
     add_engine_flags(gen)
     gen.add_argument("--max-tokens", type=int, default=128)
@@ -31,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     gen.set_defaults(run=_generate)
 
+
+def _add_serve(commands) -> None:
+    """``actorlm serve``: vLLM's serve flags that apply here."""
     srv = commands.add_parser("serve", help="the OpenAI-compatible HTTP server")
     # vLLM's form, ``vllm serve MODEL``, as well as --model
     srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
@@ -57,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     add_server_flags(srv)
     srv.set_defaults(run=_serve)
 
-    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+
+def _add_bench_throughput(bench) -> None:
+    """``actorlm bench throughput``."""
+    from actorlm.bench.lora import add_lora_arguments
+
     tp = bench.add_parser("throughput", help="offline throughput, optionally against transformers")
     add_engine_flags(tp)
     tp.add_argument("--num-prompts", type=int, required=True)
@@ -71,6 +95,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="report where the steps' time went (forward, sampling, engine)")
     add_lora_arguments(tp)
     tp.set_defaults(run=_bench_throughput)
+
+
+def _add_bench_latency(bench) -> None:
+    """``actorlm bench latency``."""
+    from actorlm.bench.lora import add_lora_arguments
+
     lat = bench.add_parser("latency", help="one batch: time to first token, time per token")
     add_engine_flags(lat)
     lat.add_argument("--batch-size", type=int, default=1)
@@ -87,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     lat.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     add_lora_arguments(lat)
     lat.set_defaults(run=_bench_latency)
+
+
+def _add_bench_structured(bench) -> None:
+    """``actorlm bench structured``."""
     so = bench.add_parser("structured", help="structured outputs against free text, one engine")
     add_engine_flags(so)
     so.add_argument("--num-prompts", type=int, default=32)
@@ -94,10 +128,23 @@ def main(argv: list[str] | None = None) -> int:
     so.add_argument("--num-iters", type=int, default=3, help="report medians over this many runs")
     so.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     so.set_defaults(run=_bench_structured)
+
+
+def _add_bench_prefix(bench) -> None:
+    """``actorlm bench prefix``."""
+    from actorlm.bench.prefix import add_prefix_arguments, bench_prefix
+
     pf = bench.add_parser("prefix", help="prefix caching on against off: multi-turn chat and "
                           "a shared system prompt")
     add_prefix_arguments(pf)
     pf.set_defaults(run=bench_prefix)
+
+
+def _add_bench_serve(bench) -> None:
+    """``actorlm bench serve``: vLLM's ``bench serve`` flags."""
+    from actorlm.bench.datasets import add_dataset_arguments
+    from actorlm.bench.serve import DEFAULT_PERCENTILE_METRICS
+
     bs = bench.add_parser("serve", help="online serving benchmark against a running server, "
                           "measured as vllm bench serve measures")
     bs.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -130,15 +177,6 @@ def main(argv: list[str] | None = None) -> int:
                          "request_goodput counts the requests per second that meet them all")
     bs.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     bs.set_defaults(run=_bench_serve)
-    add_trace_commands(commands)
-
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return args.run(args) or 0
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
 
 
 def _generate(args) -> int:
