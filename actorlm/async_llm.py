@@ -41,7 +41,7 @@ from actorlm.actors.supervisor import EngineDeadError, EngineShutdownError
 from actorlm.actors.system import EngineSystem
 from actorlm.config import EngineConfig
 from actorlm.engine_core import start_engine
-from actorlm.llm import PromptType, prompt_input
+from actorlm.llm import PromptType, prompt_input, prompt_salt
 from actorlm.lora_request import LoRARequest
 from actorlm.messages import AbortRequests, SubmitRequest
 from actorlm.outputs import RequestOutput
@@ -237,7 +237,8 @@ class AsyncLLM:
         arrival = time.monotonic()
         params = sampling_params or self.get_default_sampling_params()
         submit = loop.run_in_executor(self._submitter, self._submit, request_id,
-                                      prompt_input(prompt), params, sink, lora_request)
+                                      prompt_input(prompt), params, sink, lora_request,
+                                      prompt_salt(prompt))
         try:
             # shielded: a cancelled caller must not leave a submitted request running unseen
             prompt_token_ids = await asyncio.shield(submit)
@@ -280,7 +281,8 @@ class AsyncLLM:
             pass
 
     def _submit(self, request_id: str, prompt, params: SamplingParams, sink,
-                lora_request: LoRARequest | None = None) -> list[int]:
+                lora_request: LoRARequest | None = None,
+                cache_salt: str | None = None) -> list[int]:
         # on the submit thread: blocking asks are fine here
         try:
             if self.max_num_waiting is not None:
@@ -295,7 +297,7 @@ class AsyncLLM:
                         f"the server is overloaded: {num_waiting} requests are waiting "
                         f"(--max-num-waiting {self.max_num_waiting}); retry later")
             return self.engine.frontend.ask(SubmitRequest(request_id, prompt, params, sink, True,
-                                                          lora_request))
+                                                          lora_request, cache_salt))
         except pykka.ActorDeadError:
             raise self.engine.supervisor.dead_error() from None
 

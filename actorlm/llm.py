@@ -66,7 +66,9 @@ class LLM:
         LoRA adapter of every prompt, or one per prompt (None: the base model; needs
         ``enable_lora``).
 
-        A prompt is text, a list of token ids, or ``{"prompt_token_ids": [...]}``. If any prompt
+        A prompt is text, a list of token ids, or a dict of ``"prompt"`` or
+        ``"prompt_token_ids"``, with vLLM's ``"cache_salt"`` if it is to share cached prefixes
+        only with prompts of the same salt (one tenant's). If any prompt
         or parameter is refused, nothing of this call keeps running and the error is raised.
         Without ``sampling_params`` the model's defaults apply (``get_default_sampling_params``).
         """
@@ -109,7 +111,8 @@ class LLM:
             for prompt, p, lora in zip(prompts, params, loras):
                 request_id = str(next(self._ids))
                 self.engine.frontend.ask(SubmitRequest(request_id, prompt_input(prompt), p, sink,
-                                                       lora_request=lora))
+                                                       lora_request=lora,
+                                                       cache_salt=prompt_salt(prompt)))
                 request_ids.append(request_id)
         except pykka.ActorDeadError:
             raise self.engine.supervisor.dead_error() from None
@@ -184,6 +187,11 @@ def _as_list(prompts) -> list:
     if prompts and isinstance(prompts[0], int):  # one prompt given as token ids
         return [prompts]
     return prompts
+
+
+def prompt_salt(prompt: PromptType) -> str | None:
+    """A dict prompt's ``cache_salt`` (vLLM's): its prefix-cache tenant; None: shared."""
+    return prompt.get("cache_salt") if isinstance(prompt, dict) else None
 
 
 def prompt_input(prompt: PromptType) -> str | list[int]:

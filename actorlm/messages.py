@@ -44,6 +44,8 @@ class SubmitRequest(_Message):
     sink: Any = None
     stream: bool = False
     lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
+    cache_salt: str | None = None  # its prefix-cache tenant: it shares cached blocks only with
+    # requests of the same salt (vLLM's ``cache_salt``)
 
 
 # --- frontend <-> scheduler ------------------------------------------------------------------
@@ -66,6 +68,7 @@ class AddRequest(_Message):
     # resumed after more than one engine-core death: it runs alone for a step (on probation)
     # before it rejoins the batch, so a death in that step is known to be its doing
     suspect: bool = False
+    cache_salt: str | None = None  # (SubmitRequest's)
 
 
 class AbortRequests(_Message):

@@ -81,6 +81,8 @@ class FrontendActor(EngineActor):
                 raise ValueError(f"LoRA adapter {msg.lora_request.lora_name!r}: LoRA is not "
                                  f"enabled (--enable-lora)")
             self.lora_checker.check(msg.lora_request)
+        if msg.cache_salt is not None and not (isinstance(msg.cache_salt, str) and msg.cache_salt):
+            raise ValueError("cache_salt: must be a non-empty string if given")
         seed = self._rng.randrange(SEED_RANGE) if params.seed is None else params.seed % SEED_RANGE
         text = msg.prompt if isinstance(msg.prompt, str) else None
         stream = OutputStream(msg.request_id, text, token_ids, params, self.tokenizer, msg.sink,
@@ -90,7 +92,8 @@ class FrontendActor(EngineActor):
             self._children[engine_id] = (stream, index)
         arrival_time = self.clock.monotonic()
         added = AddRequest(msg.request_id, token_ids, params, seed, arrival_time,
-                           self._bad_words(params.bad_words), lora_request=msg.lora_request)
+                           self._bad_words(params.bad_words), lora_request=msg.lora_request,
+                           cache_salt=msg.cache_salt)
         self._added[msg.request_id] = added
         self.scheduler.tell(added)
         return token_ids
@@ -231,4 +234,5 @@ def _resumed(added: AddRequest, engine_id: str, index: int, token_ids: list[int]
         params = msgspec.structs.replace(params, n=1)
     return AddRequest(engine_id, added.prompt_token_ids, params,
                       (added.seed + index) % SEED_RANGE, added.arrival_time,
-                      added.bad_words_token_ids, list(token_ids), added.lora_request, suspect)
+                      added.bad_words_token_ids, list(token_ids), added.lora_request, suspect,
+                      added.cache_salt)

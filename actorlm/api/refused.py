@@ -31,7 +31,6 @@ class RefusedFields(Struct, kw_only=True):
     use_beam_search: bool | None = False
     logits_processors: list[Any] | None = None
     priority: int | None = 0  # only the first-come, first-served policy exists
-    cache_salt: str | None = None
 
     def check_refused(self, extra: tuple[str, ...] = ()) -> None:
         """Raise a 400 naming the first unimplemented field this request turns on."""

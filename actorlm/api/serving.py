@@ -165,7 +165,9 @@ class _Generation:
         try:
             for i, (ids, sp) in enumerate(zip(prompt_ids, params)):
                 rid = self.engine_id if len(prompt_ids) == 1 else f"{self.engine_id}-{i}"
-                self.streams.append(await self.engine.add_request(rid, ids, sp, self.lora))
+                prompt = ids if self.req.cache_salt is None else \
+                    {"prompt_token_ids": ids, "cache_salt": self.req.cache_salt}
+                self.streams.append(await self.engine.add_request(rid, prompt, sp, self.lora))
         except BaseException:
             self.abort()
             raise

@@ -25,12 +25,12 @@ class Request:
                  "stop_reason", "error", "error_field", "num_preemptions", "is_known_to_workers",
                  "bad_words_token_ids", "num_prompt_logprobs_sent", "num_faults",
                  "block_hashes", "num_cached_blocks", "num_cached_tokens", "grammar",
-                 "awaiting_grammar", "spec_token_ids", "lora_request")
+                 "awaiting_grammar", "spec_token_ids", "lora_request", "cache_salt")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  seed: int, arrival_time: float, listeners: Iterable[Listener] = (),
                  bad_words_token_ids: list[list[int]] | None = None,
-                 lora_request: LoRARequest | None = None):
+                 lora_request: LoRARequest | None = None, cache_salt: str | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -60,6 +60,7 @@ class Request:
         # its step verifies), computed with them but not yet its tokens
         self.spec_token_ids: list[int] = []
         self.lora_request = lora_request  # its adapter; None: the base model
+        self.cache_salt = cache_salt  # its prefix-cache tenant; None: everyone's cache
 
     @property
     def lora_id(self) -> int | None:
@@ -67,10 +68,15 @@ class Request:
 
     @property
     def block_hash_keys(self) -> tuple:
-        """What besides its tokens makes its KV (``block_hash.extra_keys``): its adapter, so
-        no prefix cached under one adapter, or none, is served to another."""
-        lora = self.lora_request
-        return () if lora is None else (("lora", lora.lora_int_id, lora.lora_path),)
+        """What besides its tokens keys its KV blocks (``block_hash.extra_keys``): its adapter,
+        so no prefix cached under one adapter, or none, is served to another; and its cache
+        salt, so that a tenant can neither reuse nor time another's cached prompts."""
+        lora, keys = self.lora_request, ()
+        if lora is not None:
+            keys += (("lora", lora.lora_int_id, lora.lora_path),)
+        if self.cache_salt is not None:
+            keys += (("salt", self.cache_salt),)
+        return keys
 
     @property
     def state(self) -> RequestState:

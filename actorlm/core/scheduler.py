@@ -106,7 +106,7 @@ class Scheduler:
                              f"enabled (--enable-lora)")
         children = [Request(rid, msg.prompt_token_ids, msg.sampling_params,
                             (msg.seed + i) % SEED_RANGE, msg.arrival_time, self.listeners,
-                            msg.bad_words_token_ids, msg.lora_request)
+                            msg.bad_words_token_ids, msg.lora_request, msg.cache_salt)
                     for i, rid in enumerate(ids)]
         if msg.output_token_ids:  # resumed: its prompt's logprobs went out before its tokens
             if len(children) > 1 or msg.sampling_params.structured_outputs is not None:

@@ -48,6 +48,23 @@ def test_truncate_prompt_tokens_in_chat(http):
     assert full["usage"]["prompt_tokens"] > 5 and cut["usage"]["prompt_tokens"] == 5
 
 
+def test_a_cache_salt_keeps_a_tenants_cached_prefix_to_itself(http):
+    import random
+
+    ids = random.Random("salt").sample(range(10, 250), 40)  # a prompt no other test sends
+
+    def cached(**salt):
+        body = {**GREEDY, "prompt": ids, **salt}
+        return _ok(http.post("/v1/completions", json=body))["usage"]["prompt_tokens_details"][
+            "cached_tokens"]
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-b") == 0 and cached() == 0  # nobody else sees a's blocks
+    assert cached(cache_salt="tenant-a") > 0
+    refused = http.post("/v1/completions", json={**GREEDY, "prompt": ids, "cache_salt": ""})
+    assert refused.status_code == 400 and "cache_salt" in refused.json()["error"]["message"]
+
+
 OFF_VALUES = {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
               "guided_json": None, "guided_choice": [], "structured_outputs": None,
               "use_beam_search": False, "priority": 0, "logits_processors": [],

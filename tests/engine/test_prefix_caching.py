@@ -115,3 +115,26 @@ def test_multi_turn_chat_on_smollm2(setting, smollm2_dir, smollm2_dense_dir, mak
     assert ratio < 0.5 if setting == "roomy" else ratio < 1.0, ratio
     if setting == "tight":
         assert on.stats()["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("core_process", [False, True])
+def test_a_cache_salt_shares_cached_prefixes_only_within_its_tenant(make_llm, tiny_llama_dir,
+                                                                     core_process):
+    llm = make_llm(str(tiny_llama_dir), block_size=4, engine_core_process=core_process)
+    ids = list(range(3, 40))  # 9 full blocks
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    def run(salt=None):
+        prompt = {"prompt_token_ids": ids} if salt is None else \
+            {"prompt_token_ids": ids, "cache_salt": salt}
+        [output] = llm.generate([prompt], params, use_tqdm=False)
+        return output.num_cached_tokens, output.outputs[0].token_ids
+
+    unsalted, answer = run()
+    assert unsalted == 0
+    assert run("tenant-a") == (0, answer)  # the shared cache's blocks are not tenant a's
+    assert run("tenant-b") == (0, answer)  # nor tenant a's tenant b's
+    assert run("tenant-a") == (36, answer)  # each finds its own
+    assert run()[0] == 36
+    with pytest.raises(ValueError, match="cache_salt: must be a non-empty string"):
+        llm.generate([{"prompt_token_ids": ids, "cache_salt": ""}], params, use_tqdm=False)
