@@ -225,6 +225,12 @@ def test_many_bf16_rows_take_torchs_gemm_on_a_cpu_with_amx(type_name, monkeypatc
         x = torch.randn(m, k).to(dtype)
         _check(layer, parts, x, bias, f"{type_name} m={m} {dtype}")
     assert calls == [many]
+    # a layer wider than a slice is dequantized a slice of output rows at a time (an LM head
+    # of 128k rows would otherwise make a copy of itself), with the same bound
+    monkeypatch.setattr(quant, "_DENSE_SLICE_ROWS", 16)
+    calls.clear()
+    _check(layer, parts, torch.randn(many, k).to(torch.bfloat16), bias, f"{type_name} sliced")
+    assert calls == [many] * 3  # 48 rows: 16, 16 and 16 (the second part in the last)
 
 
 @pytest.mark.parametrize("type_name,mutate", [
@@ -290,6 +296,8 @@ def test_a_layers_whole_weight_dequantized_equals_gguf(dtype):
         assert layer.interleaved == (True, True, False, False)
     expected = torch.cat([gb.dequantized(t, b) for t, b in parts]).float().to(dtype)
     assert torch.equal(layer.dequantized(dtype), expected)
+    for start, end in ((0, 48), (40, 70), (47, 49), (64, 85), (84, 90)):  # across the parts
+        assert torch.equal(layer.dequantized(dtype, start, end), expected[start:end])
 
 
 def test_without_the_library_the_torch_path_computes_the_same(monkeypatch):

@@ -9,8 +9,9 @@ one instruction then multiplies 16 rows by x at once, and the panels gather a ro
 back (a tied LM head's copy is the embedding's too: ``QuantLinear.rows``).
 Those layers keep to integers up to 192 rows in bf16 (48 where the panels run on AMX tiles)
 and at every size in fp32, where they are the faster path. On a CPU with AMX tiles, bf16 x of
-``_AMX_FROM_ROWS`` rows or more (a long prefill) takes the weight dequantized whole, for the
-call only, through torch's GEMM (oneDNN's AMX kernels), faster than the panels there. The integers' int8 x costs accuracy
+``_AMX_FROM_ROWS`` rows or more (a long prefill) takes the weight dequantized (for the call
+only, in slices of ``_DENSE_SLICE_ROWS`` output rows) through torch's GEMM (oneDNN's AMX
+kernels), faster than the panels there. The integers' int8 x costs accuracy
 where the reference model is at a near-tie (SmolLM2's first token of "What is the capital
 of France?" is "The" by 0.08 nats in fp32 transformers, and the prompt read in int8, as
 llama.cpp reads it, turns it to "L"); over a long text the next-token distribution stays
@@ -48,6 +49,9 @@ _MAX_PARTS = 8  # csrc/quant.cpp's kMaxParts
 # down) on a Sapphire Rapids-class Xeon take 1.2, 4.1 and 9.6 ms on the panels at 192, 1,024
 # and 1,536 rows against 1.6, 7.1 and 9.0 whole (the dequantizing included)
 _AMX_FROM_ROWS = 1536
+# output rows of a weight dequantized at once for that GEMM: a larger layer (a 128k-row LM
+# head asked for prompt logprobs) goes in slices, so its transient copy stays this many rows
+_DENSE_SLICE_ROWS = 8192
 _panel_override: int | None = None  # set_panel_from_rows's: every path chosen by it instead
 
 
@@ -210,9 +214,7 @@ class QuantLinear:
         rows = x.reshape(-1, self.in_features)  # [M, in], a view where x's layout allows
         amx_from = _amx_from_rows(x.dtype)
         if amx_from is not None and rows.shape[0] >= amx_from:
-            bias = None if self.bias is None else self.bias.to(x.dtype)
-            y = F.linear(rows, self.dequantized(x.dtype), bias)
-            return y.view(*x.shape[:-1], self.out_features)
+            return self._dense_gemm(rows).view(*x.shape[:-1], self.out_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         y = x.new_empty(rows.shape[0], self.out_features)  # [M, out]
@@ -230,16 +232,33 @@ class QuantLinear:
             return dequantize_rows(kept or file_layout(blocks, type_name, shape), ids, dtype)
         return _rows_of_part(self._part_array[0], shape, ids, dtype, blocks)
 
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The whole weight in ``dtype``, [out, in], dequantized now (not kept: a dense copy
-        would take a dense model's memory)."""
-        out = torch.empty(self.out_features, self.in_features, dtype=dtype)
-        start = 0
+    def dequantized(self, dtype: torch.dtype, start: int = 0, end: int | None = None
+                    ) -> torch.Tensor:
+        """The weight's output rows [start, end) (all by default) in ``dtype``, [rows, in],
+        dequantized now (not kept: a dense copy would take a dense model's memory)."""
+        end = self.out_features if end is None else end
+        out = torch.empty(end - start, self.in_features, dtype=dtype)
+        first = 0  # the part's first row in the layer
         for part, blocks, (_, shape) in zip(self._part_array, self._blocks, self._kinds):
-            _rows_of_part(part, shape, _every_row(shape[0]), dtype, blocks,
-                          out=out[start:start + shape[0]])
-            start += shape[0]
+            low, high = max(start, first), min(end, first + shape[0])
+            if low < high:
+                _rows_of_part(part, shape, torch.arange(low - first, high - first), dtype,
+                              blocks, out=out[low - start:high - start])
+            first += shape[0]
         return out
+
+    def _dense_gemm(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` through torch's GEMM on the weight dequantized, ``_DENSE_SLICE_ROWS`` output
+        rows at a time."""
+        bias = None if self.bias is None else self.bias.to(rows.dtype)
+        if self.out_features <= _DENSE_SLICE_ROWS:
+            return F.linear(rows, self.dequantized(rows.dtype), bias)
+        y = rows.new_empty(rows.shape[0], self.out_features)
+        for start in range(0, self.out_features, _DENSE_SLICE_ROWS):
+            end = min(start + _DENSE_SLICE_ROWS, self.out_features)
+            y[:, start:end] = F.linear(rows, self.dequantized(rows.dtype, start, end),
+                                       None if bias is None else bias[start:end])
+        return y
 
     def panel_from_rows(self, dtype: torch.dtype) -> int | None:
         """The rows of x from which this layer runs in ``dtype`` on its weight dequantized (in
@@ -281,11 +300,6 @@ def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor,
         return values.reshape(*rows.shape, in_features)
     blocks, part = _part(weight, in_features)
     return _rows_of_part(part, weight.shape, rows, dtype, blocks)
-
-
-@functools.cache
-def _every_row(num_rows: int) -> torch.Tensor:
-    return torch.arange(num_rows)
 
 
 def _rows_of_part(part, shape: tuple[int, int], rows: torch.Tensor, dtype: torch.dtype,
