@@ -14,8 +14,8 @@
 // between them; a lone block (one request's rows) splits its shrink over A's rows and, after
 // a barrier, its expand over equal shares of the outputs, whichever parts they fall in. One
 // OpenMP region a call, and none where the work does not pay for waking the team. Each
-// thread fetches the bytes it is about to read a few kilobytes ahead of its loads (on the
-// AVX-512 path, ReadAhead): in a one-row SmolLM2 decode step the adapter's 9.8 MB (bf16)
+// thread fetches the bytes it is about to read a few kilobytes ahead of its loads
+// (ReadAhead, on both paths): in a one-row SmolLM2 decode step the adapter's 9.8 MB (bf16)
 // come from memory in short runs, a few dozen kilobytes a call, which the hardware
 // prefetchers do not follow.
 //
@@ -120,10 +120,11 @@ inline void add_rounded(const float* delta, T* y, int64_t width) {
 // array's element)
 template <int N, typename T>
 void shrink(const T* a, int64_t in, const float* const* xs, float* t, int rank, int k0,
-            int kc) {
+            int kc, ReadAhead& ahead) {
   const float *x0 = xs[0], *x1 = xs[N > 1 ? 1 : 0], *x2 = xs[N > 2 ? 2 : 0],
               *x3 = xs[N > 3 ? 3 : 0];
   for (int k = k0; k < k0 + kc; ++k) {
+    ahead.read(in * int64_t(sizeof(T)));  // (a row at a time: the loop below is the compiler's)
     const T* ak = a + int64_t(k) * in;
     float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
 #pragma omp simd reduction(+ : s0, s1, s2, s3)
@@ -142,10 +143,12 @@ void shrink(const T* a, int64_t in, const float* const* xs, float* t, int rank, 
 
 // y rows += round(t @ B[k0:k1, begin:end]) for the block's N rows
 template <int N, typename T>
-void expand(const T* b, int64_t out, const Chunk& c, const float* t, int rank, T* const* ys) {
+void expand(const T* b, int64_t out, const Chunk& c, const float* t, int rank, T* const* ys,
+            ReadAhead& ahead) {
   float acc[N][kOutputsPerChunk] = {};
   const int64_t width = c.end - c.begin;
   for (int k = c.k0; k < c.k1; ++k) {
+    ahead.read(width * int64_t(sizeof(T)));
     const T* bk = b + int64_t(k) * out + c.begin;
     for (int j = 0; j < N; ++j) {
       const float tk = t[j * rank + k];
@@ -302,8 +305,8 @@ void shrink_block(int isa, int count, const T* as, int64_t in, const float* cons
       return shrink_avx512<N, KC>(as, in, xf, ts, rank, k0, ahead);
     }
 #endif
-    (void)isa, (void)xt, (void)ahead;
-    shrink<N>(as, in, xf, ts, rank, k0, KC);
+    (void)isa, (void)xt;
+    shrink<N>(as, in, xf, ts, rank, k0, KC, ahead);
   });
 }
 
@@ -316,8 +319,8 @@ void expand_block(int isa, int count, const T* bs, int64_t out, const Chunk& c,
 #ifdef ACTORLM_LORA_AVX512
     if (isa == kAvx512) return expand_avx512<N>(bs, out, c, ts, rank, ys, ahead);
 #endif
-    (void)isa, (void)ahead;
-    expand<N>(bs, out, c, ts, rank, ys);
+    (void)isa;
+    expand<N>(bs, out, c, ts, rank, ys, ahead);
   });
 }
 
