@@ -26,6 +26,7 @@ from actorlm.core.output_stream import OutputStream
 from actorlm.engine_actor import EngineActor, tell
 from actorlm.messages import (AbortRequests, AddRequest, EngineOutputs, Resumed, ResumeRequests,
                               StopRequests, SubmitRequest)
+from actorlm.prompt_rules import empty_prompt, outside_vocabulary
 from actorlm.sampling_params import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -136,12 +137,12 @@ class FrontendActor(EngineActor):
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt: the prompt is empty")
+                raise ValueError(empty_prompt("prompt"))
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = list(prompt)
             if not token_ids:
-                raise ValueError("prompt_token_ids: the prompt is empty")
+                raise ValueError(empty_prompt("prompt_token_ids"))
             self._check_token_ids("prompt_token_ids", token_ids)
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. "
@@ -202,10 +203,8 @@ class FrontendActor(EngineActor):
             self._check_token_ids("allowed_token_ids", params.allowed_token_ids)
 
     def _check_token_ids(self, field: str, token_ids: list[int]) -> None:
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"{field}: token id {bad[0]!r} is outside the vocabulary "
-                             f"[0, {self.vocab_size})")
+        if refusal := outside_vocabulary(field, token_ids, self.vocab_size):
+            raise ValueError(refusal)
 
     def _bad_words(self, words: list[str]) -> list[list[int]]:
         """Each bad word as token ids, alone and after a space (how it appears mid-text)."""

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 from actorlm.api import protocol as p
 from actorlm.async_llm import AsyncLLM
+from actorlm.prompt_rules import outside_vocabulary
 
 
 def check_token_ids(engine: AsyncLLM, token_ids: list[int], field: str) -> None:
-    bad = [t for t in token_ids if not 0 <= t < engine.vocab_size]
-    if bad:
-        raise p.ApiError(400, f"{field}: token id {bad[0]} is outside the vocabulary "
-                              f"[0, {engine.vocab_size})", field)
+    if refusal := outside_vocabulary(field, token_ids, engine.vocab_size):
+        raise p.ApiError(400, refusal, field)
 
 
 def max_tokens_for(num_prompt_tokens: int, requested: int | None, max_model_len: int,

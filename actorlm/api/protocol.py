@@ -21,6 +21,7 @@ from actorlm.api.protocol_tools import DeltaToolCall, Tool, ToolCall, ToolChoice
 from actorlm.api.refused import CHAT_FIELDS
 from actorlm.api.structured import StructuredFields
 from actorlm.generation_config import SamplingDefaults
+from actorlm.prompt_rules import empty_prompt
 from actorlm.sampling_params import MAX_LOGPROBS as MAX_TOP_LOGPROBS
 from actorlm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -135,7 +136,7 @@ class CompletionRequest(_SamplingRequest, kw_only=True):
         if isinstance(p, str):
             return [p]
         if not p:
-            raise ApiError(400, "prompt: the prompt is empty", "prompt")
+            raise ApiError(400, empty_prompt("prompt"), "prompt")
         if all(isinstance(x, str) for x in p):
             return list(p)
         if all(_is_int(x) for x in p):

@@ -41,6 +41,7 @@ from actorlm.api.tool_stream import collect
 from actorlm.async_llm import AsyncLLM, RequestStream
 from actorlm.lora_request import LoRARequest
 from actorlm.outputs import RequestOutput
+from actorlm.prompt_rules import empty_prompt
 from actorlm.reasoning import ThinkTokens, split_reasoning
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ async def create_completion(state, request: Request) -> Response:
     prompt_ids = await engine.run_blocking(
         lambda: [engine.encode(x, add_special) if isinstance(x, str) else x for x in prompts])
     if any(not ids for ids in prompt_ids):
-        raise p.ApiError(400, "prompt: the prompt is empty", "prompt")
+        raise p.ApiError(400, empty_prompt("prompt"), "prompt")
     prompt_ids = [truncated(ids, req.truncate_prompt_tokens, engine.max_model_len)
                   for ids in prompt_ids]
     constraint = await checked_constraint(req)
