@@ -99,8 +99,9 @@ class Scheduler:
         if taken := [rid for rid in ids if rid in self.requests]:
             raise ValueError(f"request id {taken[0]!r} is already in use")
         if self.config.speculative and msg.sampling_params.structured_outputs is not None:
-            raise RequestRefused("structured_outputs", "a grammar cannot be combined with "
-                                 "--speculative-config yet (drafts are not checked against it)")
+            raise RequestRefused(
+                "structured_outputs", "a grammar cannot be combined with --speculative-config "
+                "yet (drafts are not checked against it)")
         if msg.lora_request is not None and not self.config.max_loras:
             raise ValueError(f"LoRA adapter {msg.lora_request.lora_name!r}: LoRA is not "
                              f"enabled (--enable-lora)")

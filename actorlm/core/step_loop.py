@@ -96,8 +96,8 @@ class StepLoop:
                 self.trace.on_arrival(message)
             constraint = message.sampling_params.structured_outputs
             if constraint is not None and self.grammars is None:
-                raise RequestRefused("structured_outputs", "this engine has no tokenizer to "
-                                                     "compile grammars with")
+                raise RequestRefused(
+                    "structured_outputs", "this engine has no tokenizer to compile grammars with")
             self.scheduler.add_request(message)
             if constraint is not None:
                 for request_id in engine_request_ids(message.request_id,
