@@ -67,7 +67,7 @@ class _SamplingRequest(StructuredFields, kw_only=True):
     # keep only the prompt's last k tokens (-1: as many as the context holds), as vLLM does
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
     # its prefix-cache tenant: cached prefixes are shared only with requests of the same salt
-    cache_salt: str | None = None
+    cache_salt: Annotated[str, Meta(min_length=1)] | None = None
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
