@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from hashlib import blake2b
 from typing import Iterable
 
 from actorlm.fsm import REQUEST_LIFECYCLE, FinishReason, Machine, RequestEvent, RequestState
@@ -25,7 +26,8 @@ class Request:
                  "stop_reason", "error", "error_field", "num_preemptions", "is_known_to_workers",
                  "bad_words_token_ids", "num_prompt_logprobs_sent", "num_faults",
                  "block_hashes", "num_cached_blocks", "num_cached_tokens", "grammar",
-                 "awaiting_grammar", "spec_token_ids", "lora_request", "cache_salt")
+                 "awaiting_grammar", "spec_token_ids", "lora_request", "cache_salt",
+                 "block_hash_keys")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  seed: int, arrival_time: float, listeners: Iterable[Listener] = (),
@@ -61,22 +63,19 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.lora_request = lora_request  # its adapter; None: the base model
         self.cache_salt = cache_salt  # its prefix-cache tenant; None: everyone's cache
+        # what besides its tokens keys its KV blocks (``block_hash.extra_keys``), once: its
+        # adapter, so no prefix cached under one adapter, or none, is served to another; and its
+        # salt, so that a tenant can neither reuse nor time another's cached prompts (digested:
+        # every block hashes the keys, and a salt may be megabytes long)
+        self.block_hash_keys: tuple = ()
+        if lora_request is not None:
+            self.block_hash_keys += (("lora", lora_request.lora_int_id, lora_request.lora_path),)
+        if cache_salt is not None:
+            self.block_hash_keys += (("salt", blake2b(cache_salt.encode()).digest()),)
 
     @property
     def lora_id(self) -> int | None:
         return None if self.lora_request is None else self.lora_request.lora_int_id
-
-    @property
-    def block_hash_keys(self) -> tuple:
-        """What besides its tokens keys its KV blocks (``block_hash.extra_keys``): its adapter,
-        so no prefix cached under one adapter, or none, is served to another; and its cache
-        salt, so that a tenant can neither reuse nor time another's cached prompts."""
-        lora, keys = self.lora_request, ()
-        if lora is not None:
-            keys += (("lora", lora.lora_int_id, lora.lora_path),)
-        if self.cache_salt is not None:
-            keys += (("salt", self.cache_salt),)
-        return keys
 
     @property
     def state(self) -> RequestState:
