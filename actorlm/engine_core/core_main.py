@@ -7,7 +7,8 @@ stdin. It connects to the two sockets the frontend has bound, loads the model, s
 actors (``EngineSystem`` with a relay in the frontend's place) and answers ``CoreReady``; then
 its main thread reads the frontend's messages and hands them to the scheduler, and the relay
 sends each step's ``EngineOutputs`` back from the scheduler's thread. It never outlives the
-frontend (a watchdog thread, as a worker's), and it names itself ``actorlm::engine-core``
+frontend (a watchdog thread, as a worker's; it removes the frontend's socket directory,
+which a frontend killed outright leaves behind), and it names itself ``actorlm::engine-core``
 (``actorlm::engine-core-<i>`` for data-parallel replica i). Under ``--data-parallel-backend
 ray`` a Ray actor runs it (``ray_core``), the parent's death then Ray's to handle.
 Its main thread also sends a heartbeat, the scheduler's answer to a stats query, twice a
@@ -105,8 +106,14 @@ def main() -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the frontend's to handle
     spec = decode_spec(sys.stdin.buffer.read())
-    exit_with_parent(spec.parent_pid)
+    exit_with_parent(spec.parent_pid, leftover=_socket_dir(spec.input_address))
     run(spec)
+
+
+def _socket_dir(address: str) -> str | None:
+    """The directory of the frontend's ipc sockets (none under Ray: tcp)."""
+    return os.path.dirname(address.removeprefix("ipc://")) if address.startswith("ipc://") \
+        else None
 
 
 def run(spec: CoreSpec) -> None:

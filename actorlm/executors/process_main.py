@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -39,10 +40,14 @@ class WorkerSpec:
     log_level: int
 
 
-def exit_with_parent(parent_pid: int) -> None:
+def exit_with_parent(parent_pid: int, leftover: str | None = None) -> None:
+    """Exit once the parent is gone, removing the directory ``leftover`` first (the parent's,
+    which a parent killed outright could not remove)."""
     def watch():
         while os.getppid() == parent_pid:
             time.sleep(PARENT_POLL_S)
+        if leftover is not None:
+            shutil.rmtree(leftover, ignore_errors=True)
         os._exit(1)  # the parent is gone: no one will read what this rank computes
 
     threading.Thread(target=watch, name="actorlm-parent-watch", daemon=True).start()

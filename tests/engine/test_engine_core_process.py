@@ -195,7 +195,8 @@ def test_a_load_cancelled_while_the_core_loads_kills_the_core_and_raises(tiny_ll
 
 
 def test_a_core_exits_when_its_frontend_is_gone(tiny_llama_dir, tmp_path):
-    """The core's watchdog: a frontend killed outright leaves no core running."""
+    """The core's watchdog: a frontend killed outright leaves no core running, and no
+    directory of the sockets it had bound."""
     script = tmp_path / "frontend.py"
     script.write_text(
         "import os, sys, time\n"
@@ -211,11 +212,15 @@ def test_a_core_exits_when_its_frontend_is_gone(tiny_llama_dir, tmp_path):
     try:
         core = psutil.Process(int(proc.stdout.readline()))
         assert core.is_running()
+        sockets = {os.path.dirname(c.laddr) for c in psutil.Process(proc.pid).net_connections(
+            kind="unix") if "actorlm-core-" in c.laddr}
+        assert len(sockets) == 1 and os.path.isdir(*sockets)
     finally:
         proc.kill()
         proc.wait()
     core.wait(timeout=10)  # the watchdog polls every 0.5 s
     assert not core.is_running()
+    assert not os.path.exists(*sockets)
 
 
 def test_the_frontend_resumes_live_children_finishes_aborted_ones_and_narrows_the_blame(
