@@ -226,8 +226,10 @@ class AsyncLLM:
 
     async def add_request(self, request_id: str, prompt: PromptType,
                           sampling_params: SamplingParams | None = None,
-                          lora_request: LoRARequest | None = None) -> RequestStream:
-        """Validate and start one request (with a LoRA adapter: needs ``enable_lora``); raises
+                          lora_request: LoRARequest | None = None,
+                          priority: int = 0) -> RequestStream:
+        """Validate and start one request (with a LoRA adapter: needs ``enable_lora``; a
+        ``priority`` other than 0, smaller served first: ``scheduling_policy="priority"``); raises
         ValueError for bad input, EngineOverloadedError when the waiting queue is full,
         EngineDeadError after a fault."""
         self._check_alive()
@@ -238,7 +240,7 @@ class AsyncLLM:
         params = sampling_params or self.get_default_sampling_params()
         submit = loop.run_in_executor(self._submitter, self._submit, request_id,
                                       prompt_input(prompt), params, sink, lora_request,
-                                      prompt_salt(prompt))
+                                      prompt_salt(prompt), priority)
         try:
             # shielded: a cancelled caller must not leave a submitted request running unseen
             prompt_token_ids = await asyncio.shield(submit)
@@ -256,12 +258,13 @@ class AsyncLLM:
         return stream
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, lora_request: LoRARequest | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, lora_request: LoRARequest | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield a cumulative ``RequestOutput`` after every step; the last has ``finished``.
         Leaving the loop early (or being cancelled) aborts the request."""
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
-        stream = await self.add_request(request_id, prompt, sampling_params, lora_request)
+        stream = await self.add_request(request_id, prompt, sampling_params, lora_request,
+                                        priority)
         try:
             async for output in stream:
                 yield output
@@ -282,7 +285,7 @@ class AsyncLLM:
 
     def _submit(self, request_id: str, prompt, params: SamplingParams, sink,
                 lora_request: LoRARequest | None = None,
-                cache_salt: str | None = None) -> list[int]:
+                cache_salt: str | None = None, priority: int = 0) -> list[int]:
         # on the submit thread: blocking asks are fine here
         try:
             if self.max_num_waiting is not None:
@@ -297,7 +300,7 @@ class AsyncLLM:
                         f"the server is overloaded: {num_waiting} requests are waiting "
                         f"(--max-num-waiting {self.max_num_waiting}); retry later")
             return self.engine.frontend.ask(SubmitRequest(request_id, prompt, params, sink, True,
-                                                          lora_request, cache_salt))
+                                                          lora_request, cache_salt, priority))
         except pykka.ActorDeadError:
             raise self.engine.supervisor.dead_error() from None
 

@@ -22,6 +22,7 @@ _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 DATA_PARALLEL_BACKENDS = ("mp", "ray")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # (core/waiting_queue.py)
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # the order requests are served in: fcfs (arrival) or priority (each request's priority,
+    # smaller first, then arrival; a request's priority must be 0 under fcfs), vLLM's two
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self):
         dtype = _DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower())
@@ -122,6 +126,9 @@ class EngineConfig:
             reasoning_parser(self.reasoning_parser)  # unknown: an error listing the known ones
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.parse(self.speculative_config))
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"--scheduling-policy must be one of "
+                             f"{', '.join(SCHEDULING_POLICIES)}; got {self.scheduling_policy!r}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least "
                              f"--max-loras ({self.max_loras})")

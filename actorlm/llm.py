@@ -60,11 +60,12 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
-                 ) -> list[RequestOutput]:
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order. ``lora_request``: the
         LoRA adapter of every prompt, or one per prompt (None: the base model; needs
-        ``enable_lora``).
+        ``enable_lora``). ``priority``: one per prompt, smaller served first (needs
+        ``scheduling_policy="priority"``; None: all 0).
 
         A prompt is text, a list of token ids, or a dict of ``"prompt"`` or
         ``"prompt_token_ids"``, with vLLM's ``"cache_salt"`` if it is to share cached prefixes
@@ -82,8 +83,11 @@ class LLM:
             isinstance(lora_request, LoRARequest) else list(lora_request)
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(loras)} lora_requests")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
         sink: queue.Queue[RequestOutput | EngineDeadError] = queue.Queue()
-        request_ids = self._submit(prompts, params, sink, loras)
+        request_ids = self._submit(prompts, params, sink, loras, priority)
         watch = self.engine.supervisor.watch(sink.put)  # a dead engine wakes us with its error
         by_id: dict[str, RequestOutput] = {}
         try:
@@ -104,15 +108,16 @@ class LLM:
         return [by_id[rid] for rid in request_ids]
 
     def _submit(self, prompts: list, params: list[SamplingParams], sink,
-                loras: list[LoRARequest | None]) -> list[str]:
+                loras: list[LoRARequest | None], priority: list[int]) -> list[str]:
         """Submit every prompt or, if one is refused, none (the others are aborted)."""
         request_ids: list[str] = []
         try:
-            for prompt, p, lora in zip(prompts, params, loras):
+            for prompt, p, lora, rank in zip(prompts, params, loras, priority):
                 request_id = str(next(self._ids))
                 self.engine.frontend.ask(SubmitRequest(request_id, prompt_input(prompt), p, sink,
                                                        lora_request=lora,
-                                                       cache_salt=prompt_salt(prompt)))
+                                                       cache_salt=prompt_salt(prompt),
+                                                       priority=rank))
                 request_ids.append(request_id)
         except pykka.ActorDeadError:
             raise self.engine.supervisor.dead_error() from None

@@ -46,6 +46,7 @@ class SubmitRequest(_Message):
     lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
     cache_salt: str | None = None  # its prefix-cache tenant: it shares cached blocks only with
     # requests of the same salt (vLLM's ``cache_salt``)
+    priority: int = 0  # under --scheduling-policy priority: smaller is served first
 
 
 # --- frontend <-> scheduler ------------------------------------------------------------------
@@ -69,6 +70,7 @@ class AddRequest(_Message):
     # before it rejoins the batch, so a death in that step is known to be its doing
     suspect: bool = False
     cache_salt: str | None = None  # (SubmitRequest's)
+    priority: int = 0  # (SubmitRequest's)
 
 
 class AbortRequests(_Message):

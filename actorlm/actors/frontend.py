@@ -38,8 +38,9 @@ MAX_RESUMES = 4  # a request live at a fifth death that no trial explained fails
 class FrontendActor(EngineActor):
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int,
                  scheduler: pykka.ActorRef, seed: int = 0, clock=time, on_death=None,
-                 lora_checker=None):
+                 lora_checker=None, priority_scheduling: bool = False):
         super().__init__(on_death)
+        self.priority_scheduling = priority_scheduling  # False: every request's priority is 0
         # reads a request's adapter directory before it enters (``LoRAChecker``); None: LoRA
         # is off, and a request asking for an adapter is refused
         self.lora_checker = lora_checker
@@ -84,6 +85,7 @@ class FrontendActor(EngineActor):
             self.lora_checker.check(msg.lora_request)
         if msg.cache_salt is not None and not (isinstance(msg.cache_salt, str) and msg.cache_salt):
             raise ValueError("cache_salt: must be a non-empty string if given")
+        self._check_priority(msg.priority)
         seed = self._rng.randrange(SEED_RANGE) if params.seed is None else params.seed % SEED_RANGE
         text = msg.prompt if isinstance(msg.prompt, str) else None
         stream = OutputStream(msg.request_id, text, token_ids, params, self.tokenizer, msg.sink,
@@ -94,7 +96,7 @@ class FrontendActor(EngineActor):
         arrival_time = self.clock.monotonic()
         added = AddRequest(msg.request_id, token_ids, params, seed, arrival_time,
                            self._bad_words(params.bad_words), lora_request=msg.lora_request,
-                           cache_salt=msg.cache_salt)
+                           cache_salt=msg.cache_salt, priority=msg.priority)
         self._added[msg.request_id] = added
         self.scheduler.tell(added)
         return token_ids
@@ -202,6 +204,15 @@ class FrontendActor(EngineActor):
         if params.allowed_token_ids:
             self._check_token_ids("allowed_token_ids", params.allowed_token_ids)
 
+    def _check_priority(self, priority) -> None:
+        # (64 bits: what the engine-core process's wire carries)
+        if not isinstance(priority, int) or isinstance(priority, bool) or \
+                not -2**63 <= priority < 2**63:
+            raise ValueError(f"priority: must be a 64-bit integer, got {priority!r}")
+        if priority and not self.priority_scheduling:
+            raise ValueError(f"priority: {priority} needs --scheduling-policy priority (requests "
+                             f"are served first come, first served)")
+
     def _check_token_ids(self, field: str, token_ids: list[int]) -> None:
         if refusal := outside_vocabulary(field, token_ids, self.vocab_size):
             raise ValueError(refusal)
@@ -234,4 +245,4 @@ def _resumed(added: AddRequest, engine_id: str, index: int, token_ids: list[int]
     return AddRequest(engine_id, added.prompt_token_ids, params,
                       (added.seed + index) % SEED_RANGE, added.arrival_time,
                       added.bad_words_token_ids, list(token_ids), added.lora_request, suspect,
-                      added.cache_salt)
+                      added.cache_salt, added.priority)

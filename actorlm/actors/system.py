@@ -118,7 +118,8 @@ class EngineSystem:
             eos_token_ids=parts.eos_token_ids,
             enable_prefix_caching=config.enable_prefix_caching,
             speculative=config.speculative_config is not None,
-            max_loras=config.max_loras if config.enable_lora else 0),
+            max_loras=config.max_loras if config.enable_lora else 0,
+            scheduling_policy=config.scheduling_policy),
             listeners=[*listeners, trace.on_transition] if trace else listeners)
         self.trace = trace
         link = _direct_link
@@ -144,7 +145,8 @@ class EngineSystem:
             self.frontend = frontend or FrontendActor.start(
                 self.tokenizer, config.max_model_len, parts.vocab_size,
                 link(to_scheduler, "frontend", "scheduler"), config.seed, clock=clock,
-                on_death=on_death("frontend"), lora_checker=lora_checker(config, self.hf_config))
+                on_death=on_death("frontend"), lora_checker=lora_checker(config, self.hf_config),
+                priority_scheduling=config.scheduling_policy == "priority")
         except BaseException:
             self.stop()
             raise

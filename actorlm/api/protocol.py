@@ -68,6 +68,8 @@ class _SamplingRequest(StructuredFields, kw_only=True):
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
     # its prefix-cache tenant: cached prefixes are shared only with requests of the same salt
     cache_salt: Annotated[str, Meta(min_length=1)] | None = None
+    # smaller is served first, under --scheduling-policy priority (else it must be 0)
+    priority: Annotated[int, Meta(ge=-2**63, le=2**63 - 1)] = 0
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:

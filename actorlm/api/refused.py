@@ -30,7 +30,6 @@ class RefusedFields(Struct, kw_only=True):
     guided_whitespace_pattern: str | None = None  # JSON is generated compact
     use_beam_search: bool | None = False
     logits_processors: list[Any] | None = None
-    priority: int | None = 0  # only the first-come, first-served policy exists
 
     def check_refused(self, extra: tuple[str, ...] = ()) -> None:
         """Raise a 400 naming the first unimplemented field this request turns on."""

@@ -168,7 +168,8 @@ class _Generation:
                 rid = self.engine_id if len(prompt_ids) == 1 else f"{self.engine_id}-{i}"
                 prompt = ids if self.req.cache_salt is None else \
                     {"prompt_token_ids": ids, "cache_salt": self.req.cache_salt}
-                self.streams.append(await self.engine.add_request(rid, prompt, sp, self.lora))
+                self.streams.append(await self.engine.add_request(rid, prompt, sp, self.lora,
+                                                                  self.req.priority))
         except BaseException:
             self.abort()
             raise

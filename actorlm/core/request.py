@@ -27,18 +27,20 @@ class Request:
                  "bad_words_token_ids", "num_prompt_logprobs_sent", "num_faults",
                  "block_hashes", "num_cached_blocks", "num_cached_tokens", "grammar",
                  "awaiting_grammar", "spec_token_ids", "lora_request", "cache_salt",
-                 "block_hash_keys")
+                 "block_hash_keys", "priority")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  seed: int, arrival_time: float, listeners: Iterable[Listener] = (),
                  bad_words_token_ids: list[list[int]] | None = None,
-                 lora_request: LoRARequest | None = None, cache_salt: str | None = None):
+                 lora_request: LoRARequest | None = None, cache_salt: str | None = None,
+                 priority: int = 0):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.sampling_params = sampling_params
         self.seed = seed
         self.arrival_time = arrival_time
+        self.priority = priority  # under --scheduling-policy priority: smaller is served first
         self.num_computed_tokens = 0
         # table entries the allocator has granted it, in every KV-cache group (their ids travel
         # on; a sliding-window group's entries still count once it lets their blocks go)

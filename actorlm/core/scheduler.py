@@ -3,12 +3,14 @@
 Design (vLLM V1's token-debt model). There is no prefill or decode phase: every request owes
 ``num_tokens - num_computed_tokens`` tokens, and each step pays down as much debt as the token
 budget (``max_num_batched_tokens``), the sequence cap (``max_num_seqs``) and the free KV blocks
-allow. Running requests are served first, in arrival order, so decodes are never starved by a
+allow. Running requests are served first, in their order, so decodes are never starved by a
 new prompt; a long prompt is split across steps (chunked prefill). When a running request needs
-a block and none is free, the newest running request is preempted: its blocks are released,
-its computed tokens reset, and it returns to the front of the waiting queue to be recomputed
-later — which yields the same greedy tokens. No waiting request is admitted in a step that
-preempted, since admitting one would only take blocks back from the victims.
+a block and none is free, the last running request is preempted: its blocks are released,
+its computed tokens reset, and it returns to the waiting queue to be recomputed later — which
+yields the same greedy tokens. No waiting request is admitted in a step that preempted, since
+admitting one would only take blocks back from the victims. "Running first", "last" and where a
+preempted request returns follow the scheduling policy (``core/waiting_queue.py``): arrival
+order (fcfs: the newest is preempted and resumes first), or the requests' priorities.
 
 A worker fault loses no request: the step did not happen and the workers forgot every request,
 so every running request is preempted and recomputed. To tell a request that makes the worker
@@ -23,7 +25,7 @@ Blocks are the allocator's alone (``core/block_pool.py``): the scheduler knows t
 blocks. A plan is a proposal — every running request in priority order with the tokens it
 would compute, and the waiting requests that fit the token budget and ``max_num_seqs`` — and
 the allocator's grant decides it with the real counts: who is preempted when blocks run short
-(the newest first), which candidates are admitted, and where each admitted one starts (its
+(the last first), which candidates are admitted, and where each admitted one starts (its
 prefix-cache hit). So a step costs one round trip and the grant never fails. Each running
 request's computed-token count goes with the proposal: from it the allocator knows which
 blocks a sliding-window group no longer reads (``actorlm.kv_groups``).
@@ -34,7 +36,6 @@ them while a step is in flight), so a step's requests never change under it.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -43,6 +44,7 @@ from actorlm.core.request import Request, RequestRefused
 from actorlm.core.spec_decoding import SpecDecodingCounts
 from actorlm.core.step_plan import StepPlan
 from actorlm.core.structured_output import new_matcher
+from actorlm.core.waiting_queue import WaitingQueue, start_running
 from actorlm.fsm import FinishReason, RequestEvent, RequestState
 from actorlm.fsm.machine import Listener
 from actorlm.messages import (AddRequest, Admitted, CachedRequestData, ComputedBlocks,
@@ -66,6 +68,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     speculative: bool = False  # the runner proposes drafts (``--speculative-config``)
     max_loras: int = 0  # distinct LoRA adapters in one step (``--max-loras``); 0: LoRA off
+    scheduling_policy: str = "fcfs"  # or "priority" (``core/waiting_queue.py``)
 
 
 class Scheduler:
@@ -73,8 +76,8 @@ class Scheduler:
         self.config = config
         self.listeners = list(listeners)
         self.requests: dict[str, Request] = {}  # every live (unfinished) request
-        self.waiting: deque[Request] = deque()  # WAITING and PREEMPTED, front first
-        self.running: list[Request] = []  # admission order: the last is preempted first
+        self.waiting = WaitingQueue(config.scheduling_policy)
+        self.running: list[Request] = []  # in the policy's order: the last is preempted first
         self._to_free: list[str] = []  # released since the last AllocateSlots
         self._computed_blocks: list[ComputedBlocks] = []  # completed since the last one
         self._reset_prefix_cache = False
@@ -93,8 +96,8 @@ class Scheduler:
     # --- intake -------------------------------------------------------------------------------
 
     def add_request(self, msg: AddRequest) -> None:
-        """Queue a validated request (FCFS). With ``n > 1`` and prefix caching, only its first
-        child is queued: the others follow once it has prefilled the prompt they share."""
+        """Queue a validated request. With ``n > 1`` and prefix caching, only its first child
+        is queued: the others follow once it has prefilled the prompt they share."""
         ids = engine_request_ids(msg.request_id, msg.sampling_params.n)
         if taken := [rid for rid in ids if rid in self.requests]:
             raise ValueError(f"request id {taken[0]!r} is already in use")
@@ -107,7 +110,8 @@ class Scheduler:
                              f"enabled (--enable-lora)")
         children = [Request(rid, msg.prompt_token_ids, msg.sampling_params,
                             (msg.seed + i) % SEED_RANGE, msg.arrival_time, self.listeners,
-                            msg.bad_words_token_ids, msg.lora_request, msg.cache_salt)
+                            msg.bad_words_token_ids, msg.lora_request, msg.cache_salt,
+                            msg.priority)
                     for i, rid in enumerate(ids)]
         if msg.output_token_ids:  # resumed: its prompt's logprobs went out before its tokens
             if len(children) > 1 or msg.sampling_params.structured_outputs is not None:
@@ -120,10 +124,11 @@ class Scheduler:
         if msg.suspect:  # an engine core died with it more than once: it runs alone first
             self._on_probation.update(ids)
         if len(children) > 1 and self.config.enable_prefix_caching:
-            self.waiting.append(children[0])
+            self.waiting.add(children[0])
             self._pending_forks[children[0].request_id] = children[1:]
         else:
-            self.waiting.extend(children)
+            for child in children:
+                self.waiting.add(child)
 
     def abort(self, request_ids: Iterable[str], event=RequestEvent.ABORT,
               error: str | None = None, stop_reasons: Iterable[str] | None = None,
@@ -318,10 +323,7 @@ class Scheduler:
         return num_tokens
 
     def _admit(self, request: Request, admitted: Admitted) -> None:
-        if self.waiting[0] is request:  # candidates are proposed from the front
-            self.waiting.popleft()
-        else:
-            self.waiting.remove(request)
+        self.waiting.remove(request)
         # computed from the hit on: the transition's record shows where it starts
         request.num_computed_tokens = admitted.num_cached_tokens
         request.num_cached_blocks = admitted.num_cached_tokens // self.config.block_size
@@ -329,7 +331,7 @@ class Scheduler:
         if request.num_cached_tokens is None:
             request.num_cached_tokens = admitted.num_cached_tokens
         request.fire(RequestEvent.SCHEDULE)
-        self.running.append(request)
+        start_running(self.running, request, self.waiting.by_priority)
 
     def _add_to_step(self, plan: StepPlan, request: Request, num_tokens: int) -> None:
         plan.requests.append(request)
@@ -404,7 +406,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, plan: StepPlan | None = None,
                  release: bool = True) -> None:
-        """Back to the front of the waiting queue, to be recomputed. ``release``: False when
+        """Back to the waiting queue, to be recomputed. ``release``: False when
         the allocator preempted it and has released its blocks already."""
         self.running.remove(request)
         request.fire(RequestEvent.PREEMPT)
@@ -416,14 +418,14 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.put_back(request)
         if plan is not None:
             plan.preempted_ids.append(request.request_id)
 
     def _on_fault(self, result: StepResult) -> list[RequestDelta]:
         """The step did not happen and the workers lost every request: recompute them all,
         and count the fault against the step's requests."""
-        for request in reversed(list(self.running)):  # newest first: waiting keeps their order
+        for request in reversed(list(self.running)):  # last first: waiting keeps their order
             self._preempt(request)
         # the replacement workers start with empty KV: nothing cached is there any more
         self._computed_blocks, self._reset_prefix_cache = [], True
@@ -469,10 +471,10 @@ class Scheduler:
         return None
 
     def _fork(self, leader: Request) -> None:
-        """The leader has prefilled the prompt: its siblings queue at the front and find the
+        """The leader has prefilled the prompt: its siblings queue ahead (``put_back``) and find the
         prompt's full blocks in the prefix cache (they compute only the partial last one)."""
         for child in reversed(self._pending_forks.pop(leader.request_id)):
-            self.waiting.appendleft(child)
+            self.waiting.put_back(child)
 
     def on_grammar(self, request_id: str, grammar, error: str | None) -> list[RequestDelta]:
         """A request's grammar is compiled (it may now be admitted) or failed (so does it)."""
@@ -488,7 +490,7 @@ class Scheduler:
     def _release_pending_forks(self, leader: Request) -> None:
         """A leader that ends before its prefill leaves its siblings to prefill on their own."""
         for child in reversed(self._pending_forks.pop(leader.request_id, [])):
-            self.waiting.appendleft(child)
+            self.waiting.put_back(child)
 
     def _new_prompt_logprobs(self, request: Request, chunk: PromptLogprobs | None):
         """Prompt logprobs not delivered before (a recompute after preemption repeats them)."""

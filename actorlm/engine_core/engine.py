@@ -69,7 +69,8 @@ class EngineCoreSystem(EngineSystem):
                 self.tokenizer, self.config.max_model_len, ready.vocab_size, to_core,
                 self.config.seed, on_death=functools.partial(self.supervisor.actor_died,
                                                              "frontend"),
-                lora_checker=lora_checker(self.config, self.hf_config))
+                lora_checker=lora_checker(self.config, self.hf_config),
+                priority_scheduling=self.config.scheduling_policy == "priority")
         except BaseException:
             self.stop()
             raise

@@ -152,7 +152,8 @@ class EngineHarness:
     # --- the test's controls ------------------------------------------------------------------
 
     def add_request(self, prompt: list[int] | str, sampling_params: SamplingParams | None = None,
-                    *, request_id: str | None = None, stream: bool = False, **params) -> str:
+                    *, request_id: str | None = None, stream: bool = False, priority: int = 0,
+                    **params) -> str:
         """Submit through the frontend (validation included: a bad prompt raises ValueError).
         Without ``sampling_params``, ``params`` build one with ``temperature=0`` by default.
         Returns the request id."""
@@ -163,7 +164,7 @@ class EngineHarness:
         request_id = request_id if request_id is not None else f"r{len(self.request_outputs)}"
         self.request_outputs.setdefault(request_id, [])
         self._ask("frontend", SubmitRequest(request_id, prompt, sampling_params, self._sink,
-                                            stream))
+                                            stream, priority=priority))
         self._pump()
         return request_id
 

@@ -164,7 +164,8 @@ class TraceRecorder:
             wall_time=self._wall(), capacity=self.capacity,
             kv_cache_windows=[] if windows == [None] else windows,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
-            max_loras=max_loras)
+            max_loras=max_loras,
+            scheduling_policy=getattr(config, "scheduling_policy", "fcfs"))
         if self._forwarded is not None:
             self._forwarded.append(self.config)
         if self._file is not None:
@@ -232,7 +233,7 @@ class TraceRecorder:
                              len(msg.prompt_token_ids), p.n, p.max_tokens, p.min_tokens,
                              p.ignore_eos, list(p.stop_token_ids or ()), msg.arrival_time,
                              lora.lora_name if lora is not None else None,
-                             lora.lora_int_id if lora is not None else 0))
+                             lora.lora_int_id if lora is not None else 0, msg.priority))
 
     def on_control(self, msg: AbortRequests | StopRequests) -> None:
         now, step = self._now(), self.next_step_id

@@ -53,6 +53,7 @@ class TraceConfig(_Record, tag="config"):
     kv_cache_windows: list[int | None] = []
     num_speculative_tokens: int = 0  # drafts proposed per request and step at most; 0: none
     max_loras: int = 0  # distinct LoRA adapters a step holds at most; 0: LoRA off
+    scheduling_policy: str = "fcfs"  # or "priority": the order of the queues
 
 
 class Arrival(_Record, tag="arrival"):
@@ -70,6 +71,7 @@ class Arrival(_Record, tag="arrival"):
     arrival_time: float = 0.0
     lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
     lora_int_id: int = 0
+    priority: int = 0  # (under the priority policy)
 
     @property
     def lora_request(self) -> LoRARequest | None:

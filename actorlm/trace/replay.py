@@ -71,7 +71,8 @@ class SyncEngine:
             config = SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
                                      config.max_model_len, config.block_size,
                                      config.enable_chunked_prefill, frozenset(config.eos_token_ids),
-                                     config.enable_prefix_caching, max_loras=config.max_loras)
+                                     config.enable_prefix_caching, max_loras=config.max_loras,
+                                     scheduling_policy=config.scheduling_policy)
         self.recorder = recorder
         windows = list(kv_cache_windows or [None])  # one per KV-cache group
         listeners = [recorder.on_transition] if recorder is not None else []
@@ -81,7 +82,8 @@ class SyncEngine:
                 num_kv_blocks=num_kv_blocks, enable_lora=bool(config.max_loras), **{
                 name: getattr(config, name) for name in (
                     "max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
-                    "enable_chunked_prefill", "enable_prefix_caching", "max_loras")}),
+                    "enable_chunked_prefill", "enable_prefix_caching", "max_loras",
+                    "scheduling_policy")}),
                 config.eos_token_ids, "replay", windows)
             recorder.attach(self.scheduler)
         self.pool = BlockPool(num_kv_blocks, config.block_size, config.enable_prefix_caching,
@@ -269,7 +271,7 @@ def _message(record, chains: dict[str, list[int]], block_size: int):
         prompt = [token_at(chain, p, block_size) or 1 + p % 7
                   for p in range(record.num_prompt_tokens)]
         return AddRequest(record.request_id, prompt, params, 0, record.arrival_time,
-                          lora_request=record.lora_request)
+                          lora_request=record.lora_request, priority=record.priority)
     if isinstance(record, Stop):
         return StopRequests(list(record.request_ids), list(record.stop_reasons))
     return AbortRequests(list(record.request_ids))

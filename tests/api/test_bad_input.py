@@ -144,7 +144,11 @@ CASES = [
      "not supported"),
     # fields vLLM defines and actorlm does not implement: refused, not dropped
     ("use-beam-search", "POST", CMPL, _cmpl(use_beam_search=True), 400, "use_beam_search", ""),
-    ("priority", "POST", CHAT, _chat(priority=3), 400, "priority", ""),
+    # a priority needs the priority policy (this server serves first come, first served)
+    ("priority-under-fcfs", "POST", CHAT, _chat(priority=3), 400, "priority",
+     "--scheduling-policy priority"),
+    ("priority-not-an-integer", "POST", CMPL, _cmpl(priority="high"), 400, "priority", ""),
+    ("priority-past-64-bits", "POST", CMPL, _cmpl(priority=2**64), 400, "priority", ""),
     ("truncate-zero", "POST", CMPL, _cmpl(truncate_prompt_tokens=0), 400,
      "truncate_prompt_tokens", ""),
     ("truncate-past-context", "POST", CHAT, _chat(truncate_prompt_tokens=513), 400,

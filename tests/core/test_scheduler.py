@@ -1,5 +1,6 @@
 """The scheduling policy driven by hand, with a block pool in-process and fake model outputs."""
 
+import itertools
 import random
 
 import pytest
@@ -18,18 +19,24 @@ def fake_token(token_ids: list[int]) -> int:
 
 class Driver:
     def __init__(self, num_blocks=64, block_size=4, budget=32, max_seqs=8, max_model_len=64,
-                 chunked=True, eos=2, caching=True):
+                 chunked=True, eos=2, caching=True, policy="fcfs"):
         cfg = SchedulerConfig(budget, max_seqs, max_model_len, block_size, chunked,
-                              frozenset({eos}), caching)
+                              frozenset({eos}), caching, scheduling_policy=policy)
         self.scheduler = Scheduler(cfg)
+        self._arrivals = itertools.count()
         self.pool = BlockPool(num_blocks, block_size, caching)
         self.plans, self.outputs, self.running_before = [], {}, []
 
-    def add(self, request_id, prompt_len, max_tokens=8, **params):
+    def add(self, request_id, prompt_len, max_tokens=8, priority=0, **params):
         rng = random.Random(request_id)  # the same prompt in every process (hash() is salted)
         prompt = [rng.randrange(5, 95) for _ in range(prompt_len)]
         self.scheduler.add_request(AddRequest(request_id, prompt, SamplingParams(
-            max_tokens=max_tokens, temperature=0, **params), 0, 0.0))
+            max_tokens=max_tokens, temperature=0, **params), 0, float(next(self._arrivals)),
+            priority=priority))
+
+    def first_steps(self) -> list[str]:
+        """Request ids in the order they were first scheduled."""
+        return list(dict.fromkeys(r.request_id for p in self.plans for r in p.requests))
 
     def step(self):
         before = {r.request_id for r in self.scheduler.running}
@@ -110,6 +117,60 @@ def test_newest_running_request_is_the_one_preempted():
     victim = [p for p in d.plans if p.preempted_ids][0].preempted_ids
     assert victim == ["new"]
     assert d.scheduler.requests["new"].state is RequestState.PREEMPTED
+
+
+PRIORITIES = {"a": 0, "b": 5, "c": -1, "d": 5, "e": 0}
+
+
+@pytest.mark.parametrize("policy, order", [("fcfs", "abcde"), ("priority", "caebd")])
+def test_requests_start_in_the_policys_order(policy, order):
+    d = Driver(max_seqs=1, policy=policy)
+    for request_id, priority in PRIORITIES.items():
+        d.add(request_id, prompt_len=5, max_tokens=3, priority=priority)
+    d.run()
+    assert "".join(d.first_steps()) == order  # smaller first; arrival among equals
+
+
+def test_under_priority_the_lowest_priority_running_request_is_preempted():
+    d = Driver(num_blocks=6, block_size=4, budget=64, max_model_len=24, policy="priority")
+    d.add("bulk", prompt_len=7, max_tokens=12, ignore_eos=True, priority=2)
+    d.step()
+    d.add("urgent", prompt_len=7, max_tokens=12, ignore_eos=True, priority=1)  # admitted next
+    while not d.scheduler.num_preemptions:
+        d.step()
+    assert [p for p in d.plans if p.preempted_ids][0].preempted_ids == ["bulk"]  # the older
+    assert [r.request_id for r in d.scheduler.running] == ["urgent"]
+    d.run()
+    assert {rid: len(out[0]) for rid, out in d.outputs.items()} == {"bulk": 12, "urgent": 12}
+
+
+def test_a_waiting_request_preempts_no_running_one_whatever_its_priority():
+    """As in vLLM: a request that outranks the running ones waits for blocks to come free."""
+    d = Driver(num_blocks=4, block_size=4, budget=64, max_model_len=16, policy="priority")
+    d.add("bulk", prompt_len=13, max_tokens=3, ignore_eos=True, priority=9)  # every block
+    d.step()
+    d.add("urgent", prompt_len=7, max_tokens=4, ignore_eos=True, priority=-9)
+    while "bulk" in d.scheduler.requests:
+        d.step()
+        assert d.scheduler.num_preemptions == 0
+        assert d.scheduler.requests["urgent"].state is RequestState.WAITING
+    d.run()
+    assert d.first_steps() == ["bulk", "urgent"]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_preemption_under_either_policy_gives_the_same_tokens_and_leaks_nothing(policy):
+    def run(num_blocks):
+        d = Driver(num_blocks=num_blocks, block_size=4, budget=64, max_seqs=8, max_model_len=64,
+                   policy=policy)
+        for i in range(6):
+            d.add(f"r{i}", prompt_len=6 + i, max_tokens=24, ignore_eos=True, priority=i % 3)
+        return d.run()
+
+    roomy, tight = run(64), run(16)
+    assert tight.scheduler.num_preemptions > 0 and tight.outputs == roomy.outputs
+    tight.scheduler.schedule()  # flush the last frees
+    assert tight.pool.num_free_blocks == 16 and tight.pool.num_requests_holding_blocks == 0
 
 
 @pytest.mark.parametrize("stop", ["eos", "stop_token", "max_tokens", "max_model_len"])

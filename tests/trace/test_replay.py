@@ -143,3 +143,25 @@ def test_replay_of_a_run_with_kv_cache_groups_matches_every_groups_blocks():
     # a pool of one full group would hold other blocks: the replay notices
     one_group = [msgspec.structs.replace(records[0], kv_cache_windows=[]), *records[1:]]
     assert not replay_trace(one_group).matched
+
+
+def test_replay_of_a_priority_run_follows_the_recorded_policy():
+    from actorlm.testing import EngineHarness
+
+    recorder = TraceRecorder()
+    with EngineHarness(trace=recorder, num_kv_blocks=12, block_size=4, max_model_len=48,
+                       max_num_batched_tokens=16, scheduling_policy="priority") as h:
+        for i in range(6):
+            h.add_request([5 + (11 * i + j) % 90 for j in range(6 + i)], max_tokens=20,
+                          ignore_eos=True, priority=(-i) % 3)
+        h.run_until_idle()
+        h.check_invariants()
+    records = recorder.records()
+    assert records[0].scheduling_policy == "priority"
+    assert [r.priority for r in records if isinstance(r, Arrival)] == [0, 2, 1, 0, 2, 1]
+    assert any(s.preempted_ids for s in records if isinstance(s, StepSummary))
+    report = replay_trace(records)
+    assert report.matched, report.describe()
+    # the same arrivals first come, first served schedule otherwise: the replay notices
+    as_fcfs = [msgspec.structs.replace(records[0], scheduling_policy="fcfs"), *records[1:]]
+    assert not replay_trace(as_fcfs).matched
