@@ -54,11 +54,7 @@ def _check_pool_holds_a_sequence(config: EngineConfig, windows: list[int | None]
             f"--num-kv-blocks or --kv-cache-memory-bytes, or lower --max-model-len")
 
 
-def _direct(name: str, ref: pykka.ActorRef) -> pykka.ActorRef:
-    return ref
-
-
-def _direct_link(ref, sender: str, receiver: str):
+def _direct(ref: pykka.ActorRef, sender: str, receiver: str):
     return ref
 
 
@@ -66,9 +62,10 @@ class EngineSystem:
     """Starts the engine's actors. The keyword arguments are seams for tests and tools:
     ``parts`` replaces model loading (``config`` must then be resolved already), ``clock`` is
     what the actors read time from, ``listeners`` observe every request's state machine, and
-    ``route(name, ref)`` returns what an actor's peers are given in place of actor ``name``'s
-    ref (a test harness returns a probe that relays, to control delivery). ``trace`` (an
-    ``actorlm.trace.TraceRecorder``) records every transition, message and step.
+    ``peer(ref, sender, receiver)`` returns what actor ``sender`` is given to reach actor
+    ``receiver`` (whose ref is ``ref``): a test harness returns a probe that relays, to control
+    delivery. ``trace`` (an ``actorlm.trace.TraceRecorder``) records every transition, message
+    and step, through the same seam: what it is given records what it carries.
     ``wrap_runner(runner)`` returns what the workers run in place of each runner built
     (``actorlm.testing.FaultInjector`` wraps them to make steps fault).
 
@@ -80,7 +77,7 @@ class EngineSystem:
 
     def __init__(self, config: EngineConfig, *, parts: ModelParts | None = None, clock=time,
                  listeners: Iterable[Listener] = (),
-                 route: Callable[[str, pykka.ActorRef], Any] = _direct, trace=None,
+                 peer: Callable[[pykka.ActorRef, str, str], Any] = _direct, trace=None,
                  wrap_runner: Callable[[Any], Any] | None = None, frontend=None):
         self.model_path = self.hf_config = self.dtype = self.device = self.memory_profile = None
         if parts is None:
@@ -122,38 +119,42 @@ class EngineSystem:
             scheduling_policy=config.scheduling_policy),
             listeners=[*listeners, trace.on_transition] if trace else listeners)
         self.trace = trace
-        link = _direct_link
         if trace is not None:
             trace.configure(config, parts.eos_token_ids, parts.name, self.kv_cache_windows)
             trace.attach(policy)
-            link = trace.wrap  # (ref, sender, receiver) -> a ref that records what it carries
+
+        def reach(ref, sender: str, receiver: str):
+            """What ``sender`` is given to reach ``receiver``: the caller's seam, then the
+            trace's (a ref that records what it carries)."""
+            ref = peer(ref, sender, receiver)
+            return ref if trace is None else trace.wrap(ref, sender, receiver)
+
         self.frontend = self.allocator = self.executor = None
         grammars = GrammarCompiler(parts.tokenizer, parts.vocab_size, reasoning=self.reasoning)
         self.scheduler = SchedulerActor.start(policy, trace, on_death("scheduler"), grammars)
-        to_scheduler = route("scheduler", self.scheduler)
         try:
             pool = BlockPool(config.num_kv_blocks, config.block_size,
                              config.enable_prefix_caching, self.kv_cache_windows)
             self.allocator = KVAllocatorActor.start(
-                pool, link(to_scheduler, "allocator", "scheduler"),
+                pool, reach(self.scheduler, "allocator", "scheduler"),
                 on_death("allocator"))
             self.executor = ExecutorActor.start(
                 make_runner, config.tensor_parallel_size,
-                link(to_scheduler, "executor", "scheduler"), on_death("executor"),
+                reach(self.scheduler, "executor", "scheduler"), on_death("executor"),
                 backend=config.executor_backend,
                 tensor_parallel=config.tensor_parallel_size > 1)
             self.frontend = frontend or FrontendActor.start(
                 self.tokenizer, config.max_model_len, parts.vocab_size,
-                link(to_scheduler, "frontend", "scheduler"), config.seed, clock=clock,
+                reach(self.scheduler, "frontend", "scheduler"), config.seed, clock=clock,
                 on_death=on_death("frontend"), lora_checker=lora_checker(config, self.hf_config),
                 priority_scheduling=config.scheduling_policy == "priority")
         except BaseException:
             self.stop()
             raise
         self.scheduler.tell(Connect(
-            link(route("frontend", self.frontend), "scheduler", "frontend"),
-            link(route("allocator", self.allocator), "scheduler", "allocator"),
-            link(route("executor", self.executor), "scheduler", "executor")))
+            reach(self.frontend, "scheduler", "frontend"),
+            reach(self.allocator, "scheduler", "allocator"),
+            reach(self.executor, "scheduler", "executor")))
         log.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d", parts.name,
                  config.num_kv_blocks, config.block_size, config.max_model_len)
         if self.kv_cache_windows != [None]:

@@ -98,13 +98,13 @@ class EngineHarness:
         # every state transition so far: (request id, from, event, to), in order
         self.transitions: list[tuple[str, RequestState, RequestEvent, RequestState]] = []
         self._targets: dict[str, pykka.ActorRef] = {}
-        self._relays: list[_Relay] = []
+        self._relays: dict[str, _Relay] = {}  # by the actor each stands for
         self._sink = _Sink(self)
         self.system: EngineSystem | None = None
         flags = dict(num_kv_blocks=num_kv_blocks, block_size=block_size,
                      max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                      max_num_seqs=max_num_seqs, **engine_flags)
-        system_kwargs = dict(listeners=[self._on_transition], route=self._route,
+        system_kwargs = dict(listeners=[self._on_transition], peer=self._relay_to,
                              wrap_runner=wrap_runner)
         if clock is not None:
             system_kwargs["clock"] = clock
@@ -283,7 +283,7 @@ class EngineHarness:
         """Stop every actor and relay the harness started."""
         if self.system is not None:
             self.system.stop()
-        for relay in self._relays:
+        for relay in self._relays.values():
             relay.stop()
 
     def __enter__(self) -> EngineHarness:
@@ -294,11 +294,12 @@ class EngineHarness:
 
     # --- the machinery ------------------------------------------------------------------------
 
-    def _route(self, name: str, ref: pykka.ActorRef) -> pykka.ActorRef:
-        relay = _Relay(name, self)
-        self._relays.append(relay)
-        self._targets[name] = ref
-        return relay.ref
+    def _relay_to(self, ref: pykka.ActorRef, sender: str, receiver: str) -> pykka.ActorRef:
+        """What each actor is given to reach ``receiver``: one relay into the journal."""
+        if receiver not in self._relays:
+            self._relays[receiver] = _Relay(receiver, self)
+            self._targets[receiver] = ref
+        return self._relays[receiver].ref
 
     def _enqueue(self, dest: str, message, reply_to) -> None:
         with self._cond:
