@@ -38,6 +38,7 @@ from typing import AsyncIterator, Callable
 import pykka
 
 from actorlm.actors.supervisor import EngineDeadError, EngineShutdownError
+from actorlm.admission import EngineOverloadedError, check_waiting_room
 from actorlm.actors.system import EngineSystem
 from actorlm.config import EngineConfig
 from actorlm.engine_core import start_engine
@@ -45,6 +46,7 @@ from actorlm.llm import PromptType, prompt_input, prompt_salt
 from actorlm.lora_request import LoRARequest
 from actorlm.messages import AbortRequests, SubmitRequest
 from actorlm.outputs import RequestOutput
+from actorlm.request_timing import RequestTiming
 from actorlm.sampling_params import SamplingParams
 from actorlm.trace import TraceRecorder
 
@@ -52,10 +54,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineShutdownError", "EngineOverloadedError",
            "RequestStream"]
-
-
-class EngineOverloadedError(RuntimeError):
-    """The waiting queue is at ``max_num_waiting``; the caller should retry later."""
 
 
 class _LoopMailbox:
@@ -121,9 +119,7 @@ class RequestStream:
         self.prompt_token_ids = prompt_token_ids
         self.finished = False
         self._sink, self._queue = sink, queue
-        self._arrival = self._last = arrival
-        self._first_token: float | None = None
-        self._num_tokens = 0  # generated so far, over all n completions
+        self._timing = RequestTiming(engine.stats_listener, arrival)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -148,37 +144,17 @@ class RequestStream:
         """Wake the reader with ``error`` (the engine died or is shutting down)."""
         self._sink.put(error)
 
-    def _close(self, reason: str, tpot: float | None = None) -> None:
+    def _close(self, reason: str | None) -> None:
+        """Done: by a finished output (``reason`` None), or cut short for ``reason``."""
         self.finished = True
         self.engine._forget(self.request_id)
-        if self.engine.stats_listener is not None:
-            self.engine.stats_listener.observe_finished(reason, time.monotonic() - self._arrival,
-                                                        tpot)
+        if reason is not None:
+            self._timing.cut_short(reason)
 
     def _record(self, output: RequestOutput) -> None:
-        now = time.monotonic()
-        num_tokens = sum(len(c.token_ids) for c in output.outputs)
-        new = num_tokens - self._num_tokens
-        listener = self.engine.stats_listener
-        if new > 0:
-            self._num_tokens = num_tokens
-            self.engine.num_generation_tokens += new
-            if listener is not None:
-                if self._first_token is None:
-                    listener.observe_first_token(now - self._arrival)
-                else:
-                    listener.observe_inter_token(now - self._last)
-                listener.add_generation_tokens(new)
-            if self._first_token is None:
-                self._first_token = now
-            self._last = now
+        self.engine.num_generation_tokens += self._timing.on_output(output)
         if output.finished:
-            reason = output.outputs[0].finish_reason if output.outputs else None
-            reason = "error" if output.error else (reason or "abort")
-            tpot = None
-            if self._first_token is not None and num_tokens > 1:
-                tpot = (now - self._first_token) / (num_tokens - 1)
-            self._close(reason, tpot)
+            self._close(None)
 
 
 class AsyncLLM:
@@ -289,16 +265,9 @@ class AsyncLLM:
         # on the submit thread: blocking asks are fine here
         try:
             if self.max_num_waiting is not None:
-                # a request that arrived but is not yet scheduled does not count while a seat
-                # is free for it: the queue's length must not depend on when the step loop runs
-                stats = self.engine.scheduler_stats()
-                seats = self.config.max_num_seqs * self.config.data_parallel_size
-                free_seats = max(0, seats - stats.num_running)
-                num_waiting = max(0, stats.num_waiting - free_seats)
-                if num_waiting >= self.max_num_waiting:
-                    raise EngineOverloadedError(
-                        f"the server is overloaded: {num_waiting} requests are waiting "
-                        f"(--max-num-waiting {self.max_num_waiting}); retry later")
+                check_waiting_room(self.engine.scheduler_stats(),
+                                   self.config.max_num_seqs * self.config.data_parallel_size,
+                                   self.max_num_waiting)
             return self.engine.frontend.ask(SubmitRequest(request_id, prompt, params, sink, True,
                                                           lora_request, cache_salt, priority))
         except pykka.ActorDeadError:
