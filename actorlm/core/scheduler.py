@@ -471,8 +471,8 @@ class Scheduler:
         return None
 
     def _fork(self, leader: Request) -> None:
-        """The leader has prefilled the prompt: its siblings queue ahead (``put_back``) and find the
-        prompt's full blocks in the prefix cache (they compute only the partial last one)."""
+        """The leader has prefilled the prompt: its siblings queue ahead (``put_back``) and find
+        the prompt's full blocks in the prefix cache (they compute only the partial last one)."""
         for child in reversed(self._pending_forks.pop(leader.request_id)):
             self.waiting.put_back(child)
 
