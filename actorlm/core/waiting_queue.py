@@ -39,20 +39,23 @@ class WaitingQueue:
 
     def add(self, request: Request) -> None:
         """A new arrival: behind every request it does not outrank."""
-        if self.by_priority:
-            key = priority_order(request)
-            self._requests.insert(bisect_right(self._requests, key, key=priority_order), request)
-        else:
-            self._requests.append(request)
+        self._insert(request, ahead_of_equals=False)
 
     def put_back(self, request: Request) -> None:
         """A preempted request, or a child of ``n`` whose prompt is now cached: ahead of the
         requests it does not yield to (all of them, under fcfs)."""
-        if self.by_priority:
-            key = priority_order(request)
-            self._requests.insert(bisect_left(self._requests, key, key=priority_order), request)
-        else:
-            self._requests.appendleft(request)
+        self._insert(request, ahead_of_equals=True)
+
+    def _insert(self, request: Request, ahead_of_equals: bool) -> None:
+        if not self.by_priority:  # every request is the equal of every other
+            if ahead_of_equals:
+                self._requests.appendleft(request)
+            else:
+                self._requests.append(request)
+            return
+        find = bisect_left if ahead_of_equals else bisect_right
+        self._requests.insert(find(self._requests, priority_order(request), key=priority_order),
+                              request)
 
     def remove(self, request: Request) -> None:
         if self._requests[0] is request:  # the usual case: admitted from the front

@@ -1,7 +1,7 @@
 """Per-thread CPU (ms per output token) of the server and core processes during a served run.
-usage: python threads.py STREAMS [REQUESTS_PER_STREAM]"""
+usage: python thread_cpu.py STREAMS [REQUESTS_PER_STREAM]"""
 import json, os, subprocess, sys, time, glob
-sys.path.insert(0, "/work/main/benchmarks")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "../../../benchmarks"))
 from serve_backends import serving
 from actorlm.bench.serve import run_serve_benchmark
 import psutil
