@@ -55,8 +55,8 @@ def random_blocks(type_name: str, rows: int, columns: int, seed: int) -> np.ndar
 
 
 def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str) -> pathlib.Path:
-    """The checkpoint ``hf_dir`` (Llama, Qwen2 or Qwen3) as a GGUF file whose matrices are all
-    ``type_name`` blocks (norms and biases F32); returns the file."""
+    """The checkpoint ``hf_dir`` (Llama, SmolLM3, Qwen2 or Qwen3) as a GGUF file whose
+    matrices are all ``type_name`` blocks (norms and biases F32); returns the file."""
     import gguf
     from safetensors.torch import load_file
 
@@ -73,7 +73,7 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str) -> pathl
     kind = gguf.GGMLQuantizationType[type_name]
     for seed, (name, tensor) in enumerate(sorted(state.items())):
         values = tensor.float().numpy()
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in ("llama", "smollm3") and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads"] if "q_proj" in name else \
                 config["num_key_value_heads"]
             values = _permute(values, heads)
@@ -143,3 +143,22 @@ def dequantized_model(gguf_path: pathlib.Path):
     return AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
                                                 dtype=torch.float32,
                                                 local_files_only=True).eval()
+
+
+def dequantized_checkpoint(hf_dir: pathlib.Path, type_name: str, kept: tuple[str, ...] = ()):
+    """transformers' model of the checkpoint ``hf_dir`` (fp32) with every matrix but those
+    whose names end in ``kept`` quantized to ``type_name`` and dequantized by gguf, as the
+    GGUF writers here store them (gguf quantizes each row alone, so stacking and llama.cpp's
+    row permutation change nothing): the oracle of a file transformers does not read."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    kind = gguf.GGMLQuantizationType[type_name]
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() < 2 or name.endswith(kept):
+                continue
+            blocks = gguf.quants.quantize(param.numpy(), kind)
+            param.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, kind)))
+    return model

@@ -15,7 +15,8 @@ import pathlib
 
 import numpy as np
 import torch
-from gguf_files import K_TYPES, _permute, _write_config, _write_tokenizer, random_blocks
+from gguf_files import (K_TYPES, _permute, _write_config, _write_tokenizer,
+                        dequantized_checkpoint, random_blocks)
 
 ARCHITECTURES = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama",
                  "olmoe": "olmoe"}
@@ -114,23 +115,11 @@ def _write_moe_config(writer, config: dict) -> None:
 
 
 def dequantized_moe(hf_dir: pathlib.Path, type_name: str):
-    """transformers' model of the checkpoint ``hf_dir`` (fp32) with every matrix but the
-    routers quantized to ``type_name`` and dequantized by gguf, as ``write_moe_gguf`` stores
-    them (gguf quantizes each row alone, so stacking and llama.cpp's row permutation change
-    nothing): the oracle of the blocks, for the families whose GGUF files transformers does
-    not read (Mixtral, OLMoE)."""
-    import gguf
-    from transformers import AutoModelForCausalLM
-
-    kind = gguf.GGMLQuantizationType[type_name]
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() < 2 or name.endswith((".gate.weight", "shared_expert_gate.weight")):
-                continue
-            blocks = gguf.quants.quantize(param.numpy(), kind)
-            param.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, kind)))
-    return model
+    """``dequantized_checkpoint`` of a checkpoint whose routers the file keeps in F32: the
+    oracle of the blocks, for the families whose GGUF files transformers does not read
+    (Mixtral, OLMoE)."""
+    return dequantized_checkpoint(hf_dir, type_name,
+                                  kept=(".gate.weight", "shared_expert_gate.weight"))
 
 
 def save_routed(tmp_path_factory, tokenizer_dir, family: str) -> pathlib.Path:

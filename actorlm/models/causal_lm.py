@@ -18,8 +18,8 @@ from actorlm.kernels import AttentionMetadata, KernelBackend, QuantizedWeight
 from actorlm.kv_groups import kv_cache_groups, layer_slots
 from actorlm.models import expert_weights, quantized
 from actorlm.models.decoder import DecoderLayer
-from actorlm.models.families import (GEMMA_NORMS, LLAMA_NORMS,
-                                     checkpoint_tensors, is_gemma, layer_specs, layer_windows,
+from actorlm.models.families import (GEMMA_NORMS, LLAMA_NORMS, NO_ROPE, checkpoint_tensors,
+                                     head_dim_of, is_gemma, layer_specs, layer_windows,
                                      narrow, rope_inv_freq, rope_layer_types, text_config)
 from actorlm.models.layers import Embedding, Linear, RMSNorm, VocabParallelEmbedding
 from actorlm.models.expert_parallel import check_expert_parallel, split_intermediate_sizes
@@ -276,6 +276,9 @@ def _moe_timer(body: DecoderBody, device) -> MoeTimer | None:
 def _rope_table(config, layer_type, max_positions, dtype, device):
     """(cos, sin_signed) of every position, computed once as HF computes them per step (fp32
     angles, then the model dtype): [max_positions, D] each, sin's first half negated."""
+    if layer_type == NO_ROPE:  # cos 1 and sin 0: the rotation leaves q and k as they are
+        ones = torch.ones(max_positions, head_dim_of(config), dtype=dtype, device=device)
+        return ones, torch.zeros_like(ones)
     inv_freq, scaling = rope_inv_freq(config, layer_type, device)
     freqs = torch.arange(max_positions, device=device).float()[:, None] * inv_freq.float()
     emb = torch.cat((freqs, freqs), dim=-1)

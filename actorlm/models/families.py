@@ -7,6 +7,8 @@ by which, the embedding's scale, the final logits' soft-capping, and how the che
 its tensors.
 
 - Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3: pre-norm, SiLU, RMSNorm by ``weight``.
+- SmolLM3: a Llama that leaves RoPE out of the layers its ``no_rope_layers`` mark 0 (every
+  fourth by default): they rotate by an identity table (``NO_ROPE``).
 - Phi-3: a Llama whose checkpoint fuses q/k/v (``qkv_proj``) and gate/up (``gate_up_proj``).
 - Gemma 2 and Gemma 3: four norms a layer (before and after attention and MLP), RMSNorm by
   ``1 + weight``, GeLU (tanh), the embedding scaled by sqrt(hidden), attention scaled by
@@ -30,8 +32,9 @@ from actorlm.models.decoder import LayerSpec
 from actorlm.models.moe_families import (MOE_MODEL_TYPES, check_moe_config, checkpoint_name,
                                          is_moe, moe_specs)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text",
-                         "gemma3", *MOE_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma2",
+                         "gemma3_text", "gemma3", *MOE_MODEL_TYPES)
+NO_ROPE = "no_rope"  # the RoPE table of the layers without RoPE (SmolLM3's): the identity
 _QK_NORMS = {"qwen3": "head", "gemma3_text": "head", "qwen3_moe": "head", "olmoe": "projection"}
 _GEMMA = ("gemma2", "gemma3_text")
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -141,11 +144,13 @@ def head_dim_of(config) -> int:
 
 def rope_layer_types(config) -> list[str | None]:
     """The RoPE table each layer rotates by: a layer type where the config keeps RoPE
-    parameters per type (Gemma 3), else None (one table for all)."""
+    parameters per type (Gemma 3), ``NO_ROPE`` where ``no_rope_layers`` says 0 (SmolLM3),
+    else None (one table for all)."""
     params = getattr(config, "rope_parameters", None) or {}
-    if "sliding_attention" not in params:
-        return [None] * config.num_hidden_layers
-    return list(config.layer_types)
+    layers = config.num_hidden_layers
+    types = list(config.layer_types) if "sliding_attention" in params else [None] * layers
+    uses_rope = (getattr(config, "no_rope_layers", None) or [1] * layers)[:layers]
+    return [kind if rope else NO_ROPE for kind, rope in zip(types, uses_rope, strict=True)]
 
 
 def rope_inv_freq(config, layer_type: str | None = None,

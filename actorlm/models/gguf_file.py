@@ -15,11 +15,11 @@ view of the file, which the layer that keeps it copies out (``moe.RoutedExperts`
 an expert-parallel model copies its own experts only. ``gguf_moe`` builds the configs of the
 MoE files (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE).
 
-llama.cpp stores a Llama's (and Mixtral's) q and k rows permuted (each head's two rotary
-halves interleaved); the permutation is undone here on whole rows of blocks, which
-quantization never crosses. It
-stores a Gemma's norm weights plus one (what they scale by); they are handed over as the
-checkpoint has them.
+llama.cpp stores a Llama's (and Mixtral's, SmolLM3's) q and k rows permuted (each head's two
+rotary halves interleaved); the permutation is undone here on whole rows of blocks, which
+quantization never crosses. It stores a Gemma's norm weights plus one (what they scale by);
+they are handed over as the checkpoint has them. ``gguf_metadata`` builds the config of a
+SmolLM3 file, which transformers does not read.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch
 
 from actorlm.kernels import QUANTIZED_FORMATS, QuantizedWeight
 from actorlm.kernels.resident import resident
-from actorlm.models import gguf_moe
+from actorlm.models import gguf_metadata, gguf_moe
 from actorlm.paths import cache_root
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,11 @@ log = logging.getLogger(__name__)
 # GGUF architecture -> the Hugging Face model_type it is read as (Mistral files say "llama",
 # and so do Mixtral's, with experts: gguf_moe tells them apart)
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-                 "gemma3": "gemma3_text", **gguf_moe.ARCHITECTURES}
+                 "gemma3": "gemma3_text", "smollm3": "smollm3", **gguf_moe.ARCHITECTURES}
+# the architectures transformers cannot read a config of (gguf_metadata builds theirs)
+_UNKNOWN_TO_TRANSFORMERS = ("smollm3", "olmoe")
+# q and k rows permuted by llama.cpp's converter (a Llama's and its descendants')
+_PERMUTED_QK = ("llama", "mistral", "mixtral", "smollm3")
 _GEMMA_TYPES = ("gemma2", "gemma3_text")
 _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _INDEX = "gguf.json"
@@ -234,7 +238,7 @@ def _transformers_gguf_model(gguf: pathlib.Path, dtype: torch.dtype):
 def _unpermuted(name: str, rows: torch.Tensor, config) -> torch.Tensor:
     """Rows of q_proj / k_proj back in Hugging Face's order (a Llama's, as llama.cpp permutes
     them); any other tensor as it is."""
-    if config.model_type not in ("llama", "mistral", "mixtral") or \
+    if config.model_type not in _PERMUTED_QK or \
             not name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
         return rows
     heads = config.num_attention_heads if "q_proj" in name else \
@@ -269,12 +273,17 @@ def _write_dir(gguf: pathlib.Path, out: pathlib.Path) -> None:
                 int(t.data_offset), int(t.n_bytes)]  # data_offset: from the file's start
                for t in reader.tensors for name in [_hf_name(t.name, arch)]]
     names = [t[0] for t in tensors]
-    config = gguf_moe.moe_config(gguf, reader, names) if gguf_moe.is_moe_file(reader, arch) \
-        else AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-    # (AutoTokenizer asks AutoConfig first, which refuses OLMoE's file; the conversion is the
-    # same for every architecture)
-    tokenizer = (PreTrainedTokenizerFast if arch == "olmoe" else AutoTokenizer).from_pretrained(
-        gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    if gguf_moe.is_moe_file(reader, arch):
+        config = gguf_moe.moe_config(gguf, reader, names)
+    elif arch == "smollm3":
+        config = gguf_metadata.smollm3_config(reader, names)
+    else:
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                            local_files_only=True)
+    # (AutoTokenizer asks AutoConfig first, which refuses the files whose config is built
+    # here; the conversion is the same for every architecture)
+    tokenizer = (PreTrainedTokenizerFast if arch in _UNKNOWN_TO_TRANSFORMERS else AutoTokenizer) \
+        .from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     if config.model_type == "llama":  # the metadata has no such keys: the tensors tell
         config.attention_bias = any(n.endswith("o_proj.bias") for n in names)
         config.mlp_bias = any(n.endswith("down_proj.bias") for n in names)

@@ -27,6 +27,8 @@ import re
 import torch
 
 from actorlm.kernels import QuantizedWeight
+from actorlm.models import gguf_metadata
+from actorlm.models.gguf_metadata import field
 
 # GGUF architecture -> model_type, beside the dense ones (Mixtral's files say "llama")
 ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe"}
@@ -45,7 +47,7 @@ _PER_EXPERT = re.compile(r"^ffn_(gate|up|down)\.(\d+)$")  # older files: one ten
 
 def is_moe_file(reader, arch: str) -> bool:
     return arch in ARCHITECTURES or \
-        (arch == "llama" and _field(reader, "llama.expert_count", 0) > 0)
+        (arch == "llama" and field(reader, "llama.expert_count", 0) > 0)
 
 
 def per_expert_name(part: str) -> str | None:
@@ -84,39 +86,25 @@ def moe_config(gguf, reader, tensor_names: list[str]):
     ``tensor_names`` its tensors' Hugging Face names); see the module's docstring."""
     from transformers import AutoConfig, MixtralConfig, OlmoeConfig
 
-    arch = _field(reader, "general.architecture")
+    arch = field(reader, "general.architecture")
     has_bias = any(name.endswith("q_proj.bias") for name in tensor_names)
     if arch in ("qwen3moe", "qwen2moe"):
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                             local_files_only=True)
-        config.moe_intermediate_size = _field(reader, f"{arch}.expert_feed_forward_length")
+        config.moe_intermediate_size = field(reader, f"{arch}.expert_feed_forward_length")
         config.decoder_sparse_step, config.mlp_only_layers = 1, []
         if arch == "qwen2moe":
-            config.shared_expert_intermediate_size = _field(
+            config.shared_expert_intermediate_size = field(
                 reader, f"{arch}.expert_shared_feed_forward_length")
             config.qkv_bias, config.norm_topk_prob = has_bias, False
         else:
             config.attention_bias, config.norm_topk_prob = has_bias, True
         return config
-    _refuse_rope_scaling(reader, arch)
-    hidden, heads = _field(reader, f"{arch}.embedding_length"), \
-        _field(reader, f"{arch}.attention.head_count")
-    head_dim = _field(reader, f"{arch}.attention.key_length", hidden // heads)
-    common = dict(
-        vocab_size=_field(reader, f"{arch}.vocab_size", None) or
-        len(reader.fields["tokenizer.ggml.tokens"].data),
-        hidden_size=hidden, intermediate_size=_field(reader, f"{arch}.feed_forward_length"),
-        num_hidden_layers=_field(reader, f"{arch}.block_count"), num_attention_heads=heads,
-        num_key_value_heads=_field(reader, f"{arch}.attention.head_count_kv", heads),
-        max_position_embeddings=_field(reader, f"{arch}.context_length"),
-        rms_norm_eps=_field(reader, f"{arch}.attention.layer_norm_rms_epsilon"),
-        rope_parameters={"rope_type": "default",
-                         "rope_theta": _field(reader, f"{arch}.rope.freq_base", 10000.0)},
-        num_experts_per_tok=_field(reader, f"{arch}.expert_used_count"),
-        tie_word_embeddings="lm_head.weight" not in tensor_names,
-        **{f"{token}_token_id": _field(reader, f"tokenizer.ggml.{gguf_token}_token_id", None)
-           for token, gguf_token in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"))})
-    experts = _field(reader, f"{arch}.expert_count")
+    common = dict(gguf_metadata.decoder_fields(reader, arch, tensor_names),
+                  num_experts_per_tok=field(reader, f"{arch}.expert_used_count"))
+    hidden, heads = common["hidden_size"], common["num_attention_heads"]
+    head_dim = gguf_metadata.head_dim(reader, arch)
+    experts = field(reader, f"{arch}.expert_count")
     if arch == "llama":
         return MixtralConfig(**common, head_dim=head_dim, num_local_experts=experts,
                              sliding_window=None)
@@ -124,24 +112,4 @@ def moe_config(gguf, reader, tensor_names: list[str]):
         raise ValueError(f"olmoe: attention.key_length {head_dim} times {heads} heads is not "
                          f"the embedding length {hidden}")
     return OlmoeConfig(**common, num_experts=experts, norm_topk_prob=False,
-                       clip_qkv=_field(reader, f"{arch}.attention.clamp_kqv", None))
-
-
-def _refuse_rope_scaling(reader, arch: str) -> None:
-    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling != "none":
-        raise ValueError(f"GGUF {arch} file: rope scaling {scaling!r} is not implemented for "
-                         f"its mixture of experts")
-
-
-_REQUIRED = object()
-
-
-def _field(reader, key: str, default=_REQUIRED):
-    """A scalar (or string) of the file's metadata; ``default`` where it has none."""
-    field = reader.fields.get(key)
-    if field is None:
-        if default is _REQUIRED:
-            raise ValueError(f"the GGUF file has no {key!r}, which its architecture needs")
-        return default
-    return field.contents()
+                       clip_qkv=field(reader, f"{arch}.attention.clamp_kqv", None))

@@ -86,9 +86,38 @@ def test_a_tiny_gguf_stays_in_blocks_and_matches_transformers(request, tmp_path,
                                          layer.mlp.gate_up_proj, layer.mlp.down_proj))]
     assert all(linear.weight is None and type(linear.prepared).__name__ == "QuantLinear"
                for linear in linears)  # no dense copy of any matrix
+    _check_greedy_and_kl(ours, dequantized_model(file))
+
+
+def test_a_smollm3_file_leaves_rope_out_of_every_fourth_layer(tmp_path_factory, tmp_path,
+                                                              tiny_tokenizer_dir):
+    """A SmolLM3 file (architecture ``smollm3``, which transformers does not read): its config
+    from the metadata, RoPE left out of every fourth layer as llama.cpp's graph does, q and k
+    unpermuted as a Llama's; against transformers on the checkpoint the file was written
+    from, each matrix quantized and dequantized as the file stores it."""
+    from checkpoints import _common, _save_tiny
+    from gguf_files import dequantized_checkpoint
+    from transformers import SmolLM3Config
+
+    from actorlm.models.loader import load_hf_config
+
+    hf_dir = _save_tiny(tmp_path_factory, tiny_tokenizer_dir, "tiny_smollm3", SmolLM3Config(
+        **{**_common(tiny_tokenizer_dir), "num_hidden_layers": 4, "initializer_range": 0.2},
+        rope_theta=10000.0), seed=5)
+    path = resolve_model(write_gguf(hf_dir, tmp_path / "tiny-smollm3.gguf", "Q8_0"))
+    config = load_hf_config(path)
+    assert (config.model_type, config.no_rope_layers, config.head_dim) == \
+        ("smollm3", [1, 1, 1, 0], 16)
+    ours = load_model(path, torch.float32, "cpu", select_backend("cpu"))
+    assert type(ours.lm_head.prepared).__name__ == "QuantLinear"
+    _check_greedy_and_kl(ours, dequantized_checkpoint(hf_dir, "Q8_0"))
+
+
+def _check_greedy_and_kl(ours, theirs) -> None:
+    """Our logits over a prompt and its greedy continuation within ``MAX_MEAN_KL`` of
+    transformers' ``theirs``, and the two greedy continuations close by vLLM's rule."""
     prompt = list(range(3, 23))
     logits, tokens, tops = _logits_and_greedy(ours, prompt, NUM_DECODED)
-    theirs = dequantized_model(file)
     expected = _their_logits(theirs, prompt + tokens[:-1])
     assert _mean_kl(expected, logits) <= MAX_MEAN_KL
     their_tokens, their_tops = [], []

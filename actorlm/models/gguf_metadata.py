@@ -1,0 +1,69 @@
+"""Configs from a GGUF file's metadata, for the architectures transformers does not read.
+
+transformers rebuilds the config of a Llama, Qwen2/3 or Gemma file itself; for the others the
+config is built here from llama.cpp's keys (``gguf-py/gguf/constants.py`` names them): the
+sizes every decoder has (``decoder_fields``), and what an architecture adds
+(``gguf_moe`` for the mixtures of experts, ``smollm3_config``).
+
+- ``smollm3``: a Llama (q and k rows permuted as a Llama's) that leaves RoPE out of every
+  fourth layer. llama.cpp keeps no key for it (its graph skips RoPE where ``(layer + 1) % 4``
+  is 0, as SmolLM3's config does by default, ``no_rope_layer_interval`` 4), and none for a
+  sliding window (its graph has none).
+"""
+
+from __future__ import annotations
+
+_REQUIRED = object()
+
+
+def field(reader, key: str, default=_REQUIRED):
+    """A scalar (or string) of the file's metadata; ``default`` where it has none."""
+    entry = reader.fields.get(key)
+    if entry is None:
+        if default is _REQUIRED:
+            raise ValueError(f"the GGUF file has no {key!r}, which its architecture needs")
+        return default
+    return entry.contents()
+
+
+def refuse_rope_scaling(reader, arch: str) -> None:
+    scaling = field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        raise ValueError(f"GGUF {arch} file: rope scaling {scaling!r} is not implemented for "
+                         f"this architecture")
+
+
+def head_dim(reader, arch: str) -> int:
+    return field(reader, f"{arch}.attention.key_length",
+                 field(reader, f"{arch}.embedding_length") //
+                 field(reader, f"{arch}.attention.head_count"))
+
+
+def decoder_fields(reader, arch: str, tensor_names: list[str]) -> dict:
+    """The config fields of any decoder file (``tensor_names``: its tensors' Hugging Face
+    names, which tell whether the LM head is tied)."""
+    refuse_rope_scaling(reader, arch)
+    heads = field(reader, f"{arch}.attention.head_count")
+    return dict(
+        vocab_size=field(reader, f"{arch}.vocab_size", None) or
+        len(reader.fields["tokenizer.ggml.tokens"].data),
+        hidden_size=field(reader, f"{arch}.embedding_length"),
+        intermediate_size=field(reader, f"{arch}.feed_forward_length"),
+        num_hidden_layers=field(reader, f"{arch}.block_count"), num_attention_heads=heads,
+        num_key_value_heads=field(reader, f"{arch}.attention.head_count_kv", heads),
+        max_position_embeddings=field(reader, f"{arch}.context_length"),
+        rms_norm_eps=field(reader, f"{arch}.attention.layer_norm_rms_epsilon"),
+        rope_parameters={"rope_type": "default",
+                         "rope_theta": field(reader, f"{arch}.rope.freq_base", 10000.0)},
+        tie_word_embeddings="lm_head.weight" not in tensor_names,
+        **{f"{token}_token_id": field(reader, f"tokenizer.ggml.{gguf_token}_token_id", None)
+           for token, gguf_token in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"))})
+
+
+def smollm3_config(reader, tensor_names: list[str]):
+    from transformers import SmolLM3Config
+
+    bias = any(name.endswith("o_proj.bias") for name in tensor_names)
+    return SmolLM3Config(**decoder_fields(reader, "smollm3", tensor_names),
+                         head_dim=head_dim(reader, "smollm3"), attention_bias=bias,
+                         mlp_bias=any(name.endswith("down_proj.bias") for name in tensor_names))
