@@ -176,9 +176,9 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
     q/k norms, two RoPE bases), Gemma 2 (sliding and full in turn, soft-capped attention and
     logits), Mistral (every layer sliding), Qwen2 with ``use_sliding_window`` (its upper
     layers), Phi-3 (q/k/v and gate/up fused in the checkpoint), SmolLM3 (no RoPE in its
-    fourth layer, which has the window)."""
-    from transformers import (Gemma2Config, Gemma3TextConfig, MistralConfig, Phi3Config,
-                              Qwen2Config, SmolLM3Config)
+    fourth layer, which has the window), Granite (its four multipliers, none of them 1)."""
+    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, MistralConfig,
+                              Phi3Config, Qwen2Config, SmolLM3Config)
 
     common = _common(tiny_tokenizer_dir)
     gemma = dict(query_pre_attn_scalar=common["head_dim"], sliding_window=WINDOW,
@@ -194,6 +194,9 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
         "phi3": Phi3Config(**common, tie_word_embeddings=False),
         "smollm3": SmolLM3Config(**{**common, "num_hidden_layers": 4}, use_sliding_window=True,
                                  sliding_window=WINDOW, rope_theta=10000.0),
+        "granite": GraniteConfig(**common, tie_word_embeddings=True, embedding_multiplier=12.0,
+                                 attention_multiplier=0.2, residual_multiplier=0.22,
+                                 logits_scaling=8.0),
     }
     return {name: _save_tiny(tmp_path_factory, tiny_tokenizer_dir, f"tiny_{name}", config,
                              seed=10 + i)

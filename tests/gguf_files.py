@@ -24,6 +24,11 @@ _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "mlp.down_proj": "ffn_down"}
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+PERMUTED = ("llama", "smollm3", "granite")  # q and k rows permuted by llama.cpp's converter
+# a Granite config's multipliers -> the metadata keys llama.cpp's converter writes them under
+_GRANITE_SCALES = {"embedding_multiplier": "add_embedding_scale",
+                   "attention_multiplier": "add_attention_scale",
+                   "residual_multiplier": "add_residual_scale", "logits_scaling": "add_logit_scale"}
 
 
 def gguf_name(hf_name: str) -> str:
@@ -55,7 +60,7 @@ def random_blocks(type_name: str, rows: int, columns: int, seed: int) -> np.ndar
 
 
 def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str) -> pathlib.Path:
-    """The checkpoint ``hf_dir`` (Llama, SmolLM3, Qwen2 or Qwen3) as a GGUF file whose
+    """The checkpoint ``hf_dir`` (Llama, SmolLM3, Granite, Qwen2 or Qwen3) as a GGUF file whose
     matrices are all ``type_name`` blocks (norms and biases F32); returns the file."""
     import gguf
     from safetensors.torch import load_file
@@ -73,7 +78,7 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str) -> pathl
     kind = gguf.GGMLQuantizationType[type_name]
     for seed, (name, tensor) in enumerate(sorted(state.items())):
         values = tensor.float().numpy()
-        if arch in ("llama", "smollm3") and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads"] if "q_proj" in name else \
                 config["num_key_value_heads"]
             values = _permute(values, heads)
@@ -112,6 +117,9 @@ def _write_config(writer, config: dict) -> None:
                               or config.get("rope_parameters", {}).get("rope_theta", 10000.0))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
+    for multiplier, add in _GRANITE_SCALES.items():
+        if multiplier in config:
+            getattr(writer, add)(config[multiplier])
 
 
 def _write_tokenizer(writer, hf_dir: pathlib.Path) -> None:

@@ -109,9 +109,10 @@ class DecoderLayerPlan(NamedTuple):
         a = o(attention(rope(qkv(h))))        (q/k norms before RoPE, if the layer has them:
                                                per head, or ``projection_norms`` over all
                                                heads of q and of k; then ``clip_qkv``)
-        stream += attn_out_norm(a) or a
+        stream += attn_out_norm(a) or a       (times ``residual_scale``, if any)
         m = down(act_and_mul(gate_up(mlp_norm(stream))))
-        out = mlp_out_norm(m) or m            (the next layer adds it to the stream)
+        out = mlp_out_norm(m) or m            (the next layer adds it to the stream; times
+                                               ``residual_scale``, if any)
 
     With ``moe`` (a ``MoePlan``) the experts take the dense MLP's place, and ``gate_up`` and
     ``down`` are None. The linear layers are what ``KernelBackend.prepare_linear`` returned; ``rope`` picks which
@@ -135,6 +136,7 @@ class DecoderLayerPlan(NamedTuple):
     # one vector before RoPE (OLMoE), in place of the attention's per-head norms
     projection_norms: tuple[Norm, Norm] | None = None
     clip_qkv: float | None = None  # q, k and v clamped to +-clip_qkv after the norms (OLMoE)
+    residual_scale: float | None = None  # the attention's and MLP's outputs scaled (Granite)
     # LoRA adapters' slots of (qkv, o, gate_up, down), each a ``LoRATable`` or None: a step's
     # rows with a slot get its delta on each (``add_lora``); None: no LoRA
     lora: tuple[LoRATable | None, ...] | None = None

@@ -19,8 +19,9 @@ from actorlm.kv_groups import kv_cache_groups, layer_slots
 from actorlm.models import expert_weights, quantized
 from actorlm.models.decoder import DecoderLayer
 from actorlm.models.families import (GEMMA_NORMS, LLAMA_NORMS, NO_ROPE, checkpoint_tensors,
-                                     head_dim_of, is_gemma, layer_specs, layer_windows,
-                                     narrow, rope_inv_freq, rope_layer_types, text_config)
+                                     embedding_scale, head_dim_of, is_gemma, layer_specs,
+                                     layer_windows, logits_divisor, narrow, rope_inv_freq,
+                                     rope_layer_types, text_config)
 from actorlm.models.layers import Embedding, Linear, RMSNorm, VocabParallelEmbedding
 from actorlm.models.expert_parallel import check_expert_parallel, split_intermediate_sizes
 from actorlm.models.moe import MoeTimer, RoutedExperts, SparseMoeBlock
@@ -78,9 +79,8 @@ class CausalLM(nn.Module):
         self.vocab_size = config.vocab_size
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.norms = GEMMA_NORMS if is_gemma(config) else LLAMA_NORMS  # checkpoint -> ours
-        # Gemma scales the embeddings by sqrt(hidden), rounded to the model dtype as HF does
-        self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=dtype, device=device) \
-            if is_gemma(config) else None
+        self.embed_scale = embedding_scale(config, dtype, device)
+        self.logits_divisor = logits_divisor(config)
         self.final_softcap = getattr(config, "final_logit_softcapping", None) \
             if is_gemma(config) else None
         self.model = DecoderBody(config, specs, [table_types.index(t) for t in rope_types],
@@ -134,13 +134,17 @@ class CausalLM(nn.Module):
         """hidden: [N, hidden] -> logits [N, V] float32. Tensor-parallel: every rank must call
         it (a collective); rank 0 gets the logits, the others None."""
         if not self.tp.is_parallel:
-            return self._soft_capped(self.lm_head(hidden).float())
+            return self._finished(self.lm_head(hidden).float())
         logits = gather_last_dim(self.tp, self.lm_head(hidden))  # [N, V_pad] on rank 0
         if logits is None:
             return None
-        return self._soft_capped(logits[:, :self.vocab_size].float().contiguous())  # unpadded
+        return self._finished(logits[:, :self.vocab_size].float().contiguous())  # unpadded
 
-    def _soft_capped(self, logits: torch.Tensor) -> torch.Tensor:
+    def _finished(self, logits: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits as the family ends them: divided (Granite), soft-capped
+        (Gemma 2)."""
+        if self.logits_divisor is not None:
+            logits = logits / self.logits_divisor
         if self.final_softcap is None:
             return logits
         return torch.tanh(logits / self.final_softcap) * self.final_softcap

@@ -49,6 +49,8 @@ class LayerSpec:
     attention_scale: float | None = None  # None: head_dim ** -0.5
     window: int | None = None  # sliding window; None: full causal attention
     softcap: float | None = None  # attention scores soft-capped (Gemma 2)
+    # the attention's and the MLP's outputs scaled before they join the stream (Granite)
+    residual_scale: float | None = None
     moe: MoeSpec | None = None  # routed experts in place of the dense MLP
 
     def __post_init__(self):
@@ -133,13 +135,15 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """``kernels.DecoderLayerPlan``'s layer: norms before attention and MLP (and after each,
-    with ``output_norms``), each residual add fused into the norm that follows it."""
+    with ``output_norms``; then ``residual_scale``), each residual add fused into the norm
+    that follows it."""
 
     def __init__(self, spec: LayerSpec, backend, dtype, device, tp, rope: int = 0,
                  kv_group: int = 0):
         super().__init__()
         self.rope = rope  # which of the model's RoPE tables this layer rotates by
         self.kv_group = kv_group  # which of the step's attention metadata it reads
+        self.residual_scale = spec.residual_scale
 
         def norm():
             return RMSNorm(spec.hidden_size, spec.norm_eps, spec.norm_unit_offset, backend,
@@ -170,11 +174,15 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(x, *ropes[self.rope], kv_cache, metas[self.kv_group])
         if self.attn_out_norm is not None:
             x = self.attn_out_norm(x)
-        x, residual = self.mlp_norm(x, residual)
+        x, residual = self.mlp_norm(self._scaled(x), residual)
         x = self.mlp(x)
         if self.mlp_out_norm is not None:
             x = self.mlp_out_norm(x)
-        return x, residual
+        return self._scaled(x), residual
+
+    def _scaled(self, x):
+        """A branch's output as it joins the stream."""
+        return x if self.residual_scale is None else x * self.residual_scale
 
     def plan(self) -> DecoderLayerPlan | None:
         """This layer for the backend's one-call decode step (once the weights are loaded), or
@@ -199,7 +207,7 @@ class DecoderLayer(nn.Module):
             self.mlp_norm.norm, *dense, activation,
             *(None if n is None else n.norm for n in (self.attn_out_norm, self.mlp_out_norm)),
             self.rope, self.kv_group, moe, projection_norms, attn.clip_qkv,
-            None if lora == (None,) * 4 else lora)
+            self.residual_scale, None if lora == (None,) * 4 else lora)
 
 
 def _moe_plan(block: SparseMoeBlock) -> MoePlan:

@@ -9,6 +9,8 @@ its tensors.
 - Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3: pre-norm, SiLU, RMSNorm by ``weight``.
 - SmolLM3: a Llama that leaves RoPE out of the layers its ``no_rope_layers`` mark 0 (every
   fourth by default): they rotate by an identity table (``NO_ROPE``).
+- Granite: a Llama with four multipliers: the embeddings', the attention scores' (in place of
+  1/sqrt(head_dim)), each branch's output before it joins the stream, and the logits' divisor.
 - Phi-3: a Llama whose checkpoint fuses q/k/v (``qkv_proj``) and gate/up (``gate_up_proj``).
 - Gemma 2 and Gemma 3: four norms a layer (before and after attention and MLP), RMSNorm by
   ``1 + weight``, GeLU (tanh), the embedding scaled by sqrt(hidden), attention scaled by
@@ -24,6 +26,8 @@ A config field that changes the math and is not implemented is refused by name
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from actorlm.kernels import QuantizedWeight
@@ -32,12 +36,14 @@ from actorlm.models.decoder import LayerSpec
 from actorlm.models.moe_families import (MOE_MODEL_TYPES, check_moe_config, checkpoint_name,
                                          is_moe, moe_specs)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma2",
-                         "gemma3_text", "gemma3", *MOE_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite",
+                         "gemma2", "gemma3_text", "gemma3", *MOE_MODEL_TYPES)
 NO_ROPE = "no_rope"  # the RoPE table of the layers without RoPE (SmolLM3's): the identity
 _QK_NORMS = {"qwen3": "head", "gemma3_text": "head", "qwen3_moe": "head", "olmoe": "projection"}
 _GEMMA = ("gemma2", "gemma3_text")
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+_GRANITE_MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier",
+                        "logits_scaling")
 
 # a checkpoint's norm names -> the shared decoder layer's (Llama's "post-attention" norm is
 # the one before the MLP; Gemma's is the attention output's own)
@@ -88,6 +94,14 @@ def check_config(config) -> None:
         for name in ("attn_logit_softcapping", "final_logit_softcapping"):
             if getattr(config, name, None) is not None:
                 raise ValueError(f"{name} is not implemented for {config.model_type}")
+    if config.model_type == "granite":
+        for name in _GRANITE_MULTIPLIERS:
+            value = getattr(config, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value)) or \
+                    (name == "logits_scaling" and not value > 0):
+                raise ValueError(f"granite: {name} must be a finite number"
+                                 f"{' above 0' if name == 'logits_scaling' else ''}, got "
+                                 f"{value!r}")
     if is_moe(config):
         check_moe_config(config)
 
@@ -121,6 +135,7 @@ def layer_specs(config) -> list[LayerSpec]:
         else attention_bias
     head_dim = head_dim_of(config)
     scalar = getattr(config, "query_pre_attn_scalar", None) if gemma else None
+    granite = model_type == "granite"
     base = dict(
         hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
@@ -132,14 +147,29 @@ def layer_specs(config) -> list[LayerSpec]:
         qkv_bias=qkv_bias, o_bias=not qwen2 and attention_bias,
         # (the MoE families' MLPs have no biases, whatever their config says)
         mlp_bias=bool(getattr(config, "mlp_bias", False)) and not is_moe(config),
-        attention_scale=None if scalar is None else scalar**-0.5,
-        softcap=getattr(config, "attn_logit_softcapping", None) if gemma else None)
+        attention_scale=config.attention_multiplier if granite else
+        None if scalar is None else scalar**-0.5,
+        softcap=getattr(config, "attn_logit_softcapping", None) if gemma else None,
+        residual_scale=config.residual_multiplier if granite else None)
     return [LayerSpec(**base, window=window, moe=moe)
             for window, moe in zip(layer_windows(config), moe_specs(config), strict=True)]
 
 
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def embedding_scale(config, dtype: torch.dtype, device=None) -> torch.Tensor | float | None:
+    """What the embeddings are multiplied by: Gemma's sqrt(hidden), rounded to the model dtype
+    as transformers does, Granite's ``embedding_multiplier``; None: nothing."""
+    if is_gemma(config):
+        return torch.tensor(config.hidden_size**0.5, dtype=dtype, device=device)
+    return config.embedding_multiplier if config.model_type == "granite" else None
+
+
+def logits_divisor(config) -> float | None:
+    """What the logits are divided by (Granite's ``logits_scaling``); None: nothing."""
+    return config.logits_scaling if config.model_type == "granite" else None
 
 
 def rope_layer_types(config) -> list[str | None]:
@@ -149,8 +179,10 @@ def rope_layer_types(config) -> list[str | None]:
     params = getattr(config, "rope_parameters", None) or {}
     layers = config.num_hidden_layers
     types = list(config.layer_types) if "sliding_attention" in params else [None] * layers
-    uses_rope = (getattr(config, "no_rope_layers", None) or [1] * layers)[:layers]
-    return [kind if rope else NO_ROPE for kind, rope in zip(types, uses_rope, strict=True)]
+    uses_rope = getattr(config, "no_rope_layers", None) or [1] * layers
+    if len(uses_rope) < layers:
+        raise ValueError(f"no_rope_layers has {len(uses_rope)} entries for {layers} layers")
+    return [kind if rope else NO_ROPE for kind, rope in zip(types, uses_rope)]
 
 
 def rope_inv_freq(config, layer_type: str | None = None,

@@ -15,11 +15,11 @@ view of the file, which the layer that keeps it copies out (``moe.RoutedExperts`
 an expert-parallel model copies its own experts only. ``gguf_moe`` builds the configs of the
 MoE files (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE).
 
-llama.cpp stores a Llama's (and Mixtral's, SmolLM3's) q and k rows permuted (each head's two
-rotary halves interleaved); the permutation is undone here on whole rows of blocks, which
-quantization never crosses. It stores a Gemma's norm weights plus one (what they scale by);
+llama.cpp stores a Llama's (and Mixtral's, SmolLM3's, Granite's) q and k rows permuted (each
+head's two rotary halves interleaved); the permutation is undone here on whole rows of blocks,
+which quantization never crosses. It stores a Gemma's norm weights plus one (what they scale by);
 they are handed over as the checkpoint has them. ``gguf_metadata`` builds the config of a
-SmolLM3 file, which transformers does not read.
+SmolLM3 or Granite file, which transformers does not read.
 """
 
 from __future__ import annotations
@@ -48,11 +48,14 @@ log = logging.getLogger(__name__)
 # GGUF architecture -> the Hugging Face model_type it is read as (Mistral files say "llama",
 # and so do Mixtral's, with experts: gguf_moe tells them apart)
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-                 "gemma3": "gemma3_text", "smollm3": "smollm3", **gguf_moe.ARCHITECTURES}
+                 "gemma3": "gemma3_text", "smollm3": "smollm3", "granite": "granite",
+                 **gguf_moe.ARCHITECTURES}
 # the architectures transformers cannot read a config of (gguf_metadata builds theirs)
-_UNKNOWN_TO_TRANSFORMERS = ("smollm3", "olmoe")
+_OWN_CONFIGS = {"smollm3": gguf_metadata.smollm3_config,
+                "granite": gguf_metadata.granite_config}
+_UNKNOWN_TO_TRANSFORMERS = (*_OWN_CONFIGS, "olmoe")
 # q and k rows permuted by llama.cpp's converter (a Llama's and its descendants')
-_PERMUTED_QK = ("llama", "mistral", "mixtral", "smollm3")
+_PERMUTED_QK = ("llama", "mistral", "mixtral", "smollm3", "granite")
 _GEMMA_TYPES = ("gemma2", "gemma3_text")
 _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _INDEX = "gguf.json"
@@ -275,8 +278,8 @@ def _write_dir(gguf: pathlib.Path, out: pathlib.Path) -> None:
     names = [t[0] for t in tensors]
     if gguf_moe.is_moe_file(reader, arch):
         config = gguf_moe.moe_config(gguf, reader, names)
-    elif arch == "smollm3":
-        config = gguf_metadata.smollm3_config(reader, names)
+    elif arch in _OWN_CONFIGS:
+        config = _OWN_CONFIGS[arch](reader, names)
     else:
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                             local_files_only=True)

@@ -3,12 +3,15 @@
 transformers rebuilds the config of a Llama, Qwen2/3 or Gemma file itself; for the others the
 config is built here from llama.cpp's keys (``gguf-py/gguf/constants.py`` names them): the
 sizes every decoder has (``decoder_fields``), and what an architecture adds
-(``gguf_moe`` for the mixtures of experts, ``smollm3_config``).
+(``gguf_moe`` for the mixtures of experts, ``smollm3_config``, ``granite_config``).
 
 - ``smollm3``: a Llama (q and k rows permuted as a Llama's) that leaves RoPE out of every
   fourth layer. llama.cpp keeps no key for it (its graph skips RoPE where ``(layer + 1) % 4``
   is 0, as SmolLM3's config does by default, ``no_rope_layer_interval`` 4), and none for a
   sliding window (its graph has none).
+- ``granite``: a Llama (q and k permuted too) with Granite's four multipliers, each stored
+  only where it is not 1: ``embedding_scale``, ``attention.scale``, ``residual_scale`` and
+  ``logit_scale`` (the logits' divisor, transformers' ``logits_scaling``).
 """
 
 from __future__ import annotations
@@ -63,7 +66,22 @@ def decoder_fields(reader, arch: str, tensor_names: list[str]) -> dict:
 def smollm3_config(reader, tensor_names: list[str]):
     from transformers import SmolLM3Config
 
-    bias = any(name.endswith("o_proj.bias") for name in tensor_names)
     return SmolLM3Config(**decoder_fields(reader, "smollm3", tensor_names),
-                         head_dim=head_dim(reader, "smollm3"), attention_bias=bias,
-                         mlp_bias=any(name.endswith("down_proj.bias") for name in tensor_names))
+                         head_dim=head_dim(reader, "smollm3"), **_biases(tensor_names))
+
+
+def granite_config(reader, tensor_names: list[str]):
+    from transformers import GraniteConfig
+
+    return GraniteConfig(
+        **decoder_fields(reader, "granite", tensor_names), **_biases(tensor_names),
+        embedding_multiplier=field(reader, "granite.embedding_scale", 1.0),
+        attention_multiplier=field(reader, "granite.attention.scale", 1.0),
+        residual_multiplier=field(reader, "granite.residual_scale", 1.0),
+        logits_scaling=field(reader, "granite.logit_scale", 1.0))
+
+
+def _biases(tensor_names: list[str]) -> dict:
+    """A Llama's bias flags, which its metadata lacks: the tensors tell."""
+    return dict(attention_bias=any(name.endswith("o_proj.bias") for name in tensor_names),
+                mlp_bias=any(name.endswith("down_proj.bias") for name in tensor_names))

@@ -101,21 +101,23 @@ def test_a_mixed_batch_gives_each_request_its_adapters_output(make_llm, tiny_lla
     assert_idle_and_nothing_leaked(llm)
 
 
-def test_a_mixed_batch_on_qwen2_gives_each_request_its_adapters_output(
-        make_llm, tiny_qwen2_dir, tmp_path_factory):
+@pytest.mark.parametrize("family", ["qwen2", "granite"])
+def test_a_mixed_batch_of_another_family_gives_each_request_its_adapters_output(
+        make_llm, tiny_qwen2_dir, tiny_window_dirs, tmp_path_factory, family):
     """Qwen2 (q, k and v with biases, an untied LM head): the deltas join the biased
-    projections as PEFT's do."""
+    projections as PEFT's do. Granite: the deltas of o_proj and down_proj are scaled with
+    their projections' outputs by the residual multiplier, as in PEFT's model."""
     from lora_adapters import make_adapter
 
+    model_dir = tiny_qwen2_dir if family == "qwen2" else tiny_window_dirs[family]
     adapters = {}
     for seed, (name, config) in enumerate({"alpha": dict(r=4),
                                            "beta": dict(r=8, use_rslora=True)}.items()):
-        adapters[name] = tmp_path_factory.mktemp(f"qwen2_lora_{name}")
-        make_adapter(tiny_qwen2_dir, adapters[name], seed=30 + seed, **config)
-    oracle = {name: peft_greedy(tiny_qwen2_dir, None if lora is None else lora.lora_path,
-                                PROMPTS)
+        adapters[name] = tmp_path_factory.mktemp(f"{family}_lora_{name}")
+        make_adapter(model_dir, adapters[name], seed=30 + seed, **config)
+    oracle = {name: peft_greedy(model_dir, None if lora is None else lora.lora_path, PROMPTS)
               for name, lora in requests_of(adapters).items()}
-    llm = make_llm(str(tiny_qwen2_dir), **LORA_FLAGS)
+    llm = make_llm(str(model_dir), **LORA_FLAGS)
     by_name = mixed_run(llm, adapters, ["base", "alpha", "beta"])
     assert_like_peft(by_name, oracle)
     tokens = {name: [o.outputs[0].token_ids for o in outputs] for name, outputs in by_name.items()}

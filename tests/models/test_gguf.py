@@ -89,25 +89,47 @@ def test_a_tiny_gguf_stays_in_blocks_and_matches_transformers(request, tmp_path,
     _check_greedy_and_kl(ours, dequantized_model(file))
 
 
-def test_a_smollm3_file_leaves_rope_out_of_every_fourth_layer(tmp_path_factory, tmp_path,
-                                                              tiny_tokenizer_dir):
-    """A SmolLM3 file (architecture ``smollm3``, which transformers does not read): its config
-    from the metadata, RoPE left out of every fourth layer as llama.cpp's graph does, q and k
-    unpermuted as a Llama's; against transformers on the checkpoint the file was written
-    from, each matrix quantized and dequantized as the file stores it."""
+@pytest.fixture(scope="module")
+def llama_descendants(tmp_path_factory, tiny_tokenizer_dir):
+    """SmolLM3 (4 layers: the fourth without RoPE) and Granite (its multipliers not 1)."""
     from checkpoints import _common, _save_tiny
+    from transformers import GraniteConfig, SmolLM3Config
+
+    common = {**_common(tiny_tokenizer_dir), "initializer_range": 0.2}
+    configs = {
+        "smollm3": SmolLM3Config(**{**common, "num_hidden_layers": 4}, rope_theta=10000.0),
+        "granite": GraniteConfig(**common, tie_word_embeddings=True, embedding_multiplier=0.5,
+                                 attention_multiplier=0.3, residual_multiplier=1.5,
+                                 logits_scaling=0.5)}
+    return {name: _save_tiny(tmp_path_factory, tiny_tokenizer_dir, f"tiny_{name}", config,
+                             seed=5 + i) for i, (name, config) in enumerate(configs.items())}
+
+
+# what the config built from each file's metadata must say
+FROM_METADATA = {
+    "smollm3": {"no_rope_layers": [1, 1, 1, 0], "head_dim": 16},
+    "granite": {"embedding_multiplier": 0.5, "attention_multiplier": 0.3,
+                "residual_multiplier": 1.5, "logits_scaling": 0.5}}
+
+
+@pytest.mark.parametrize("family", FROM_METADATA)
+def test_a_file_whose_config_transformers_cannot_read_matches_its_checkpoint(
+        llama_descendants, tmp_path, family):
+    """A SmolLM3 or Granite file (architectures transformers does not read): its config from
+    the metadata (RoPE left out of every fourth layer of SmolLM3's, as llama.cpp's graph does;
+    Granite's multipliers), q and k unpermuted as a Llama's; against transformers on the
+    checkpoint the file was written from, each matrix quantized and dequantized as the file
+    stores it."""
     from gguf_files import dequantized_checkpoint
-    from transformers import SmolLM3Config
 
     from actorlm.models.loader import load_hf_config
 
-    hf_dir = _save_tiny(tmp_path_factory, tiny_tokenizer_dir, "tiny_smollm3", SmolLM3Config(
-        **{**_common(tiny_tokenizer_dir), "num_hidden_layers": 4, "initializer_range": 0.2},
-        rope_theta=10000.0), seed=5)
-    path = resolve_model(write_gguf(hf_dir, tmp_path / "tiny-smollm3.gguf", "Q8_0"))
+    hf_dir = llama_descendants[family]
+    path = resolve_model(write_gguf(hf_dir, tmp_path / f"tiny-{family}.gguf", "Q8_0"))
     config = load_hf_config(path)
-    assert (config.model_type, config.no_rope_layers, config.head_dim) == \
-        ("smollm3", [1, 1, 1, 0], 16)
+    assert config.model_type == family
+    assert {key: pytest.approx(getattr(config, key)) for key in FROM_METADATA[family]} == \
+        FROM_METADATA[family]
     ours = load_model(path, torch.float32, "cpu", select_backend("cpu"))
     assert type(ours.lm_head.prepared).__name__ == "QuantLinear"
     _check_greedy_and_kl(ours, dequantized_checkpoint(hf_dir, "Q8_0"))

@@ -131,6 +131,9 @@ def test_a_mistral_snapshot_loads_its_indexed_shards_and_ignores_consolidated(ti
     ("mistral", {"hidden_act": "gelu"}, "activation 'gelu'"),
     ("gemma3", {"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be positive, got 0"),
     ("gemma2", {"attn_logit_softcapping": -50.0}, "attn_logit_softcapping must be positive"),
+    ("granite", {"logits_scaling": 0}, "logits_scaling must be a finite number above 0, got 0"),
+    ("granite", {"residual_multiplier": float("nan")}, "residual_multiplier must be a finite"),
+    ("smollm3", {"no_rope_layers": [1, 0]}, "no_rope_layers has 2 entries for 4 layers"),
 ])
 def test_a_config_field_that_changes_the_math_and_is_not_implemented_is_refused(
         tiny_window_dirs, tmp_path, family, change, named):

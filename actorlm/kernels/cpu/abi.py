@@ -64,6 +64,9 @@ STRUCTS = {
         # 1: q_norm and k_norm span the whole projections, [Hq D] and [Hkv D] (OLMoE); 0: heads
         ("int32_t", "projection_norms"),
         ("float", "clip_qkv"),  # q, k and v clamped to +-clip_qkv after the norms; 0: none
+        # attention's and MLP's outputs times this before they join the stream (Granite); 1:
+        # none
+        ("float", "residual_scale"),
         ("const actorlm_moe*", "moe"),  # null: the dense gate_up and down
         ("actorlm_lora", "qkv_lora"), ("actorlm_lora", "o_lora"),  # LoRA slots of each
         ("actorlm_lora", "gate_up_lora"), ("actorlm_lora", "down_lora")],

@@ -304,4 +304,6 @@ def _layer_struct(layer: DecoderLayerPlan, moe: _MoeStruct | None, k_cache,
         k_cache.data_ptr(), v_cache.data_ptr(), a.num_heads, a.num_kv_heads, a.head_dim,
         ACTIVATIONS.index(layer.activation), layer.rope, a.scale, a.window or 0,
         a.softcap or 0.0, layer.kv_group, int(layer.projection_norms is not None),
-        layer.clip_qkv or 0.0, None if moe is None else ctypes.pointer(moe), **lora)
+        layer.clip_qkv or 0.0,
+        1.0 if layer.residual_scale is None else layer.residual_scale,
+        None if moe is None else ctypes.pointer(moe), **lora)

@@ -97,6 +97,13 @@ void clamp_in_place(T* x, int64_t n, float clip) {
     actorlm::store(std::clamp(actorlm::to_float(x[i]), -clip, clip), x + i);
 }
 
+// every value of x [n] times `scale`, as torch's x * scale (in fp32, rounded back); 1: none
+template <typename T>
+void scale_in_place(T* x, int64_t n, float scale) {
+  if (scale == 1.f) return;
+  for (int64_t i = 0; i < n; ++i) actorlm::store(actorlm::to_float(x[i]) * scale, x + i);
+}
+
 // The step's scratch, sized for its widest layer: [rows, (Hq + 2 Hkv) D], [rows, Hq D],
 // [rows, 2 I], [rows, I], each 64-byte aligned.
 template <typename T>
@@ -218,6 +225,7 @@ void decode_layers(const actorlm_decoder_layer* layers, int num_layers,
     linear(l.o, t.attention, q_size, x, rows);
     add_lora(l.o_lora, l.o, s.lora_slots, t.attention, q_size, x, hidden, rows);
     norm_in_place(l.attn_out_norm, x, rows, hidden);
+    scale_in_place(x, rows * hidden, l.residual_scale);
     K::add_rms_norm(x, residual, weight_of<T>(l.mlp_norm), rows, int(hidden), l.mlp_norm.eps,
                     l.mlp_norm.unit_offset);
     if (l.moe) {
@@ -231,6 +239,7 @@ void decode_layers(const actorlm_decoder_layer* layers, int num_layers,
       add_lora(l.down_lora, l.down, s.lora_slots, t.activation, inter, x, hidden, rows);
     }
     norm_in_place(l.mlp_out_norm, x, rows, hidden);
+    scale_in_place(x, rows * hidden, l.residual_scale);
   }
 }
 
