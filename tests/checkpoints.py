@@ -176,9 +176,10 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
     q/k norms, two RoPE bases), Gemma 2 (sliding and full in turn, soft-capped attention and
     logits), Mistral (every layer sliding), Qwen2 with ``use_sliding_window`` (its upper
     layers), Phi-3 (q/k/v and gate/up fused in the checkpoint), SmolLM3 (no RoPE in its
-    fourth layer, which has the window), Granite (its four multipliers, none of them 1)."""
+    fourth layer, which has the window), Granite (its four multipliers, none of them 1), OLMo 2
+    (norms on the branches' outputs only, q/k norms over whole projections)."""
     from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, MistralConfig,
-                              Phi3Config, Qwen2Config, SmolLM3Config)
+                              Olmo2Config, Phi3Config, Qwen2Config, SmolLM3Config)
 
     common = _common(tiny_tokenizer_dir)
     gemma = dict(query_pre_attn_scalar=common["head_dim"], sliding_window=WINDOW,
@@ -197,6 +198,8 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
         "granite": GraniteConfig(**common, tie_word_embeddings=True, embedding_multiplier=12.0,
                                  attention_multiplier=0.2, residual_multiplier=0.22,
                                  logits_scaling=8.0),
+        "olmo2": Olmo2Config(**{k: v for k, v in common.items() if k != "head_dim"},
+                             tie_word_embeddings=False),
     }
     return {name: _save_tiny(tmp_path_factory, tiny_tokenizer_dir, f"tiny_{name}", config,
                              seed=10 + i)

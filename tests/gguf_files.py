@@ -22,6 +22,9 @@ _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
           "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
           "mlp.down_proj": "ffn_down"}
+# OLMo 2's norms after attention and MLP (it has none before them)
+_OUTPUT_NORMS = {"post_attention_layernorm": "post_attention_norm",
+                 "post_feedforward_layernorm": "post_ffw_norm"}
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 PERMUTED = ("llama", "smollm3", "granite")  # q and k rows permuted by llama.cpp's converter
@@ -31,11 +34,12 @@ _GRANITE_SCALES = {"embedding_multiplier": "add_embedding_scale",
                    "residual_multiplier": "add_residual_scale", "logits_scaling": "add_logit_scale"}
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str) -> str:
     stem, _, kind = hf_name.rpartition(".")
     if stem.startswith("model.layers."):
         _, _, layer, part = stem.split(".", 3)
-        return f"blk.{layer}.{_LAYER[part]}.{kind}"
+        names = {**_LAYER, **_OUTPUT_NORMS} if arch == "olmo2" else _LAYER
+        return f"blk.{layer}.{names[part]}.{kind}"
     return f"{_TOP[stem]}.{kind}"
 
 
@@ -60,8 +64,9 @@ def random_blocks(type_name: str, rows: int, columns: int, seed: int) -> np.ndar
 
 
 def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str) -> pathlib.Path:
-    """The checkpoint ``hf_dir`` (Llama, SmolLM3, Granite, Qwen2 or Qwen3) as a GGUF file whose
-    matrices are all ``type_name`` blocks (norms and biases F32); returns the file."""
+    """The checkpoint ``hf_dir`` (Llama, SmolLM3, Granite, OLMo 2, Qwen2 or Qwen3) as a GGUF
+    file whose matrices are all ``type_name`` blocks (norms and biases F32); returns the
+    file."""
     import gguf
     from safetensors.torch import load_file
 
@@ -83,12 +88,13 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str) -> pathl
                 config["num_key_value_heads"]
             values = _permute(values, heads)
         if values.ndim == 1:
-            writer.add_tensor(gguf_name(name), values)
+            writer.add_tensor(gguf_name(name, arch), values)
         elif type_name in K_TYPES:
-            writer.add_tensor(gguf_name(name), random_blocks(type_name, *values.shape, seed),
+            writer.add_tensor(gguf_name(name, arch),
+                              random_blocks(type_name, *values.shape, seed),
                               raw_dtype=kind)
         else:
-            writer.add_tensor(gguf_name(name), gguf.quants.quantize(values, kind),
+            writer.add_tensor(gguf_name(name, arch), gguf.quants.quantize(values, kind),
                               raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -110,9 +116,10 @@ def _write_config(writer, config: dict) -> None:
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
-    writer.add_rope_dimension_count(config["head_dim"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(config.get("rope_theta")
                               or config.get("rope_parameters", {}).get("rope_theta", 10000.0))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])

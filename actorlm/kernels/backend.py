@@ -105,7 +105,9 @@ class MoePlan(NamedTuple):
 class DecoderLayerPlan(NamedTuple):
     """A pre-norm decoder layer, as ``decode_step`` runs it:
 
-        h = attn_norm(stream)                 (the stream: the residual, in the model dtype)
+        h = attn_norm(stream)                 (the stream: the residual, in the model dtype;
+                                               without norms before the branches, OLMo 2's,
+                                               attn_norm and mlp_norm are None: h = stream)
         a = o(attention(rope(qkv(h))))        (q/k norms before RoPE, if the layer has them:
                                                per head, or ``projection_norms`` over all
                                                heads of q and of k; then ``clip_qkv``)
@@ -119,11 +121,11 @@ class DecoderLayerPlan(NamedTuple):
     of the step's RoPE tables the layer rotates by (families with one table: 0), ``kv_group``
     which of the step's attention metadata it reads its KV blocks through (``kv_groups``)."""
 
-    attn_norm: Norm
+    attn_norm: Norm | None
     attention: AttentionLayer
     qkv: Callable
     o: Callable
-    mlp_norm: Norm
+    mlp_norm: Norm | None
     gate_up: Callable | None
     down: Callable | None
     activation: str = "silu"

@@ -18,9 +18,9 @@ from actorlm.kernels import AttentionMetadata, KernelBackend, QuantizedWeight
 from actorlm.kv_groups import kv_cache_groups, layer_slots
 from actorlm.models import expert_weights, quantized
 from actorlm.models.decoder import DecoderLayer
-from actorlm.models.families import (GEMMA_NORMS, LLAMA_NORMS, NO_ROPE, checkpoint_tensors,
-                                     embedding_scale, head_dim_of, is_gemma, layer_specs,
-                                     layer_windows, logits_divisor, narrow, rope_inv_freq,
+from actorlm.models.families import (NO_ROPE, checkpoint_tensors, embedding_scale,
+                                     head_dim_of, is_gemma, layer_specs, layer_windows,
+                                     logits_divisor, narrow, norm_names, rope_inv_freq,
                                      rope_layer_types, text_config)
 from actorlm.models.layers import Embedding, Linear, RMSNorm, VocabParallelEmbedding
 from actorlm.models.expert_parallel import check_expert_parallel, split_intermediate_sizes
@@ -78,7 +78,7 @@ class CausalLM(nn.Module):
         self.head_dim = spec.head_dim
         self.vocab_size = config.vocab_size
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.norms = GEMMA_NORMS if is_gemma(config) else LLAMA_NORMS  # checkpoint -> ours
+        self.norms = norm_names(config)  # checkpoint -> ours
         self.embed_scale = embedding_scale(config, dtype, device)
         self.logits_divisor = logits_divisor(config)
         self.final_softcap = getattr(config, "final_logit_softcapping", None) \

@@ -42,6 +42,7 @@ class LayerSpec:
     qk_norm: str | None = None
     clip_qkv: float | None = None  # q, k and v clamped to +-clip_qkv after the norms (OLMoE)
     output_norms: bool = False  # norms on the attention's and the MLP's outputs too
+    input_norms: bool = True  # norms on their inputs (OLMo 2 has none: only output norms)
     activation: str = "silu"
     qkv_bias: bool = False
     o_bias: bool = False
@@ -149,8 +150,9 @@ class DecoderLayer(nn.Module):
             return RMSNorm(spec.hidden_size, spec.norm_eps, spec.norm_unit_offset, backend,
                            dtype, device)
 
-        self.attn_norm, self.mlp_norm = norm(), norm()
-        self.attn_out_norm = self.mlp_out_norm = None
+        self.attn_norm = self.mlp_norm = self.attn_out_norm = self.mlp_out_norm = None
+        if spec.input_norms:
+            self.attn_norm, self.mlp_norm = norm(), norm()
         if spec.output_norms:
             self.attn_out_norm, self.mlp_out_norm = norm(), norm()
         self.self_attn = Attention(spec, backend, dtype, device, tp)
@@ -167,14 +169,11 @@ class DecoderLayer(nn.Module):
         """(this layer's output, the residual stream before it); ``residual`` is None at the
         first layer, whose x is the embeddings. ``ropes`` and ``metas``: the step's RoPE
         tables and its attention metadata per KV-cache group."""
-        if residual is None:
-            x, residual = self.attn_norm(x), x
-        else:
-            x, residual = self.attn_norm(x, residual)
+        x, residual = _joined(self.attn_norm, x, residual)
         x = self.self_attn(x, *ropes[self.rope], kv_cache, metas[self.kv_group])
         if self.attn_out_norm is not None:
             x = self.attn_out_norm(x)
-        x, residual = self.mlp_norm(self._scaled(x), residual)
+        x, residual = _joined(self.mlp_norm, self._scaled(x), residual)
         x = self.mlp(x)
         if self.mlp_out_norm is not None:
             x = self.mlp_out_norm(x)
@@ -202,12 +201,23 @@ class DecoderLayer(nn.Module):
         adapted = (attn.qkv_proj, attn.o_proj, *((mlp.gate_up_proj, mlp.down_proj)
                                                  if isinstance(mlp, MLP) else (None, None)))
         lora = tuple(None if p is None or p.lora is None else p.lora.table for p in adapted)
+        attn_norm, mlp_norm, attn_out_norm, mlp_out_norm = (
+            None if n is None else n.norm
+            for n in (self.attn_norm, self.mlp_norm, self.attn_out_norm, self.mlp_out_norm))
         return DecoderLayerPlan(
-            self.attn_norm.norm, attn.layer, attn.qkv_proj.prepared, attn.o_proj.prepared,
-            self.mlp_norm.norm, *dense, activation,
-            *(None if n is None else n.norm for n in (self.attn_out_norm, self.mlp_out_norm)),
+            attn_norm, attn.layer, attn.qkv_proj.prepared, attn.o_proj.prepared, mlp_norm,
+            *dense, activation, attn_out_norm, mlp_out_norm,
             self.rope, self.kv_group, moe, projection_norms, attn.clip_qkv,
             self.residual_scale, None if lora == (None,) * 4 else lora)
+
+
+def _joined(norm: RMSNorm | None, x, residual):
+    """(a branch's input, the stream) once ``x`` has joined the stream ``residual`` (None: x
+    starts it, the embeddings): the stream normed, or, without a norm (OLMo 2), the stream."""
+    if norm is None:
+        stream = x if residual is None else x + residual
+        return stream, stream
+    return (norm(x), x) if residual is None else norm(x, residual)
 
 
 def _moe_plan(block: SparseMoeBlock) -> MoePlan:

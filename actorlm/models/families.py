@@ -11,6 +11,8 @@ its tensors.
   fourth by default): they rotate by an identity table (``NO_ROPE``).
 - Granite: a Llama with four multipliers: the embeddings', the attention scores' (in place of
   1/sqrt(head_dim)), each branch's output before it joins the stream, and the logits' divisor.
+- OLMo 2: norms on the attention's and the MLP's outputs only, none on their inputs, and
+  OLMoE's q/k norms over whole projections.
 - Phi-3: a Llama whose checkpoint fuses q/k/v (``qkv_proj``) and gate/up (``gate_up_proj``).
 - Gemma 2 and Gemma 3: four norms a layer (before and after attention and MLP), RMSNorm by
   ``1 + weight``, GeLU (tanh), the embedding scaled by sqrt(hidden), attention scaled by
@@ -37,20 +39,22 @@ from actorlm.models.moe_families import (MOE_MODEL_TYPES, check_moe_config, chec
                                          is_moe, moe_specs)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite",
-                         "gemma2", "gemma3_text", "gemma3", *MOE_MODEL_TYPES)
+                         "olmo2", "gemma2", "gemma3_text", "gemma3", *MOE_MODEL_TYPES)
 NO_ROPE = "no_rope"  # the RoPE table of the layers without RoPE (SmolLM3's): the identity
-_QK_NORMS = {"qwen3": "head", "gemma3_text": "head", "qwen3_moe": "head", "olmoe": "projection"}
+_QK_NORMS = {"qwen3": "head", "gemma3_text": "head", "qwen3_moe": "head", "olmoe": "projection",
+             "olmo2": "projection"}
 _GEMMA = ("gemma2", "gemma3_text")
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _GRANITE_MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier",
                         "logits_scaling")
 
 # a checkpoint's norm names -> the shared decoder layer's (Llama's "post-attention" norm is
-# the one before the MLP; Gemma's is the attention output's own)
-LLAMA_NORMS = {".input_layernorm.": ".attn_norm.", ".post_attention_layernorm.": ".mlp_norm."}
-GEMMA_NORMS = {".input_layernorm.": ".attn_norm.", ".post_attention_layernorm.": ".attn_out_norm.",
-               ".pre_feedforward_layernorm.": ".mlp_norm.",
-               ".post_feedforward_layernorm.": ".mlp_out_norm."}
+# the one before the MLP; Gemma's and OLMo 2's is the attention output's own)
+_LLAMA_NORMS = {".input_layernorm.": ".attn_norm.", ".post_attention_layernorm.": ".mlp_norm."}
+_OUTPUT_NORMS = {".input_layernorm.": ".attn_norm.",
+                 ".post_attention_layernorm.": ".attn_out_norm.",
+                 ".pre_feedforward_layernorm.": ".mlp_norm.",
+                 ".post_feedforward_layernorm.": ".mlp_out_norm."}
 # a gemma3 (text and vision) checkpoint's text tower -> a text model's names; both layouts
 # transformers has written
 _TEXT_TOWER = {"model.language_model.": "model.", "language_model.model.": "model.",
@@ -140,7 +144,8 @@ def layer_specs(config) -> list[LayerSpec]:
         hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         head_dim=head_dim, intermediate_size=config.intermediate_size,
-        norm_eps=config.rms_norm_eps, norm_unit_offset=gemma, output_norms=gemma,
+        norm_eps=config.rms_norm_eps, norm_unit_offset=gemma,
+        output_norms=gemma or model_type == "olmo2", input_norms=model_type != "olmo2",
         qk_norm=_QK_NORMS.get(model_type),
         clip_qkv=getattr(config, "clip_qkv", None) if model_type == "olmoe" else None,
         activation=_ACTIVATIONS[activation_of(config)],
@@ -157,6 +162,11 @@ def layer_specs(config) -> list[LayerSpec]:
 
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def norm_names(config) -> dict[str, str]:
+    """The checkpoint's norm names -> the decoder layer's."""
+    return _OUTPUT_NORMS if is_gemma(config) or config.model_type == "olmo2" else _LLAMA_NORMS
 
 
 def embedding_scale(config, dtype: torch.dtype, device=None) -> torch.Tensor | float | None:

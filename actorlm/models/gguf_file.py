@@ -19,7 +19,7 @@ llama.cpp stores a Llama's (and Mixtral's, SmolLM3's, Granite's) q and k rows pe
 head's two rotary halves interleaved); the permutation is undone here on whole rows of blocks,
 which quantization never crosses. It stores a Gemma's norm weights plus one (what they scale by);
 they are handed over as the checkpoint has them. ``gguf_metadata`` builds the config of a
-SmolLM3 or Granite file, which transformers does not read.
+SmolLM3, Granite or OLMo 2 file, which transformers does not read.
 """
 
 from __future__ import annotations
@@ -49,10 +49,10 @@ log = logging.getLogger(__name__)
 # and so do Mixtral's, with experts: gguf_moe tells them apart)
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
                  "gemma3": "gemma3_text", "smollm3": "smollm3", "granite": "granite",
-                 **gguf_moe.ARCHITECTURES}
+                 "olmo2": "olmo2", **gguf_moe.ARCHITECTURES}
 # the architectures transformers cannot read a config of (gguf_metadata builds theirs)
 _OWN_CONFIGS = {"smollm3": gguf_metadata.smollm3_config,
-                "granite": gguf_metadata.granite_config}
+                "granite": gguf_metadata.granite_config, "olmo2": gguf_metadata.olmo2_config}
 _UNKNOWN_TO_TRANSFORMERS = (*_OWN_CONFIGS, "olmoe")
 # q and k rows permuted by llama.cpp's converter (a Llama's and its descendants')
 _PERMUTED_QK = ("llama", "mistral", "mixtral", "smollm3", "granite")
@@ -70,8 +70,9 @@ _LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", **gguf_moe.LAYER_NAMES,
 }
-# Gemma's four norms a layer (its "ffn_norm" is the one before the MLP, as a Llama's)
-_GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+# Gemma's four norms a layer (its "ffn_norm" is the one before the MLP, as a Llama's); OLMo 2's
+# two after attention and MLP
+_OUTPUT_NORM_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                       "ffn_norm": "pre_feedforward_layernorm",
                       "post_ffw_norm": "post_feedforward_layernorm"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
@@ -254,7 +255,7 @@ def _hf_name(name: str, arch: str) -> str:
     stem, _, kind = name.rpartition(".")  # kind: weight or bias
     if stem.startswith("blk."):
         _, layer, part = stem.split(".", 2)
-        names = _GEMMA_LAYER_NAMES if arch in ("gemma2", "gemma3") else _LAYER_NAMES
+        names = _OUTPUT_NORM_NAMES if arch in ("gemma2", "gemma3", "olmo2") else _LAYER_NAMES
         part = names.get(part) or gguf_moe.per_expert_name(part)
         if part is None:
             raise ValueError(f"GGUF tensor {name!r} is not one this engine knows")

@@ -3,7 +3,8 @@
 transformers rebuilds the config of a Llama, Qwen2/3 or Gemma file itself; for the others the
 config is built here from llama.cpp's keys (``gguf-py/gguf/constants.py`` names them): the
 sizes every decoder has (``decoder_fields``), and what an architecture adds
-(``gguf_moe`` for the mixtures of experts, ``smollm3_config``, ``granite_config``).
+(``gguf_moe`` for the mixtures of experts, ``smollm3_config``, ``granite_config``,
+``olmo2_config``).
 
 - ``smollm3``: a Llama (q and k rows permuted as a Llama's) that leaves RoPE out of every
   fourth layer. llama.cpp keeps no key for it (its graph skips RoPE where ``(layer + 1) % 4``
@@ -12,6 +13,9 @@ sizes every decoder has (``decoder_fields``), and what an architecture adds
 - ``granite``: a Llama (q and k permuted too) with Granite's four multipliers, each stored
   only where it is not 1: ``embedding_scale``, ``attention.scale``, ``residual_scale`` and
   ``logit_scale`` (the logits' divisor, transformers' ``logits_scaling``).
+- ``olmo2``: norms after the attention and the MLP only (``post_attention_norm``,
+  ``post_ffw_norm``), q/k norms over whole projections; q and k are not permuted. OLMo 3's
+  files say ``olmo2`` too; their sliding windows are refused.
 """
 
 from __future__ import annotations
@@ -79,6 +83,19 @@ def granite_config(reader, tensor_names: list[str]):
         attention_multiplier=field(reader, "granite.attention.scale", 1.0),
         residual_multiplier=field(reader, "granite.residual_scale", 1.0),
         logits_scaling=field(reader, "granite.logit_scale", 1.0))
+
+
+def olmo2_config(reader, tensor_names: list[str]):
+    from transformers import Olmo2Config
+
+    fields = decoder_fields(reader, "olmo2", tensor_names)
+    if field(reader, "olmo2.attention.sliding_window", None):  # OLMo 3 (under olmo2)
+        raise ValueError("GGUF olmo2 file: attention.sliding_window (OLMo 3's sliding layers) "
+                         "is not implemented")
+    if head_dim(reader, "olmo2") * fields["num_attention_heads"] != fields["hidden_size"]:
+        raise ValueError("olmo2: attention.key_length times the heads is not the embedding "
+                         "length (its q norm has one weight per feature of q)")
+    return Olmo2Config(**fields, attention_bias=_biases(tensor_names)["attention_bias"])
 
 
 def _biases(tensor_names: list[str]) -> dict:

@@ -104,14 +104,16 @@ def test_bf16_decode_steps_up_to_the_panels_rows_have_the_python_layers_bits(che
 
 @needs_kernels
 @each_kernel_dtype
+@pytest.mark.parametrize("input_norms", [True, False], ids=["input_norms", "output_norms_only"])
 def test_a_layer_described_otherwise_takes_the_one_call_with_the_python_layers_bits(
-        tiny_qwen3_dir, monkeypatch, dtype):
+        tiny_qwen3_dir, monkeypatch, dtype, input_norms):
     # a family with output norms after attention and MLP, unit-offset norms (1 + weight) and
-    # GeLU-tanh (Gemma's layer), with each branch's output scaled (Granite's): a description
+    # GeLU-tanh (Gemma's layer), with each branch's output scaled (Granite's), with or without
+    # norms on the branches' inputs (OLMo 2 has none): a description
     specs = causal_lm.layer_specs(load_hf_config(tiny_qwen3_dir))
     described = [dataclasses.replace(spec, output_norms=True, norm_unit_offset=True,
                                      activation="gelu_tanh", attention_scale=0.2,
-                                     residual_scale=0.22)
+                                     residual_scale=0.22, input_norms=input_norms)
                  for spec in specs]
     monkeypatch.setattr(causal_lm, "layer_specs", lambda config: described)
     model = causal_lm.CausalLM(load_hf_config(tiny_qwen3_dir), select_backend("cpu"),

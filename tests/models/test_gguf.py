@@ -91,16 +91,17 @@ def test_a_tiny_gguf_stays_in_blocks_and_matches_transformers(request, tmp_path,
 
 @pytest.fixture(scope="module")
 def llama_descendants(tmp_path_factory, tiny_tokenizer_dir):
-    """SmolLM3 (4 layers: the fourth without RoPE) and Granite (its multipliers not 1)."""
+    """SmolLM3 (4 layers: the fourth without RoPE), Granite (its multipliers not 1), OLMo 2."""
     from checkpoints import _common, _save_tiny
-    from transformers import GraniteConfig, SmolLM3Config
+    from transformers import GraniteConfig, Olmo2Config, SmolLM3Config
 
     common = {**_common(tiny_tokenizer_dir), "initializer_range": 0.2}
     configs = {
         "smollm3": SmolLM3Config(**{**common, "num_hidden_layers": 4}, rope_theta=10000.0),
         "granite": GraniteConfig(**common, tie_word_embeddings=True, embedding_multiplier=0.5,
                                  attention_multiplier=0.3, residual_multiplier=1.5,
-                                 logits_scaling=0.5)}
+                                 logits_scaling=0.5),
+        "olmo2": Olmo2Config(**{k: v for k, v in common.items() if k != "head_dim"})}
     return {name: _save_tiny(tmp_path_factory, tiny_tokenizer_dir, f"tiny_{name}", config,
                              seed=5 + i) for i, (name, config) in enumerate(configs.items())}
 
@@ -109,17 +110,18 @@ def llama_descendants(tmp_path_factory, tiny_tokenizer_dir):
 FROM_METADATA = {
     "smollm3": {"no_rope_layers": [1, 1, 1, 0], "head_dim": 16},
     "granite": {"embedding_multiplier": 0.5, "attention_multiplier": 0.3,
-                "residual_multiplier": 1.5, "logits_scaling": 0.5}}
+                "residual_multiplier": 1.5, "logits_scaling": 0.5},
+    "olmo2": {"num_hidden_layers": 2, "tie_word_embeddings": False}}
 
 
 @pytest.mark.parametrize("family", FROM_METADATA)
 def test_a_file_whose_config_transformers_cannot_read_matches_its_checkpoint(
         llama_descendants, tmp_path, family):
-    """A SmolLM3 or Granite file (architectures transformers does not read): its config from
-    the metadata (RoPE left out of every fourth layer of SmolLM3's, as llama.cpp's graph does;
-    Granite's multipliers), q and k unpermuted as a Llama's; against transformers on the
-    checkpoint the file was written from, each matrix quantized and dequantized as the file
-    stores it."""
+    """A SmolLM3, Granite or OLMo 2 file (architectures transformers does not read): its
+    config from the metadata (RoPE left out of every fourth layer of SmolLM3's, as llama.cpp's
+    graph does; Granite's multipliers), q and k unpermuted as a Llama's (not OLMo 2's: llama.cpp
+    leaves them); against transformers on the checkpoint the file was written from, each
+    matrix quantized and dequantized as the file stores it."""
     from gguf_files import dequantized_checkpoint
 
     from actorlm.models.loader import load_hf_config
@@ -148,6 +150,27 @@ def _check_greedy_and_kl(ours, theirs) -> None:
         their_tokens.append(int(last.argmax()))
         their_tops.append(set(last.topk(TOP).indices.tolist()))
     check_logprobs_close([(tokens, tops)], [(their_tokens, their_tops)])
+
+
+def test_an_olmo3_file_with_sliding_windows_is_refused_by_name(tiny_window_dirs, tmp_path):
+    """OLMo 3's files say ``olmo2`` and carry a sliding window, which its graph applies to
+    some layers: refused, not read as OLMo 2."""
+    import json
+
+    import gguf
+    from gguf_files import _write_config
+
+    file = tmp_path / "olmo3.gguf"
+    writer = gguf.GGUFWriter(file, "olmo2")
+    _write_config(writer, json.loads((tiny_window_dirs["olmo2"] / "config.json").read_text()))
+    writer.add_sliding_window(16)
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="attention.sliding_window .* is not implemented"):
+        resolve_model(file)
 
 
 def test_a_format_without_kernels_is_dequantized_at_load_and_named(tiny_qwen2_dir, tmp_path,

@@ -54,10 +54,11 @@ def checkpoints(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_replicated_
     return {"llama_tied": tiny_llama_dir, "qwen2_qkv_bias": tiny_qwen2_dir,
             "qwen3_qk_norm": tiny_qwen3_dir, "llama_replicated_kv": tiny_replicated_kv_dir,
             # sliding windows in KV-cache groups, Gemma's norms and soft-capping, Phi-3's
-            # fused q/k/v and gate/up split per rank, Granite's branches scaled after the sum
+            # fused q/k/v and gate/up split per rank, Granite's branches scaled after the sum,
+            # OLMo 2's q/k norms over projections split across the ranks
             **{name: tiny_window_dirs[name]
                for name in ("gemma3", "gemma2", "mistral", "qwen2_window", "phi3", "smollm3",
-                            "granite")},
+                            "granite", "olmo2")},
             # every expert's intermediate features split (from per-expert tensors and from
             # stacked ones), a shared expert's too, a router on every rank; OLMoE's q/k norms
             # over all heads, its one KV head on both ranks
@@ -79,8 +80,9 @@ def split(checkpoints):
 
 @pytest.mark.parametrize("name", ["llama_tied", "qwen2_qkv_bias", "qwen3_qk_norm",
                                   "llama_replicated_kv", "gemma3", "gemma2", "mistral",
-                                  "qwen2_window", "phi3", "smollm3", "granite", "qwen3_moe",
-                                  "qwen3_moe_stacked", "qwen2_moe", "mixtral", "olmoe"])
+                                  "qwen2_window", "phi3", "smollm3", "granite", "olmo2",
+                                  "qwen3_moe", "qwen3_moe_stacked", "qwen2_moe", "mixtral",
+                                  "olmoe"])
 def test_two_ranks_compute_what_one_computes(name, checkpoints, split):
     path = checkpoints[name]
     whole = greedy_steps(TensorParallel(), path)

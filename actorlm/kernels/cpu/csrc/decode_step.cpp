@@ -97,6 +97,22 @@ void clamp_in_place(T* x, int64_t n, float clip) {
     actorlm::store(std::clamp(actorlm::to_float(x[i]), -clip, clip), x + i);
 }
 
+// x [rows, hidden], a branch's output, joins the stream `residual` (the sum rounded, as torch's
+// add), and x becomes the next branch's input: the stream normed by `n`, or, where the layer
+// norms no branch's input (OLMo 2: n has no weight), the stream itself
+template <typename T>
+void join_stream(const actorlm_norm& n, T* x, T* residual, int64_t rows, int64_t hidden) {
+  if (n.weight) {
+    Kernels<T>::add_rms_norm(x, residual, weight_of<T>(n), rows, int(hidden), n.eps,
+                             n.unit_offset);
+    return;
+  }
+  for (int64_t i = 0; i < rows * hidden; ++i) {
+    actorlm::store(actorlm::to_float(x[i]) + actorlm::to_float(residual[i]), residual + i);
+    x[i] = residual[i];
+  }
+}
+
 // every value of x [n] times `scale`, as torch's x * scale (in fp32, rounded back); 1: none
 template <typename T>
 void scale_in_place(T* x, int64_t n, float scale) {
@@ -198,11 +214,9 @@ void decode_layers(const actorlm_decoder_layer* layers, int num_layers,
     const actorlm_kv_group& g = s.groups[l.kv_group];
     if (i == 0) {  // the stream starts as the embeddings
       std::memcpy(residual, x, rows * hidden * sizeof(T));
-      K::rms_norm(residual, hidden, x, weight_of<T>(l.attn_norm), rows, int(hidden),
-                  l.attn_norm.eps, l.attn_norm.unit_offset);
+      norm_in_place(l.attn_norm, x, rows, hidden);
     } else {  // the previous layer's output joins the stream
-      K::add_rms_norm(x, residual, weight_of<T>(l.attn_norm), rows, int(hidden),
-                      l.attn_norm.eps, l.attn_norm.unit_offset);
+      join_stream(l.attn_norm, x, residual, rows, hidden);
     }
     linear(l.qkv, x, hidden, t.qkv, rows);
     add_lora(l.qkv_lora, l.qkv, s.lora_slots, x, hidden, t.qkv, qkv_size, rows);
@@ -226,8 +240,7 @@ void decode_layers(const actorlm_decoder_layer* layers, int num_layers,
     add_lora(l.o_lora, l.o, s.lora_slots, t.attention, q_size, x, hidden, rows);
     norm_in_place(l.attn_out_norm, x, rows, hidden);
     scale_in_place(x, rows * hidden, l.residual_scale);
-    K::add_rms_norm(x, residual, weight_of<T>(l.mlp_norm), rows, int(hidden), l.mlp_norm.eps,
-                    l.mlp_norm.unit_offset);
+    join_stream(l.mlp_norm, x, residual, rows, hidden);
     if (l.moe) {
       moe_mlp(*l.moe, l.activation, x, rows, hidden, t, s.moe_seconds);
     } else {
