@@ -177,11 +177,13 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
     logits), Mistral (every layer sliding), Qwen2 with ``use_sliding_window`` (its upper
     layers), Phi-3 (q/k/v and gate/up fused in the checkpoint), SmolLM3 (no RoPE in its
     fourth layer, which has the window), Granite (its four multipliers, none of them 1), OLMo 2
-    (norms on the branches' outputs only, q/k norms over whole projections)."""
+    (norms on the branches' outputs only, q/k norms over whole projections), OLMo 3 (OLMo 2's
+    layers, three sliding to one full, each kind with its RoPE base)."""
     from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, MistralConfig,
-                              Olmo2Config, Phi3Config, Qwen2Config, SmolLM3Config)
+                              Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, SmolLM3Config)
 
     common = _common(tiny_tokenizer_dir)
+    olmo = {k: v for k, v in common.items() if k != "head_dim"}  # (hidden / heads, always)
     gemma = dict(query_pre_attn_scalar=common["head_dim"], sliding_window=WINDOW,
                  tie_word_embeddings=True)
     configs = {
@@ -198,8 +200,13 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
         "granite": GraniteConfig(**common, tie_word_embeddings=True, embedding_multiplier=12.0,
                                  attention_multiplier=0.2, residual_multiplier=0.22,
                                  logits_scaling=8.0),
-        "olmo2": Olmo2Config(**{k: v for k, v in common.items() if k != "head_dim"},
-                             tie_word_embeddings=False),
+        "olmo2": Olmo2Config(**olmo, tie_word_embeddings=False),
+        "olmo3": Olmo3Config(**{**olmo, "num_hidden_layers": 4}, sliding_window=WINDOW,
+                             rope_parameters={
+                                 "sliding_attention": {"rope_type": "default",
+                                                       "rope_theta": 10000.0},
+                                 "full_attention": {"rope_type": "default",
+                                                    "rope_theta": 1000000.0}}),
     }
     return {name: _save_tiny(tmp_path_factory, tiny_tokenizer_dir, f"tiny_{name}", config,
                              seed=10 + i)

@@ -11,8 +11,9 @@ its tensors.
   fourth by default): they rotate by an identity table (``NO_ROPE``).
 - Granite: a Llama with four multipliers: the embeddings', the attention scores' (in place of
   1/sqrt(head_dim)), each branch's output before it joins the stream, and the logits' divisor.
-- OLMo 2: norms on the attention's and the MLP's outputs only, none on their inputs, and
-  OLMoE's q/k norms over whole projections.
+- OLMo 2 and OLMo 3: norms on the attention's and the MLP's outputs only, none on their
+  inputs, and OLMoE's q/k norms over whole projections; OLMo 3's sliding-window layers (three
+  to each full one) have RoPE parameters of their own.
 - Phi-3: a Llama whose checkpoint fuses q/k/v (``qkv_proj``) and gate/up (``gate_up_proj``).
 - Gemma 2 and Gemma 3: four norms a layer (before and after attention and MLP), RMSNorm by
   ``1 + weight``, GeLU (tanh), the embedding scaled by sqrt(hidden), attention scaled by
@@ -39,10 +40,11 @@ from actorlm.models.moe_families import (MOE_MODEL_TYPES, check_moe_config, chec
                                          is_moe, moe_specs)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite",
-                         "olmo2", "gemma2", "gemma3_text", "gemma3", *MOE_MODEL_TYPES)
+                         "olmo2", "olmo3", "gemma2", "gemma3_text", "gemma3", *MOE_MODEL_TYPES)
 NO_ROPE = "no_rope"  # the RoPE table of the layers without RoPE (SmolLM3's): the identity
 _QK_NORMS = {"qwen3": "head", "gemma3_text": "head", "qwen3_moe": "head", "olmoe": "projection",
-             "olmo2": "projection"}
+             "olmo2": "projection", "olmo3": "projection"}
+_OLMO = ("olmo2", "olmo3")  # norms on the branches' outputs only
 _GEMMA = ("gemma2", "gemma3_text")
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _GRANITE_MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier",
@@ -145,7 +147,7 @@ def layer_specs(config) -> list[LayerSpec]:
         num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         head_dim=head_dim, intermediate_size=config.intermediate_size,
         norm_eps=config.rms_norm_eps, norm_unit_offset=gemma,
-        output_norms=gemma or model_type == "olmo2", input_norms=model_type != "olmo2",
+        output_norms=gemma or model_type in _OLMO, input_norms=model_type not in _OLMO,
         qk_norm=_QK_NORMS.get(model_type),
         clip_qkv=getattr(config, "clip_qkv", None) if model_type == "olmoe" else None,
         activation=_ACTIVATIONS[activation_of(config)],
@@ -166,7 +168,7 @@ def head_dim_of(config) -> int:
 
 def norm_names(config) -> dict[str, str]:
     """The checkpoint's norm names -> the decoder layer's."""
-    return _OUTPUT_NORMS if is_gemma(config) or config.model_type == "olmo2" else _LLAMA_NORMS
+    return _OUTPUT_NORMS if is_gemma(config) or config.model_type in _OLMO else _LLAMA_NORMS
 
 
 def embedding_scale(config, dtype: torch.dtype, device=None) -> torch.Tensor | float | None:

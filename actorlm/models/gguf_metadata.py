@@ -15,7 +15,8 @@ sizes every decoder has (``decoder_fields``), and what an architecture adds
   ``logit_scale`` (the logits' divisor, transformers' ``logits_scaling``).
 - ``olmo2``: norms after the attention and the MLP only (``post_attention_norm``,
   ``post_ffw_norm``), q/k norms over whole projections; q and k are not permuted. OLMo 3's
-  files say ``olmo2`` too; their sliding windows are refused.
+  files say ``olmo2`` too: their sliding windows (and the YaRN scaling of their full layers)
+  are refused; a Hugging Face directory of OLMo 3 is served.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ def olmo2_config(reader, tensor_names: list[str]):
     fields = decoder_fields(reader, "olmo2", tensor_names)
     if field(reader, "olmo2.attention.sliding_window", None):  # OLMo 3 (under olmo2)
         raise ValueError("GGUF olmo2 file: attention.sliding_window (OLMo 3's sliding layers) "
-                         "is not implemented")
+                         "is not implemented for GGUF files; serve OLMo 3 from its Hugging "
+                         "Face directory")
     if head_dim(reader, "olmo2") * fields["num_attention_heads"] != fields["hidden_size"]:
         raise ValueError("olmo2: attention.key_length times the heads is not the embedding "
                          "length (its q norm has one weight per feature of q)")

@@ -1,8 +1,8 @@
 """Sliding-window families through the whole engine, against transformers' greedy on the same
 weights: contexts run past the window (16 positions), so the block pool gives each sliding
 group's old blocks back while the requests decode, and a pool too small for full attention
-still serves them (tests/checkpoints.py's tiny Gemma 3, Gemma 2, Mistral, Qwen2 and SmolLM3
-windows)."""
+still serves them (tests/checkpoints.py's tiny Gemma 3, Gemma 2, Mistral, Qwen2, SmolLM3 and
+OLMo 3 windows)."""
 
 import pytest
 from engine_helpers import TOP, check_logprobs_close, engine_greedy, hf_greedy
@@ -14,7 +14,8 @@ NUM_TOKENS = 40
 PROMPTS = [[5 + (i * 13 + j * 7) % 300 for j in range(6 + 9 * i)] for i in range(4)]
 
 
-@pytest.mark.parametrize("name", ["gemma3", "gemma2", "qwen2_window", "mistral", "smollm3"])
+@pytest.mark.parametrize("name", ["gemma3", "gemma2", "qwen2_window", "mistral", "smollm3",
+                                  "olmo3"])
 def test_past_the_window_the_engine_gives_transformers_greedy(tiny_window_dirs, make_llm, name,
                                                               tmp_path):
     path, trace = tiny_window_dirs[name], tmp_path / "trace.jsonl"
@@ -47,7 +48,7 @@ FOLLOW_UPS = [SHARED + [40 + i, 90 + i, 140 + i] for i in range(3)]
 
 @pytest.mark.parametrize("caching", ["on", "off"])
 @pytest.mark.parametrize("name", ["gemma3", "gemma2", "qwen2_window", "mistral", "phi3",
-                                  "smollm3", "granite", "olmo2"])
+                                  "smollm3", "granite", "olmo2", "olmo3"])
 def test_prefix_hits_across_the_window_give_transformers_greedy(tiny_window_dirs, make_llm,
                                                                 name, caching):
     path = tiny_window_dirs[name]
