@@ -178,9 +178,12 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
     layers), Phi-3 (q/k/v and gate/up fused in the checkpoint), SmolLM3 (no RoPE in its
     fourth layer, which has the window), Granite (its four multipliers, none of them 1), OLMo 2
     (norms on the branches' outputs only, q/k norms over whole projections), OLMo 3 (OLMo 2's
-    layers, three sliding to one full, each kind with its RoPE base)."""
-    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, MistralConfig,
-                              Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, SmolLM3Config)
+    layers, three sliding to one full, each kind with its RoPE base), GLM and GLM-4 (RoPE on
+    half of each head in interleaved pairs, q/k/v biases; GLM-4's four norms), Phi-3 with
+    RoPE on three quarters of each head (Phi-4-mini's)."""
+    from transformers import (Gemma2Config, Gemma3TextConfig, Glm4Config, GlmConfig,
+                              GraniteConfig, MistralConfig, Olmo2Config, Olmo3Config,
+                              Phi3Config, Qwen2Config, SmolLM3Config)
 
     common = _common(tiny_tokenizer_dir)
     olmo = {k: v for k, v in common.items() if k != "head_dim"}  # (hidden / heads, always)
@@ -207,6 +210,10 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
                                                        "rope_theta": 10000.0},
                                  "full_attention": {"rope_type": "default",
                                                     "rope_theta": 1000000.0}}),
+        "glm": GlmConfig(**common, attention_bias=True, tie_word_embeddings=False),
+        "glm4": Glm4Config(**common, attention_bias=True, tie_word_embeddings=False),
+        "phi3_partial": Phi3Config(**common, tie_word_embeddings=False,
+                                   partial_rotary_factor=0.75),
     }
     return {name: _save_tiny(tmp_path_factory, tiny_tokenizer_dir, f"tiny_{name}", config,
                              seed=10 + i)

@@ -280,15 +280,19 @@ def _moe_timer(body: DecoderBody, device) -> MoeTimer | None:
 def _rope_table(config, layer_type, max_positions, dtype, device):
     """(cos, sin_signed) of every position, computed once as HF computes them per step (fp32
     angles, then the model dtype): [max_positions, D] each, sin's first half negated."""
-    if layer_type == NO_ROPE:  # cos 1 and sin 0: the rotation leaves q and k as they are
-        ones = torch.ones(max_positions, head_dim_of(config), dtype=dtype, device=device)
-        return ones, torch.zeros_like(ones)
-    inv_freq, scaling = rope_inv_freq(config, layer_type, device)
-    freqs = torch.arange(max_positions, device=device).float()[:, None] * inv_freq.float()
+    # (a layer without RoPE has no frequencies: all of its table is what they get below)
+    inv_freq, scaling = (torch.zeros(0, device=device), 1.0) if layer_type == NO_ROPE else \
+        rope_inv_freq(config, layer_type, device)
+    half = head_dim_of(config) // 2
+    # the features RoPE leaves (partial rotary: rope_layout) turn by frequency 0, unscaled:
+    # cos 1 and sin 0, which leave them exactly as they are
+    rotated = torch.arange(half, device=device) < len(inv_freq)
+    inv_freq = torch.cat((inv_freq.float(), inv_freq.new_zeros(half - len(inv_freq))))
+    freqs = torch.arange(max_positions, device=device).float()[:, None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
-    half = emb.shape[-1] // 2
+    scale = torch.where(rotated, scaling, 1.0).repeat(2)
     sign = torch.cat((-torch.ones(half, device=device), torch.ones(half, device=device)))
-    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype) * sign.to(dtype)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype) * sign.to(dtype)
 
 
 def _renamed(name: str, norms: dict[str, str]) -> str:

@@ -52,6 +52,9 @@ class LayerSpec:
     softcap: float | None = None  # attention scores soft-capped (Gemma 2)
     # the attention's and the MLP's outputs scaled before they join the stream (Granite)
     residual_scale: float | None = None
+    # each head's q and k features as the kernels rotate them (``rope_layout.head_order``);
+    # None: the checkpoint's order
+    rope_order: tuple[int, ...] | None = None
     moe: MoeSpec | None = None  # routed experts in place of the dense MLP
 
     def __post_init__(self):

@@ -14,6 +14,9 @@ its tensors.
 - OLMo 2 and OLMo 3: norms on the attention's and the MLP's outputs only, none on their
   inputs, and OLMoE's q/k norms over whole projections; OLMo 3's sliding-window layers (three
   to each full one) have RoPE parameters of their own.
+- GLM and GLM-4: RoPE on the first half of each head in interleaved pairs (``rope_layout``
+  reorders q and k for it), q/k/v biases but none on o, q/k/v and gate/up fused in the
+  checkpoint as Phi-3's; GLM-4 norms the attention's and the MLP's outputs too.
 - Phi-3: a Llama whose checkpoint fuses q/k/v (``qkv_proj``) and gate/up (``gate_up_proj``).
 - Gemma 2 and Gemma 3: four norms a layer (before and after attention and MLP), RMSNorm by
   ``1 + weight``, GeLU (tanh), the embedding scaled by sqrt(hidden), attention scaled by
@@ -38,13 +41,16 @@ from actorlm.models import quantized
 from actorlm.models.decoder import LayerSpec
 from actorlm.models.moe_families import (MOE_MODEL_TYPES, check_moe_config, checkpoint_name,
                                          is_moe, moe_specs)
+from actorlm.models.rope_layout import ROTATED_Q_K, head_order, reordered
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite",
-                         "olmo2", "olmo3", "gemma2", "gemma3_text", "gemma3", *MOE_MODEL_TYPES)
+                         "olmo2", "olmo3", "glm", "glm4", "gemma2", "gemma3_text", "gemma3",
+                         *MOE_MODEL_TYPES)
 NO_ROPE = "no_rope"  # the RoPE table of the layers without RoPE (SmolLM3's): the identity
 _QK_NORMS = {"qwen3": "head", "gemma3_text": "head", "qwen3_moe": "head", "olmoe": "projection",
              "olmo2": "projection", "olmo3": "projection"}
 _OLMO = ("olmo2", "olmo3")  # norms on the branches' outputs only
+_INTERLEAVED_ROPE = ("glm", "glm4")  # RoPE on pairs (2i, 2i + 1), and no bias on o_proj
 _GEMMA = ("gemma2", "gemma3_text")
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _GRANITE_MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier",
@@ -57,6 +63,9 @@ _OUTPUT_NORMS = {".input_layernorm.": ".attn_norm.",
                  ".post_attention_layernorm.": ".attn_out_norm.",
                  ".pre_feedforward_layernorm.": ".mlp_norm.",
                  ".post_feedforward_layernorm.": ".mlp_out_norm."}
+# GLM-4's four: its "post-attention" norm is the one before the MLP, as a Llama's
+_GLM4_NORMS = {**_LLAMA_NORMS, ".post_self_attn_layernorm.": ".attn_out_norm.",
+               ".post_mlp_layernorm.": ".mlp_out_norm."}
 # a gemma3 (text and vision) checkpoint's text tower -> a text model's names; both layouts
 # transformers has written
 _TEXT_TOWER = {"model.language_model.": "model.", "language_model.model.": "model.",
@@ -82,13 +91,7 @@ def check_config(config) -> None:
     activation = activation_of(config)
     if activation not in _ACTIVATIONS or is_gemma(config) != (activation != "silu"):
         raise ValueError(f"{config.model_type}: activation {activation!r} is not implemented")
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    for params in (rope.values() if "sliding_attention" in rope else [rope]):
-        factor = (params or {}).get("partial_rotary_factor",
-                                    getattr(config, "partial_rotary_factor", 1.0))
-        if factor not in (None, 1.0):
-            raise ValueError(f"partial_rotary_factor {factor} (RoPE on part of each head) is "
-                             f"not implemented")
+    rope_head_order(config)  # refuses a RoPE layout the reordering cannot express
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention (an encoder, not a causal decoder) is "
                          "not implemented")
@@ -147,17 +150,20 @@ def layer_specs(config) -> list[LayerSpec]:
         num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         head_dim=head_dim, intermediate_size=config.intermediate_size,
         norm_eps=config.rms_norm_eps, norm_unit_offset=gemma,
-        output_norms=gemma or model_type in _OLMO, input_norms=model_type not in _OLMO,
+        output_norms=gemma or model_type in (*_OLMO, "glm4"),
+        input_norms=model_type not in _OLMO,
         qk_norm=_QK_NORMS.get(model_type),
         clip_qkv=getattr(config, "clip_qkv", None) if model_type == "olmoe" else None,
         activation=_ACTIVATIONS[activation_of(config)],
-        qkv_bias=qkv_bias, o_bias=not qwen2 and attention_bias,
+        qkv_bias=qkv_bias,
+        o_bias=not qwen2 and model_type not in _INTERLEAVED_ROPE and attention_bias,
         # (the MoE families' MLPs have no biases, whatever their config says)
         mlp_bias=bool(getattr(config, "mlp_bias", False)) and not is_moe(config),
         attention_scale=config.attention_multiplier if granite else
         None if scalar is None else scalar**-0.5,
         softcap=getattr(config, "attn_logit_softcapping", None) if gemma else None,
-        residual_scale=config.residual_multiplier if granite else None)
+        residual_scale=config.residual_multiplier if granite else None,
+        rope_order=rope_head_order(config))
     return [LayerSpec(**base, window=window, moe=moe)
             for window, moe in zip(layer_windows(config), moe_specs(config), strict=True)]
 
@@ -168,6 +174,8 @@ def head_dim_of(config) -> int:
 
 def norm_names(config) -> dict[str, str]:
     """The checkpoint's norm names -> the decoder layer's."""
+    if config.model_type == "glm4":
+        return _GLM4_NORMS
     return _OUTPUT_NORMS if is_gemma(config) or config.model_type in _OLMO else _LLAMA_NORMS
 
 
@@ -197,10 +205,26 @@ def rope_layer_types(config) -> list[str | None]:
     return [kind if rope else NO_ROPE for kind, rope in zip(types, uses_rope)]
 
 
+def rope_head_order(config) -> tuple[int, ...] | None:
+    """How each head's q and k features are reordered at load (``rope_layout``): for RoPE on
+    part of each head (``partial_rotary_factor``) or on interleaved pairs (GLM's)."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    factors = {(params or {}).get("partial_rotary_factor",
+                                  getattr(config, "partial_rotary_factor", None)) or 1.0
+               for params in (rope.values() if "sliding_attention" in rope else [rope])}
+    if len(factors) > 1:
+        raise ValueError(f"partial_rotary_factor {sorted(factors)}, one per layer type, is not "
+                         f"implemented")
+    head_dim = head_dim_of(config)
+    return head_order(head_dim, int(head_dim * factors.pop()),  # (transformers' rounding)
+                      config.model_type in _INTERLEAVED_ROPE)
+
+
 def rope_inv_freq(config, layer_type: str | None = None,
                   device=None) -> tuple[torch.Tensor, float]:
-    """(inv_freq [D/2] fp32, attention_scaling) through transformers' own RoPE init functions,
-    for the layers of ``layer_type`` where the config has RoPE parameters per layer type.
+    """(inv_freq [R/2] fp32, attention_scaling) through transformers' own RoPE init functions,
+    for the layers of ``layer_type`` where the config has RoPE parameters per layer type (R:
+    the features RoPE turns, the head's D or ``partial_rotary_factor`` of them).
 
     transformers 5 keeps ``rope_theta`` and the scaling type in ``config.rope_parameters``;
     older versions have ``rope_theta`` and ``rope_scaling`` attributes.
@@ -216,7 +240,7 @@ def rope_inv_freq(config, layer_type: str | None = None,
         raise ValueError(f"rope type {rope_type!r} is not implemented")
     if rope_type == "default" and "default" not in ROPE_INIT_FUNCTIONS:
         theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        dim = head_dim_of(config)
+        dim = int(head_dim_of(config) * (params.get("partial_rotary_factor") or 1.0))
         inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float().to(device) / dim))
         return inv_freq, 1.0
     if rope_type not in ROPE_INIT_FUNCTIONS:
@@ -227,12 +251,22 @@ def rope_inv_freq(config, layer_type: str | None = None,
 
 def checkpoint_tensors(config, tensors):
     """The checkpoint's (name, tensor) pairs as the model loads them: a text tower's names as
-    a text model's (its vision tower left out), Phi-3's fused q/k/v and gate/up split into
-    the projections they fuse (so that they merge and shard as every family's do), Mixtral's
-    experts under the other MoE families' names."""
+    a text model's (its vision tower left out), Phi-3's (and GLM's) fused q/k/v and gate/up
+    split into the projections they fuse (so that they merge and shard as every family's
+    do), Mixtral's experts under the other MoE families' names, and q and k in the order the
+    kernels rotate them (``rope_layout``)."""
     q_size = config.num_attention_heads * head_dim_of(config)
     kv_size = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * \
         head_dim_of(config)
+    order = rope_head_order(config)
+    for name, tensor in _split_fused(config, tensors, q_size, kv_size):
+        if order is not None and name.endswith(ROTATED_Q_K):
+            tensor = reordered(narrow(tensor, 0, 0, None), order, head_dim_of(config))
+        yield name, tensor
+
+
+def _split_fused(config, tensors, q_size: int, kv_size: int):
+    """The pairs under a text model's names, fused projections split."""
     for name, tensor in tensors:
         if name.startswith(_VISION):
             continue

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from actorlm.models.decoder import LayerSpec
+from actorlm.models.rope_layout import reordered
 from actorlm.openmp import on_passing_thread
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -199,6 +200,8 @@ def _merge(path: Path, config: dict, layer: int, merged: str, parts, spec: Layer
         part_ranks.append(rank)
         block = "self_attn" if merged in ("qkv_proj", "o_proj") else "mlp"
         scale = _scale(config, f"model.layers.{layer}.{block}.{module}", rank)
+        if module in ("q_proj", "k_proj"):  # its rows as the base model's (rope_layout)
+            b = reordered(b, spec.rope_order, spec.head_dim)
         b_blocks.append((row[module], b * scale))
     total_rank = sum(a.shape[0] for a in a_blocks)
     b = torch.zeros(rows, total_rank)

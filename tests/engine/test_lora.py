@@ -101,12 +101,14 @@ def test_a_mixed_batch_gives_each_request_its_adapters_output(make_llm, tiny_lla
     assert_idle_and_nothing_leaked(llm)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "granite"])
+@pytest.mark.parametrize("family", ["qwen2", "granite", "glm4"])
 def test_a_mixed_batch_of_another_family_gives_each_request_its_adapters_output(
         make_llm, tiny_qwen2_dir, tiny_window_dirs, tmp_path_factory, family):
     """Qwen2 (q, k and v with biases, an untied LM head): the deltas join the biased
     projections as PEFT's do. Granite: the deltas of o_proj and down_proj are scaled with
-    their projections' outputs by the residual multiplier, as in PEFT's model."""
+    their projections' outputs by the residual multiplier, as in PEFT's model. GLM-4: the
+    deltas' rows of q and k reordered as the base model's are (RoPE on half of each head, in
+    interleaved pairs)."""
     from lora_adapters import make_adapter
 
     model_dir = tiny_qwen2_dir if family == "qwen2" else tiny_window_dirs[family]

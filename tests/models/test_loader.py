@@ -123,7 +123,7 @@ def test_a_mistral_snapshot_loads_its_indexed_shards_and_ignores_consolidated(ti
 
 
 @pytest.mark.parametrize("family, change, named", [
-    ("phi3", {"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75"),
+    ("phi3", {"partial_rotary_factor": 0.3125}, "RoPE on 5 of a head's 16 features"),
     ("phi3", {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
                                "long_factor": [1.0] * 8}}, "rope type 'longrope'"),
     ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
