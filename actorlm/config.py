@@ -175,11 +175,10 @@ class EngineConfig:
 
     def resolve_lengths(self, hf_config) -> EngineConfig:
         """Fill max_model_len and max_num_batched_tokens, checked against the model."""
-        limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+        limit, why = positions_served(hf_config)
         max_model_len = self.max_model_len or limit
         if max_model_len > limit:
-            raise ValueError(f"--max-model-len {max_model_len} exceeds the model's "
-                             f"max_position_embeddings ({limit})")
+            raise ValueError(f"--max-model-len {max_model_len} exceeds the model's {why}")
         max_batched = self.max_num_batched_tokens or 2048
         if not self.enable_chunked_prefill and max_batched < max_model_len:
             raise ValueError(f"--max-num-batched-tokens ({max_batched}) must be at least "
@@ -213,3 +212,20 @@ def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bf16 in hardware (AMX tiles or AVX-512 BF16)."""
     checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")  # torch.cpu, private
     return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+
+
+def positions_served(hf_config) -> tuple[int, str]:
+    """(the longest context the model is served for, what sets it, in words): its
+    max_position_embeddings, or, for LongRoPE (Phi-3.5, Phi-4-mini), its
+    original_max_position_embeddings: within those its short factors are exact, as
+    transformers computes them; the long factors it switches to beyond are not implemented."""
+    rope = getattr(hf_config, "rope_parameters", None) or \
+        getattr(hf_config, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type")) == "longrope":
+        original = rope.get("original_max_position_embeddings") or \
+            getattr(hf_config, "original_max_position_embeddings", None)
+        if original:
+            return original, (f"original_max_position_embeddings ({original}): LongRoPE's "
+                              f"long factors, which it takes beyond, are not implemented")
+    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    return limit, f"max_position_embeddings ({limit})"

@@ -168,6 +168,9 @@ def tiny_qwen3_dir(tmp_path_factory, tiny_tokenizer_dir):
 
 
 WINDOW = 16  # the tiny sliding-window models' (not a multiple of every block size tried)
+LONGROPE_CONTEXT = 128  # the tiny LongRoPE model's original context, of its 512 positions
+LONGROPE_FACTORS = {"short_factor": [1.0 + 0.3 * i for i in range(8)],
+                    "long_factor": [4.0 + 0.5 * i for i in range(8)]}
 
 
 @pytest.fixture(scope="session")
@@ -180,7 +183,8 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
     (norms on the branches' outputs only, q/k norms over whole projections), OLMo 3 (OLMo 2's
     layers, three sliding to one full, each kind with its RoPE base), GLM and GLM-4 (RoPE on
     half of each head in interleaved pairs, q/k/v biases; GLM-4's four norms), Phi-3 with
-    RoPE on three quarters of each head (Phi-4-mini's)."""
+    RoPE on three quarters of each head (Phi-4-mini's), Phi-3 with LongRoPE (Phi-3.5's: an
+    original context of 128 positions of 512)."""
     from transformers import (Gemma2Config, Gemma3TextConfig, Glm4Config, GlmConfig,
                               GraniteConfig, MistralConfig, Olmo2Config, Olmo3Config,
                               Phi3Config, Qwen2Config, SmolLM3Config)
@@ -214,6 +218,9 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
         "glm4": Glm4Config(**common, attention_bias=True, tie_word_embeddings=False),
         "phi3_partial": Phi3Config(**common, tie_word_embeddings=False,
                                    partial_rotary_factor=0.75),
+        "phi3_longrope": Phi3Config(**common, tie_word_embeddings=False,
+                                    original_max_position_embeddings=LONGROPE_CONTEXT,
+                                    rope_scaling={"type": "longrope", **LONGROPE_FACTORS}),
     }
     return {name: _save_tiny(tmp_path_factory, tiny_tokenizer_dir, f"tiny_{name}", config,
                              seed=10 + i)

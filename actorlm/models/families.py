@@ -17,7 +17,9 @@ its tensors.
 - GLM and GLM-4: RoPE on the first half of each head in interleaved pairs (``rope_layout``
   reorders q and k for it), q/k/v biases but none on o, q/k/v and gate/up fused in the
   checkpoint as Phi-3's; GLM-4 norms the attention's and the MLP's outputs too.
-- Phi-3: a Llama whose checkpoint fuses q/k/v (``qkv_proj``) and gate/up (``gate_up_proj``).
+- Phi-3: a Llama whose checkpoint fuses q/k/v (``qkv_proj``) and gate/up (``gate_up_proj``);
+  Phi-4-mini turns RoPE on three quarters of each head; Phi-3.5's and Phi-4-mini's LongRoPE
+  runs by its short factors, within the original context (``config.positions_served``).
 - Gemma 2 and Gemma 3: four norms a layer (before and after attention and MLP), RMSNorm by
   ``1 + weight``, GeLU (tanh), the embedding scaled by sqrt(hidden), attention scaled by
   ``query_pre_attn_scalar``; Gemma 2 soft-caps attention scores and the final logits, Gemma 3
@@ -235,9 +237,10 @@ def rope_inv_freq(config, layer_type: str | None = None,
     if layer_type is not None:
         params = params[layer_type]
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type in ("dynamic", "longrope", "su"):
-        # These switch frequencies with the running sequence length; not implemented here.
+    if rope_type == "dynamic":  # frequencies that follow the running sequence length
         raise ValueError(f"rope type {rope_type!r} is not implemented")
+    # (LongRoPE: its short factors, which transformers keeps up to the original context;
+    # config.positions_served keeps every request within it)
     if rope_type == "default" and "default" not in ROPE_INIT_FUNCTIONS:
         theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         dim = int(head_dim_of(config) * (params.get("partial_rotary_factor") or 1.0))

@@ -1,6 +1,7 @@
 """The families beyond Llama's (Gemma 3, Gemma 2, Mistral and Qwen2 with their windows, Phi-3,
 SmolLM3 without RoPE in a layer, Granite's multipliers, OLMo 2's and 3's output norms, GLM's
-RoPE on half of each head in interleaved pairs, Phi-3's on three quarters) against
+RoPE on half of each head in interleaved pairs, Phi-3's on three quarters and LongRoPE's short
+factors) against
 transformers on the same tiny checkpoints: logits at every position of a 40-token prompt and 60
 greedy tokens after it, far past the window of 16, and the greedy tokens themselves by vLLM's
 rule."""
@@ -20,7 +21,7 @@ from actorlm.kernels.cpu import linear as cpu_linear
 from actorlm.models.loader import load_model
 
 FAMILIES = ["gemma3", "gemma2", "mistral", "qwen2_window", "phi3", "smollm3", "granite",
-            "olmo2", "olmo3", "glm", "glm4", "phi3_partial"]
+            "olmo2", "olmo3", "glm", "glm4", "phi3_partial", "phi3_longrope"]
 PROMPT_LEN, NUM_DECODED = 40, 60
 ATOL = {torch.float32: 2e-4, torch.bfloat16: None}  # bf16: judged by the greedy tokens only
 
@@ -73,7 +74,8 @@ def test_layers_are_grouped_by_their_window(tiny_window_dirs):
     assert groups["smollm3"] == [(None, (0,)), (None, (1,)), (None, (2,)), (WINDOW, (3,))]
     assert groups["granite"] == groups["olmo2"] == [(None, (0, 1))]
     assert groups["olmo3"] == [(None, (3,))] + [(WINDOW, (i,)) for i in range(3)]
-    assert groups["glm"] == groups["glm4"] == groups["phi3_partial"] == [(None, (0, 1))]
+    assert groups["glm"] == groups["glm4"] == groups["phi3_partial"] == \
+        groups["phi3_longrope"] == [(None, (0, 1))]
 
 
 def test_a_gemma3_checkpoint_with_a_vision_tower_is_served_as_its_text_tower(
@@ -97,3 +99,19 @@ def test_a_gemma3_checkpoint_with_a_vision_tower_is_served_as_its_text_tower(
     with torch.inference_mode():
         expected = theirs(input_ids=torch.tensor([prompt + tokens[:-1]])).logits[0]
     torch.testing.assert_close(logits, expected, atol=ATOL[torch.float32], rtol=0)
+
+
+def test_a_longrope_model_is_served_within_its_original_context(tiny_window_dirs):
+    """LongRoPE's short factors are exact up to the original context, where transformers
+    switches to the long ones (not implemented): the context is capped there, and a longer
+    --max-model-len is refused naming why."""
+    from checkpoints import LONGROPE_CONTEXT
+
+    from actorlm.config import EngineConfig
+    from actorlm.models.loader import load_hf_config
+
+    hf_config = load_hf_config(tiny_window_dirs["phi3_longrope"])
+    assert hf_config.max_position_embeddings > LONGROPE_CONTEXT
+    assert EngineConfig().resolve_lengths(hf_config).max_model_len == LONGROPE_CONTEXT
+    with pytest.raises(ValueError, match="original_max_position_embeddings .128.*LongRoPE"):
+        EngineConfig(max_model_len=LONGROPE_CONTEXT + 1).resolve_lengths(hf_config)
