@@ -11,6 +11,7 @@ small scales) whose dequantized values become the weights.
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 
 import numpy as np
@@ -22,6 +23,8 @@ _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
           "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
           "mlp.down_proj": "ffn_down"}
+# Phi-3's fused q/k/v and gate/up
+_PHI3_FUSED = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 # OLMo 2's norms after attention and MLP (it has none before them)
 _OUTPUT_NORMS = {"post_attention_layernorm": "post_attention_norm",
                  "post_feedforward_layernorm": "post_ffw_norm"}
@@ -38,7 +41,8 @@ def gguf_name(hf_name: str, arch: str) -> str:
     stem, _, kind = hf_name.rpartition(".")
     if stem.startswith("model.layers."):
         _, _, layer, part = stem.split(".", 3)
-        names = {**_LAYER, **_OUTPUT_NORMS} if arch == "olmo2" else _LAYER
+        names = {**_LAYER, **_OUTPUT_NORMS} if arch == "olmo2" else \
+            {**_LAYER, **_PHI3_FUSED} if arch == "phi3" else _LAYER
         return f"blk.{layer}.{names[part]}.{kind}"
     return f"{_TOP[stem]}.{kind}"
 
@@ -64,8 +68,8 @@ def random_blocks(type_name: str, rows: int, columns: int, seed: int) -> np.ndar
 
 
 def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str) -> pathlib.Path:
-    """The checkpoint ``hf_dir`` (Llama, SmolLM3, Granite, OLMo 2, Qwen2 or Qwen3) as a GGUF
-    file whose matrices are all ``type_name`` blocks (norms and biases F32); returns the
+    """The checkpoint ``hf_dir`` (Llama, SmolLM3, Granite, OLMo 2, Phi-3, Qwen2 or Qwen3) as a
+    GGUF file whose matrices are all ``type_name`` blocks (norms and biases F32); returns the
     file."""
     import gguf
     from safetensors.torch import load_file
@@ -79,6 +83,8 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str) -> pathl
         state.pop("lm_head.weight", None)
     writer = gguf.GGUFWriter(out, arch)
     _write_config(writer, config)
+    if arch == "phi3":
+        _write_phi3_rope(writer, config)
     _write_tokenizer(writer, hf_dir)
     kind = gguf.GGMLQuantizationType[type_name]
     for seed, (name, tensor) in enumerate(sorted(state.items())):
@@ -119,7 +125,8 @@ def _write_config(writer, config: dict) -> None:
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    rope = config.get("rope_parameters") or {}
+    writer.add_rope_dimension_count(int(head_dim * (rope.get("partial_rotary_factor") or 1.0)))
     writer.add_rope_freq_base(config.get("rope_theta")
                               or config.get("rope_parameters", {}).get("rope_theta", 10000.0))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
@@ -127,6 +134,23 @@ def _write_config(writer, config: dict) -> None:
     for multiplier, add in _GRANITE_SCALES.items():
         if multiplier in config:
             getattr(writer, add)(config[multiplier])
+
+
+def _write_phi3_rope(writer, config: dict) -> None:
+    """What llama.cpp's converter writes of a Phi-3's RoPE and window: the original context,
+    the window (0: none) and LongRoPE's factors as two tensors, with its attention factor."""
+    rope = config.get("rope_parameters") or {}
+    original = rope.get("original_max_position_embeddings") or \
+        config.get("original_max_position_embeddings") or config["max_position_embeddings"]
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_sliding_window(config.get("sliding_window") or 0)
+    if rope.get("rope_type") == "longrope":
+        scale = config["max_position_embeddings"] / original
+        writer.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        for kind in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{kind}.weight",
+                              np.array(rope[f"{kind}_factor"], dtype=np.float32))
 
 
 def _write_tokenizer(writer, hf_dir: pathlib.Path) -> None:

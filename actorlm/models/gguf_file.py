@@ -19,7 +19,8 @@ llama.cpp stores a Llama's (and Mixtral's, SmolLM3's, Granite's) q and k rows pe
 head's two rotary halves interleaved); the permutation is undone here on whole rows of blocks,
 which quantization never crosses. It stores a Gemma's norm weights plus one (what they scale by);
 they are handed over as the checkpoint has them. ``gguf_metadata`` builds the config of a
-SmolLM3, Granite or OLMo 2 file, which transformers does not read.
+SmolLM3, Granite, OLMo 2 or Phi-3 file, which transformers does not read (or, Phi-3's, reads
+only in part).
 """
 
 from __future__ import annotations
@@ -49,11 +50,12 @@ log = logging.getLogger(__name__)
 # and so do Mixtral's, with experts: gguf_moe tells them apart)
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
                  "gemma3": "gemma3_text", "smollm3": "smollm3", "granite": "granite",
-                 "olmo2": "olmo2", **gguf_moe.ARCHITECTURES}
+                 "olmo2": "olmo2", "phi3": "phi3", **gguf_moe.ARCHITECTURES}
 # the architectures transformers cannot read a config of (gguf_metadata builds theirs)
 _OWN_CONFIGS = {"smollm3": gguf_metadata.smollm3_config,
-                "granite": gguf_metadata.granite_config, "olmo2": gguf_metadata.olmo2_config}
-_UNKNOWN_TO_TRANSFORMERS = (*_OWN_CONFIGS, "olmoe")
+                "granite": gguf_metadata.granite_config, "olmo2": gguf_metadata.olmo2_config,
+                "phi3": gguf_metadata.phi3_config}
+_UNKNOWN_TO_TRANSFORMERS = ("smollm3", "granite", "olmo2", "olmoe")
 # q and k rows permuted by llama.cpp's converter (a Llama's and its descendants')
 _PERMUTED_QK = ("llama", "mistral", "mixtral", "smollm3", "granite")
 _GEMMA_TYPES = ("gemma2", "gemma3_text")
@@ -75,6 +77,9 @@ _LAYER_NAMES = {
 _OUTPUT_NORM_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                       "ffn_norm": "pre_feedforward_layernorm",
                       "post_ffw_norm": "post_feedforward_layernorm"}
+# Phi-3's q/k/v and gate/up, fused as in its checkpoint (the model splits them)
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj",
+                     "ffn_up": "mlp.gate_up_proj"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
               "output": "lm_head"}
 
@@ -255,7 +260,8 @@ def _hf_name(name: str, arch: str) -> str:
     stem, _, kind = name.rpartition(".")  # kind: weight or bias
     if stem.startswith("blk."):
         _, layer, part = stem.split(".", 2)
-        names = _OUTPUT_NORM_NAMES if arch in ("gemma2", "gemma3", "olmo2") else _LAYER_NAMES
+        names = _OUTPUT_NORM_NAMES if arch in ("gemma2", "gemma3", "olmo2") else \
+            _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
         part = names.get(part) or gguf_moe.per_expert_name(part)
         if part is None:
             raise ValueError(f"GGUF tensor {name!r} is not one this engine knows")
@@ -275,7 +281,8 @@ def _write_dir(gguf: pathlib.Path, out: pathlib.Path) -> None:
     tensors = [[name, t.tensor_type.name,
                 gguf_moe.torch_shape(name, [int(n) for n in reversed(t.shape)]),
                 int(t.data_offset), int(t.n_bytes)]  # data_offset: from the file's start
-               for t in reader.tensors for name in [_hf_name(t.name, arch)]]
+               for t in reader.tensors if t.name not in gguf_metadata.CONFIG_TENSORS
+               for name in [_hf_name(t.name, arch)]]
     names = [t[0] for t in tensors]
     if gguf_moe.is_moe_file(reader, arch):
         config = gguf_moe.moe_config(gguf, reader, names)

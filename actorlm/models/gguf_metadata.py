@@ -4,7 +4,7 @@ transformers rebuilds the config of a Llama, Qwen2/3 or Gemma file itself; for t
 config is built here from llama.cpp's keys (``gguf-py/gguf/constants.py`` names them): the
 sizes every decoder has (``decoder_fields``), and what an architecture adds
 (``gguf_moe`` for the mixtures of experts, ``smollm3_config``, ``granite_config``,
-``olmo2_config``).
+``olmo2_config``, ``phi3_config``).
 
 - ``smollm3``: a Llama (q and k rows permuted as a Llama's) that leaves RoPE out of every
   fourth layer. llama.cpp keeps no key for it (its graph skips RoPE where ``(layer + 1) % 4``
@@ -17,11 +17,19 @@ sizes every decoder has (``decoder_fields``), and what an architecture adds
   ``post_ffw_norm``), q/k norms over whole projections; q and k are not permuted. OLMo 3's
   files say ``olmo2`` too: their sliding windows (and the YaRN scaling of their full layers)
   are refused; a Hugging Face directory of OLMo 3 is served.
+- ``phi3``: q/k/v and gate/up fused (``attn_qkv``, ``ffn_up``: the model splits them as a
+  Phi-3 checkpoint's), not permuted. transformers reads its sizes but not what sets Phi-3.5
+  and Phi-4-mini apart: RoPE on ``rope.dimension_count`` of each head's features, the
+  sliding window (0: none), and LongRoPE, stored as two tensors of factors
+  (``rope_factors_long``, ``rope_factors_short``) with ``rope.scaling.original_context_length``
+  and its ``attn_factor``.
 """
 
 from __future__ import annotations
 
 _REQUIRED = object()
+# tensors that are config, not weights: LongRoPE's factors (``phi3_config`` reads them)
+CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def field(reader, key: str, default=_REQUIRED):
@@ -98,6 +106,26 @@ def olmo2_config(reader, tensor_names: list[str]):
         raise ValueError("olmo2: attention.key_length times the heads is not the embedding "
                          "length (its q norm has one weight per feature of q)")
     return Olmo2Config(**fields, attention_bias=_biases(tensor_names)["attention_bias"])
+
+
+def phi3_config(reader, tensor_names: list[str]):
+    from transformers import Phi3Config
+
+    fields = decoder_fields(reader, "phi3", tensor_names)
+    dim = head_dim(reader, "phi3")
+    rope = {**fields["rope_parameters"],
+            "partial_rotary_factor": field(reader, "phi3.rope.dimension_count", dim) / dim}
+    factors = {t.name: [float(x) for x in t.data] for t in reader.tensors
+               if t.name in CONFIG_TENSORS}
+    original = field(reader, "phi3.rope.scaling.original_context_length", None)
+    if factors:
+        rope.update(rope_type="longrope", long_factor=factors["rope_factors_long.weight"],
+                    short_factor=factors["rope_factors_short.weight"],
+                    original_max_position_embeddings=original,
+                    attention_factor=field(reader, "phi3.rope.scaling.attn_factor", None))
+    return Phi3Config(**{**fields, "rope_parameters": rope}, head_dim=dim,
+                      sliding_window=field(reader, "phi3.attention.sliding_window", 0) or None,
+                      original_max_position_embeddings=original)
 
 
 def _biases(tensor_names: list[str]) -> dict:

@@ -137,6 +137,32 @@ def test_a_file_whose_config_transformers_cannot_read_matches_its_checkpoint(
     _check_greedy_and_kl(ours, dequantized_checkpoint(hf_dir, "Q8_0"))
 
 
+@pytest.mark.parametrize("family, rope", [
+    ("phi3", ("default", 1.0, 512)), ("phi3_partial", ("default", 0.75, 512)),
+    ("phi3_longrope", ("longrope", 1.0, 128))])
+def test_a_phi3_file_keeps_what_transformers_does_not_read(tiny_window_dirs, tmp_path, family,
+                                                           rope):
+    """A Phi-3 file: q/k/v and gate/up fused in blocks (split on load), and what
+    transformers' reading of the file drops: RoPE on part of each head
+    (``rope.dimension_count``, Phi-4-mini's) and LongRoPE's factors stored as tensors
+    (Phi-3.5's, served within its original context); against transformers on the checkpoint
+    the file was written from."""
+    from gguf_files import dequantized_checkpoint
+
+    from actorlm.config import positions_served
+    from actorlm.models.loader import load_hf_config
+
+    hf_dir = tiny_window_dirs[family]
+    path = resolve_model(write_gguf(hf_dir, tmp_path / f"tiny-{family}.gguf", "Q8_0"))
+    config = load_hf_config(path)
+    assert (config.rope_parameters["rope_type"],
+            config.rope_parameters.get("partial_rotary_factor") or 1.0,
+            positions_served(config)[0]) == rope
+    ours = load_model(path, torch.float32, "cpu", select_backend("cpu"))
+    assert type(ours.model.layers[0].self_attn.qkv_proj.prepared).__name__ == "QuantLinear"
+    _check_greedy_and_kl(ours, dequantized_checkpoint(hf_dir, "Q8_0"))
+
+
 def _check_greedy_and_kl(ours, theirs) -> None:
     """Our logits over a prompt and its greedy continuation within ``MAX_MEAN_KL`` of
     transformers' ``theirs``, and the two greedy continuations close by vLLM's rule."""
@@ -191,7 +217,7 @@ def test_an_unsupported_architecture_is_refused_from_the_header(tmp_path, monkey
     import gguf
 
     file = tmp_path / "other.gguf"
-    writer = gguf.GGUFWriter(file, "phi3")
+    writer = gguf.GGUFWriter(file, "phi2")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
     writer.write_header_to_file()
@@ -203,7 +229,7 @@ def test_an_unsupported_architecture_is_refused_from_the_header(tmp_path, monkey
         raise AssertionError("the file was parsed past its header")
 
     monkeypatch.setattr(gguf, "GGUFReader", parse)
-    with pytest.raises(ValueError, match="architecture 'phi3'.*supported: llama"):
+    with pytest.raises(ValueError, match="architecture 'phi2'.*supported: llama"):
         resolve_model(file)
 
 
