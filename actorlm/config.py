@@ -8,6 +8,7 @@ them against it; every error names the flag to change.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,8 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 DATA_PARALLEL_BACKENDS = ("mp", "ray")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # (core/waiting_queue.py)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -177,6 +180,9 @@ class EngineConfig:
         """Fill max_model_len and max_num_batched_tokens, checked against the model."""
         limit, why = positions_served(hf_config)
         max_model_len = self.max_model_len or limit
+        if self.max_model_len is None and \
+                limit < (getattr(hf_config, "max_position_embeddings", None) or limit):
+            log.info("max_model_len %d: the model's %s", limit, why)
         if max_model_len > limit:
             raise ValueError(f"--max-model-len {max_model_len} exceeds the model's {why}")
         max_batched = self.max_num_batched_tokens or 2048
