@@ -184,9 +184,10 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
     layers, three sliding to one full, each kind with its RoPE base), GLM and GLM-4 (RoPE on
     half of each head in interleaved pairs, q/k/v biases; GLM-4's four norms), Phi-3 with
     RoPE on three quarters of each head (Phi-4-mini's), Phi-3 with LongRoPE (Phi-3.5's: an
-    original context of 128 positions of 512)."""
-    from transformers import (Gemma2Config, Gemma3TextConfig, Glm4Config, GlmConfig,
-                              GraniteConfig, MistralConfig, Olmo2Config, Olmo3Config,
+    original context of 128 positions of 512), ERNIE 4.5 (RoPE on interleaved pairs, a bias on
+    every projection)."""
+    from transformers import (Ernie4_5Config, Gemma2Config, Gemma3TextConfig, Glm4Config,
+                              GlmConfig, GraniteConfig, MistralConfig, Olmo2Config, Olmo3Config,
                               Phi3Config, Qwen2Config, SmolLM3Config)
 
     common = _common(tiny_tokenizer_dir)
@@ -221,6 +222,7 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
         "phi3_longrope": Phi3Config(**common, tie_word_embeddings=False,
                                     original_max_position_embeddings=LONGROPE_CONTEXT,
                                     rope_scaling={"type": "longrope", **LONGROPE_FACTORS}),
+        "ernie4_5": Ernie4_5Config(**common, use_bias=True, tie_word_embeddings=True),
     }
     return {name: _save_tiny(tmp_path_factory, tiny_tokenizer_dir, f"tiny_{name}", config,
                              seed=10 + i)

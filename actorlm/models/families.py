@@ -17,6 +17,8 @@ its tensors.
 - GLM and GLM-4: RoPE on the first half of each head in interleaved pairs (``rope_layout``
   reorders q and k for it), q/k/v biases but none on o, q/k/v and gate/up fused in the
   checkpoint as Phi-3's; GLM-4 norms the attention's and the MLP's outputs too.
+- ERNIE 4.5 (dense): a Llama with RoPE on interleaved pairs (as GLM's, on every feature) and,
+  with ``use_bias``, a bias on every projection.
 - Phi-3: a Llama whose checkpoint fuses q/k/v (``qkv_proj``) and gate/up (``gate_up_proj``);
   Phi-4-mini turns RoPE on three quarters of each head; Phi-3.5's and Phi-4-mini's LongRoPE
   runs by its short factors, within the original context (``config.positions_served``).
@@ -46,13 +48,13 @@ from actorlm.models.moe_families import (MOE_MODEL_TYPES, check_moe_config, chec
 from actorlm.models.rope_layout import ROTATED_Q_K, head_order, reordered
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite",
-                         "olmo2", "olmo3", "glm", "glm4", "gemma2", "gemma3_text", "gemma3",
-                         *MOE_MODEL_TYPES)
+                         "olmo2", "olmo3", "glm", "glm4", "ernie4_5", "gemma2", "gemma3_text",
+                         "gemma3", *MOE_MODEL_TYPES)
 NO_ROPE = "no_rope"  # the RoPE table of the layers without RoPE (SmolLM3's): the identity
 _QK_NORMS = {"qwen3": "head", "gemma3_text": "head", "qwen3_moe": "head", "olmoe": "projection",
              "olmo2": "projection", "olmo3": "projection"}
 _OLMO = ("olmo2", "olmo3")  # norms on the branches' outputs only
-_INTERLEAVED_ROPE = ("glm", "glm4")  # RoPE on pairs (2i, 2i + 1), and no bias on o_proj
+_INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5")  # RoPE on pairs (2i, 2i + 1)
 _GEMMA = ("gemma2", "gemma3_text")
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _GRANITE_MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier",
@@ -138,8 +140,10 @@ def layer_specs(config) -> list[LayerSpec]:
     """Every decoder layer of the model, as its config describes it."""
     check_config(config)
     gemma, model_type = is_gemma(config), config.model_type
-    # (Mixtral's attention has no biases, whatever its config says)
-    attention_bias = bool(getattr(config, "attention_bias", False)) and model_type != "mixtral"
+    # (Mixtral's attention has no biases, whatever its config says; ERNIE's use_bias puts one
+    # on every projection)
+    attention_bias = bool(getattr(config, "attention_bias", getattr(config, "use_bias", False))) \
+        and model_type != "mixtral"
     qwen2 = model_type in ("qwen2", "qwen2_moe")
     # Qwen2's q/k/v always have a bias, Qwen2-MoE's by qkv_bias; neither has one on o_proj
     qkv_bias = (model_type == "qwen2" or bool(getattr(config, "qkv_bias", True))) if qwen2 \
@@ -158,9 +162,10 @@ def layer_specs(config) -> list[LayerSpec]:
         clip_qkv=getattr(config, "clip_qkv", None) if model_type == "olmoe" else None,
         activation=_ACTIVATIONS[activation_of(config)],
         qkv_bias=qkv_bias,
-        o_bias=not qwen2 and model_type not in _INTERLEAVED_ROPE and attention_bias,
+        o_bias=not qwen2 and model_type not in ("glm", "glm4") and attention_bias,
         # (the MoE families' MLPs have no biases, whatever their config says)
-        mlp_bias=bool(getattr(config, "mlp_bias", False)) and not is_moe(config),
+        mlp_bias=bool(getattr(config, "mlp_bias", getattr(config, "use_bias", False))) and
+        not is_moe(config),
         attention_scale=config.attention_multiplier if granite else
         None if scalar is None else scalar**-0.5,
         softcap=getattr(config, "attn_logit_softcapping", None) if gemma else None,
