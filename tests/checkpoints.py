@@ -185,10 +185,11 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
     half of each head in interleaved pairs, q/k/v biases; GLM-4's four norms), Phi-3 with
     RoPE on three quarters of each head (Phi-4-mini's), Phi-3 with LongRoPE (Phi-3.5's: an
     original context of 128 positions of 512), ERNIE 4.5 (RoPE on interleaved pairs, a bias on
-    every projection)."""
-    from transformers import (Ernie4_5Config, Gemma2Config, Gemma3TextConfig, Glm4Config,
-                              GlmConfig, GraniteConfig, MistralConfig, Olmo2Config, Olmo3Config,
-                              Phi3Config, Qwen2Config, SmolLM3Config)
+    every projection), EXAONE 4 (norms after the branches, per-head q/k norms, three sliding
+    layers with RoPE to one full without)."""
+    from transformers import (Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig,
+                              Glm4Config, GlmConfig, GraniteConfig, MistralConfig, Olmo2Config,
+                              Olmo3Config, Phi3Config, Qwen2Config, SmolLM3Config)
 
     common = _common(tiny_tokenizer_dir)
     olmo = {k: v for k, v in common.items() if k != "head_dim"}  # (hidden / heads, always)
@@ -223,6 +224,8 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
                                     original_max_position_embeddings=LONGROPE_CONTEXT,
                                     rope_scaling={"type": "longrope", **LONGROPE_FACTORS}),
         "ernie4_5": Ernie4_5Config(**common, use_bias=True, tie_word_embeddings=True),
+        "exaone4": Exaone4Config(**{**common, "num_hidden_layers": 4}, sliding_window=WINDOW,
+                                 sliding_window_pattern=4, tie_word_embeddings=False),
     }
     return {name: _save_tiny(tmp_path_factory, tiny_tokenizer_dir, f"tiny_{name}", config,
                              seed=10 + i)

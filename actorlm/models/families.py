@@ -14,6 +14,8 @@ its tensors.
 - OLMo 2 and OLMo 3: norms on the attention's and the MLP's outputs only, none on their
   inputs, and OLMoE's q/k norms over whole projections; OLMo 3's sliding-window layers (three
   to each full one) have RoPE parameters of their own.
+- EXAONE 4: OLMo 2's norms after the branches only, per-head q/k norms, and, with a sliding
+  window, three sliding layers with RoPE to each full one without (global NoPE).
 - GLM and GLM-4: RoPE on the first half of each head in interleaved pairs (``rope_layout``
   reorders q and k for it), q/k/v biases but none on o, q/k/v and gate/up fused in the
   checkpoint as Phi-3's; GLM-4 norms the attention's and the MLP's outputs too.
@@ -48,12 +50,12 @@ from actorlm.models.moe_families import (MOE_MODEL_TYPES, check_moe_config, chec
 from actorlm.models.rope_layout import ROTATED_Q_K, head_order, reordered
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite",
-                         "olmo2", "olmo3", "glm", "glm4", "ernie4_5", "gemma2", "gemma3_text",
-                         "gemma3", *MOE_MODEL_TYPES)
+                         "olmo2", "olmo3", "exaone4", "glm", "glm4", "ernie4_5", "gemma2",
+                         "gemma3_text", "gemma3", *MOE_MODEL_TYPES)
 NO_ROPE = "no_rope"  # the RoPE table of the layers without RoPE (SmolLM3's): the identity
 _QK_NORMS = {"qwen3": "head", "gemma3_text": "head", "qwen3_moe": "head", "olmoe": "projection",
-             "olmo2": "projection", "olmo3": "projection"}
-_OLMO = ("olmo2", "olmo3")  # norms on the branches' outputs only
+             "olmo2": "projection", "olmo3": "projection", "exaone4": "head"}
+_OUTPUT_NORMS_ONLY = ("olmo2", "olmo3", "exaone4")  # norms on the branches' outputs only
 _INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5")  # RoPE on pairs (2i, 2i + 1)
 _GEMMA = ("gemma2", "gemma3_text")
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -156,8 +158,8 @@ def layer_specs(config) -> list[LayerSpec]:
         num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         head_dim=head_dim, intermediate_size=config.intermediate_size,
         norm_eps=config.rms_norm_eps, norm_unit_offset=gemma,
-        output_norms=gemma or model_type in (*_OLMO, "glm4"),
-        input_norms=model_type not in _OLMO,
+        output_norms=gemma or model_type in (*_OUTPUT_NORMS_ONLY, "glm4"),
+        input_norms=model_type not in _OUTPUT_NORMS_ONLY,
         qk_norm=_QK_NORMS.get(model_type),
         clip_qkv=getattr(config, "clip_qkv", None) if model_type == "olmoe" else None,
         activation=_ACTIVATIONS[activation_of(config)],
@@ -183,7 +185,7 @@ def norm_names(config) -> dict[str, str]:
     """The checkpoint's norm names -> the decoder layer's."""
     if config.model_type == "glm4":
         return _GLM4_NORMS
-    return _OUTPUT_NORMS if is_gemma(config) or config.model_type in _OLMO else _LLAMA_NORMS
+    return _OUTPUT_NORMS if is_gemma(config) or config.model_type in _OUTPUT_NORMS_ONLY else _LLAMA_NORMS
 
 
 def embedding_scale(config, dtype: torch.dtype, device=None) -> torch.Tensor | float | None:
@@ -201,12 +203,15 @@ def logits_divisor(config) -> float | None:
 
 def rope_layer_types(config) -> list[str | None]:
     """The RoPE table each layer rotates by: a layer type where the config keeps RoPE
-    parameters per type (Gemma 3), ``NO_ROPE`` where ``no_rope_layers`` says 0 (SmolLM3),
+    parameters per type (Gemma 3), ``NO_ROPE`` where ``no_rope_layers`` says 0 (SmolLM3) or,
+    in a model with sliding windows, on its full-attention layers (EXAONE 4's global NoPE),
     else None (one table for all)."""
     params = getattr(config, "rope_parameters", None) or {}
     layers = config.num_hidden_layers
     types = list(config.layer_types) if "sliding_attention" in params else [None] * layers
     uses_rope = getattr(config, "no_rope_layers", None) or [1] * layers
+    if config.model_type == "exaone4" and getattr(config, "sliding_window", None):
+        uses_rope = [kind == "sliding_attention" for kind in config.layer_types]
     if len(uses_rope) < layers:
         raise ValueError(f"no_rope_layers has {len(uses_rope)} entries for {layers} layers")
     return [kind if rope else NO_ROPE for kind, rope in zip(types, uses_rope)]

@@ -1,9 +1,9 @@
 """The families beyond Llama's (Gemma 3, Gemma 2, Mistral and Qwen2 with their windows, Phi-3,
 SmolLM3 without RoPE in a layer, Granite's multipliers, OLMo 2's and 3's output norms, GLM's
 RoPE on half of each head in interleaved pairs, Phi-3's on three quarters and LongRoPE's short
-factors, ERNIE 4.5's interleaved pairs and biases) against transformers on the same tiny
-checkpoints: logits at every position of a 40-token prompt and 60 greedy tokens after it, far
-past the window of 16, and the greedy tokens themselves by vLLM's rule."""
+factors, ERNIE 4.5's interleaved pairs and biases, EXAONE 4's global NoPE) against transformers
+on the same tiny checkpoints: logits at every position of a 40-token prompt and 60 greedy tokens
+after it, far past the window of 16, and the greedy tokens themselves by vLLM's rule."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from actorlm.kernels.cpu import linear as cpu_linear
 from actorlm.models.loader import load_model
 
 FAMILIES = ["gemma3", "gemma2", "mistral", "qwen2_window", "phi3", "smollm3", "granite",
-            "olmo2", "olmo3", "glm", "glm4", "phi3_partial", "phi3_longrope", "ernie4_5"]
+            "olmo2", "olmo3", "glm", "glm4", "phi3_partial", "phi3_longrope", "ernie4_5",
+            "exaone4"]
 PROMPT_LEN, NUM_DECODED = 40, 60
 ATOL = {torch.float32: 2e-4, torch.bfloat16: None}  # bf16: judged by the greedy tokens only
 
@@ -72,7 +73,8 @@ def test_layers_are_grouped_by_their_window(tiny_window_dirs):
     assert groups["phi3"] == [(None, (0, 1))]
     assert groups["smollm3"] == [(None, (0,)), (None, (1,)), (None, (2,)), (WINDOW, (3,))]
     assert groups["granite"] == groups["olmo2"] == [(None, (0, 1))]
-    assert groups["olmo3"] == [(None, (3,))] + [(WINDOW, (i,)) for i in range(3)]
+    assert groups["olmo3"] == groups["exaone4"] == \
+        [(None, (3,))] + [(WINDOW, (i,)) for i in range(3)]
     assert groups["glm"] == groups["glm4"] == groups["phi3_partial"] == \
         groups["phi3_longrope"] == groups["ernie4_5"] == [(None, (0, 1))]
 

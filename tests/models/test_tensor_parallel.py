@@ -59,7 +59,8 @@ def checkpoints(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_replicated_
             # for RoPE on part of each head (GLM-4's interleaved, Phi-4-mini's)
             **{name: tiny_window_dirs[name]
                for name in ("gemma3", "gemma2", "mistral", "qwen2_window", "phi3", "smollm3",
-                            "granite", "olmo2", "olmo3", "glm4", "phi3_partial", "ernie4_5")},
+                            "granite", "olmo2", "olmo3", "glm4", "phi3_partial", "ernie4_5",
+                            "exaone4")},
             # every expert's intermediate features split (from per-expert tensors and from
             # stacked ones), a shared expert's too, a router on every rank; OLMoE's q/k norms
             # over all heads, its one KV head on both ranks
@@ -82,7 +83,8 @@ def split(checkpoints):
 @pytest.mark.parametrize("name", ["llama_tied", "qwen2_qkv_bias", "qwen3_qk_norm",
                                   "llama_replicated_kv", "gemma3", "gemma2", "mistral",
                                   "qwen2_window", "phi3", "smollm3", "granite", "olmo2",
-                                  "olmo3", "glm4", "phi3_partial", "ernie4_5", "qwen3_moe",
+                                  "olmo3", "glm4", "phi3_partial", "ernie4_5", "exaone4",
+                                  "qwen3_moe",
                                   "qwen3_moe_stacked", "qwen2_moe", "mixtral", "olmoe"])
 def test_two_ranks_compute_what_one_computes(name, checkpoints, split):
     path = checkpoints[name]
