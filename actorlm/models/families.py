@@ -185,7 +185,8 @@ def norm_names(config) -> dict[str, str]:
     """The checkpoint's norm names -> the decoder layer's."""
     if config.model_type == "glm4":
         return _GLM4_NORMS
-    return _OUTPUT_NORMS if is_gemma(config) or config.model_type in _OUTPUT_NORMS_ONLY else _LLAMA_NORMS
+    output_norms = is_gemma(config) or config.model_type in _OUTPUT_NORMS_ONLY
+    return _OUTPUT_NORMS if output_norms else _LLAMA_NORMS
 
 
 def embedding_scale(config, dtype: torch.dtype, device=None) -> torch.Tensor | float | None:
