@@ -186,10 +186,12 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
     RoPE on three quarters of each head (Phi-4-mini's), Phi-3 with LongRoPE (Phi-3.5's: an
     original context of 128 positions of 512), ERNIE 4.5 (RoPE on interleaved pairs, a bias on
     every projection), EXAONE 4 (norms after the branches, per-head q/k norms, three sliding
-    layers with RoPE to one full without)."""
+    layers with RoPE to one full without), Helium (RoPE on interleaved pairs), Seed-OSS (q/k/v
+    biases, none on o_proj)."""
     from transformers import (Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig,
-                              Glm4Config, GlmConfig, GraniteConfig, MistralConfig, Olmo2Config,
-                              Olmo3Config, Phi3Config, Qwen2Config, SmolLM3Config)
+                              Glm4Config, GlmConfig, GraniteConfig, HeliumConfig, MistralConfig,
+                              Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, SeedOssConfig,
+                              SmolLM3Config)
 
     common = _common(tiny_tokenizer_dir)
     olmo = {k: v for k, v in common.items() if k != "head_dim"}  # (hidden / heads, always)
@@ -226,6 +228,9 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
         "ernie4_5": Ernie4_5Config(**common, use_bias=True, tie_word_embeddings=True),
         "exaone4": Exaone4Config(**{**common, "num_hidden_layers": 4}, sliding_window=WINDOW,
                                  sliding_window_pattern=4, tie_word_embeddings=False),
+        "helium": HeliumConfig(**common, attention_bias=True, tie_word_embeddings=False),
+        "seed_oss": SeedOssConfig(**common, attention_bias=True, attention_out_bias=False,
+                                  tie_word_embeddings=False),
     }
     return {name: _save_tiny(tmp_path_factory, tiny_tokenizer_dir, f"tiny_{name}", config,
                              seed=10 + i)

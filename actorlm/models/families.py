@@ -21,6 +21,8 @@ its tensors.
   checkpoint as Phi-3's; GLM-4 norms the attention's and the MLP's outputs too.
 - ERNIE 4.5 (dense): a Llama with RoPE on interleaved pairs (as GLM's, on every feature) and,
   with ``use_bias``, a bias on every projection.
+- Helium: a Llama with RoPE on interleaved pairs; Seed-OSS: a Llama with q/k/v biases and
+  o_proj's by ``attention_out_bias``.
 - Phi-3: a Llama whose checkpoint fuses q/k/v (``qkv_proj``) and gate/up (``gate_up_proj``);
   Phi-4-mini turns RoPE on three quarters of each head; Phi-3.5's and Phi-4-mini's LongRoPE
   runs by its short factors, within the original context (``config.positions_served``).
@@ -50,13 +52,13 @@ from actorlm.models.moe_families import (MOE_MODEL_TYPES, check_moe_config, chec
 from actorlm.models.rope_layout import ROTATED_Q_K, head_order, reordered
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite",
-                         "olmo2", "olmo3", "exaone4", "glm", "glm4", "ernie4_5", "gemma2",
-                         "gemma3_text", "gemma3", *MOE_MODEL_TYPES)
+                         "olmo2", "olmo3", "exaone4", "glm", "glm4", "ernie4_5", "helium",
+                         "seed_oss", "gemma2", "gemma3_text", "gemma3", *MOE_MODEL_TYPES)
 NO_ROPE = "no_rope"  # the RoPE table of the layers without RoPE (SmolLM3's): the identity
 _QK_NORMS = {"qwen3": "head", "gemma3_text": "head", "qwen3_moe": "head", "olmoe": "projection",
              "olmo2": "projection", "olmo3": "projection", "exaone4": "head"}
 _OUTPUT_NORMS_ONLY = ("olmo2", "olmo3", "exaone4")  # norms on the branches' outputs only
-_INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5")  # RoPE on pairs (2i, 2i + 1)
+_INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5", "helium")  # RoPE on pairs (2i, 2i + 1)
 _GEMMA = ("gemma2", "gemma3_text")
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _GRANITE_MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier",
@@ -164,7 +166,7 @@ def layer_specs(config) -> list[LayerSpec]:
         clip_qkv=getattr(config, "clip_qkv", None) if model_type == "olmoe" else None,
         activation=_ACTIVATIONS[activation_of(config)],
         qkv_bias=qkv_bias,
-        o_bias=not qwen2 and model_type not in ("glm", "glm4") and attention_bias,
+        o_bias=_o_bias(config, attention_bias),
         # (the MoE families' MLPs have no biases, whatever their config says)
         mlp_bias=bool(getattr(config, "mlp_bias", getattr(config, "use_bias", False))) and
         not is_moe(config),
@@ -175,6 +177,15 @@ def layer_specs(config) -> list[LayerSpec]:
         rope_order=rope_head_order(config))
     return [LayerSpec(**base, window=window, moe=moe)
             for window, moe in zip(layer_windows(config), moe_specs(config), strict=True)]
+
+
+def _o_bias(config, attention_bias: bool) -> bool:
+    """Whether o_proj has a bias: as q/k/v do, but never in Qwen2's, GLM's or Helium's, and by
+    its own flag in Seed-OSS's."""
+    if config.model_type == "seed_oss":
+        return bool(config.attention_out_bias)
+    return attention_bias and config.model_type not in ("qwen2", "qwen2_moe", "glm", "glm4",
+                                                        "helium")
 
 
 def head_dim_of(config) -> int:

@@ -1,9 +1,10 @@
 """The families beyond Llama's (Gemma 3, Gemma 2, Mistral and Qwen2 with their windows, Phi-3,
 SmolLM3 without RoPE in a layer, Granite's multipliers, OLMo 2's and 3's output norms, GLM's
 RoPE on half of each head in interleaved pairs, Phi-3's on three quarters and LongRoPE's short
-factors, ERNIE 4.5's interleaved pairs and biases, EXAONE 4's global NoPE) against transformers
-on the same tiny checkpoints: logits at every position of a 40-token prompt and 60 greedy tokens
-after it, far past the window of 16, and the greedy tokens themselves by vLLM's rule."""
+factors, ERNIE 4.5's and Helium's interleaved pairs, EXAONE 4's global NoPE, Seed-OSS's biases)
+against transformers on the same tiny checkpoints: logits at every position of a 40-token
+prompt and 60 greedy tokens after it, far past the window of 16, and the greedy tokens
+themselves by vLLM's rule."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from actorlm.models.loader import load_model
 
 FAMILIES = ["gemma3", "gemma2", "mistral", "qwen2_window", "phi3", "smollm3", "granite",
             "olmo2", "olmo3", "glm", "glm4", "phi3_partial", "phi3_longrope", "ernie4_5",
-            "exaone4"]
+            "exaone4", "helium", "seed_oss"]
 PROMPT_LEN, NUM_DECODED = 40, 60
 ATOL = {torch.float32: 2e-4, torch.bfloat16: None}  # bf16: judged by the greedy tokens only
 
@@ -76,7 +77,8 @@ def test_layers_are_grouped_by_their_window(tiny_window_dirs):
     assert groups["olmo3"] == groups["exaone4"] == \
         [(None, (3,))] + [(WINDOW, (i,)) for i in range(3)]
     assert groups["glm"] == groups["glm4"] == groups["phi3_partial"] == \
-        groups["phi3_longrope"] == groups["ernie4_5"] == [(None, (0, 1))]
+        groups["phi3_longrope"] == groups["ernie4_5"] == groups["helium"] == \
+        groups["seed_oss"] == [(None, (0, 1))]
 
 
 def test_a_gemma3_checkpoint_with_a_vision_tower_is_served_as_its_text_tower(

@@ -60,7 +60,7 @@ def checkpoints(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_replicated_
             **{name: tiny_window_dirs[name]
                for name in ("gemma3", "gemma2", "mistral", "qwen2_window", "phi3", "smollm3",
                             "granite", "olmo2", "olmo3", "glm4", "phi3_partial", "ernie4_5",
-                            "exaone4")},
+                            "exaone4", "helium", "seed_oss")},
             # every expert's intermediate features split (from per-expert tensors and from
             # stacked ones), a shared expert's too, a router on every rank; OLMoE's q/k norms
             # over all heads, its one KV head on both ranks
@@ -84,7 +84,7 @@ def split(checkpoints):
                                   "llama_replicated_kv", "gemma3", "gemma2", "mistral",
                                   "qwen2_window", "phi3", "smollm3", "granite", "olmo2",
                                   "olmo3", "glm4", "phi3_partial", "ernie4_5", "exaone4",
-                                  "qwen3_moe",
+                                  "helium", "seed_oss", "qwen3_moe",
                                   "qwen3_moe_stacked", "qwen2_moe", "mixtral", "olmoe"])
 def test_two_ranks_compute_what_one_computes(name, checkpoints, split):
     path = checkpoints[name]
