@@ -296,8 +296,7 @@ def _write_dir(gguf: pathlib.Path, out: pathlib.Path) -> None:
     tokenizer = (PreTrainedTokenizerFast if arch in _UNKNOWN_TO_TRANSFORMERS else AutoTokenizer) \
         .from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     if config.model_type == "llama":  # the metadata has no such keys: the tensors tell
-        config.attention_bias = any(n.endswith("o_proj.bias") for n in names)
-        config.mlp_bias = any(n.endswith("down_proj.bias") for n in names)
+        config.update(gguf_metadata.biases(names))
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)

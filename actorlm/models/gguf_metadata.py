@@ -42,7 +42,7 @@ def field(reader, key: str, default=_REQUIRED):
     return entry.contents()
 
 
-def refuse_rope_scaling(reader, arch: str) -> None:
+def _refuse_rope_scaling(reader, arch: str) -> None:
     scaling = field(reader, f"{arch}.rope.scaling.type", "none")
     if scaling != "none":
         raise ValueError(f"GGUF {arch} file: rope scaling {scaling!r} is not implemented for "
@@ -58,7 +58,7 @@ def head_dim(reader, arch: str) -> int:
 def decoder_fields(reader, arch: str, tensor_names: list[str]) -> dict:
     """The config fields of any decoder file (``tensor_names``: its tensors' Hugging Face
     names, which tell whether the LM head is tied)."""
-    refuse_rope_scaling(reader, arch)
+    _refuse_rope_scaling(reader, arch)
     heads = field(reader, f"{arch}.attention.head_count")
     return dict(
         vocab_size=field(reader, f"{arch}.vocab_size", None) or
@@ -80,14 +80,14 @@ def smollm3_config(reader, tensor_names: list[str]):
     from transformers import SmolLM3Config
 
     return SmolLM3Config(**decoder_fields(reader, "smollm3", tensor_names),
-                         head_dim=head_dim(reader, "smollm3"), **_biases(tensor_names))
+                         head_dim=head_dim(reader, "smollm3"), **biases(tensor_names))
 
 
 def granite_config(reader, tensor_names: list[str]):
     from transformers import GraniteConfig
 
     return GraniteConfig(
-        **decoder_fields(reader, "granite", tensor_names), **_biases(tensor_names),
+        **decoder_fields(reader, "granite", tensor_names), **biases(tensor_names),
         embedding_multiplier=field(reader, "granite.embedding_scale", 1.0),
         attention_multiplier=field(reader, "granite.attention.scale", 1.0),
         residual_multiplier=field(reader, "granite.residual_scale", 1.0),
@@ -105,7 +105,7 @@ def olmo2_config(reader, tensor_names: list[str]):
     if head_dim(reader, "olmo2") * fields["num_attention_heads"] != fields["hidden_size"]:
         raise ValueError("olmo2: attention.key_length times the heads is not the embedding "
                          "length (its q norm has one weight per feature of q)")
-    return Olmo2Config(**fields, attention_bias=_biases(tensor_names)["attention_bias"])
+    return Olmo2Config(**fields, attention_bias=biases(tensor_names)["attention_bias"])
 
 
 def phi3_config(reader, tensor_names: list[str]):
@@ -128,7 +128,7 @@ def phi3_config(reader, tensor_names: list[str]):
                       original_max_position_embeddings=original)
 
 
-def _biases(tensor_names: list[str]) -> dict:
+def biases(tensor_names: list[str]) -> dict:
     """A Llama's bias flags, which its metadata lacks: the tensors tell."""
     return dict(attention_bias=any(name.endswith("o_proj.bias") for name in tensor_names),
                 mlp_bias=any(name.endswith("down_proj.bias") for name in tensor_names))
