@@ -54,7 +54,8 @@ from actorlm.models.rope_layout import ROTATED_Q_K, head_order, reordered
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite",
                          "olmo2", "olmo3", "exaone4", "glm", "glm4", "ernie4_5", "helium",
                          "seed_oss", "gemma2", "gemma3_text", "gemma3", *MOE_MODEL_TYPES)
-NO_ROPE = "no_rope"  # the RoPE table of the layers without RoPE (SmolLM3's): the identity
+# the RoPE table of the layers without RoPE (SmolLM3's, EXAONE 4's global ones): the identity
+NO_ROPE = "no_rope"
 _QK_NORMS = {"qwen3": "head", "gemma3_text": "head", "qwen3_moe": "head", "olmoe": "projection",
              "olmo2": "projection", "olmo3": "projection", "exaone4": "head"}
 _OUTPUT_NORMS_ONLY = ("olmo2", "olmo3", "exaone4")  # norms on the branches' outputs only
@@ -232,7 +233,7 @@ def rope_layer_types(config) -> list[str | None]:
 def rope_head_order(config) -> tuple[int, ...] | None:
     """How each head's q and k features are reordered at load (``rope_layout``): for RoPE on
     part of each head (``partial_rotary_factor``) or on interleaved pairs (GLM's)."""
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope = _rope_parameters(config)
     factors = {(params or {}).get("partial_rotary_factor",
                                   getattr(config, "partial_rotary_factor", None)) or 1.0
                for params in (rope.values() if "sliding_attention" in rope else [rope])}
@@ -242,6 +243,11 @@ def rope_head_order(config) -> tuple[int, ...] | None:
     head_dim = head_dim_of(config)
     return head_order(head_dim, int(head_dim * factors.pop()),  # (transformers' rounding)
                       config.model_type in _INTERLEAVED_ROPE)
+
+
+def _rope_parameters(config) -> dict:
+    """transformers 5's ``rope_parameters``, or an older config's ``rope_scaling``."""
+    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
 
 
 def rope_inv_freq(config, layer_type: str | None = None,
@@ -255,7 +261,7 @@ def rope_inv_freq(config, layer_type: str | None = None,
     """
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = _rope_parameters(config)
     if layer_type is not None:
         params = params[layer_type]
     rope_type = params.get("rope_type", params.get("type", "default"))
