@@ -25,6 +25,9 @@ def head_order(head_dim: int, rotary_dim: int, interleaved: bool) -> tuple[int, 
     order (RoPE on every feature, in halves)."""
     if rotary_dim == head_dim and not interleaved:
         return None
+    if not 0 <= rotary_dim <= head_dim:
+        raise ValueError(f"RoPE on {rotary_dim} of a head's {head_dim} features "
+                         f"(partial_rotary_factor): it must turn 0 to {head_dim} of them")
     if rotary_dim % 2 or head_dim % 2:
         raise ValueError(f"RoPE on {rotary_dim} of a head's {head_dim} features: both must be "
                          f"even")
