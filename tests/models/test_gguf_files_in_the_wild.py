@@ -13,13 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 from paged_contexts import PagedContexts
+from quantized_oracle import MAX_MEAN_KL, mean_kl
 
 from actorlm.kernels import select_backend
 from actorlm.models.loader import load_model
 
 pytestmark = pytest.mark.slow
 
-MAX_MEAN_KL = 0.01  # nats
 TEXT = """\
 The history of the printing press begins in the fifteenth century, when Johannes Gutenberg
 combined movable metal type, oil-based inks and a wooden press adapted from the wine presses of
@@ -42,10 +42,6 @@ def smollm2_pair(smollm2_dir, smollm2_dense_dir):
     return ours, theirs
 
 
-def _mean_kl(reference: torch.Tensor, ours: torch.Tensor) -> float:
-    p = reference.double().log_softmax(-1)
-    return float((p.exp() * (p - ours.double().log_softmax(-1))).sum(-1).mean())
-
 
 def test_smollm2_in_blocks_reads_a_text_as_transformers_does(smollm2_pair, smollm2_dir):
     from transformers import AutoTokenizer
@@ -61,12 +57,12 @@ def test_smollm2_in_blocks_reads_a_text_as_transformers_does(smollm2_pair, smoll
         expected = theirs(torch.tensor([ids])).logits[0].float()
     decoded = torch.cat(logits)[16:]
     assert len(decoded) >= 1000
-    assert _mean_kl(expected[16:], decoded) <= MAX_MEAN_KL
-    assert _mean_kl(expected[:16], logits[0]) <= MAX_MEAN_KL
+    assert mean_kl(expected[16:], decoded) <= MAX_MEAN_KL
+    assert mean_kl(expected[:16], logits[0]) <= MAX_MEAN_KL
     # and read as prompts are, 64 positions a step (the prefill's integer path)
     cache = PagedContexts(ours, num_blocks=300, block_size=4)
     prefilled = torch.cat([cache.step(ours, [(0, ids[i:i + 64])]) for i in range(0, len(ids), 64)])
-    assert _mean_kl(expected, prefilled) <= MAX_MEAN_KL
+    assert mean_kl(expected, prefilled) <= MAX_MEAN_KL
 
 
 def test_every_block_format_of_the_gemma3_file_runs_on_the_cpu_kernels():

@@ -32,6 +32,7 @@ import torch
 from gguf_moe_files import dequantized_moe, save_routed, transformers_on_gguf, write_moe_gguf
 from greedy import check_logprobs_close, hf_continuation
 from paged_contexts import PagedContexts, greedy_with_logits, random_prompt
+from quantized_oracle import MAX_MEAN_KL, mean_kl
 from tp_helpers import run_ranks
 from tp_steps import ATOL, experts_placement, greedy_steps
 
@@ -46,7 +47,6 @@ from actorlm.models.parts import load_model_parts
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 READ_BY_TRANSFORMERS = ("qwen3_moe", "qwen2_moe")
-MAX_MEAN_KL = 0.01  # nats: test_gguf.py's bar
 MAX_MEAN_KL_AFTER_A_DIFFERENCE = 0.03  # (see _check_close_where_routed_alike)
 PROMPT_LEN, NUM_DECODED = 20, 12
 
@@ -114,11 +114,6 @@ def _their_logits(model, ids: list[int]) -> tuple[torch.Tensor, list[torch.Tenso
     return logits, choices
 
 
-def _mean_kl(reference: torch.Tensor, ours: torch.Tensor) -> float:
-    """Mean over positions of KL(reference || ours) of the next-token distributions."""
-    p = reference.double().log_softmax(-1)
-    return float((p.exp() * (p - ours.double().log_softmax(-1))).sum(-1).mean())
-
 
 def _check_close_where_routed_alike(ours, our_routes, expected, their_routes, what: str):
     """The kernels' int8 activations move a router's scores by about a percent, so a token
@@ -131,12 +126,12 @@ def _check_close_where_routed_alike(ours, our_routes, expected, their_routes, wh
     alike = torch.stack([(a == b).all(-1) for a, b in zip(our_routes, their_routes,
                                                           strict=True)]).all(0)
     first = int((~alike).nonzero()[0]) if not alike.all() else len(alike)
-    before, after = _mean_kl(expected[:first], ours[:first]), \
-        _mean_kl(expected[first:][alike[first:]], ours[first:][alike[first:]])
+    before, after = mean_kl(expected[:first], ours[:first]), \
+        mean_kl(expected[first:][alike[first:]], ours[first:][alike[first:]])
     print(f"{what}: mean KL {before:.5f} nats over the {first} positions before a routing "
           f"difference, {after:.5f} over the {int(alike[first:].sum())} after it routed "
           f"alike, {len(alike) - int(alike.sum())} of {len(alike)} routed differently "
-          f"(all: {_mean_kl(expected, ours):.5f})")
+          f"(all: {mean_kl(expected, ours):.5f})")
     assert alike.float().mean() >= 0.75
     # (a mean over no positions is nan: nothing to hold)
     assert not before > MAX_MEAN_KL and not after > MAX_MEAN_KL_AFTER_A_DIFFERENCE
@@ -229,7 +224,7 @@ def test_experts_in_blocks_beside_experts_in_floats_run_in_floats(routed_dirs, g
     assert not any(isinstance(e.prepared, moe.LinearExperts) for e in _blocks(mixed))
     prompt = random_prompt(whole.vocab_size, PROMPT_LEN)
     ours = PagedContexts(mixed).step(mixed, [(0, prompt)])
-    assert _mean_kl(PagedContexts(whole).step(whole, [(0, prompt)]), ours) <= MAX_MEAN_KL
+    assert mean_kl(PagedContexts(whole).step(whole, [(0, prompt)]), ours) <= MAX_MEAN_KL
 
 
 def test_stacked_experts_in_blocks_are_refused_by_name():

@@ -47,6 +47,7 @@ def tiny_replicated_kv_dir(tmp_path_factory, tiny_tokenizer_dir):
 def checkpoints(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_replicated_kv_dir,
                 tiny_window_dirs, tiny_moe_dirs, tmp_path_factory):
     from gguf_files import write_gguf
+    from prequantized_files import write
 
     from actorlm.models.loader import resolve_model
 
@@ -71,7 +72,9 @@ def checkpoints(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_replicated_
             **{name: resolve_model(write_gguf(path, files / f"{name}.gguf", type_name))
                for name, path, type_name in [("llama_tied_q8_0", tiny_llama_dir, "Q8_0"),
                                              ("replicated_kv_q4_0", tiny_replicated_kv_dir,
-                                              "Q4_0")]}}
+                                              "Q4_0")]},
+            # a GPTQ checkpoint's integers in Q4_1 blocks, o/down split by whole groups
+            "llama_gptq": write(tiny_llama_dir, files / "gptq", "gptq", symmetric=False)[0]}
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +108,7 @@ def test_two_ranks_compute_what_one_computes(name, checkpoints, split):
                                    atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama_tied_q8_0", "replicated_kv_q4_0"])
+@pytest.mark.parametrize("name", ["llama_tied_q8_0", "replicated_kv_q4_0", "llama_gptq"])
 def test_two_ranks_compute_in_blocks_what_one_computes(name, checkpoints, split):
     whole = greedy_steps(TensorParallel(), checkpoints[name])
     ours = split[0][name]
