@@ -119,9 +119,9 @@ def _check_gptq(config: dict) -> None:
 
 
 def _check_awq(config: dict) -> None:
-    _bits_dividing_a_word(config.get("bits", config.get("w_bit")), "awq: bits")
-    if config.get("bits", config.get("w_bit")) != 4:
-        raise ValueError("awq: only 4-bit checkpoints are implemented")
+    bits = config.get("bits", config.get("w_bit"))
+    if bits != 4:
+        raise ValueError(f"awq: bits {bits!r} is not implemented (4 bits)")
     if str(config.get("version", "gemm")).lower() != "gemm":
         raise ValueError(f"awq: version {config['version']!r} is not implemented (gemm)")
     if not config.get("zero_point", True):
@@ -168,7 +168,7 @@ def _unpack(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return values.reshape(shape)
 
 
-def _gptq(parts: dict, config: dict) -> Grouped:
+def _gptq(parts: dict, config: dict, module: str) -> Grouped:
     """qweight [in * bits/32, out] packed along the inputs, qzeros [groups, out * bits/32]
     along the outputs, scales [groups, out], g_idx [in]; a ``gptq`` (v1) checkpoint stores
     each zero point less one."""
@@ -181,7 +181,7 @@ def _gptq(parts: dict, config: dict) -> Grouped:
     return Grouped(values, zeros[:out], parts["scales"].T, bits, parts.get("g_idx"))
 
 
-def _awq(parts: dict, config: dict) -> Grouped:
+def _awq(parts: dict, config: dict, module: str) -> Grouped:
     """qweight [in, out / 8] and qzeros [groups, out / 8], eight columns a word in AWQ's
     order; scales [groups, out]."""
     def columns(words):
@@ -257,9 +257,8 @@ def read_tensors(tensors: Iterable[tuple[str, torch.Tensor]], config: dict,
         missing = [p for p in names if p not in parts and p not in optional]
         if missing:
             raise ValueError(f"{module}: the checkpoint lacks {', '.join(missing)}")
-        grouped = reader(parts, config, module) if method == "compressed-tensors" else \
-            reader(parts, config)
-        weight, kind = as_weight(grouped, dtype, copied=_EXPERT.search(module) is None)
+        weight, kind = as_weight(reader(parts, config, module), dtype,
+                                 copied=_EXPERT.search(module) is None)
         kinds[kind] += 1
         yield f"{module}.weight", weight
     log.info("%s checkpoint: %s", method,
