@@ -18,7 +18,8 @@ import shutil
 import torch
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+             "w1", "w2", "w3")  # (Mixtral's experts: gate, down, up)
 
 
 def _quantize(weight: torch.Tensor, bits: int, group: int, symmetric: bool, seed: int):

@@ -11,6 +11,7 @@ import shutil
 import gguf
 import pytest
 import torch
+from paged_contexts import PagedContexts
 from prequantized_files import write, write_compressed_tensors
 from quantized_oracle import check_greedy_and_kl
 
@@ -159,3 +160,34 @@ def test_a_module_missing_a_tensor_is_named(tiny_llama_dir, tmp_path):
     with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj: the checkpoint lacks "
                                          "qzeros"):
         load_model(quantized_dir, torch.float32, "cpu", select_backend("cpu"))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_routed_experts_are_read_one_module_each(family, tiny_moe_dirs, tmp_path):
+    """Each expert's projections (Mixtral's under w1/w2/w3) read as modules of their own:
+    through the dense path (groups of 16, act-order) the logits are transformers' on the same
+    weights; in blocks, every routed layer holds its experts in them. (The blocks' int8
+    activations move the routers' scores enough to flip near-tied experts on these tiny random
+    routers, so the blocks' logits are held to transformers by the GGUF MoE tests' rule, not
+    here.)"""
+    from transformers import AutoModelForCausalLM
+
+    from actorlm.kernels.moe import LinearExperts
+    from actorlm.models.moe import SparseMoeBlock
+
+    dense_path, oracle = write(tiny_moe_dirs[family], tmp_path / "act-order", method="gptq",
+                               group=16, symmetric=False, shuffled_groups=True)
+    ours = load_model(dense_path, torch.float32, "cpu", select_backend("cpu"))
+    theirs = AutoModelForCausalLM.from_pretrained(oracle, dtype=torch.float32).eval()
+    prompt = list(range(3, 23))
+    with torch.inference_mode():
+        expected = theirs(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(PagedContexts(ours).step(ours, [(0, prompt)]), expected,
+                               atol=2e-4, rtol=0)
+    blocks_path, _ = write(tiny_moe_dirs[family], tmp_path / "blocks", method="gptq")
+    ours = load_model(blocks_path, torch.float32, "cpu", select_backend("cpu"))
+    routed = [layer.mlp.experts.prepared for layer in ours.model.layers
+              if isinstance(layer.mlp, SparseMoeBlock)]
+    assert routed and all(isinstance(p, LinearExperts) for p in routed), routed
+    kinds = {linear._kinds[0][0] for p in routed for linear in (*p.gate_up, *p.down)}
+    assert kinds == {"Q4_0"}
