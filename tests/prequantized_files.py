@@ -22,7 +22,7 @@ QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "do
              "w1", "w2", "w3")  # (Mixtral's experts: gate, down, up)
 
 
-def _quantize(weight: torch.Tensor, bits: int, group: int, symmetric: bool, seed: int):
+def _quantize(weight: torch.Tensor, bits: int, group: int, symmetric: bool):
     """Min/max quantization of ``weight`` [out, in] by groups of ``group`` inputs: q [out, in]
     and zeros [out, G] unsigned, scales [out, G] fp16 (rounded first, so the dequantized
     weight is what a kernel reading fp16 scales computes)."""
@@ -73,7 +73,7 @@ def write(src: pathlib.Path, out: pathlib.Path, method: str, bits: int = 4, grou
     """``src``'s projections quantized with ``method`` (gptq, gptq_v2, awq) into ``out /
     'quantized'``, and the oracle ``out / 'dense'``; ``shuffled_groups``: GPTQ's act-order,
     each input's group from a g_idx that is not consecutive runs."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     state = load_file(src / "model.safetensors")
     quantized, dense = {}, {}
@@ -82,7 +82,7 @@ def write(src: pathlib.Path, out: pathlib.Path, method: str, bits: int = 4, grou
         if module.rsplit(".", 1)[-1] not in QUANTIZED:
             quantized[name] = dense[name] = weight
             continue
-        q, zeros, scales = _quantize(weight, bits, group, symmetric, i)
+        q, zeros, scales = _quantize(weight, bits, group, symmetric)
         in_features = weight.shape[1]
         group_of = torch.arange(in_features) // group
         if shuffled_groups:
@@ -111,7 +111,7 @@ def _regrouped(weight, bits, group_of, symmetric):
     gathered, quantized together, and put back."""
     order = torch.argsort(group_of, stable=True)
     group = int((group_of == 0).sum())
-    q, zeros, scales = _quantize(weight[:, order], bits, group, symmetric, 0)
+    q, zeros, scales = _quantize(weight[:, order], bits, group, symmetric)
     back = torch.empty_like(q)
     back[:, order] = q
     return back, zeros, scales
