@@ -37,6 +37,7 @@ import torch
 
 from actorlm.kernels import QuantizedWeight
 from actorlm.kernels.resident import resident
+from actorlm.models.quantized import is_expert_weight
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,6 @@ METHODS = {"gptq": ("gptq", "gptq_marlin"), "awq": ("awq", "awq_marlin"),
            "compressed-tensors": ("compressed-tensors",)}
 _BLOCK = 32  # values per block of Q4_0, Q4_1 and Q8_0
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # word bits 4i..4i+3 hold column _AWQ_ORDER[i] of eight
-_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 
 @dataclass
@@ -61,21 +61,22 @@ class Grouped:
     bits: int
     group_of: torch.Tensor | None = None
 
+    def _runs(self) -> torch.Tensor:
+        """Each input feature's group if the groups were consecutive runs of in / groups."""
+        in_features, groups = self.values.shape[1], self.scales.shape[1]
+        return torch.arange(in_features) // (in_features // groups)
+
     def consecutive_group_size(self) -> int | None:
         """Features per group where the groups are consecutive runs, else None."""
         in_features, groups = self.values.shape[1], self.scales.shape[1]
-        if in_features % groups:
+        if in_features % groups or (self.group_of is not None and
+                                    not torch.equal(self.group_of.long(), self._runs())):
             return None
-        size = in_features // groups
-        if self.group_of is not None and not torch.equal(
-                self.group_of.long(), torch.arange(in_features) // size):
-            return None
-        return size
+        return in_features // groups
 
     def dense(self) -> torch.Tensor:
         """``s * (q - z)`` in fp32."""
-        groups = self.group_of.long() if self.group_of is not None else \
-            torch.arange(self.values.shape[1]) // (self.values.shape[1] // self.scales.shape[1])
+        groups = self._runs() if self.group_of is None else self.group_of.long()
         zeros = self.zeros[:, groups].float() if self.zeros is not None else 2.0**(self.bits - 1)
         return (self.values.float() - zeros) * self.scales[:, groups].float()
 
@@ -258,7 +259,7 @@ def read_tensors(tensors: Iterable[tuple[str, torch.Tensor]], config: dict,
         if missing:
             raise ValueError(f"{module}: the checkpoint lacks {', '.join(missing)}")
         weight, kind = as_weight(reader(parts, config, module), dtype,
-                                 copied=_EXPERT.search(module) is None)
+                                 copied=not is_expert_weight(f"{module}.weight"))
         kinds[kind] += 1
         yield f"{module}.weight", weight
     log.info("%s checkpoint: %s", method,
@@ -280,14 +281,16 @@ def as_weight(g: Grouped, dtype: torch.dtype,
     values = g.values.reshape(out, -1, _BLOCK)
     zeros = None if g.zeros is None else \
         g.zeros.repeat_interleave(per_block, dim=1).unsqueeze(-1).int()
+    fields = [_halves(d)]  # each block's scale, then (Q4_1) its offset, then its values
     if g.bits == 8:
-        type_name, fields = "Q8_0", [_halves(d)]
+        type_name = "Q8_0"
         quants = (values.int() - (128 if zeros is None else zeros)).to(torch.int8)
         quants = quants.view(torch.uint8)
     else:
         symmetric = zeros is None or bool((zeros == 8).all())
         type_name = "Q4_0" if symmetric else "Q4_1"
-        fields = [_halves(d)] if symmetric else [_halves(d), _halves(-d * zeros[..., 0])]
+        if not symmetric:
+            fields.append(_halves(-d * zeros[..., 0]))
         quants = values[..., :16] | (values[..., 16:] << 4)
     blocks = torch.cat([*fields, quants], dim=-1).reshape(out, -1)
     return QuantizedWeight(type_name, resident(blocks) if copied else blocks,

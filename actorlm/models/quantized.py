@@ -28,6 +28,11 @@ def block_elements(type_name: str) -> int:
     return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][0]
 
 
+def is_expert_weight(name: str) -> bool:
+    """Whether ``name`` is one routed expert's weight, which its layer copies out itself."""
+    return _EXPERT_WEIGHT.search(name) is not None
+
+
 def quantize(weight: torch.Tensor, quantization: str, vocabulary: bool,
              copied: bool = True) -> QuantizedWeight | None:
     """``weight`` [out, in] in ``quantization``'s blocks (Q8_0 for a ``vocabulary`` matrix), or
@@ -57,7 +62,7 @@ def quantize_checkpoint(tensors, quantization: str):
         if stacked is not None:
             yield from _quantized_experts(stacked, tensor, quantization)
             continue
-        expert = _EXPERT_WEIGHT.search(name) is not None
+        expert = is_expert_weight(name)
         vocabulary = name in ("model.embed_tokens.weight", "lm_head.weight")
         if vocabulary or expert or name.endswith("_proj.weight"):
             tensor = quantize(tensor, quantization, vocabulary, copied=not expert) or tensor
