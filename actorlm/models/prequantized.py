@@ -61,6 +61,23 @@ class Grouped:
     bits: int
     group_of: torch.Tensor | None = None
 
+    def mismatch(self) -> str:
+        """What in the shapes does not fit together ("" where they do): a damaged or
+        misdescribed checkpoint."""
+        (out, in_features), groups = self.values.shape, self.scales.shape[-1]
+        if self.scales.shape != (out, groups) or groups == 0:
+            return f"scales {tuple(self.scales.shape)} for a weight {out} x {in_features}"
+        if self.zeros is not None and self.zeros.shape != self.scales.shape:
+            return f"zero points {tuple(self.zeros.shape)} beside scales " \
+                   f"{tuple(self.scales.shape)}"
+        if self.group_of is None:
+            return "" if in_features % groups == 0 else \
+                f"{in_features} input features in {groups} equal groups"
+        if self.group_of.shape != (in_features,) or not (
+                0 <= int(self.group_of.min()) and int(self.group_of.max()) < groups):
+            return f"group indices that do not name {in_features} features' groups of {groups}"
+        return ""
+
     def _runs(self) -> torch.Tensor:
         """Each input feature's group if the groups were consecutive runs of in / groups."""
         in_features, groups = self.values.shape[1], self.scales.shape[1]
@@ -94,6 +111,8 @@ def quantization_config(path: pathlib.Path) -> dict | None:
 def check(config: dict, quantization: str | None) -> None:
     """Refuse, by name, a ``quantization_config`` this engine does not compute, or a
     ``--quantization`` that contradicts it."""
+    if not isinstance(config, dict):
+        raise ValueError(f"quantization_config must be an object, got {config!r}")
     method = config.get("quant_method")
     if method not in METHODS:
         raise ValueError(f"quantization_config.quant_method {method!r} is not implemented "
@@ -258,7 +277,10 @@ def read_tensors(tensors: Iterable[tuple[str, torch.Tensor]], config: dict,
         missing = [p for p in names if p not in parts and p not in optional]
         if missing:
             raise ValueError(f"{module}: the checkpoint lacks {', '.join(missing)}")
-        weight, kind = as_weight(reader(parts, config, module), dtype,
+        grouped = reader(parts, config, module)
+        if mismatch := grouped.mismatch():
+            raise ValueError(f"{module}: {mismatch}")
+        weight, kind = as_weight(grouped, dtype,
                                  copied=not is_expert_weight(f"{module}.weight"))
         kinds[kind] += 1
         yield f"{module}.weight", weight

@@ -122,6 +122,22 @@ def _with_config(src, dst, **changes):
     return dst
 
 
+def test_a_damaged_module_and_a_config_that_is_no_object_are_named(tiny_llama_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    quantized_dir, _ = write(tiny_llama_dir, tmp_path, method="gptq")
+    tensors = load_file(quantized_dir / "model.safetensors")
+    name = "model.layers.0.self_attn.o_proj.scales"
+    tensors[name] = tensors[name][:, :40].contiguous()  # scales for 40 of 64 outputs
+    save_file(tensors, quantized_dir / "model.safetensors")
+    with pytest.raises(ValueError, match=r"o_proj: scales \(40, 2\) for a weight 64 x 64"):
+        load_model(quantized_dir, torch.float32, "cpu", select_backend("cpu"))
+    meta = json.loads((quantized_dir / "config.json").read_text())
+    (quantized_dir / "config.json").write_text(json.dumps({**meta, "quantization_config": "x"}))
+    with pytest.raises(ValueError, match="quantization_config must be an object, got 'x'"):
+        check_quantization(quantized_dir, None)
+
+
 @pytest.mark.parametrize("changes, message", [
     (dict(quant_method="fp8"), "quant_method 'fp8' is not implemented"),
     (dict(quant_method="bitsandbytes"), "quant_method 'bitsandbytes' is not implemented"),
