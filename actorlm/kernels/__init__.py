@@ -15,12 +15,12 @@ import os
 
 import torch
 
-from actorlm.kernels.backend import (ACTIVATIONS, QUANTIZED_FORMATS, AttentionLayer,
-                                     DecoderLayerPlan, Experts, KernelBackend, MoePlan,
-                                     Norm, QuantizedWeight)
+from actorlm.kernels.backend import (ACTIVATIONS, QUANTIZED_FORMATS, ActivationQuant,
+                                     AttentionLayer, DecoderLayerPlan, Experts, KernelBackend,
+                                     MoePlan, Norm, QuantizedWeight)
 from actorlm.kernels.metadata import AttentionMetadata
 
-__all__ = ["ACTIVATIONS", "QUANTIZED_FORMATS", "AttentionLayer", "AttentionMetadata", "DecoderLayerPlan",
+__all__ = ["ACTIVATIONS", "QUANTIZED_FORMATS", "ActivationQuant", "AttentionLayer", "AttentionMetadata", "DecoderLayerPlan",
            "Experts", "KernelBackend", "MoePlan", "Norm", "QuantizedWeight", "select_backend"]
 
 log = logging.getLogger(__name__)

@@ -61,6 +61,17 @@ class QuantizedWeight(NamedTuple):
     shape: tuple[int, int]
 
 
+class ActivationQuant(NamedTuple):
+    """A linear layer's input rounded to FP8 (e4m3) before its matmul, as an FP8 checkpoint's
+    math asks: scaled by a static ``scale`` (one per tensor), else by each row's largest
+    magnitude over 448, per ``group`` of consecutive features or over the whole row (``group``
+    None); the rounded values times their scale, back in the input's dtype, then multiply
+    the weight."""
+
+    group: int | None = None
+    scale: float | None = None
+
+
 class Experts(NamedTuple):
     """A layer's routed experts, each a gated MLP (this rank's share of every expert's
     intermediate features, or under expert parallelism its share of the experts, whole):
@@ -179,6 +190,15 @@ class KernelBackend:
         merged layer whose parts came in different formats). The result keeps what it needs;
         the caller may let its own reference to the weight go."""
         raise NotImplementedError
+
+    def quantize_inputs(self, linear: Callable, quant: ActivationQuant,
+                        row_max: Callable | None = None) -> Callable:
+        """Once, at load: a prepared ``linear`` whose inputs are rounded to FP8 first
+        (``ActivationQuant``); ``row_max`` joins a row's largest magnitude [T, 1] over the ranks
+        that share the row (tensor parallelism), or is None."""
+        from actorlm.kernels.portable import QuantizedInputs
+
+        return QuantizedInputs(quant, linear, row_max)
 
     def prepare_embedding(self, weight: QuantizedWeight,
                           dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:

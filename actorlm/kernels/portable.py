@@ -12,7 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from actorlm.kernels.backend import Norm, QuantizedWeight, check_activation
+from actorlm.kernels.backend import ActivationQuant, Norm, QuantizedWeight, check_activation
+
+_FP8 = torch.float8_e4m3fn
+_FP8_MAX = torch.finfo(_FP8).max  # 448
 
 
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
@@ -24,6 +27,37 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     values = gguf.quants.dequantize(blocks.reshape(weight.shape[0], -1),
                                     gguf.GGMLQuantizationType[weight.type_name])
     return torch.from_numpy(values).view(weight.shape).to(dtype)
+
+
+def round_to_fp8(x: torch.Tensor, quant: ActivationQuant, row_max=None) -> torch.Tensor:
+    """x [T, in] rounded to FP8 e4m3 values times their scale (``ActivationQuant``), in x's
+    dtype: each step in fp32 (the scale, x / scale clamped to +-448, the rounding to nearest
+    even, the product), as the FP8 GEMMs' quantization of their input computes it.
+    ``row_max`` joins a row's largest magnitude [T, 1] over the ranks that share the row."""
+    h = x.float()
+    if quant.scale is not None:
+        scale = torch.tensor(quant.scale, dtype=torch.float32, device=x.device)
+    else:
+        if quant.group is not None:
+            h = h.unflatten(-1, (-1, quant.group))  # [T, groups, group]
+        largest = h.abs().amax(-1, keepdim=True)
+        if row_max is not None and quant.group is None:
+            largest = row_max(largest)
+        scale = largest.clamp(min=torch.finfo(torch.float32).tiny) / _FP8_MAX
+    q = (h / scale).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8)
+    return (q.float() * scale).reshape(x.shape).to(x.dtype)
+
+
+class QuantizedInputs:
+    """A prepared linear layer ``linear`` whose input is first rounded as ``quant`` says; a
+    backend's decode step may take the pair apart and round in its own kernel, with the same
+    bits."""
+
+    def __init__(self, quant: ActivationQuant, linear, row_max=None):
+        self.quant, self.linear, self.row_max = quant, linear, row_max
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(round_to_fp8(x, self.quant, self.row_max))
 
 
 def rms_norm(x: torch.Tensor, norm: Norm) -> torch.Tensor:

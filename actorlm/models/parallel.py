@@ -136,10 +136,10 @@ def check_initialised(tp: TensorParallel) -> None:
                            f"of {tp.size}")
 
 
-def all_reduce(tp: TensorParallel, x: torch.Tensor) -> torch.Tensor:
-    """Sum ``x`` over the ranks, in place; returns it."""
+def all_reduce(tp: TensorParallel, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Sum (or ``op``: "max") ``x`` over the ranks, in place; returns it."""
     if tp.is_parallel:
-        torch.distributed.all_reduce(x)
+        torch.distributed.all_reduce(x, getattr(torch.distributed.ReduceOp, op.upper()))
     return x
 
 

@@ -18,9 +18,10 @@ into what the kernels read:
   are not consecutive, a scale beyond fp16's range): the weight dequantized at load into the
   model's dtype (logged once, with why), so it is served, as a dense weight.
 
-A field of ``quantization_config`` that changes the math and is not computed here (quantized
-activations, a KV-cache scheme, transforms, sparsity, other methods such as FP8) is refused by
-name before anything loads.
+FP8 weights (the ``fp8`` method, compressed-tensors' ``float-quantized``) are ``fp8``'s to
+read. A field of ``quantization_config`` that changes the math and is not computed here
+(integer weights with quantized activations, a KV-cache scheme, transforms, sparsity, other
+methods such as bitsandbytes) is refused by name before anything loads.
 """
 
 from __future__ import annotations
@@ -37,13 +38,14 @@ import torch
 
 from actorlm.kernels import QuantizedWeight
 from actorlm.kernels.resident import resident
+from actorlm.models import fp8
 from actorlm.models.quantized import is_expert_weight
 
 log = logging.getLogger(__name__)
 
 # quant_method -> the --quantization names that mean it (vLLM's, its Marlin kernels' too)
 METHODS = {"gptq": ("gptq", "gptq_marlin"), "awq": ("awq", "awq_marlin"),
-           "compressed-tensors": ("compressed-tensors",)}
+           "compressed-tensors": ("compressed-tensors",), "fp8": ("fp8",)}
 _BLOCK = 32  # values per block of Q4_0, Q4_1 and Q8_0
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # word bits 4i..4i+3 hold column _AWQ_ORDER[i] of eight
 
@@ -108,6 +110,13 @@ def quantization_config(path: pathlib.Path) -> dict | None:
     return value if value else None
 
 
+def held_in_blocks(path: pathlib.Path) -> bool:
+    """Whether the directory's checkpoint loads into blocks (its integer weights do; FP8
+    weights are dequantized)."""
+    config = quantization_config(path)
+    return config is not None and not fp8.is_fp8(config)
+
+
 def check(config: dict, quantization: str | None) -> None:
     """Refuse, by name, a ``quantization_config`` this engine does not compute, or a
     ``--quantization`` that contradicts it."""
@@ -121,7 +130,8 @@ def check(config: dict, quantization: str | None) -> None:
         raise ValueError(f"--quantization {quantization} does not apply to a checkpoint "
                          f"quantized with {method} (leave it out, or say "
                          f"{' or '.join(METHODS[method])})")
-    {"gptq": _check_gptq, "awq": _check_awq, "compressed-tensors": _check_ct}[method](config)
+    {"gptq": _check_gptq, "awq": _check_awq, "compressed-tensors": _check_ct,
+     "fp8": fp8.check_fp8_method}[method](config)
 
 
 def _bits_dividing_a_word(bits, where: str) -> None:
@@ -153,11 +163,21 @@ def _check_ct(config: dict) -> None:
         if config.get(field):
             raise ValueError(f"compressed-tensors: {field} is not implemented")
     groups = config.get("config_groups") or {}
-    if not groups:
-        raise ValueError("compressed-tensors: config_groups is empty")
+    if not groups or not all(isinstance(group, dict) for group in groups.values()):
+        raise ValueError(f"compressed-tensors: config_groups {groups!r} is no set of objects")
+    floats = [(group.get("weights") or {}).get("type") == "float" for group in groups.values()]
+    if any(floats) and not all(floats):
+        raise ValueError("compressed-tensors: config groups of both FP8 and integer weights "
+                         "are not implemented")
     for name, group in groups.items():
         where = f"compressed-tensors: config_groups.{name}"
         form = group.get("format") or config.get("format")
+        if any(floats):
+            if form not in ("float-quantized", "naive-quantized"):
+                raise ValueError(f"{where}: format {form!r} of FP8 weights is not "
+                                 f"implemented (float-quantized)")
+            fp8.check_ct_group(where, group)
+            continue
         if form != "pack-quantized":
             raise ValueError(f"{where}: format {form!r} is not implemented (pack-quantized: "
                              f"integer weights, activations in the model's dtype)")
@@ -219,7 +239,7 @@ def _ct(parts: dict, config: dict, module: str) -> Grouped:
     """weight_packed [out, in * bits/32] along the inputs, values offset by the midpoint;
     weight_scale [out, groups] (one group: channel or tensor); weight_zero_point packed along
     the outputs [out * bits/32, groups] when asymmetric; weight_shape [out, in]."""
-    weights = _ct_weights(config, module)
+    weights = _ct_group(config, module)["weights"]
     bits = weights["num_bits"]
     out, in_features = (int(n) for n in parts["weight_shape"])
     values = _unpack(parts["weight_packed"], bits, 1)[:, :in_features]
@@ -233,17 +253,17 @@ def _ct(parts: dict, config: dict, module: str) -> Grouped:
     return Grouped(values, zeros, scales, bits, parts.get("weight_g_idx"))
 
 
-def _ct_weights(config: dict, module: str) -> dict:
-    """The ``weights`` of the config group whose targets name ``module`` (a class name, the
-    module's name, or ``re:`` and a pattern)."""
+def _ct_group(config: dict, module: str) -> dict:
+    """The config group whose targets name ``module`` (a class name, the module's name, or
+    ``re:`` and a pattern)."""
     groups = list(config["config_groups"].values())
     for group in groups:
         for target in group.get("targets", ()):
             if target in ("Linear", module) or (
                     target.startswith("re:") and re.match(target[3:], module)):
-                return group["weights"]
+                return group
     if len(groups) == 1:
-        return groups[0]["weights"]
+        return groups[0]
     raise ValueError(f"compressed-tensors: no config group targets {module}")
 
 
@@ -262,7 +282,11 @@ def read_tensors(tensors: Iterable[tuple[str, torch.Tensor]], config: dict,
     """The checkpoint's (name, tensor) pairs with each quantized module's tensors put together
     into its ``.weight``: in blocks, or dequantized into ``dtype`` (see the module's doc). The
     other tensors pass as they are. A module's tensors may come in any order and any file, so
-    the quantized ones are held until the checkpoint has been read."""
+    the quantized ones are held until the checkpoint has been read. FP8 weights are ``fp8``'s
+    to read."""
+    if fp8.is_fp8(config):
+        yield from fp8.read_tensors(tensors, config, dtype, lambda m: _ct_group(config, m))
+        return
     method = config["quant_method"]
     names, optional, reader = _FORMATS[method]
     held: dict[str, dict[str, torch.Tensor]] = {}

@@ -139,7 +139,7 @@ def test_a_damaged_module_and_a_config_that_is_no_object_are_named(tiny_llama_di
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(quant_method="fp8"), "quant_method 'fp8' is not implemented"),
+    (dict(quant_method="mxfp4"), "quant_method 'mxfp4' is not implemented"),
     (dict(quant_method="bitsandbytes"), "quant_method 'bitsandbytes' is not implemented"),
     (dict(bits=3), "bits 3 is not implemented"),
     (dict(dynamic={"-:.*down_proj": {}}), "dynamic"),

@@ -46,6 +46,7 @@ def tiny_replicated_kv_dir(tmp_path_factory, tiny_tokenizer_dir):
 @pytest.fixture(scope="module")
 def checkpoints(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_replicated_kv_dir,
                 tiny_window_dirs, tiny_moe_dirs, tmp_path_factory):
+    from fp8_files import write_fp8
     from gguf_files import write_gguf
     from prequantized_files import write
 
@@ -74,7 +75,11 @@ def checkpoints(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_replicated_
                                              ("replicated_kv_q4_0", tiny_replicated_kv_dir,
                                               "Q4_0")]},
             # a GPTQ checkpoint's integers in Q4_1 blocks, o/down split by whole groups
-            "llama_gptq": write(tiny_llama_dir, files / "gptq", "gptq", symmetric=False)[0]}
+            "llama_gptq": write(tiny_llama_dir, files / "gptq", "gptq", symmetric=False)[0],
+            # FP8 inputs: o/down's per-token scale over both ranks' shares of the row (one
+            # more all-reduce); per group of 32 on each rank's whole groups
+            "llama_fp8": write_fp8(tiny_llama_dir, files / "fp8", "channel", "token"),
+            "qwen2_fp8_block": write_fp8(tiny_qwen2_dir, files / "fp8_block", "block", "group")}
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +93,8 @@ def split(checkpoints):
                                   "qwen2_window", "phi3", "smollm3", "granite", "olmo2",
                                   "olmo3", "glm4", "phi3_partial", "ernie4_5", "exaone4",
                                   "helium", "seed_oss", "qwen3_moe",
-                                  "qwen3_moe_stacked", "qwen2_moe", "mixtral", "olmoe"])
+                                  "qwen3_moe_stacked", "qwen2_moe", "mixtral", "olmoe",
+                                  "llama_fp8", "qwen2_fp8_block"])
 def test_two_ranks_compute_what_one_computes(name, checkpoints, split):
     path = checkpoints[name]
     whole = greedy_steps(TensorParallel(), path)
