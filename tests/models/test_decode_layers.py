@@ -271,3 +271,22 @@ def test_q_and_k_normed_over_whole_projections_and_clipped_take_the_one_call_wit
     steps = _decode_steps(rows, 4)
     _assert_twins(model, PROMPT_IDS[:rows], steps)
     assert model.decode_step.num_steps == len(steps)
+
+
+@needs_kernels
+@each_kernel_dtype
+@pytest.mark.parametrize("weights, activations", [("channel", "token"), ("tensor", "tensor"),
+                                                  ("block", "group")])
+def test_fp8_inputs_take_the_one_call_with_the_python_layers_bits(
+        weights, activations, dtype, tiny_qwen2_dir, tmp_path):
+    """An FP8 checkpoint's projections round their inputs in the C++ step (per row, by a
+    static scale, per group), with the bits of the Python layers' rounding."""
+    from fp8_files import write_fp8
+
+    path = write_fp8(tiny_qwen2_dir, tmp_path / "fp8", weights, activations)
+    model = load_model(path, dtype, "cpu", select_backend("cpu"))
+    assert model.decode_step is not None
+    rows = min(model.decode_step.max_rows or 3, 3)
+    steps = [[(rid, [10 + step + rid]) for rid in range(rows)] for step in range(4)]
+    _assert_twins(model, PROMPT_IDS[:rows], steps)
+    assert model.decode_step.num_steps == len(steps)

@@ -25,11 +25,14 @@ STRUCTS = {
         # layout 0: the file's, rows of blocks; 1: 16 rows interleaved (actorlm_quant_interleave)
         ("const void*", "blocks"), ("int32_t", "type"), ("int64_t", "rows"), ("int32_t", "layout")],
     # A linear layer: a PanelLinear (packed weight, fp32 bias padded to the panels or null) or
-    # a QuantLinear (packed null; its parts stacked row-wise, fp32 bias of out_features or null)
+    # a QuantLinear (packed null; its parts stacked row-wise, fp32 bias of out_features or null);
+    # fp8_inputs 1: its input rounded to FP8 first (kernels.ActivationQuant: fp8_scale, else 0
+    # and a scale per fp8_group features, 0: per row)
     "actorlm_linear": [
         ("const void*", "packed"), ("const float*", "bias"), ("int64_t", "out_features"),
         ("int64_t", "in_features"), ("const actorlm_quant_part*", "parts"),
-        ("int32_t", "num_parts")],
+        ("int32_t", "num_parts"), ("int32_t", "fp8_inputs"), ("int32_t", "fp8_group"),
+        ("float", "fp8_scale")],
     # A layer's routed experts, each projection's experts packed for the panel GEMM one after
     # another, `*_stride` values apart (``experts.PanelExperts``): the router's experts
     # first_expert .. first_expert + num_experts - 1 (all of them, or a rank's share)

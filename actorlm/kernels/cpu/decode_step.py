@@ -31,13 +31,15 @@ from typing import Sequence
 
 import torch
 
-from actorlm.kernels.backend import ACTIVATIONS, DecoderLayerPlan, MoePlan, Norm
+from actorlm.kernels.backend import (ACTIVATIONS, ActivationQuant, DecoderLayerPlan, MoePlan,
+                                     Norm)
 from actorlm.kernels.cpu import abi, decode_attention, fused, lora, native
 from actorlm.kernels.cpu.attention import AttentionPlan
 from actorlm.kernels.cpu.experts import PanelExperts
 from actorlm.kernels.cpu.linear import PanelLinear
 from actorlm.kernels.cpu.quant import QuantLinear
 from actorlm.kernels.metadata import AttentionMetadata
+from actorlm.kernels.portable import QuantizedInputs
 
 _NormStruct = abi.STRUCT_TYPES["actorlm_norm"]
 _LinearStruct = abi.STRUCT_TYPES["actorlm_linear"]
@@ -55,8 +57,10 @@ class DecodeStep:
     says where the last one's time went in the mixture-of-experts layers."""
 
     def __init__(self, layers: Sequence[DecoderLayerPlan], dtype: torch.dtype, function,
-                 max_rows: int | None):
+                 max_rows: int | None, roundings: Sequence[tuple] | None = None):
         self.layers, self.dtype, self.function = list(layers), dtype, function
+        # per layer, the FP8 rounding of qkv's, o's, gate_up's and down's inputs (or None each)
+        self.roundings = list(roundings or [(None,) * 4] * len(self.layers))
         self.max_rows = max_rows
         self.num_groups = max(layer.kv_group for layer in self.layers) + 1  # metas it reads
         self._groups_type = _GroupStruct * self.num_groups
@@ -75,11 +79,12 @@ class DecodeStep:
     def build(cls, layers: Sequence[DecoderLayerPlan], dtype: torch.dtype) -> DecodeStep | None:
         suffix = native.dtype_suffix(dtype)
         function = None if suffix is None else native.function(f"actorlm_decode_layers_{suffix}")
+        layers, roundings = zip(*map(_without_fp8_inputs, layers)) if layers else ((), ())
         if function is None or not layers or not all(_runs_here(layer, dtype) for layer in layers):
             return None
         limits = [linear.max_rows for layer in layers for linear in _linears(layer)
                   if linear.max_rows is not None]
-        return cls(layers, dtype, function, min(limits, default=None))
+        return cls(layers, dtype, function, min(limits, default=None), roundings)
 
     def __call__(self, x: torch.Tensor, ropes: Sequence[tuple[torch.Tensor, torch.Tensor]],
                  kv_caches, metas: Sequence[AttentionMetadata],
@@ -143,9 +148,9 @@ class DecodeStep:
                 for layer, (k, v) in zip(self.layers, kv_caches)):
             return None
         self._structs = (_LayerStruct * len(self.layers))(*(
-            _layer_struct(layer, moe, k, v, loras)
-            for layer, moe, (k, v), loras in zip(self.layers, self._moes, kv_caches,
-                                                 self._loras)))
+            _layer_struct(layer, moe, k, v, loras, roundings)
+            for layer, moe, (k, v), loras, roundings in zip(
+                self.layers, self._moes, kv_caches, self._loras, self.roundings)))
         return self._structs
 
 
@@ -265,14 +270,33 @@ def _norm_struct(norm: Norm | None) -> _NormStruct:
     return _NormStruct(norm.weight.data_ptr(), norm.eps, int(norm.unit_offset))
 
 
-def _linear_struct(linear: PanelLinear | QuantLinear | None) -> _LinearStruct:
+def _without_fp8_inputs(layer: DecoderLayerPlan) -> tuple[DecoderLayerPlan, tuple]:
+    """The layer with the FP8 rounding taken off its projections' inputs, which the C++ step
+    does itself (``round_to_fp8``), and those roundings: qkv's, o's, gate_up's, down's (None:
+    none). A rounding over ranks (``row_max``) stays on: the step takes no such layer."""
+    linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
+    roundings = tuple(linear.quant if isinstance(linear, QuantizedInputs) and
+                      linear.row_max is None else None for linear in linears)
+    qkv, o, gate_up, down = (linear if rounding is None else linear.linear
+                             for linear, rounding in zip(linears, roundings))
+    return layer._replace(qkv=qkv, o=o, gate_up=gate_up, down=down), roundings
+
+
+def _linear_struct(linear: PanelLinear | QuantLinear | None,
+                   rounding: ActivationQuant | None = None) -> _LinearStruct:
     if linear is None:  # none there: zero features
         return _LinearStruct()
     if isinstance(linear, QuantLinear):
-        return linear.struct
-    bias = linear.padded_bias
-    return _LinearStruct(linear.packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                         linear.out_features, linear.in_features)
+        struct = _LinearStruct.from_buffer_copy(linear.struct)
+    else:
+        bias = linear.padded_bias
+        struct = _LinearStruct(linear.packed.data_ptr(),
+                               None if bias is None else bias.data_ptr(),
+                               linear.out_features, linear.in_features)
+    if rounding is not None:
+        struct.fp8_inputs, struct.fp8_group = 1, rounding.group or 0
+        struct.fp8_scale = rounding.scale or 0.0
+    return struct
 
 
 def _moe_struct(moe: MoePlan) -> _MoeStruct:
@@ -291,16 +315,17 @@ def _lora_structs(tables) -> list[_LoRAStruct] | None:
 
 
 def _layer_struct(layer: DecoderLayerPlan, moe: _MoeStruct | None, k_cache,
-                  v_cache, loras) -> _LayerStruct:
+                  v_cache, loras, roundings: tuple) -> _LayerStruct:
     """``moe``: the layer's experts' struct, which the caller keeps alive, or None; ``loras``:
-    its LoRA structs (``_lora_structs``), or None."""
+    its LoRA structs (``_lora_structs``), or None; ``roundings``: its projections' FP8
+    input roundings (``_without_fp8_inputs``)."""
     a = layer.attention
     lora = {} if loras is None else dict(zip(("qkv_lora", "o_lora", "gate_up_lora",
                                               "down_lora"), loras))
     return _LayerStruct(
         *map(_norm_struct, (layer.attn_norm, layer.attn_out_norm, layer.mlp_norm,
                             layer.mlp_out_norm, *_qk_norms(layer))),
-        *map(_linear_struct, (layer.qkv, layer.o, layer.gate_up, layer.down)),
+        *map(_linear_struct, (layer.qkv, layer.o, layer.gate_up, layer.down), roundings),
         k_cache.data_ptr(), v_cache.data_ptr(), a.num_heads, a.num_kv_heads, a.head_dim,
         ACTIVATIONS.index(layer.activation), layer.rope, a.scale, a.window or 0,
         a.softcap or 0.0, layer.kv_group, int(layer.projection_norms is not None),
