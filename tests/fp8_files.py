@@ -102,3 +102,25 @@ def as_fp8_method(block_checkpoint: pathlib.Path, out: pathlib.Path) -> pathlib.
                                      "modules_to_not_convert": ["lm_head"]}
     (out / "config.json").write_text(json.dumps(config))
     return out
+
+
+def write_fp8_method(src: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+    """Every projection of ``src`` (routed experts' too; not the routers, the embedding or the
+    head) in FP8 blocks of BLOCK x BLOCK, saved as the fp8 method saves them."""
+    from safetensors.torch import load_file, save_file
+
+    _copy_dir(src, out)
+    tensors = {}
+    for name, tensor in load_file(src / "model.safetensors").items():
+        if name.endswith("_proj.weight") and tensor.dim() == 2:
+            scale = _weight_scales(tensor.float(), "block")
+            expanded = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+            tensor = (tensor.float() / expanded).to(torch.float8_e4m3fn)
+            tensors[name.replace(".weight", ".weight_scale_inv")] = scale
+        tensors[name] = tensor
+    save_file(tensors, out / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": [BLOCK, BLOCK]}
+    (out / "config.json").write_text(json.dumps(config))
+    return out

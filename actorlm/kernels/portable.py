@@ -16,6 +16,7 @@ from actorlm.kernels.backend import ActivationQuant, Norm, QuantizedWeight, chec
 
 _FP8 = torch.float8_e4m3fn
 _FP8_MAX = torch.finfo(_FP8).max  # 448
+_FP8_MIN_SCALE = 1 / (_FP8_MAX * 512)  # vLLM's floor: a row of zeros stays zeros
 
 
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
@@ -31,9 +32,10 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
 
 def round_to_fp8(x: torch.Tensor, quant: ActivationQuant, row_max=None) -> torch.Tensor:
     """x [T, in] rounded to FP8 e4m3 values times their scale (``ActivationQuant``), in x's
-    dtype: each step in fp32 (the scale, x / scale clamped to +-448, the rounding to nearest
-    even, the product), as the FP8 GEMMs' quantization of their input computes it.
-    ``row_max`` joins a row's largest magnitude [T, 1] over the ranks that share the row."""
+    dtype: each step in fp32 (the scale, the largest magnitude times 1 / 448 and at least
+    vLLM's floor; x times its reciprocal, clamped to +-448; the rounding to nearest even; the
+    product), as vLLM's FP8 kernels quantize their input (``csrc/fp8.cpp``: the same bits). ``row_max`` joins a row's largest magnitude [T, 1] over the ranks that
+    share the row."""
     h = x.float()
     if quant.scale is not None:
         scale = torch.tensor(quant.scale, dtype=torch.float32, device=x.device)
@@ -43,8 +45,8 @@ def round_to_fp8(x: torch.Tensor, quant: ActivationQuant, row_max=None) -> torch
         largest = h.abs().amax(-1, keepdim=True)
         if row_max is not None and quant.group is None:
             largest = row_max(largest)
-        scale = largest.clamp(min=torch.finfo(torch.float32).tiny) / _FP8_MAX
-    q = (h / scale).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8)
+        scale = (largest * (1 / _FP8_MAX)).clamp(min=_FP8_MIN_SCALE)
+    q = (h * (1 / scale)).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8)
     return (q.float() * scale).reshape(x.shape).to(x.dtype)
 
 

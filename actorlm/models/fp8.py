@@ -69,9 +69,7 @@ def check_fp8_method(config: dict) -> None:
                          f"(dynamic, static)")
     block = config.get("weight_block_size")
     if block is not None:
-        if not (isinstance(block, list) and len(block) == 2 and
-                all(isinstance(n, int) and n > 0 for n in block)):
-            raise ValueError(f"fp8: weight_block_size {block!r} is not two positive integers")
+        _check_block(block, "fp8: weight_block_size")
         if scheme == "static":
             raise ValueError("fp8: static activation scales with weight_block_size are not "
                              "implemented (block checkpoints quantize activations dynamically)")
@@ -102,15 +100,18 @@ def check_ct_group(where: str, group: dict) -> None:
             raise ValueError(f"{where}.{field}: dynamic {dynamic} with strategy {strategy!r} "
                              f"is not implemented (weights static; activations per token or "
                              f"group dynamic, per tensor static)")
-        block = args.get("block_structure")
-        if strategy == "block" and not (isinstance(block, list) and len(block) == 2 and
-                                        all(isinstance(n, int) and n > 0 for n in block)):
-            raise ValueError(f"{where}.{field}.block_structure {block!r} is not two positive "
-                             f"integers")
+        if strategy == "block":
+            _check_block(args.get("block_structure"), f"{where}.{field}.block_structure")
         if strategy == "group" and not (isinstance(args.get("group_size"), int) and
                                         args["group_size"] > 0):
             raise ValueError(f"{where}.{field}.group_size {args.get('group_size')!r} is not "
                              f"a positive integer")
+
+
+def _check_block(block, where: str) -> None:
+    if not (isinstance(block, list) and len(block) == 2 and
+            all(isinstance(n, int) and n > 0 for n in block)):
+        raise ValueError(f"{where} {block!r} is not two positive integers")
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,9 @@ def _dequantized(module: str, weight: torch.Tensor, scale: torch.Tensor,
     """``s * q`` in fp32: s per ``block`` of the weight (a grid of ceil(out / rows) x
     ceil(in / inputs) scales), else one per tensor ([] or [1]) or per row ([out] or
     [out, 1])."""
+    if weight.dim() != 2:
+        raise ValueError(f"{module}: an FP8 weight of {weight.dim()} dimensions (experts "
+                         f"stacked in one tensor) is not implemented")
     out, in_features = weight.shape
     if block is not None:
         rows, cols = block

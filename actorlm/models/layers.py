@@ -46,6 +46,10 @@ class Linear(nn.Module):
     def quantize_inputs(self, quant: ActivationQuant) -> None:
         """Round the input to FP8 as ``quant`` says before the matmul (a merged layer's parts
         each say it for their shared input)."""
+        if quant.group is not None and self.in_features % quant.group:
+            raise ValueError(f"{self.in_features} input features (a tensor-parallel rank's "
+                             f"share, where split) are not whole FP8 activation groups of "
+                             f"{quant.group}")
         self.input_quant = quant if self.input_quant is None else joined(self.input_quant, quant)
 
     bias_in_kernel = True  # the bias is added by the prepared GEMM
@@ -95,12 +99,6 @@ class RowParallelLinear(Linear):
     def __init__(self, in_features, out_features, bias, tp: TensorParallel, dtype, device):
         super().__init__(in_features // tp.size, out_features, bias, dtype, device)
         self.tp = tp
-
-    def quantize_inputs(self, quant: ActivationQuant) -> None:
-        if quant.group is not None and self.in_features % quant.group:
-            raise ValueError(f"a tensor-parallel share of {self.in_features} input features "
-                             f"splits the FP8 activation groups of {quant.group}")
-        super().quantize_inputs(quant)
 
     def _row_max(self):
         """Each rank holds a share of the row: the largest magnitude over all of them."""

@@ -49,3 +49,15 @@ def test_the_triton_sampler_draws_in_the_engine_and_honours_seeds(tiny_llama_dir
     greedy, _ = run(tiny_llama_dir, monkeypatch, "cpu",
                     SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     assert first == again and first != greedy
+
+
+@pytest.mark.slow
+def test_an_fp8_checkpoint_rounds_its_inputs_on_the_triton_backend_too(tiny_llama_dir,
+                                                                      monkeypatch, tmp_path):
+    from fp8_files import write_fp8
+
+    path = write_fp8(tiny_llama_dir, tmp_path / "fp8", "block", "group")
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    cpu_tokens, _ = run(path, monkeypatch, "cpu", greedy)
+    triton_tokens, _ = run(path, monkeypatch, "triton", greedy)
+    assert triton_tokens == cpu_tokens

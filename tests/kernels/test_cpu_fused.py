@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actorlm.kernels import Norm, portable
+from actorlm.kernels import ActivationQuant, Norm, portable
 from actorlm.kernels.cpu import fused, native
 from actorlm.kernels.reference import act_and_mul_ref, rms_norm_ref
 from paged_batches import dtype_id
@@ -201,3 +201,21 @@ def test_rope_and_write_kv_declines_what_it_does_not_take():
                  (qkv[:2], cos, sin, k_cache, v_cache, slots)]:
         assert not fused.rope_and_write_kv(*args, 2, 1)
     assert torch.equal(qkv, before) and not k_cache.any() and not v_cache.any()
+
+
+@pytest.mark.skipif(native.library() is None, reason="needs a C++ compiler to build the kernels")
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("quant", [ActivationQuant(), ActivationQuant(group=32),
+                                   ActivationQuant(scale=0.01)], ids=["row", "group", "static"])
+def test_fp8_rounding_has_the_portable_bits(dtype, quant):
+    """Rows of magnitudes from 1e-8 to 1e3 (a row of zeros; values on e4m3's ties, between its
+    subnormals, beyond 448 times a static scale; strided rows): the C++ rounding equals the
+    torch ops' bit for bit."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 200, generator=gen) * torch.logspace(-8, 3, 9)[:, None]
+    x[4] = 0
+    x[5, :8] = torch.tensor([2.5, 3.5, 9.0, 17.0, 2**-10, 3 * 2**-10, 5.0, -448.0]) * 0.01
+    x = x.to(dtype)[:, :192]  # rows 200 apart
+    got = fused.round_to_fp8(x, quant)
+    assert torch.equal(got, portable.round_to_fp8(x, quant))
+    assert torch.equal(got[4], torch.zeros(192, dtype=dtype))

@@ -102,6 +102,9 @@ FUNCTIONS = [
         ("T*", "qkv"), ("int64_t", "row_stride"), ("int64_t", "rows"), ("int", "num_heads"),
         ("int", "num_kv_heads"), ("int", "head_dim"), ("const T*", "q_weight"),
         ("const T*", "k_weight"), ("float", "eps"), ("int", "unit_offset")]),
+    ("void", "actorlm_round_to_fp8", [  # fp8.cpp: x's rows rounded to FP8 and back into out
+        ("const T*", "x"), ("int64_t", "x_stride"), ("T*", "out"), ("int64_t", "rows"),
+        ("int64_t", "k"), ("int32_t", "group"), ("float", "scale")]),
     ("void", "actorlm_act_and_mul", [
         ("const T*", "gate_up"), ("T*", "out"), ("int64_t", "rows"), ("int", "dim"),
         ("int", "activation")]),

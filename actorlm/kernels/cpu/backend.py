@@ -30,6 +30,9 @@ class CpuBackend(KernelBackend):
                                      bias)
         return linear.packed_linear(weight, bias) or linear.PlainLinear(weight, bias)
 
+    def quantize_inputs(self, linear, quant, row_max=None):
+        return fused.QuantizedInputs(quant, linear, row_max)
+
     def prepare_embedding(self, weight, dtype):
         return lambda ids: quant.dequantize_rows(weight, ids, dtype)
 

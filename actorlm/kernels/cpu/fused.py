@@ -4,7 +4,8 @@ Each falls back to its torch twin in ``kernels/portable.py`` where the C++ libra
 (``native``) or the tensors are not what it takes (another device or dtype, strided). Each
 replaces several torch ops (each a dispatch, and for bf16 a round trip through fp32 copies):
 ``add_rms_norm`` nine, ``act_and_mul`` three, ``rope_and_write_kv`` (RoPE on q and k, then the
-new K/V into the paged cache) six. ``argmax`` is a greedy step's pick over the vocabulary,
+new K/V into the paged cache) six, ``round_to_fp8`` (an FP8 checkpoint's rounding of a linear
+layer's input) ten. ``argmax`` is a greedy step's pick over the vocabulary,
 which torch runs on one thread per row here.
 """
 
@@ -15,7 +16,7 @@ import functools
 import torch
 
 from actorlm.kernels import portable
-from actorlm.kernels.backend import ACTIVATIONS, Norm, check_activation
+from actorlm.kernels.backend import ACTIVATIONS, ActivationQuant, Norm, check_activation
 from actorlm.kernels.cpu import native
 
 
@@ -97,6 +98,28 @@ def rope_max_head_dim() -> int:
     """The largest head size ``rope_and_write_kv`` takes (0 without the library)."""
     fn = native.function("actorlm_rope_max_head_dim")
     return 0 if fn is None else fn()
+
+
+def round_to_fp8(x: torch.Tensor, quant: ActivationQuant) -> torch.Tensor:
+    """x [T, in] rounded to FP8 and back (``csrc/fp8.cpp``), as ``portable.round_to_fp8``
+    rounds it, with the same bits."""
+    fn = _function("actorlm_round_to_fp8", x, dense_rows=False) if x.dim() == 2 else None
+    if fn is None:
+        return portable.round_to_fp8(x, quant)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    fn(x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], x.shape[1], quant.group or 0,
+       quant.scale or 0.0)
+    return out
+
+
+class QuantizedInputs(portable.QuantizedInputs):
+    """The portable layer whose input is rounded to FP8 first, rounding on the C++ kernel
+    (but over ranks, ``row_max``, which only the portable rounding joins)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_max is not None:
+            return super().__call__(x)
+        return self.linear(round_to_fp8(x, self.quant))
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <limits>
 #include <memory>
 #include <vector>
 
@@ -43,57 +42,13 @@ struct Kernels;
     static constexpr auto moe_route = actorlm_moe_route_##S;              \
     static constexpr auto moe_experts = actorlm_moe_experts_##S;          \
     static constexpr auto lora_add = actorlm_lora_add_##S;                \
+    static constexpr auto round_to_fp8 = actorlm_round_to_fp8_##S;        \
   };
 ACTORLM_KERNELS_OF(float, f32)
 ACTORLM_KERNELS_OF(uint16_t, bf16)
 
 template <typename T>
 inline const T* weight_of(const actorlm_norm& n) { return static_cast<const T*>(n.weight); }
-
-// The e4m3 (FP8) value nearest v, ties to even, for |v| <= 448: steps of 2^(e - 3) in the
-// binade [2^e, 2^(e + 1)), and of 2^-9 below 2^-6 (its subnormals), as torch's conversion.
-// (Fast math is off in the FP8 rounding: each division must stay one, not become a product
-// by a reciprocal.)
-#define ACTORLM_EXACT_MATH __attribute__((optimize("no-fast-math")))
-ACTORLM_EXACT_MATH inline float nearest_e4m3(float v) {
-  const float a = std::fabs(v);
-  uint32_t bits;
-  std::memcpy(&bits, &a, sizeof bits);
-  const int e = std::max(int(bits >> 23) - 127, -6);
-  const uint32_t step_bits = uint32_t(e + 124) << 23, inverse_bits = uint32_t(130 - e) << 23;
-  float step, inverse;  // 2^(e - 3) and 2^(3 - e): exact products
-  std::memcpy(&step, &step_bits, sizeof step);
-  std::memcpy(&inverse, &inverse_bits, sizeof inverse);
-  return std::copysign(std::nearbyint(a * inverse) * step, v);
-}
-
-// x [rows, k] (rows `x_stride` apart) rounded to FP8 and back into out [rows, k], as the
-// layer's checkpoint asks: scaled by l.fp8_scale, or by the largest magnitude over 448 of each
-// row (l.fp8_group 0) or group of l.fp8_group features; x / scale clamped to +-448, rounded,
-// times scale, each step in fp32 as portable.round_to_fp8 computes it
-template <typename T>
-ACTORLM_EXACT_MATH void round_to_fp8(const actorlm_linear& l, const T* x, int64_t x_stride,
-                                     T* out, int64_t rows) {
-  constexpr float kMax = 448.f;
-  const int64_t k = l.in_features, group = l.fp8_group > 0 ? l.fp8_group : k;
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t g = 0; g < k; g += group) {
-      const T* in = x + r * x_stride + g;
-      T* o = out + r * k + g;
-      float scale = l.fp8_scale;
-      if (scale == 0.f) {
-        float largest = 0.f;
-        for (int64_t i = 0; i < group; ++i)
-          largest = std::max(largest, std::fabs(actorlm::to_float(in[i])));
-        scale = std::max(largest, std::numeric_limits<float>::min()) / kMax;
-      }
-      for (int64_t i = 0; i < group; ++i) {
-        const float q = std::clamp(actorlm::to_float(in[i]) / scale, -kMax, kMax);
-        actorlm::store(nearest_e4m3(q) * scale, o + i);
-      }
-    }
-  }
-}
 
 // y [rows, out_features] = x [rows, in_features] (rows `x_stride` apart) through a linear layer:
 // the panel GEMM's, or the quantized one's (weights in GGML blocks); the input rounded to FP8
@@ -103,7 +58,8 @@ inline void linear(const actorlm_linear& l, const T* x, int64_t x_stride, T* y, 
   if (l.fp8_inputs) {
     static thread_local std::vector<T> rounded;
     rounded.resize(rows * l.in_features);
-    round_to_fp8(l, x, x_stride, rounded.data(), rows);
+    Kernels<T>::round_to_fp8(x, x_stride, rounded.data(), rows, l.in_features, l.fp8_group,
+                             l.fp8_scale);
     x = rounded.data(), x_stride = l.in_features;
   }
   if (l.parts) {
