@@ -25,6 +25,7 @@ whole groups.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
@@ -154,7 +155,7 @@ def read_tensors(tensors: Iterable[tuple[str, torch.Tensor]], config: dict, dtyp
     module's weight and scales are held until all have been read."""
     method = config.get("quant_method")
     held: dict[str, dict[str, torch.Tensor]] = {}
-    count = 0
+    count, rounded = 0, Counter()
     for name, tensor in tensors:
         module, _, part = name.rpartition(".")
         if not (part in (*_SCALES, "input_scale") or part == "weight" and tensor.dtype == FP8):
@@ -172,14 +173,16 @@ def read_tensors(tensors: Iterable[tuple[str, torch.Tensor]], config: dict, dtyp
             quant = scheme.quant(parts)
             if quant is not None and not module.endswith("embed_tokens"):  # a lookup: no input
                 yield f"{module}.input_quant", quant
+                rounded[f"per {scheme.inputs}" if scheme.inputs != "tensor" else "static"] += 1
             count += 1
     if held:
         module, parts = next(iter(held.items()))
         what = "an FP8 weight without its scale" if "weight" in parts else \
             f"{', '.join(sorted(parts))} without its FP8 weight"
         raise ValueError(f"{module}: the checkpoint holds {what}")
-    log.info("FP8 checkpoint: %d weights dequantized into %s", count,
-             str(dtype).removeprefix("torch."))
+    log.info("FP8 checkpoint: %d weights dequantized into %s; inputs rounded to FP8: %s", count,
+             str(dtype).removeprefix("torch."),
+             ", ".join(f"{n} {kind}" for kind, n in sorted(rounded.items())) or "none")
 
 
 def _dequantized(module: str, weight: torch.Tensor, scale: torch.Tensor,
