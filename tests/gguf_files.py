@@ -28,6 +28,9 @@ _PHI3_FUSED = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 # OLMo 2's norms after attention and MLP (it has none before them)
 _OUTPUT_NORMS = {"post_attention_layernorm": "post_attention_norm",
                  "post_feedforward_layernorm": "post_ffw_norm"}
+# GLM-4's norms after attention and MLP, and its fused gate/up
+_GLM4 = {"post_self_attn_layernorm": "post_attention_norm", "post_mlp_layernorm": "post_ffw_norm",
+         "mlp.gate_up_proj": "ffn_up"}
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 PERMUTED = ("llama", "smollm3", "granite")  # q and k rows permuted by llama.cpp's converter
@@ -41,8 +44,9 @@ def gguf_name(hf_name: str, arch: str) -> str:
     stem, _, kind = hf_name.rpartition(".")
     if stem.startswith("model.layers."):
         _, _, layer, part = stem.split(".", 3)
-        names = {**_LAYER, **_OUTPUT_NORMS} if arch == "olmo2" else \
-            {**_LAYER, **_PHI3_FUSED} if arch == "phi3" else _LAYER
+        names = {"olmo2": {**_LAYER, **_OUTPUT_NORMS}, "phi3": {**_LAYER, **_PHI3_FUSED},
+                 "seed_oss": {**_LAYER, "post_attention_layernorm": "post_attention_norm"},
+                 "glm4": {**_LAYER, **_GLM4}}.get(arch, _LAYER)
         return f"blk.{layer}.{names[part]}.{kind}"
     return f"{_TOP[stem]}.{kind}"
 
@@ -67,10 +71,11 @@ def random_blocks(type_name: str, rows: int, columns: int, seed: int) -> np.ndar
     return blocks.reshape(rows, -1)
 
 
-def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str) -> pathlib.Path:
-    """The checkpoint ``hf_dir`` (Llama, SmolLM3, Granite, OLMo 2, Phi-3, Qwen2 or Qwen3) as a
-    GGUF file whose matrices are all ``type_name`` blocks (norms and biases F32); returns the
-    file."""
+def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
+               eot_token_id: int | None = None) -> pathlib.Path:
+    """The checkpoint ``hf_dir`` (Llama, SmolLM3, Granite, OLMo 2, Phi-3, GLM-4, ERNIE 4.5,
+    Seed-OSS, Qwen2 or Qwen3) as a GGUF file whose matrices are all ``type_name`` blocks
+    (norms and biases F32), with an end-of-turn token where given; returns the file."""
     import gguf
     from safetensors.torch import load_file
 
@@ -86,6 +91,8 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str) -> pathl
     if arch == "phi3":
         _write_phi3_rope(writer, config)
     _write_tokenizer(writer, hf_dir)
+    if eot_token_id is not None:
+        writer.add_eot_token_id(eot_token_id)
     kind = gguf.GGMLQuantizationType[type_name]
     for seed, (name, tensor) in enumerate(sorted(state.items())):
         values = tensor.float().numpy()

@@ -50,12 +50,16 @@ log = logging.getLogger(__name__)
 # and so do Mixtral's, with experts: gguf_moe tells them apart)
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
                  "gemma3": "gemma3_text", "smollm3": "smollm3", "granite": "granite",
-                 "olmo2": "olmo2", "phi3": "phi3", **gguf_moe.ARCHITECTURES}
+                 "olmo2": "olmo2", "phi3": "phi3", "glm4": "glm4", "ernie4_5": "ernie4_5",
+                 "seed_oss": "seed_oss", **gguf_moe.ARCHITECTURES}
 # the architectures transformers cannot read a config of (gguf_metadata builds theirs)
 _OWN_CONFIGS = {"smollm3": gguf_metadata.smollm3_config,
                 "granite": gguf_metadata.granite_config, "olmo2": gguf_metadata.olmo2_config,
-                "phi3": gguf_metadata.phi3_config}
-_UNKNOWN_TO_TRANSFORMERS = ("smollm3", "granite", "olmo2", "olmoe")
+                "phi3": gguf_metadata.phi3_config, "glm4": gguf_metadata.glm4_config,
+                "ernie4_5": gguf_metadata.ernie4_5_config,
+                "seed_oss": gguf_metadata.seed_oss_config}
+_UNKNOWN_TO_TRANSFORMERS = ("smollm3", "granite", "olmo2", "olmoe", "glm4", "ernie4_5",
+                            "seed_oss")
 # q and k rows permuted by llama.cpp's converter (a Llama's and its descendants')
 _PERMUTED_QK = ("llama", "mistral", "mixtral", "smollm3", "granite")
 _GEMMA_TYPES = ("gemma2", "gemma3_text")
@@ -77,6 +81,11 @@ _LAYER_NAMES = {
 _OUTPUT_NORM_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                       "ffn_norm": "pre_feedforward_layernorm",
                       "post_ffw_norm": "post_feedforward_layernorm"}
+# Seed-OSS's norm before the MLP, under the name Gemma's and OLMo 2's norm after attention has
+_SEED_OSS_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm"}
+# GLM-4's norms after attention and MLP beside a Llama's, and its gate/up fused (Phi-3's way)
+_GLM4_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_self_attn_layernorm",
+               "post_ffw_norm": "post_mlp_layernorm", "ffn_up": "mlp.gate_up_proj"}
 # Phi-3's q/k/v and gate/up, fused as in its checkpoint (the model splits them)
 _PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj",
                      "ffn_up": "mlp.gate_up_proj"}
@@ -261,7 +270,8 @@ def _hf_name(name: str, arch: str) -> str:
     if stem.startswith("blk."):
         _, layer, part = stem.split(".", 2)
         names = _OUTPUT_NORM_NAMES if arch in ("gemma2", "gemma3", "olmo2") else \
-            _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
+            {"phi3": _PHI3_LAYER_NAMES, "seed_oss": _SEED_OSS_NAMES,
+             "glm4": _GLM4_NAMES}.get(arch, _LAYER_NAMES)
         part = names.get(part) or gguf_moe.per_expert_name(part)
         if part is None:
             raise ValueError(f"GGUF tensor {name!r} is not one this engine knows")

@@ -4,7 +4,8 @@ transformers rebuilds the config of a Llama, Qwen2/3 or Gemma file itself; for t
 config is built here from llama.cpp's keys (``gguf-py/gguf/constants.py`` names them): the
 sizes every decoder has (``decoder_fields``), and what an architecture adds
 (``gguf_moe`` for the mixtures of experts, ``smollm3_config``, ``granite_config``,
-``olmo2_config``, ``phi3_config``).
+``olmo2_config``, ``phi3_config``, ``glm4_config``, ``ernie4_5_config``,
+``seed_oss_config``).
 
 - ``smollm3``: a Llama (q and k rows permuted as a Llama's) that leaves RoPE out of every
   fourth layer. llama.cpp keeps no key for it (its graph skips RoPE where ``(layer + 1) % 4``
@@ -23,6 +24,15 @@ sizes every decoder has (``decoder_fields``), and what an architecture adds
   sliding window (0: none), and LongRoPE, stored as two tensors of factors
   (``rope_factors_long``, ``rope_factors_short``) with ``rope.scaling.original_context_length``
   and its ``attn_factor``.
+- ``glm4`` (GLM-4-0414), ``ernie4_5`` (ERNIE 4.5, dense) and ``seed_oss``: their
+  checkpoints' tensors as they are (llama.cpp's converter permutes none's q and k: GLM-4 and
+  ERNIE rotate interleaved pairs, which the model reorders as it does a checkpoint's;
+  Seed-OSS halves, as llama.cpp's NEOX RoPE does); their biases told by the tensors (GLM-4's
+  and Seed-OSS's on q/k/v, Seed-OSS's o by ``attention_out_bias``, ERNIE's ``use_bias`` on
+  every projection). GLM-4 rotates ``rope.dimension_count`` of each head's features (half)
+  and keeps gate/up fused (``ffn_up``); its four norms are ``attn_norm``,
+  ``post_attention_norm`` (after attention), ``ffn_norm`` and ``post_ffw_norm``. Seed-OSS's
+  norm before the MLP is ``post_attention_norm`` in the file.
 """
 
 from __future__ import annotations
@@ -72,8 +82,18 @@ def decoder_fields(reader, arch: str, tensor_names: list[str]) -> dict:
         rope_parameters={"rope_type": "default",
                          "rope_theta": field(reader, f"{arch}.rope.freq_base", 10000.0)},
         tie_word_embeddings="lm_head.weight" not in tensor_names,
+        eos_token_id=end_tokens(reader),
         **{f"{token}_token_id": field(reader, f"tokenizer.ggml.{gguf_token}_token_id", None)
-           for token, gguf_token in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"))})
+           for token, gguf_token in (("bos", "bos"), ("pad", "padding"))})
+
+
+def end_tokens(reader) -> int | list[int] | None:
+    """The tokens that end a generation, as llama.cpp's: the end of text, and the end of a
+    turn or a message where the file names one apart (GLM-4's ``<|user|>``)."""
+    ends = sorted({token for key in ("eos", "eot", "eom")
+                   if (token := field(reader, f"tokenizer.ggml.{key}_token_id", None))
+                   is not None})
+    return ends[0] if len(ends) == 1 else ends or None
 
 
 def smollm3_config(reader, tensor_names: list[str]):
@@ -126,6 +146,35 @@ def phi3_config(reader, tensor_names: list[str]):
     return Phi3Config(**{**fields, "rope_parameters": rope}, head_dim=dim,
                       sliding_window=field(reader, "phi3.attention.sliding_window", 0) or None,
                       original_max_position_embeddings=original)
+
+
+def glm4_config(reader, tensor_names: list[str]):
+    from transformers import Glm4Config
+
+    fields = decoder_fields(reader, "glm4", tensor_names)
+    dim = head_dim(reader, "glm4")
+    rope = {**fields["rope_parameters"],
+            "partial_rotary_factor": field(reader, "glm4.rope.dimension_count", dim) / dim}
+    return Glm4Config(**{**fields, "rope_parameters": rope}, head_dim=dim,
+                      attention_bias=any(name.endswith("q_proj.bias") for name in tensor_names))
+
+
+def ernie4_5_config(reader, tensor_names: list[str]):
+    from transformers import Ernie4_5Config
+
+    return Ernie4_5Config(**decoder_fields(reader, "ernie4_5", tensor_names),
+                          head_dim=head_dim(reader, "ernie4_5"),
+                          use_bias=any(name.endswith("q_proj.bias") for name in tensor_names))
+
+
+def seed_oss_config(reader, tensor_names: list[str]):
+    from transformers import SeedOssConfig
+
+    return SeedOssConfig(
+        **decoder_fields(reader, "seed_oss", tensor_names), head_dim=head_dim(reader, "seed_oss"),
+        attention_bias=any(name.endswith("q_proj.bias") for name in tensor_names),
+        attention_out_bias=biases(tensor_names)["attention_bias"],
+        mlp_bias=biases(tensor_names)["mlp_bias"])
 
 
 def biases(tensor_names: list[str]) -> dict:

@@ -6,6 +6,7 @@ A model in blocks is judged against its dequantized twin as ``quantized_oracle``
 
 from __future__ import annotations
 
+import json
 import logging
 import pathlib
 
@@ -103,6 +104,36 @@ def test_a_file_whose_config_transformers_cannot_read_matches_its_checkpoint(
         FROM_METADATA[family]
     ours = load_model(path, torch.float32, "cpu", select_backend("cpu"))
     assert type(ours.lm_head.prepared).__name__ == "QuantLinear"
+    check_greedy_and_kl(ours, dequantized_checkpoint(hf_dir, "Q8_0"))
+
+
+@pytest.mark.parametrize("family, fields", [
+    ("glm4", {"attention_bias": True, "tie_word_embeddings": False,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                  "partial_rotary_factor": 0.5}}),
+    ("ernie4_5", {"use_bias": True, "tie_word_embeddings": True}),
+    ("seed_oss", {"attention_bias": True, "attention_out_bias": False, "mlp_bias": False})])
+def test_a_glm4_ernie_or_seed_oss_file_reads_its_tensors_as_the_checkpoint_has_them(
+        tiny_window_dirs, tmp_path, family, fields):
+    """GLM-4 (RoPE on half of each head in interleaved pairs, gate/up fused, four norms),
+    ERNIE 4.5 (interleaved pairs, a bias on every projection) and Seed-OSS (q/k/v biases; its
+    norm before the MLP stored as ``post_attention_norm``): q and k as their checkpoints have
+    them (llama.cpp's converter permutes none), the biases told by the tensors; against
+    transformers on the checkpoint the file was written from."""
+    from gguf_files import dequantized_checkpoint
+
+    from actorlm.models.loader import load_hf_config
+
+    hf_dir = tiny_window_dirs[family]
+    eot = 7 if family == "glm4" else None  # (GLM-4's <|user|> ends a turn)
+    path = resolve_model(write_gguf(hf_dir, tmp_path / f"tiny-{family}.gguf", "Q8_0", eot))
+    config = load_hf_config(path)
+    assert config.model_type == family
+    assert {key: getattr(config, key) for key in fields} == fields
+    eos = json.loads((hf_dir / "config.json").read_text())["eos_token_id"]
+    assert config.eos_token_id == (sorted({eos, eot}) if eot is not None else eos)
+    ours = load_model(path, torch.float32, "cpu", select_backend("cpu"))
+    assert type(ours.model.layers[0].self_attn.qkv_proj.prepared).__name__ == "QuantLinear"
     check_greedy_and_kl(ours, dequantized_checkpoint(hf_dir, "Q8_0"))
 
 
