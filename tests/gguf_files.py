@@ -90,6 +90,8 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
     _write_config(writer, config)
     if arch == "phi3":
         _write_phi3_rope(writer, config)
+    if (config.get("rope_parameters") or {}).get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_divisors(config))
     _write_tokenizer(writer, hf_dir)
     if eot_token_id is not None:
         writer.add_eot_token_id(eot_token_id)
@@ -158,6 +160,27 @@ def _write_phi3_rope(writer, config: dict) -> None:
         for kind in ("long", "short"):
             writer.add_tensor(f"rope_factors_{kind}.weight",
                               np.array(rope[f"{kind}_factor"], dtype=np.float32))
+
+
+def _llama3_divisors(config: dict) -> np.ndarray:
+    """Llama 3's RoPE scaling as llama.cpp's converter stores it: each frequency's divisor,
+    1 for short wavelengths, the factor for long ones, a smooth blend between."""
+    rope = config["rope_parameters"]
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    original = rope["original_max_position_embeddings"]
+    long_wave, short_wave = original / rope["low_freq_factor"], original / rope["high_freq_factor"]
+    divisors = []
+    for i in range(0, dim, 2):
+        wavelength = 2 * math.pi * rope["rope_theta"] ** (i / dim)
+        if wavelength < short_wave:
+            divisors.append(1.0)
+        elif wavelength > long_wave:
+            divisors.append(rope["factor"])
+        else:
+            smooth = (original / wavelength - rope["low_freq_factor"]) / \
+                (rope["high_freq_factor"] - rope["low_freq_factor"])
+            divisors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    return np.array(divisors, dtype=np.float32)
 
 
 def _write_tokenizer(writer, hf_dir: pathlib.Path) -> None:

@@ -66,7 +66,7 @@ _GEMMA_TYPES = ("gemma2", "gemma3_text")
 _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _INDEX = "gguf.json"
 _DIR_SUFFIX = "-gguf"  # of a cached directory: <file stem>-<file size>-gguf
-_INDEX_VERSION = 3
+_INDEX_VERSION = 4  # 4: end-of-turn tokens and Llama 3's rope_freqs in the config
 
 # GGUF tensor name (after "blk.N.") -> the Hugging Face one (after "model.layers.N.")
 _LAYER_NAMES = {
@@ -307,6 +307,7 @@ def _write_dir(gguf: pathlib.Path, out: pathlib.Path) -> None:
         .from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     if config.model_type == "llama":  # the metadata has no such keys: the tensors tell
         config.update(gguf_metadata.biases(names))
+    gguf_metadata.read_rope_freqs(reader, config)
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)

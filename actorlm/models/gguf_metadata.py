@@ -33,13 +33,19 @@ sizes every decoder has (``decoder_fields``), and what an architecture adds
   and keeps gate/up fused (``ffn_up``); its four norms are ``attn_norm``,
   ``post_attention_norm`` (after attention), ``ffn_norm`` and ``post_ffw_norm``. Seed-OSS's
   norm before the MLP is ``post_attention_norm`` in the file.
+- Llama 3.1-3.3 (and what took their RoPE scaling): the converter stores the ``llama3``
+  scaling as a tensor of divisors of the frequencies, ``rope_freqs`` (``read_rope_freqs``).
 """
 
 from __future__ import annotations
 
 _REQUIRED = object()
-# tensors that are config, not weights: LongRoPE's factors (``phi3_config`` reads them)
-CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+# tensors that are config, not weights: LongRoPE's factors (``phi3_config`` reads them) and
+# Llama 3's frequency divisors (``read_rope_freqs``)
+CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight")
+# Llama 3's RoPE scaling (3.1 to 3.3, and the families that took it) but its factor
+_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8192}
 
 
 def field(reader, key: str, default=_REQUIRED):
@@ -175,6 +181,32 @@ def seed_oss_config(reader, tensor_names: list[str]):
         attention_bias=any(name.endswith("q_proj.bias") for name in tensor_names),
         attention_out_bias=biases(tensor_names)["attention_bias"],
         mlp_bias=biases(tensor_names)["mlp_bias"])
+
+
+def read_rope_freqs(reader, config) -> None:
+    """Llama 3's RoPE scaling, which llama.cpp's converter stores as a tensor of divisors of
+    the frequencies (``rope_freqs``): into ``config`` as the ``llama3`` parameters that give
+    these divisors (its factor the largest of them; Llama 3's band, 1 to 4 over an original
+    context of 8192), checked against transformers' own ``llama3`` frequencies; divisors of
+    another shape are refused by name."""
+    import torch
+
+    from actorlm.models.families import rope_inv_freq
+
+    tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if tensor is None:
+        return
+    divisors = torch.tensor([float(x) for x in tensor.data], dtype=torch.float64)
+    plain, _ = rope_inv_freq(config)
+    params = {**(config.rope_parameters or {}), "rope_type": "llama3",
+              "factor": float(divisors.max()), **_LLAMA3}
+    config.rope_parameters = params
+    scaled, _ = rope_inv_freq(config)
+    if plain.shape != divisors.shape or not torch.allclose(
+            plain.double() / scaled.double(), divisors, rtol=1e-5, atol=0):
+        raise ValueError(f"GGUF file: rope_freqs.weight ({len(divisors)} divisors of the "
+                         f"frequencies) is not Llama 3's scaling (factor "
+                         f"{params['factor']:g}, {_LLAMA3}): not implemented")
 
 
 def biases(tensor_names: list[str]) -> dict:

@@ -107,6 +107,46 @@ def test_a_file_whose_config_transformers_cannot_read_matches_its_checkpoint(
     check_greedy_and_kl(ours, dequantized_checkpoint(hf_dir, "Q8_0"))
 
 
+def test_a_llama3_file_keeps_its_rope_scaling(tiny_tokenizer_dir, tmp_path_factory, tmp_path):
+    """Llama 3.1-3.3's RoPE scaling, which the converter stores as a tensor of divisors of the
+    frequencies (``rope_freqs``): read back into the config as transformers' ``llama3``
+    parameters, whose frequencies are the file's (short wavelengths kept, the longest divided
+    by the factor, one blended); against transformers on the checkpoint the file was written
+    from. Divisors of another band than Llama 3's are refused by name."""
+    import shutil
+
+    from checkpoints import _common, _save_tiny
+    from gguf_files import dequantized_checkpoint
+    from transformers import LlamaConfig
+
+    from actorlm.models.families import rope_inv_freq
+    from actorlm.models.loader import load_hf_config
+
+    scaling = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    config = LlamaConfig(**_common(tiny_tokenizer_dir), rope_parameters=scaling)
+    hf_dir = _save_tiny(tmp_path_factory, tiny_tokenizer_dir, "tiny_llama3", config, seed=9)
+    path = resolve_model(write_gguf(hf_dir, tmp_path / "tiny-llama3.gguf", "Q8_0"))
+    ours = load_hf_config(path)
+    assert ours.rope_parameters == scaling
+    plain = 1 / 10000.0 ** (torch.arange(0, 16, 2).double() / 16)
+    divisors = (plain / rope_inv_freq(ours)[0].double()).tolist()
+    assert divisors[:6] == pytest.approx([1.0] * 6) and divisors[7] == pytest.approx(8.0)
+    assert 1.0 < divisors[6] < 8.0
+    model = load_model(path, torch.float32, "cpu", select_backend("cpu"))
+    check_greedy_and_kl(model, dequantized_checkpoint(hf_dir, "Q8_0"))
+
+    other = tmp_path / "other-band"
+    shutil.copytree(hf_dir, other)
+    meta = json.loads((other / "config.json").read_text())
+    meta["rope_parameters"]["high_freq_factor"] = 2.0
+    (other / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"rope_freqs.weight \(8 divisors of the frequencies\) "
+                                         r"is not Llama 3's scaling"):
+        resolve_model(write_gguf(other, tmp_path / "other-band.gguf", "Q8_0"))
+
+
 @pytest.mark.parametrize("family, fields", [
     ("glm4", {"attention_bias": True, "tie_word_embeddings": False,
               "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
