@@ -44,7 +44,8 @@ def gguf_name(hf_name: str, arch: str) -> str:
     stem, _, kind = hf_name.rpartition(".")
     if stem.startswith("model.layers."):
         _, _, layer, part = stem.split(".", 3)
-        names = {"olmo2": {**_LAYER, **_OUTPUT_NORMS}, "phi3": {**_LAYER, **_PHI3_FUSED},
+        names = {"olmo2": {**_LAYER, **_OUTPUT_NORMS}, "exaone4": {**_LAYER, **_OUTPUT_NORMS},
+                 "phi3": {**_LAYER, **_PHI3_FUSED},
                  "seed_oss": {**_LAYER, "post_attention_layernorm": "post_attention_norm"},
                  "glm4": {**_LAYER, **_GLM4}}.get(arch, _LAYER)
         return f"blk.{layer}.{names[part]}.{kind}"
@@ -73,8 +74,8 @@ def random_blocks(type_name: str, rows: int, columns: int, seed: int) -> np.ndar
 
 def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
                eot_token_id: int | None = None) -> pathlib.Path:
-    """The checkpoint ``hf_dir`` (Llama, SmolLM3, Granite, OLMo 2, Phi-3, GLM-4, ERNIE 4.5,
-    Seed-OSS, Qwen2 or Qwen3) as a GGUF file whose matrices are all ``type_name`` blocks
+    """The checkpoint ``hf_dir`` (Llama, SmolLM3, Granite, OLMo 2, Phi-3, EXAONE 4, GLM-4,
+    ERNIE 4.5, Seed-OSS, Qwen2 or Qwen3) as a GGUF file whose matrices are all ``type_name`` blocks
     (norms and biases F32), with an end-of-turn token where given; returns the file."""
     import gguf
     from safetensors.torch import load_file
@@ -90,6 +91,10 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
     _write_config(writer, config)
     if arch == "phi3":
         _write_phi3_rope(writer, config)
+    if config.get("sliding_window") and arch == "exaone4":
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_sliding_window_pattern([t == "sliding_attention"
+                                           for t in config["layer_types"]])
     if (config.get("rope_parameters") or {}).get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_divisors(config))
     _write_tokenizer(writer, hf_dir)

@@ -50,16 +50,18 @@ log = logging.getLogger(__name__)
 # and so do Mixtral's, with experts: gguf_moe tells them apart)
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
                  "gemma3": "gemma3_text", "smollm3": "smollm3", "granite": "granite",
-                 "olmo2": "olmo2", "phi3": "phi3", "glm4": "glm4", "ernie4_5": "ernie4_5",
+                 "olmo2": "olmo2", "phi3": "phi3", "exaone4": "exaone4", "glm4": "glm4",
+                 "ernie4_5": "ernie4_5",
                  "seed_oss": "seed_oss", **gguf_moe.ARCHITECTURES}
 # the architectures transformers cannot read a config of (gguf_metadata builds theirs)
 _OWN_CONFIGS = {"smollm3": gguf_metadata.smollm3_config,
                 "granite": gguf_metadata.granite_config, "olmo2": gguf_metadata.olmo2_config,
-                "phi3": gguf_metadata.phi3_config, "glm4": gguf_metadata.glm4_config,
+                "phi3": gguf_metadata.phi3_config, "exaone4": gguf_metadata.exaone4_config,
+                "glm4": gguf_metadata.glm4_config,
                 "ernie4_5": gguf_metadata.ernie4_5_config,
                 "seed_oss": gguf_metadata.seed_oss_config}
-_UNKNOWN_TO_TRANSFORMERS = ("smollm3", "granite", "olmo2", "olmoe", "glm4", "ernie4_5",
-                            "seed_oss")
+_UNKNOWN_TO_TRANSFORMERS = ("smollm3", "granite", "olmo2", "olmoe", "exaone4", "glm4",
+                            "ernie4_5", "seed_oss")
 # q and k rows permuted by llama.cpp's converter (a Llama's and its descendants')
 _PERMUTED_QK = ("llama", "mistral", "mixtral", "smollm3", "granite")
 _GEMMA_TYPES = ("gemma2", "gemma3_text")
@@ -269,7 +271,7 @@ def _hf_name(name: str, arch: str) -> str:
     stem, _, kind = name.rpartition(".")  # kind: weight or bias
     if stem.startswith("blk."):
         _, layer, part = stem.split(".", 2)
-        names = _OUTPUT_NORM_NAMES if arch in ("gemma2", "gemma3", "olmo2") else \
+        names = _OUTPUT_NORM_NAMES if arch in ("gemma2", "gemma3", "olmo2", "exaone4") else \
             {"phi3": _PHI3_LAYER_NAMES, "seed_oss": _SEED_OSS_NAMES,
              "glm4": _GLM4_NAMES}.get(arch, _LAYER_NAMES)
         part = names.get(part) or gguf_moe.per_expert_name(part)

@@ -4,7 +4,7 @@ transformers rebuilds the config of a Llama, Qwen2/3 or Gemma file itself; for t
 config is built here from llama.cpp's keys (``gguf-py/gguf/constants.py`` names them): the
 sizes every decoder has (``decoder_fields``), and what an architecture adds
 (``gguf_moe`` for the mixtures of experts, ``smollm3_config``, ``granite_config``,
-``olmo2_config``, ``phi3_config``, ``glm4_config``, ``ernie4_5_config``,
+``olmo2_config``, ``phi3_config``, ``exaone4_config``, ``glm4_config``, ``ernie4_5_config``,
 ``seed_oss_config``).
 
 - ``smollm3``: a Llama (q and k rows permuted as a Llama's) that leaves RoPE out of every
@@ -33,7 +33,11 @@ sizes every decoder has (``decoder_fields``), and what an architecture adds
   and keeps gate/up fused (``ffn_up``); its four norms are ``attn_norm``,
   ``post_attention_norm`` (after attention), ``ffn_norm`` and ``post_ffw_norm``. Seed-OSS's
   norm before the MLP is ``post_attention_norm`` in the file.
-- Llama 3.1-3.3 (and what took their RoPE scaling): the converter stores the ``llama3``
+- ``exaone4``: OLMo 2's norms (after attention and MLP only) with q/k norms per head, q and
+  k not permuted; a sliding window on the layers ``attention.sliding_window_pattern`` marks,
+  RoPE on those alone (on all where there is no window), as llama.cpp's graph and
+  transformers' model do.
+- Llama 3.1-3.3 (and what took their RoPE scaling, EXAONE 4): the converter stores the ``llama3``
   scaling as a tensor of divisors of the frequencies, ``rope_freqs`` (``read_rope_freqs``).
 """
 
@@ -163,6 +167,22 @@ def glm4_config(reader, tensor_names: list[str]):
             "partial_rotary_factor": field(reader, "glm4.rope.dimension_count", dim) / dim}
     return Glm4Config(**{**fields, "rope_parameters": rope}, head_dim=dim,
                       attention_bias=any(name.endswith("q_proj.bias") for name in tensor_names))
+
+
+def exaone4_config(reader, tensor_names: list[str]):
+    from transformers import Exaone4Config
+
+    fields = decoder_fields(reader, "exaone4", tensor_names)
+    layers = fields["num_hidden_layers"]
+    window = field(reader, "exaone4.attention.sliding_window", 0) or None
+    pattern = field(reader, "exaone4.attention.sliding_window_pattern", None)
+    if window is not None and (pattern is None or len(pattern) != layers):
+        raise ValueError(f"GGUF exaone4 file: a sliding window of {window} without one "
+                         f"attention.sliding_window_pattern entry per layer ({layers})")
+    sliding = [bool(p) for p in pattern] if window is not None else [False] * layers
+    return Exaone4Config(**fields, head_dim=head_dim(reader, "exaone4"), sliding_window=window,
+                         layer_types=["sliding_attention" if s else "full_attention"
+                                      for s in sliding])
 
 
 def ernie4_5_config(reader, tensor_names: list[str]):

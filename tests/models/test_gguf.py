@@ -152,14 +152,17 @@ def test_a_llama3_file_keeps_its_rope_scaling(tiny_tokenizer_dir, tmp_path_facto
               "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                   "partial_rotary_factor": 0.5}}),
     ("ernie4_5", {"use_bias": True, "tie_word_embeddings": True}),
+    ("exaone4", {"sliding_window": 16, "layer_types": ["sliding_attention"] * 3 +
+                 ["full_attention"]}),
     ("seed_oss", {"attention_bias": True, "attention_out_bias": False, "mlp_bias": False})])
-def test_a_glm4_ernie_or_seed_oss_file_reads_its_tensors_as_the_checkpoint_has_them(
+def test_a_glm4_ernie_exaone_or_seed_oss_file_reads_its_tensors_as_the_checkpoint_has_them(
         tiny_window_dirs, tmp_path, family, fields):
     """GLM-4 (RoPE on half of each head in interleaved pairs, gate/up fused, four norms),
-    ERNIE 4.5 (interleaved pairs, a bias on every projection) and Seed-OSS (q/k/v biases; its
-    norm before the MLP stored as ``post_attention_norm``): q and k as their checkpoints have
-    them (llama.cpp's converter permutes none), the biases told by the tensors; against
-    transformers on the checkpoint the file was written from."""
+    ERNIE 4.5 (interleaved pairs, a bias on every projection), EXAONE 4 (sliding layers by
+    the file's pattern, RoPE on them alone) and Seed-OSS (q/k/v biases; its norm before the
+    MLP stored as ``post_attention_norm``): q and k as their checkpoints have them (llama.cpp's
+    converter permutes none), the biases told by the tensors; against transformers on the
+    checkpoint the file was written from."""
     from gguf_files import dequantized_checkpoint
 
     from actorlm.models.loader import load_hf_config
