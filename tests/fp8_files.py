@@ -34,9 +34,10 @@ def write_fp8(src: pathlib.Path, out: pathlib.Path, weights: str = "channel",
         dynamic=activations != "tensor", group_size=BLOCK if activations == "group" else None)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     static_scales = _calibrated_input_scales(model) if activations == "tensor" else {}
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": QuantizationScheme(
-        targets=["Linear"], weights=weight_args, input_activations=input_args)},
-        ignore=["lm_head"]))
+    scheme = QuantizationScheme(targets=["Linear"], weights=weight_args,
+                                input_activations=input_args)
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme},
+                                                        ignore=["lm_head"]))
     for name, module in model.named_modules():
         if hasattr(module, "weight_scale"):
             scale = _weight_scales(module.weight.data, weights)

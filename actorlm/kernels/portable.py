@@ -34,8 +34,8 @@ def round_to_fp8(x: torch.Tensor, quant: ActivationQuant, row_max=None) -> torch
     """x [T, in] rounded to FP8 e4m3 values times their scale (``ActivationQuant``), in x's
     dtype: each step in fp32 (the scale, the largest magnitude times 1 / 448 and at least
     vLLM's floor; x times its reciprocal, clamped to +-448; the rounding to nearest even; the
-    product), as vLLM's FP8 kernels quantize their input (``csrc/fp8.cpp``: the same bits). ``row_max`` joins a row's largest magnitude [T, 1] over the ranks that
-    share the row."""
+    product), as vLLM's FP8 kernels quantize their input (``csrc/fp8.cpp``: the same bits).
+    ``row_max`` joins a row's largest magnitude [T, 1] over the ranks that share the row."""
     h = x.float()
     if quant.scale is not None:
         scale = torch.tensor(quant.scale, dtype=torch.float32, device=x.device)

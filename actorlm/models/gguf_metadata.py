@@ -166,7 +166,7 @@ def glm4_config(reader, tensor_names: list[str]):
     rope = {**fields["rope_parameters"],
             "partial_rotary_factor": field(reader, "glm4.rope.dimension_count", dim) / dim}
     return Glm4Config(**{**fields, "rope_parameters": rope}, head_dim=dim,
-                      attention_bias=any(name.endswith("q_proj.bias") for name in tensor_names))
+                      attention_bias=_has(tensor_names, "q_proj.bias"))
 
 
 def exaone4_config(reader, tensor_names: list[str]):
@@ -190,7 +190,7 @@ def ernie4_5_config(reader, tensor_names: list[str]):
 
     return Ernie4_5Config(**decoder_fields(reader, "ernie4_5", tensor_names),
                           head_dim=head_dim(reader, "ernie4_5"),
-                          use_bias=any(name.endswith("q_proj.bias") for name in tensor_names))
+                          use_bias=_has(tensor_names, "q_proj.bias"))
 
 
 def seed_oss_config(reader, tensor_names: list[str]):
@@ -198,9 +198,9 @@ def seed_oss_config(reader, tensor_names: list[str]):
 
     return SeedOssConfig(
         **decoder_fields(reader, "seed_oss", tensor_names), head_dim=head_dim(reader, "seed_oss"),
-        attention_bias=any(name.endswith("q_proj.bias") for name in tensor_names),
-        attention_out_bias=biases(tensor_names)["attention_bias"],
-        mlp_bias=biases(tensor_names)["mlp_bias"])
+        attention_bias=_has(tensor_names, "q_proj.bias"),
+        attention_out_bias=_has(tensor_names, "o_proj.bias"),
+        mlp_bias=_has(tensor_names, "down_proj.bias"))
 
 
 def read_rope_freqs(reader, config) -> None:
@@ -231,5 +231,9 @@ def read_rope_freqs(reader, config) -> None:
 
 def biases(tensor_names: list[str]) -> dict:
     """A Llama's bias flags, which its metadata lacks: the tensors tell."""
-    return dict(attention_bias=any(name.endswith("o_proj.bias") for name in tensor_names),
-                mlp_bias=any(name.endswith("down_proj.bias") for name in tensor_names))
+    return dict(attention_bias=_has(tensor_names, "o_proj.bias"),
+                mlp_bias=_has(tensor_names, "down_proj.bias"))
+
+
+def _has(tensor_names: list[str], suffix: str) -> bool:
+    return any(name.endswith(suffix) for name in tensor_names)

@@ -1,8 +1,9 @@
 // A linear layer's input rounded to FP8 (e4m3) and back, as an FP8 checkpoint's math asks
 // (kernels.ActivationQuant; portable.round_to_fp8 computes the same bits in torch): the scale
 // is the checkpoint's static one, or the largest magnitude over 448 of each row or group of
-// `group` features (at least 1 / (448 * 512), as vLLM's); each value times the scale's reciprocal, clamped to +-448, rounded to the
-// nearest e4m3 value (ties to even), times the scale, rounded to T.
+// `group` features (at least 1 / (448 * 512), as vLLM's); each value times the scale's
+// reciprocal, clamped to +-448, rounded to the nearest e4m3 value (ties to even), times the
+// scale, rounded to T.
 //
 // The values are multiplied by the scale's reciprocal, taken once, as vLLM's FP8 kernels do,
 // and the largest magnitude by 448's reciprocal (fast math, which this library is built
@@ -54,7 +55,8 @@ void round_to_fp8(const T* x, int64_t x_stride, T* out, int64_t rows, int64_t k,
       if (scale == 0.f) {
         float largest = 0.f;
 #pragma omp simd reduction(max : largest)
-        for (int64_t i = 0; i < width; ++i) largest = std::max(largest, std::fabs(to_float(in[i])));
+        for (int64_t i = 0; i < width; ++i)
+          largest = std::max(largest, std::fabs(to_float(in[i])));
         scale = std::max(largest * kInverseMax, kMinScale);
       }
       const float inverse = 1.f / scale;
