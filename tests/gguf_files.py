@@ -81,7 +81,7 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
     from safetensors.torch import load_file
 
     config = json.loads((hf_dir / "config.json").read_text())
-    arch = config["model_type"]
+    arch = {"olmo3": "olmo2"}.get(config["model_type"], config["model_type"])  # (as llama.cpp)
     state = {}
     for file in sorted(hf_dir.glob("*.safetensors")):
         state.update(load_file(file))
@@ -91,10 +91,12 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
     _write_config(writer, config)
     if arch == "phi3":
         _write_phi3_rope(writer, config)
-    if config.get("sliding_window") and arch == "exaone4":
+    if config.get("sliding_window") and arch in ("exaone4", "olmo2"):
         writer.add_sliding_window(config["sliding_window"])
         writer.add_sliding_window_pattern([t == "sliding_attention"
                                            for t in config["layer_types"]])
+    if config["model_type"] == "olmo3":
+        _write_olmo3_rope(writer, config["rope_parameters"])
     if (config.get("rope_parameters") or {}).get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_divisors(config))
     _write_tokenizer(writer, hf_dir)
@@ -141,8 +143,8 @@ def _write_config(writer, config: dict) -> None:
     writer.add_value_length(head_dim)
     rope = config.get("rope_parameters") or {}
     writer.add_rope_dimension_count(int(head_dim * (rope.get("partial_rotary_factor") or 1.0)))
-    writer.add_rope_freq_base(config.get("rope_theta")
-                              or config.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    rope = rope.get("full_attention", rope)  # (OLMo 3's per kind of layer: the full layers')
+    writer.add_rope_freq_base(config.get("rope_theta") or rope.get("rope_theta", 10000.0))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     for multiplier, add in _GRANITE_SCALES.items():
@@ -165,6 +167,20 @@ def _write_phi3_rope(writer, config: dict) -> None:
         for kind in ("long", "short"):
             writer.add_tensor(f"rope_factors_{kind}.weight",
                               np.array(rope[f"{kind}_factor"], dtype=np.float32))
+
+
+def _write_olmo3_rope(writer, rope: dict) -> None:
+    """OLMo 3's RoPE per kind of layer beside the full layers' base (``_write_config``), under
+    the keys llama.cpp reads: the sliding layers' base, the full layers' YaRN."""
+    import gguf
+
+    full, sliding = rope["full_attention"], rope["sliding_attention"]
+    writer.add_rope_freq_base_swa(sliding["rope_theta"])
+    if full["rope_type"] == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(full["factor"])
+        writer.add_rope_scaling_attn_factors(full["attention_factor"])
+        writer.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
 
 
 def _llama3_divisors(config: dict) -> np.ndarray:

@@ -16,8 +16,7 @@ sizes every decoder has (``decoder_fields``), and what an architecture adds
   ``logit_scale`` (the logits' divisor, transformers' ``logits_scaling``).
 - ``olmo2``: norms after the attention and the MLP only (``post_attention_norm``,
   ``post_ffw_norm``), q/k norms over whole projections; q and k are not permuted. OLMo 3's
-  files say ``olmo2`` too: their sliding windows (and the YaRN scaling of their full layers)
-  are refused; a Hugging Face directory of OLMo 3 is served.
+  files say ``olmo2`` too, with a sliding window: read as OLMo 3 (``_olmo3_config``).
 - ``phi3``: q/k/v and gate/up fused (``attn_qkv``, ``ffn_up``: the model splits them as a
   Phi-3 checkpoint's), not permuted. transformers reads its sizes but not what sets Phi-3.5
   and Phi-4-mini apart: RoPE on ``rope.dimension_count`` of each head's features, the
@@ -75,10 +74,13 @@ def head_dim(reader, arch: str) -> int:
                  field(reader, f"{arch}.attention.head_count"))
 
 
-def decoder_fields(reader, arch: str, tensor_names: list[str]) -> dict:
+def decoder_fields(reader, arch: str, tensor_names: list[str],
+                   reads_rope_scaling: bool = False) -> dict:
     """The config fields of any decoder file (``tensor_names``: its tensors' Hugging Face
-    names, which tell whether the LM head is tied)."""
-    _refuse_rope_scaling(reader, arch)
+    names, which tell whether the LM head is tied); a RoPE scaling is refused unless the
+    caller ``reads_rope_scaling`` itself."""
+    if not reads_rope_scaling:
+        _refuse_rope_scaling(reader, arch)
     heads = field(reader, f"{arch}.attention.head_count")
     return dict(
         vocab_size=field(reader, f"{arch}.vocab_size", None) or
@@ -127,15 +129,48 @@ def granite_config(reader, tensor_names: list[str]):
 def olmo2_config(reader, tensor_names: list[str]):
     from transformers import Olmo2Config
 
-    fields = decoder_fields(reader, "olmo2", tensor_names)
-    if field(reader, "olmo2.attention.sliding_window", None):  # OLMo 3 (under olmo2)
-        raise ValueError("GGUF olmo2 file: attention.sliding_window (OLMo 3's sliding layers) "
-                         "is not implemented for GGUF files; serve OLMo 3 from its Hugging "
-                         "Face directory")
+    window = field(reader, "olmo2.attention.sliding_window", 0) or None
+    fields = decoder_fields(reader, "olmo2", tensor_names, reads_rope_scaling=window is not None)
     if head_dim(reader, "olmo2") * fields["num_attention_heads"] != fields["hidden_size"]:
         raise ValueError("olmo2: attention.key_length times the heads is not the embedding "
                          "length (its q norm has one weight per feature of q)")
-    return Olmo2Config(**fields, attention_bias=biases(tensor_names)["attention_bias"])
+    bias = biases(tensor_names)["attention_bias"]
+    if window is None:
+        return Olmo2Config(**fields, attention_bias=bias)
+    return _olmo3_config(reader, fields, window, bias)
+
+
+def _olmo3_config(reader, fields: dict, window: int, bias: bool):
+    """OLMo 3, whose files say ``olmo2``: sliding layers by ``sliding_window_pattern`` (one
+    flag a layer, or a period whose last layer is full); RoPE on them by ``freq_base_swa``
+    (else ``freq_base``) without scaling, on the full layers by ``freq_base`` with the file's
+    YaRN, as llama.cpp's graph and transformers' model both do."""
+    from transformers import Olmo3Config
+
+    layers = fields["num_hidden_layers"]
+    pattern = field(reader, "olmo2.attention.sliding_window_pattern", 4)
+    sliding = [(i + 1) % pattern != 0 for i in range(layers)] if isinstance(pattern, int) \
+        else [bool(flag) for flag in pattern]
+    if len(sliding) != layers:
+        raise ValueError(f"GGUF olmo2 file: attention.sliding_window_pattern has "
+                         f"{len(sliding)} entries for {layers} layers")
+    theta = fields["rope_parameters"]["rope_theta"]
+    full = {"rope_type": "default", "rope_theta": theta}
+    scaling = field(reader, "olmo2.rope.scaling.type", "none")
+    if scaling == "yarn":
+        full.update(rope_type="yarn", factor=field(reader, "olmo2.rope.scaling.factor"),
+                    original_max_position_embeddings=field(
+                        reader, "olmo2.rope.scaling.original_context_length"))
+        if (attention := field(reader, "olmo2.rope.scaling.attn_factor", None)) is not None:
+            full["attention_factor"] = attention
+    elif scaling != "none":
+        raise ValueError(f"GGUF olmo2 file: rope scaling {scaling!r} is not implemented")
+    rope = {"full_attention": full, "sliding_attention": {
+        "rope_type": "default", "rope_theta": field(reader, "olmo2.rope.freq_base_swa", theta)}}
+    return Olmo3Config(**{**fields, "rope_parameters": rope}, attention_bias=bias,
+                       sliding_window=window,
+                       layer_types=["sliding_attention" if s else "full_attention"
+                                    for s in sliding])
 
 
 def phi3_config(reader, tensor_names: list[str]):

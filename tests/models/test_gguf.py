@@ -206,25 +206,48 @@ def test_a_phi3_file_keeps_what_transformers_does_not_read(tiny_window_dirs, tmp
     check_greedy_and_kl(ours, dequantized_checkpoint(hf_dir, "Q8_0"))
 
 
-def test_an_olmo3_file_with_sliding_windows_is_refused_by_name(tiny_window_dirs, tmp_path):
-    """OLMo 3's files say ``olmo2`` and carry a sliding window, which its graph applies to
-    some layers: refused, not read as OLMo 2."""
-    import json
+@pytest.mark.parametrize("yarn", [False, True], ids=["bases", "yarn"])
+def test_an_olmo3_file_reads_its_sliding_layers_and_rope_per_kind(tiny_window_dirs, tmp_path,
+                                                                 yarn):
+    """OLMo 3's files say ``olmo2`` and carry a sliding window and its pattern: read as OLMo 3,
+    the sliding layers' RoPE by their own base (``freq_base_swa``) without scaling, the full
+    layers' by theirs with the file's YaRN; against transformers on the checkpoint the file
+    was written from. A pattern that does not cover the layers is refused by name."""
+    import shutil
 
     import gguf
-    from gguf_files import _write_config
+    from gguf_files import _write_config, dequantized_checkpoint
 
-    file = tmp_path / "olmo3.gguf"
-    writer = gguf.GGUFWriter(file, "olmo2")
-    _write_config(writer, json.loads((tiny_window_dirs["olmo2"] / "config.json").read_text()))
+    from actorlm.models.loader import load_hf_config
+
+    hf_dir = tiny_window_dirs["olmo3"]
+    if yarn:
+        hf_dir = shutil.copytree(hf_dir, tmp_path / "yarn")
+        meta = json.loads((hf_dir / "config.json").read_text())
+        meta["rope_parameters"]["full_attention"].update(
+            rope_type="yarn", factor=4.0, original_max_position_embeddings=32,
+            attention_factor=1.125)  # (a float32 in the file: exact here)
+        (hf_dir / "config.json").write_text(json.dumps(meta))
+    path = resolve_model(write_gguf(hf_dir, tmp_path / "tiny-olmo3.gguf", "Q8_0"))
+    config = load_hf_config(path)
+    expected = json.loads((hf_dir / "config.json").read_text())
+    assert config.model_type == "olmo3"
+    assert config.layer_types == expected["layer_types"] and config.sliding_window == 16
+    assert config.rope_parameters == expected["rope_parameters"]
+    ours = load_model(path, torch.float32, "cpu", select_backend("cpu"))
+    check_greedy_and_kl(ours, dequantized_checkpoint(hf_dir, "Q8_0"))
+
+    writer = gguf.GGUFWriter(tmp_path / "short.gguf", "olmo2")
+    _write_config(writer, expected)
     writer.add_sliding_window(16)
+    writer.add_sliding_window_pattern([True, False])
     writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="attention.sliding_window .* is not implemented"):
-        resolve_model(file)
+    with pytest.raises(ValueError, match="sliding_window_pattern has 2 entries for 4 layers"):
+        resolve_model(tmp_path / "short.gguf")
 
 
 def test_a_format_without_kernels_is_dequantized_at_load_and_named(tiny_qwen2_dir, tmp_path,
