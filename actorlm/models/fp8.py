@@ -163,18 +163,20 @@ def read_tensors(tensors: Iterable[tuple[str, torch.Tensor]], config: dict, dtyp
             continue
         parts = held.setdefault(module, {})
         parts[part] = tensor
+        if "weight" not in parts or not any(s in parts for s in _SCALES):
+            continue
         scheme = _scheme(config, None if method == "fp8" else group_of(module))
-        if "weight" in parts and any(s in parts for s in _SCALES) and \
-                (scheme.inputs != "tensor" or "input_scale" in parts):
-            parts = held.pop(module)
-            scale = parts.get("weight_scale_inv", parts.get("weight_scale")).float()
-            weight = _dequantized(module, parts["weight"], scale, scheme.block)
-            yield f"{module}.weight", weight.to(dtype)
-            quant = scheme.quant(parts)
-            if quant is not None and not module.endswith("embed_tokens"):  # a lookup: no input
-                yield f"{module}.input_quant", quant
-                rounded[f"per {scheme.inputs}" if scheme.inputs != "tensor" else "static"] += 1
-            count += 1
+        if scheme.inputs == "tensor" and "input_scale" not in parts:
+            continue
+        parts = held.pop(module)
+        scale = parts.get("weight_scale_inv", parts.get("weight_scale")).float()
+        weight = _dequantized(module, parts["weight"], scale, scheme.block)
+        yield f"{module}.weight", weight.to(dtype)
+        quant = scheme.quant(parts)
+        if quant is not None and not module.endswith("embed_tokens"):  # a lookup: no input
+            yield f"{module}.input_quant", quant
+            rounded[f"per {scheme.inputs}" if scheme.inputs != "tensor" else "static"] += 1
+        count += 1
     if held:
         module, parts = next(iter(held.items()))
         what = "an FP8 weight without its scale" if "weight" in parts else \

@@ -147,13 +147,6 @@ def _olmo3_config(reader, fields: dict, window: int, bias: bool):
     YaRN, as llama.cpp's graph and transformers' model both do."""
     from transformers import Olmo3Config
 
-    layers = fields["num_hidden_layers"]
-    pattern = field(reader, "olmo2.attention.sliding_window_pattern", 4)
-    sliding = [(i + 1) % pattern != 0 for i in range(layers)] if isinstance(pattern, int) \
-        else [bool(flag) for flag in pattern]
-    if len(sliding) != layers:
-        raise ValueError(f"GGUF olmo2 file: attention.sliding_window_pattern has "
-                         f"{len(sliding)} entries for {layers} layers")
     theta = fields["rope_parameters"]["rope_theta"]
     full = {"rope_type": "default", "rope_theta": theta}
     scaling = field(reader, "olmo2.rope.scaling.type", "none")
@@ -169,8 +162,7 @@ def _olmo3_config(reader, fields: dict, window: int, bias: bool):
         "rope_type": "default", "rope_theta": field(reader, "olmo2.rope.freq_base_swa", theta)}}
     return Olmo3Config(**{**fields, "rope_parameters": rope}, attention_bias=bias,
                        sliding_window=window,
-                       layer_types=["sliding_attention" if s else "full_attention"
-                                    for s in sliding])
+                       layer_types=_layer_types(reader, "olmo2", fields, default_period=4))
 
 
 def phi3_config(reader, tensor_names: list[str]):
@@ -208,16 +200,28 @@ def exaone4_config(reader, tensor_names: list[str]):
     from transformers import Exaone4Config
 
     fields = decoder_fields(reader, "exaone4", tensor_names)
-    layers = fields["num_hidden_layers"]
     window = field(reader, "exaone4.attention.sliding_window", 0) or None
-    pattern = field(reader, "exaone4.attention.sliding_window_pattern", None)
-    if window is not None and (pattern is None or len(pattern) != layers):
-        raise ValueError(f"GGUF exaone4 file: a sliding window of {window} without one "
-                         f"attention.sliding_window_pattern entry per layer ({layers})")
-    sliding = [bool(p) for p in pattern] if window is not None else [False] * layers
+    types = _layer_types(reader, "exaone4", fields) if window is not None else \
+        ["full_attention"] * fields["num_hidden_layers"]
     return Exaone4Config(**fields, head_dim=head_dim(reader, "exaone4"), sliding_window=window,
-                         layer_types=["sliding_attention" if s else "full_attention"
-                                      for s in sliding])
+                         layer_types=types)
+
+
+def _layer_types(reader, arch: str, fields: dict, default_period: int | None = None) -> list:
+    """Each layer's kind by the file's ``attention.sliding_window_pattern``: one flag a layer
+    (sliding where set), or a period whose last layer is full (``default_period`` where the
+    file has none, as llama.cpp's loader reads it)."""
+    layers = fields["num_hidden_layers"]
+    pattern = field(reader, f"{arch}.attention.sliding_window_pattern", default_period)
+    if pattern is None:
+        raise ValueError(f"GGUF {arch} file: a sliding window without "
+                         f"attention.sliding_window_pattern")
+    sliding = [(i + 1) % pattern != 0 for i in range(layers)] if isinstance(pattern, int) \
+        else [bool(flag) for flag in pattern]
+    if len(sliding) != layers:
+        raise ValueError(f"GGUF {arch} file: attention.sliding_window_pattern has "
+                         f"{len(sliding)} entries for {layers} layers")
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
 
 
 def ernie4_5_config(reader, tensor_names: list[str]):
