@@ -2,13 +2,15 @@
 
 from actorlm.config import EngineConfig
 from actorlm.lora_request import LoRARequest
-from actorlm.outputs import CompletionOutput, RequestOutput
+from actorlm.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+from actorlm.pooling import PoolingParams
 from actorlm.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "AsyncLLM", "EngineDeadError", "EngineShutdownError", "EngineConfig",
-           "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest"]
+           "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest", "PoolingParams",
+           "EmbeddingRequestOutput"]
 
 _LAZY = {"LLM": "actorlm.llm", "AsyncLLM": "actorlm.async_llm",
          "EngineDeadError": "actorlm.actors.supervisor",

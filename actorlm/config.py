@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from actorlm.generation_config import check_setting as check_generation_config
+from actorlm.pooling import PoolerConfig, check_runner_flags, parse_pooler_config
 from actorlm.reasoning import reasoning_parser
 from actorlm.speculative import SpeculativeConfig
 
@@ -88,6 +89,16 @@ class EngineConfig:
     # the order requests are served in: fcfs (arrival) or priority (each request's priority,
     # smaller first, then arrival; a request's priority must be 0 under fcfs), vLLM's two
     scheduling_policy: str = "fcfs"
+    # what the model is run for (vLLM's names): generate, or pooling (embeddings: each
+    # request's prompt pooled into one vector, ``actorlm.pooling``); auto: pooling for a
+    # checkpoint without an LM head. convert="embed" and the older task="embed" ask for
+    # pooling too. Resolved against the model to generate or pooling.
+    runner: str = "auto"
+    convert: str = "auto"
+    task: str | None = None
+    # a pooling model's pooling_type (LAST, MEAN, CLS) and normalize, over what its
+    # sentence-transformers files say (JSON text or a dict); resolved to a PoolerConfig
+    pooler_config: PoolerConfig | None = None  # (given as JSON text or a dict)
 
     def __post_init__(self):
         dtype = _DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower())
@@ -134,6 +145,8 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"--scheduling-policy must be one of "
                              f"{', '.join(SCHEDULING_POLICIES)}; got {self.scheduling_policy!r}")
+        check_runner_flags(self.runner, self.convert, self.task)
+        object.__setattr__(self, "pooler_config", parse_pooler_config(self.pooler_config))
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least "
                              f"--max-loras ({self.max_loras})")
@@ -165,6 +178,11 @@ class EngineConfig:
         declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         declared = DTYPES.get(declared, declared) if isinstance(declared, str) else declared
         return declared if declared in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+    @property
+    def is_pooling(self) -> bool:
+        """Whether the model runs for embeddings (once resolved against it)."""
+        return self.runner == "pooling"
 
     @property
     def executor_backend(self) -> str:

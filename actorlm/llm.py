@@ -16,11 +16,11 @@ from actorlm.config import EngineConfig
 from actorlm.engine_core import start_engine
 from actorlm.lora_request import LoRARequest
 from actorlm.messages import AbortRequests, SubmitRequest
-from actorlm.outputs import RequestOutput
+from actorlm.outputs import EmbeddingRequestOutput, RequestOutput
+from actorlm.pooling import NOTHING_SAMPLED, PoolingParams
 from actorlm.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
-
 
 class LLM:
     """``LLM(model=None, **engine_flags)``; ``model=None`` is the embedded SmolLM2-135M-Instruct.
@@ -86,12 +86,31 @@ class LLM:
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
-        sink: queue.Queue[RequestOutput | EngineDeadError] = queue.Queue()
-        request_ids = self._submit(prompts, params, sink, loras, priority)
+        return self._run(prompts, params, loras, priority, [None] * len(prompts), use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (``outputs.embedding``), in prompt order, from a pooling
+        model (``runner="pooling"``, ``actorlm.pooling``). ``pooling_params``: one for all or
+        one per prompt (``dimensions``, ``normalize``)."""
+        prompts = _as_list(prompts)
+        pooling = pooling_params if pooling_params is not None else PoolingParams()
+        pooling = [pooling] * len(prompts) if isinstance(pooling, PoolingParams) else list(pooling)
+        if len(pooling) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(pooling)} pooling_params")
+        return self._run(prompts, [NOTHING_SAMPLED] * len(prompts), [None] * len(prompts),
+                         [0] * len(prompts), pooling, use_tqdm)
+
+    def _run(self, prompts: list, params: list[SamplingParams], loras: list, priority: list[int],
+             pooling: list[PoolingParams | None], use_tqdm: bool) -> list:
+        """Submit every prompt (or, if one is refused, none) and wait for all the outputs."""
+        sink: queue.Queue = queue.Queue()
+        request_ids = self._submit(prompts, params, sink, loras, priority, pooling)
         watch = self.engine.supervisor.watch(sink.put)  # a dead engine wakes us with its error
-        by_id: dict[str, RequestOutput] = {}
+        by_id: dict[str, RequestOutput | EmbeddingRequestOutput] = {}
         try:
-            with tqdm(total=len(request_ids), desc="Generating", unit="req",
+            with tqdm(total=len(request_ids), desc="Processed prompts", unit="req",
                       disable=not use_tqdm) as bar:
                 while len(by_id) < len(request_ids):
                     output = sink.get()
@@ -108,16 +127,17 @@ class LLM:
         return [by_id[rid] for rid in request_ids]
 
     def _submit(self, prompts: list, params: list[SamplingParams], sink,
-                loras: list[LoRARequest | None], priority: list[int]) -> list[str]:
+                loras: list[LoRARequest | None], priority: list[int],
+                pooling: list[PoolingParams | None]) -> list[str]:
         """Submit every prompt or, if one is refused, none (the others are aborted)."""
         request_ids: list[str] = []
         try:
-            for prompt, p, lora, rank in zip(prompts, params, loras, priority):
+            for prompt, p, lora, rank, pool in zip(prompts, params, loras, priority, pooling):
                 request_id = str(next(self._ids))
                 self.engine.frontend.ask(SubmitRequest(request_id, prompt_input(prompt), p, sink,
                                                        lora_request=lora,
                                                        cache_salt=prompt_salt(prompt),
-                                                       priority=rank))
+                                                       priority=rank, pooling_params=pool))
                 request_ids.append(request_id)
         except pykka.ActorDeadError:
             raise self.engine.supervisor.dead_error() from None

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from actorlm.lora_request import LoRARequest
+from actorlm.pooling import PoolingParams
 from actorlm.sampling_params import SamplingParams
 
 
@@ -47,6 +48,8 @@ class SubmitRequest(_Message):
     cache_salt: str | None = None  # its prefix-cache tenant: it shares cached blocks only with
     # requests of the same salt (vLLM's ``cache_salt``)
     priority: int = 0  # under --scheduling-policy priority: smaller is served first
+    # an embedding request's (a pooling model's): its prompt is pooled, nothing is sampled
+    pooling_params: PoolingParams | None = None
 
 
 # --- frontend <-> scheduler ------------------------------------------------------------------
@@ -71,6 +74,7 @@ class AddRequest(_Message):
     suspect: bool = False
     cache_salt: str | None = None  # (SubmitRequest's)
     priority: int = 0  # (SubmitRequest's)
+    pooling_params: PoolingParams | None = None  # (SubmitRequest's)
 
 
 class AbortRequests(_Message):
@@ -107,6 +111,7 @@ class RequestDelta(_StepMessage):
     # with ``error``: the request field the client got wrong (a grammar that does not compile,
     # say), which the API answers with a 400 naming it; None: the engine failed
     error_field: str | None = None
+    pooled: bytes | None = None  # an embedding request's vector (float32), as it finishes
 
 
 class EngineOutputs(_StepMessage):
@@ -214,6 +219,7 @@ class NewRequestData(_StepMessage):
     seed: int
     bad_words_token_ids: list[list[int]] = []
     lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None  # an embedding request's: pooled, not sampled
 
 
 class CachedRequestData(_StepMessage):
@@ -298,7 +304,10 @@ class StepResult(_StepMessage):
     ``accepted_token_ids[i]`` are the drafts of ``request_ids[i]`` the step accepted, which
     precede ``sampled_token_ids[i]`` (the bonus or recovered token) in its output, and
     ``accepted_logprobs[i]`` their logprobs where asked; ``spec_token_ids[i]`` are the drafts
-    proposed for its next step."""
+    proposed for its next step.
+
+    ``pooled[i]`` is the embedding (float32 bytes) of ``pooled_request_ids[i]``, a pooling
+    model's request whose prompt this step completed."""
 
     step_id: int
     request_ids: list[str]
@@ -316,6 +325,8 @@ class StepResult(_StepMessage):
     accepted_token_ids: list[list[int]] = []
     accepted_logprobs: list[list[PositionLogprobs]] = []
     spec_token_ids: list[list[int]] = []
+    pooled_request_ids: list[str] = []
+    pooled: list[bytes] = []
 
 
 class WorkerResult(_StepMessage):

@@ -1,4 +1,5 @@
-"""What a caller gets back: vLLM's RequestOutput / CompletionOutput shapes."""
+"""What a caller gets back: vLLM's RequestOutput / CompletionOutput shapes, and its
+EmbeddingRequestOutput for a pooling model's requests."""
 
 from __future__ import annotations
 
@@ -44,3 +45,24 @@ class RequestOutput:
     error: str | None = None  # set when the engine failed this request (finish_reason "error")
     error_field: str | None = None  # the request field at fault, where the client's was
     metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """A pooling model's answer to one prompt (vLLM's ``EmbeddingRequestOutput``)."""
+
+    request_id: str
+    outputs: EmbeddingOutput  # empty when the request failed (``error``)
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+    error: str | None = None

@@ -73,10 +73,12 @@ def random_blocks(type_name: str, rows: int, columns: int, seed: int) -> np.ndar
 
 
 def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
-               eot_token_id: int | None = None) -> pathlib.Path:
+               eot_token_id: int | None = None, pooling_type=None) -> pathlib.Path:
     """The checkpoint ``hf_dir`` (Llama, SmolLM3, Granite, OLMo 2, Phi-3, EXAONE 4, GLM-4,
     ERNIE 4.5, Seed-OSS, Qwen2 or Qwen3) as a GGUF file whose matrices are all ``type_name`` blocks
-    (norms and biases F32), with an end-of-turn token where given; returns the file."""
+    (norms and biases F32), with an end-of-turn token where given, and an embedding model's
+    ``gguf.PoolingType`` where given (as llama.cpp's converter writes a sentence-transformers
+    model's); returns the file."""
     import gguf
     from safetensors.torch import load_file
 
@@ -102,6 +104,8 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
     _write_tokenizer(writer, hf_dir)
     if eot_token_id is not None:
         writer.add_eot_token_id(eot_token_id)
+    if pooling_type is not None:
+        writer.add_pooling_type(pooling_type)
     kind = gguf.GGMLQuantizationType[type_name]
     for seed, (name, tensor) in enumerate(sorted(state.items())):
         values = tensor.float().numpy()

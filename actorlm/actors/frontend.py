@@ -26,6 +26,7 @@ from actorlm.core.output_stream import OutputStream
 from actorlm.engine_actor import EngineActor, tell
 from actorlm.messages import (AbortRequests, AddRequest, EngineOutputs, Resumed, ResumeRequests,
                               StopRequests, SubmitRequest)
+from actorlm.pooling import PoolerConfig, PoolingParams
 from actorlm.prompt_rules import empty_prompt, outside_vocabulary
 from actorlm.sampling_params import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 
@@ -38,8 +39,12 @@ MAX_RESUMES = 4  # a request live at a fifth death that no trial explained fails
 class FrontendActor(EngineActor):
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int,
                  scheduler: pykka.ActorRef, seed: int = 0, clock=time, on_death=None,
-                 lora_checker=None, priority_scheduling: bool = False):
+                 lora_checker=None, priority_scheduling: bool = False,
+                 pooler: PoolerConfig | None = None, hidden_size: int = 0):
         super().__init__(on_death)
+        # a pooling model's (``actorlm.pooling``): its requests are embeddings, and only;
+        # None: a generating model's, which takes no embedding request
+        self.pooler, self.hidden_size = pooler, hidden_size
         self.priority_scheduling = priority_scheduling  # False: every request's priority is 0
         # reads a request's adapter directory before it enters (``LoRAChecker``); None: LoRA
         # is off, and a request asking for an adapter is refused
@@ -78,6 +83,7 @@ class FrontendActor(EngineActor):
         token_ids = self.tokenize(msg.prompt)
         params = msg.sampling_params
         self._validate(params)
+        self._check_pooling(msg.pooling_params, params)
         if msg.lora_request is not None:
             if self.lora_checker is None:
                 raise ValueError(f"LoRA adapter {msg.lora_request.lora_name!r}: LoRA is not "
@@ -89,14 +95,15 @@ class FrontendActor(EngineActor):
         seed = self._rng.randrange(SEED_RANGE) if params.seed is None else params.seed % SEED_RANGE
         text = msg.prompt if isinstance(msg.prompt, str) else None
         stream = OutputStream(msg.request_id, text, token_ids, params, self.tokenizer, msg.sink,
-                              msg.stream)
+                              msg.stream, pooling=msg.pooling_params is not None)
         self._streams[msg.request_id] = stream
         for index, engine_id in enumerate(stream.engine_ids):
             self._children[engine_id] = (stream, index)
         arrival_time = self.clock.monotonic()
         added = AddRequest(msg.request_id, token_ids, params, seed, arrival_time,
                            self._bad_words(params.bad_words), lora_request=msg.lora_request,
-                           cache_salt=msg.cache_salt, priority=msg.priority)
+                           cache_salt=msg.cache_salt, priority=msg.priority,
+                           pooling_params=msg.pooling_params)
         self._added[msg.request_id] = added
         self.scheduler.tell(added)
         return token_ids
@@ -204,6 +211,20 @@ class FrontendActor(EngineActor):
         if params.allowed_token_ids:
             self._check_token_ids("allowed_token_ids", params.allowed_token_ids)
 
+    def _check_pooling(self, pooling: PoolingParams | None, params: SamplingParams) -> None:
+        if pooling is None and self.pooler is not None:
+            raise ValueError("this model runs for embeddings (--runner pooling): it does not "
+                             "generate text (--runner generate runs a model with an LM head "
+                             "to generate)")
+        if pooling is None:
+            return
+        if self.pooler is None:
+            raise ValueError("embeddings need a pooling model: this one runs to generate "
+                             "(--runner pooling embeds with it)")
+        if params.n != 1:
+            raise ValueError(f"n: an embedding request has one output, got n={params.n}")
+        self.pooler.check(pooling, self.hidden_size)
+
     def _check_priority(self, priority) -> None:
         # (64 bits: what the engine-core process's wire carries)
         if not isinstance(priority, int) or isinstance(priority, bool) or \
@@ -245,4 +266,4 @@ def _resumed(added: AddRequest, engine_id: str, index: int, token_ids: list[int]
     return AddRequest(engine_id, added.prompt_token_ids, params,
                       (added.seed + index) % SEED_RANGE, added.arrival_time,
                       added.bad_words_token_ids, list(token_ids), added.lora_request, suspect,
-                      added.cache_salt, added.priority)
+                      added.cache_salt, added.priority, added.pooling_params)

@@ -147,7 +147,9 @@ class EngineSystem:
                 self.tokenizer, config.max_model_len, parts.vocab_size,
                 reach(self.scheduler, "frontend", "scheduler"), config.seed, clock=clock,
                 on_death=on_death("frontend"), lora_checker=lora_checker(config, self.hf_config),
-                priority_scheduling=config.scheduling_policy == "priority")
+                priority_scheduling=config.scheduling_policy == "priority",
+                pooler=config.pooler_config if config.is_pooling else None,
+                hidden_size=getattr(self.hf_config, "hidden_size", 0))
         except BaseException:
             self.stop()
             raise

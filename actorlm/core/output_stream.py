@@ -3,16 +3,20 @@
 A request with ``n`` completions runs as ``n`` engine requests (children); its stream fans them
 back in. Each child's tokens are detokenized incrementally, checked for stop strings (the
 engine cannot see text, so a hit here finishes the child and asks the scheduler to stop it),
-and their logprobs turned into vLLM's shape.
+and their logprobs turned into vLLM's shape. An embedding request (``pooling``) has one child,
+no tokens, and ends with its vector (``EmbeddingRequestOutput``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from actorlm.core.detokenizer import IncrementalDetokenizer, find_stop_string
 from actorlm.messages import PositionLogprobs, RequestDelta, engine_request_ids
-from actorlm.outputs import CompletionOutput, Logprob, RequestOutput
+from actorlm.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob,
+                             RequestOutput)
 from actorlm.sampling_params import SamplingParams
 
 
@@ -30,8 +34,10 @@ class _Sequence:
 
 class OutputStream:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, tokenizer, sink, stream: bool):
+                 params: SamplingParams, tokenizer, sink, stream: bool, pooling: bool = False):
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.pooling = pooling
+        self.pooled: bytes | None = None  # an embedding request's vector, once it finished
         self.params, self.tokenizer, self.sink, self.stream = params, tokenizer, sink, stream
         self.engine_ids = engine_request_ids(request_id, params.n)
         wants_logprobs = params.logprobs is not None
@@ -65,6 +71,8 @@ class OutputStream:
             return None  # stopped here already; the engine's last words are moot
         if index == 0 and delta.new_token_ids:
             self.num_cached_tokens = delta.num_cached_tokens
+        if delta.pooled is not None:
+            self.pooled, self.num_cached_tokens = delta.pooled, delta.num_cached_tokens
         if delta.prompt_logprobs and index == 0 and self.prompt_logprobs is not None:
             self.prompt_logprobs += [self._logprob_dict(p) for p in delta.prompt_logprobs]
         new_logprobs = delta.new_logprobs or [None] * len(delta.new_token_ids)
@@ -100,8 +108,14 @@ class OutputStream:
                 seq.finish_reason = "error"
         return [rid for rid, seq in zip(self.engine_ids, self.sequences) if not seq.engine_finished]
 
-    def output(self) -> RequestOutput:
+    def output(self) -> RequestOutput | EmbeddingRequestOutput:
         finished = self.finished
+        if self.pooling:
+            vector = [] if self.pooled is None else \
+                np.frombuffer(self.pooled, dtype=np.float32).tolist()
+            return EmbeddingRequestOutput(self.request_id, EmbeddingOutput(vector),
+                                          self.prompt_token_ids, finished,
+                                          self.num_cached_tokens, self.error)
         completions = []
         for i, seq in enumerate(self.sequences):
             done = seq.finish_reason is not None

@@ -8,6 +8,7 @@ from typing import Iterable
 from actorlm.fsm import REQUEST_LIFECYCLE, FinishReason, Machine, RequestEvent, RequestState
 from actorlm.fsm.machine import Listener
 from actorlm.lora_request import LoRARequest
+from actorlm.pooling import PoolingParams
 from actorlm.sampling_params import SamplingParams
 
 
@@ -27,13 +28,13 @@ class Request:
                  "bad_words_token_ids", "num_prompt_logprobs_sent", "num_faults",
                  "block_hashes", "num_cached_blocks", "num_cached_tokens", "grammar",
                  "awaiting_grammar", "spec_token_ids", "lora_request", "cache_salt",
-                 "block_hash_keys", "priority")
+                 "block_hash_keys", "priority", "pooling_params")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  seed: int, arrival_time: float, listeners: Iterable[Listener] = (),
                  bad_words_token_ids: list[list[int]] | None = None,
                  lora_request: LoRARequest | None = None, cache_salt: str | None = None,
-                 priority: int = 0):
+                 priority: int = 0, pooling_params: PoolingParams | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -65,6 +66,7 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.lora_request = lora_request  # its adapter; None: the base model
         self.cache_salt = cache_salt  # its prefix-cache tenant; None: everyone's cache
+        self.pooling_params = pooling_params  # an embedding's: it ends with its prompt pooled
         # what besides its tokens keys its KV blocks (``block_hash.extra_keys``), once: its
         # adapter, so no prefix cached under one adapter, or none, is served to another; and its
         # salt, so that a tenant can neither reuse nor time another's cached prompts (digested:

@@ -111,7 +111,7 @@ class Scheduler:
         children = [Request(rid, msg.prompt_token_ids, msg.sampling_params,
                             (msg.seed + i) % SEED_RANGE, msg.arrival_time, self.listeners,
                             msg.bad_words_token_ids, msg.lora_request, msg.cache_salt,
-                            msg.priority)
+                            msg.priority, msg.pooling_params)
                     for i, rid in enumerate(ids)]
         if msg.output_token_ids:  # resumed: its prompt's logprobs went out before its tokens
             if len(children) > 1 or msg.sampling_params.structured_outputs is not None:
@@ -303,6 +303,13 @@ class Scheduler:
                 request.spec_token_ids = self._drafts_that_fit(request, proposed[i])
             deltas.append(RequestDelta(request_id, new_tokens, finish, stop, None,
                                        request.num_cached_tokens or 0, new_logprobs, positions))
+        for request_id, vector in zip(result.pooled_request_ids, result.pooled):
+            if (request := self.requests.get(request_id)) is not None:  # its prompt is pooled
+                self.running.remove(request)
+                self._finish(request, RequestEvent.FINISH, FinishReason.STOP)
+                deltas.append(RequestDelta(request_id, [], FinishReason.STOP.value,
+                                           num_cached_tokens=request.num_cached_tokens or 0,
+                                           pooled=vector))
         if off_grammar:  # (a runner that ignored the bitmask)
             deltas += self.abort(off_grammar, RequestEvent.FAIL,
                                  "the sampled token does not fit the request's grammar")
@@ -505,7 +512,7 @@ class Scheduler:
         return NewRequestData(request.request_id, request.all_token_ids, request.num_prompt_tokens,
                               block_ids, request.num_computed_tokens, request.sampling_params,
                               request.seed, request.bad_words_token_ids,
-                              request.lora_request)
+                              request.lora_request, request.pooling_params)
 
 
 def _lora_names(requests: Iterable[Request]) -> list[str]:

@@ -70,7 +70,9 @@ class EngineCoreSystem(EngineSystem):
                 self.config.seed, on_death=functools.partial(self.supervisor.actor_died,
                                                              "frontend"),
                 lora_checker=lora_checker(self.config, self.hf_config),
-                priority_scheduling=self.config.scheduling_policy == "priority")
+                priority_scheduling=self.config.scheduling_policy == "priority",
+                pooler=self.config.pooler_config if self.config.is_pooling else None,
+                hidden_size=self.hf_config.hidden_size)
         except BaseException:
             self.stop()
             raise

@@ -58,10 +58,12 @@ class CausalLM(nn.Module):
     """With ``tp`` of size N > 1, rank ``tp.rank``'s shard: 1/N of the query heads, of the KV
     heads (or one replicated), of the MLP, of each routed expert (with ``tp.expert_parallel``:
     1/N of the experts, whole) and of the vocabulary (padded up to a multiple of N), loaded
-    straight from the checkpoint's tensors (``load_weights``)."""
+    straight from the checkpoint's tensors (``load_weights``). With ``pooling`` (a pooling
+    model's, ``actorlm.pooling``) it has no LM head, and its checkpoint may be a bare
+    decoder's (``Qwen3Model``: ``layers.0...`` for ``model.layers.0...``)."""
 
     def __init__(self, config, backend: KernelBackend, dtype: torch.dtype = torch.float32,
-                 device=None, tp: TensorParallel = TensorParallel()):
+                 device=None, tp: TensorParallel = TensorParallel(), pooling: bool = False):
         super().__init__()
         config = text_config(config)
         specs = layer_specs(config)  # refuses what the config asks for and is not implemented
@@ -87,11 +89,12 @@ class CausalLM(nn.Module):
                                layer_slots(self.kv_cache_groups)[0], backend, dtype, device, tp)
         attn = self.model.layers[0].self_attn
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads  # this rank's
-        vocab_rows = -(-config.vocab_size // tp.size)  # this rank's slice, padded
-        self.lm_head = Linear(config.hidden_size, vocab_rows, False, dtype, device)
-        if tp.is_parallel:  # its padding rows past the vocabulary are never loaded
+        self.vocab_rows = -(-config.vocab_size // tp.size)  # this rank's slice, padded
+        self.lm_head = None if pooling else \
+            Linear(config.hidden_size, self.vocab_rows, False, dtype, device)
+        if tp.is_parallel and not pooling:  # its padding rows past the vocabulary: never loaded
             self.lm_head.weight.data.zero_()
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and not pooling:
             self.lm_head.weight = self.model.embed_tokens.weight
         max_positions = getattr(config, "max_position_embeddings", None) or 2048
         self.rope_tables = [_rope_table(config, t, max_positions, dtype, device)
@@ -158,6 +161,8 @@ class CausalLM(nn.Module):
         params = dict(self.named_parameters())  # a tied lm_head appears once, as embed_tokens
         missing = {key for name, param in params.items()
                    for key in _load_keys(name, param, self.tp)}
+        if self.lm_head is None:
+            weights = _decoder_only(weights)
         for name, tensor in checkpoint_tensors(self.config, weights):
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue  # recomputed at init / shared with embed_tokens
@@ -221,7 +226,8 @@ class CausalLM(nn.Module):
         """Once every weight is in place: hand the linear layers to the backend and ask it for
         a one-call decode step over the layers' plans."""
         embedding = self.model.embed_tokens
-        tied = self.tie_word_embeddings and embedding.quantized is not None
+        tied = self.tie_word_embeddings and embedding.quantized is not None and \
+            self.lm_head is not None
         if tied:  # the same blocks, held once
             embedding.prepare_tied(self.backend, self.lm_head)
         for module in self.modules():
@@ -273,10 +279,21 @@ class CausalLM(nn.Module):
         elif ".down_proj.weight" in name:
             dim, start, length = 1, rank * dst.shape[1], dst.shape[1]
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
-            rows = self.lm_head.weight.shape[0]
+            rows = self.vocab_rows
             start = rank * rows
             length = max(0, min(rows, self.vocab_size - start))
         return narrow(tensor, dim, start, length)
+
+
+_BARE_DECODER = ("embed_tokens.", "layers.", "norm.")  # a ``...Model`` checkpoint's names
+
+
+def _decoder_only(weights):
+    """A pooling model's tensors: an LM head's left out, a bare decoder's names as a causal
+    LM's (``model.`` before them)."""
+    for name, tensor in weights:
+        if not name.startswith("lm_head."):
+            yield ("model." + name if name.startswith(_BARE_DECODER) else name), tensor
 
 
 def _moe_timer(body: DecoderBody, device) -> MoeTimer | None:

@@ -68,7 +68,7 @@ _GEMMA_TYPES = ("gemma2", "gemma3_text")
 _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _INDEX = "gguf.json"
 _DIR_SUFFIX = "-gguf"  # of a cached directory: <file stem>-<file size>-gguf
-_INDEX_VERSION = 4  # 4: end-of-turn tokens and Llama 3's rope_freqs in the config
+_INDEX_VERSION = 5  # 4: end-of-turn tokens, Llama 3's rope_freqs; 5: pooling, key_length
 
 # GGUF tensor name (after "blk.N.") -> the Hugging Face one (after "model.layers.N.")
 _LAYER_NAMES = {
@@ -309,7 +309,10 @@ def _write_dir(gguf: pathlib.Path, out: pathlib.Path) -> None:
         .from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     if config.model_type == "llama":  # the metadata has no such keys: the tensors tell
         config.update(gguf_metadata.biases(names))
+    if getattr(config, "head_dim", None) is not None:  # (transformers leaves its default)
+        config.head_dim = gguf_metadata.head_dim(reader, arch)
     gguf_metadata.read_rope_freqs(reader, config)
+    config.update(gguf_metadata.pooling_type(reader, arch))
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)

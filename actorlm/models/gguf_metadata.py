@@ -268,6 +268,22 @@ def read_rope_freqs(reader, config) -> None:
                          f"{params['factor']:g}, {_LLAMA3}): not implemented")
 
 
+# llama.cpp's pooling types (``{arch}.pooling_type``, which its converter writes for an
+# embedding model from the sentence-transformers files) -> ours; 0 is none (a generating model)
+_POOLING_TYPES = {1: "MEAN", 2: "CLS", 3: "LAST"}
+
+
+def pooling_type(reader, arch: str) -> dict:
+    """The config's ``gguf_pooling_type`` where the file is an embedding model's."""
+    kind = field(reader, f"{arch}.pooling_type", 0)
+    if kind == 0:
+        return {}
+    if kind not in _POOLING_TYPES:
+        raise ValueError(f"the GGUF file's {arch}.pooling_type {kind} is not implemented "
+                         f"(4 is a reranker's)")
+    return {"gguf_pooling_type": _POOLING_TYPES[kind]}
+
+
 def biases(tensor_names: list[str]) -> dict:
     """A Llama's bias flags, which its metadata lacks: the tensors tell."""
     return dict(attention_bias=_has(tensor_names, "o_proj.bias"),

@@ -117,13 +117,13 @@ def check_block_split(path, config, quantization: str | None, size: int,
 
 def load_model(path, dtype: torch.dtype, device, backend,
                tp: TensorParallel = TensorParallel(),
-               quantization: str | None = None) -> CausalLM:
+               quantization: str | None = None, pooling: bool = False) -> CausalLM:
     """Build the model for the directory ``path`` (rank ``tp.rank``'s shard of it) and fill it
-    from its *.safetensors files, or from its GGUF file."""
+    from its *.safetensors files, or from its GGUF file; ``pooling``: without its LM head."""
     path = pathlib.Path(path)
     check_quantization(path, quantization)
     config = load_hf_config(path)
-    model = CausalLM(config, backend, dtype=dtype, device=device, tp=tp)
+    model = CausalLM(config, backend, dtype=dtype, device=device, tp=tp, pooling=pooling)
     if gguf_file.is_gguf_dir(path):
         tensors = gguf_file.read_tensors(path, config, dtype)
     elif (checkpoint_quantization := prequantized.quantization_config(path)) is not None:

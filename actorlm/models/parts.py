@@ -41,6 +41,7 @@ from actorlm.models.lora_slots import LoRASlots
 from actorlm.models.ngram_proposer import NgramProposer
 from actorlm.models.runner import ModelRunner
 from actorlm.openmp import on_passing_thread
+from actorlm.pooling import PoolerConfig, pooler_config, wants_pooling
 from actorlm.speculative import SpeculativeConfig
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,7 @@ class RunnerFactory:
     speculative_config: SpeculativeConfig | None = None
     draft_path: Any = None  # the draft model's directory (``speculative_config.model``'s)
     lora: tuple[int, int, int | None] | None = None  # max_loras, max_lora_rank, max_cpu_loras
+    pooler: PoolerConfig | None = None  # a pooling model's (resolved); None: it generates
     profiled: list = field(default_factory=list, compare=False)
 
     def __call__(self, rank: int) -> ModelRunner:
@@ -122,7 +124,8 @@ class RunnerFactory:
             else TensorParallel()  # (one rank: every worker holds the whole model)
         check_initialised(tp)
         return self.build(load_model(self.path, self.dtype, self.device, self.backend, tp,
-                                     self.quantization), self.num_kv_blocks)
+                                     self.quantization, pooling=self.pooler is not None),
+                          self.num_kv_blocks)
 
     @property
     def backend(self):
@@ -132,7 +135,8 @@ class RunnerFactory:
         proposer = self._proposer(model)
         lora_slots = None if self.lora is None else LoRASlots(model, *self.lora)
         return ModelRunner(model, self.backend, num_blocks, self.block_size, self.dtype,
-                           self.device, self.eos_token_ids, model.tp, proposer, lora_slots)
+                           self.device, self.eos_token_ids, model.tp, proposer, lora_slots,
+                           self.pooler)
 
     def _proposer(self, model):
         spec = self.speculative_config
@@ -168,10 +172,34 @@ class LoadedModel:
     memory_profile: MemoryProfile | None  # where a GPU's KV pool was sized by profiling
 
 
+def resolve_runner(config: EngineConfig, path, hf_config) -> EngineConfig:
+    """``config`` with ``runner`` generate or pooling for this model, and a pooling model's
+    ``pooler_config`` resolved (``actorlm.pooling``). What pooling does not combine with is
+    refused; prefix caching stays on only for last-token pooling, where a cached prefix
+    leaves the last token to compute (a mean or the first token's state needs them all)."""
+    if not wants_pooling(config.runner, config.convert, config.task, hf_config):
+        if config.pooler_config is not None:
+            raise ValueError(f"--pooler-config applies to a pooling model; {path.name} runs "
+                             f"to generate (--runner pooling embeds with it)")
+        return dataclasses.replace(config, runner="generate")
+    for flag, on in (("--speculative-config", config.speculative_config is not None),
+                     ("--enable-lora", config.enable_lora)):
+        if on:
+            raise ValueError(f"{flag} with a pooling model (--runner pooling) is not "
+                             f"implemented")
+    pooler = pooler_config(path, hf_config, config.pooler_config)
+    log.info("pooling model: %s pooling%s", pooler.pooling_type,
+             ", normalized" if pooler.normalize else "")
+    return dataclasses.replace(config, runner="pooling", pooler_config=pooler,
+                               enable_prefix_caching=config.enable_prefix_caching
+                               and pooler.pooling_type == "LAST")
+
+
 def load_model_parts(config: EngineConfig) -> LoadedModel:
     """Resolve ``config.model`` and the config against it; see the module's docstring."""
     path = resolve_model(config.model)
     hf_config = load_hf_config(path)
+    config = resolve_runner(config, path, hf_config)
     _, num_kv_heads, _ = model_geometry(hf_config)
     tp_size, expert_parallel = config.tensor_parallel_size, config.enable_expert_parallel
     check_expert_parallel(path.name, hf_config, tp_size, expert_parallel)
@@ -220,14 +248,15 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
                             enable_expert_parallel=expert_parallel,
                             speculative_config=spec, draft_path=draft_path,
                             lora=(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
-                            if config.enable_lora else None)
+                            if config.enable_lora else None, pooler=config.pooler_config)
     profile = None
     if profile_gpu:
         step = largest_step(resolved.max_num_batched_tokens, resolved.max_num_seqs,
                             block_size, resolved.max_model_len, len(groups))
         runner, profile = on_passing_thread(  # off this thread, as make_runner (see openmp)
             load_and_profile,
-            lambda: load_model(path, dtype, device, factory.backend, quantization=config.quantization),
+            lambda: load_model(path, dtype, device, factory.backend, quantization=config.quantization,
+                               pooling=config.is_pooling),
             factory.build, step, device)
         budget = kv_cache_budget(profile.total_bytes, profile.used_bytes,
                                  profile.peak_activation_bytes, config.gpu_memory_utilization)

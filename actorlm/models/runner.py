@@ -32,7 +32,9 @@ from actorlm.lora_request import LoRARequest
 from actorlm.messages import (GrammarBitmask, NewRequestData, PromptLogprobs, ScheduleStep,
                               StepResult)
 from actorlm.models.parallel import TensorParallel
+from actorlm.models.pooler import PooledState, Pooler
 from actorlm.models.sampler import sample, token_logprobs, verify
+from actorlm.pooling import PoolerConfig, PoolingParams
 from actorlm.sampling_params import SamplingParams
 
 
@@ -47,13 +49,16 @@ class _CachedState:
     bad_words_token_ids: list[list[int]]
     spec_token_ids: list[int] = field(default_factory=list)  # this step's drafts
     lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None  # an embedding's: pooled, never sampled
+    pooled: PooledState | None = None  # (with pooling_params) what its chunks left
 
     @classmethod
     def from_new(cls, data: NewRequestData, num_groups: int) -> _CachedState:
         return cls(list(data.token_ids), data.num_prompt_tokens,
                    _block_tables(data, num_groups), data.num_computed_tokens,
                    data.sampling_params, data.seed, data.bad_words_token_ids,
-                   lora_request=data.lora_request)
+                   lora_request=data.lora_request, pooling_params=data.pooling_params,
+                   pooled=None if data.pooling_params is None else PooledState())
 
 
 def _attention_rows(states: list[_CachedState], num_scheduled: list[int], seq_lens: list[int]
@@ -103,6 +108,7 @@ class _Sampling:
     timings: list[float]  # input preparation, forward
     logits_s: float  # logits and prompt logprobs so far
     moe_seconds: tuple[float, float] | None  # the forward's (router, experts); None: untimed
+    pooled: dict[str, bytes]  # embeddings of the pooling requests whose prompt is complete
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: bytes) -> None:
@@ -119,13 +125,17 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: bytes) -
 
 class ModelRunner:
     """The KV-cache groups are the model's (``model.kv_cache_groups``, whose layers read their
-    group's metadata); a model without them has one full-attention group of every layer."""
+    group's metadata); a model without them has one full-attention group of every layer.
+    ``pooler``: a pooling model's (``actorlm.pooling``), whose requests end with their prompt
+    pooled (``models/pooler.py``) where a generating model's sample."""
 
     def __init__(self, model, backend: KernelBackend, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device,
                  eos_token_ids: frozenset[int] = frozenset(),
-                 tp: TensorParallel = TensorParallel(), proposer=None, lora_slots=None):
+                 tp: TensorParallel = TensorParallel(), proposer=None, lora_slots=None,
+                 pooler: PoolerConfig | None = None):
         self.model, self.backend, self.tp = model, backend, tp
+        self.pooler = None if pooler is None else Pooler(pooler)
         self.lora_slots = lora_slots  # the model's LoRA adapters (``LoRASlots``); None: off
         self.proposer = proposer  # speculative decoding's (``speculative.Proposer``); None: off
         self._moe_timer = getattr(model, "moe_timer", None)  # None: no MoE layers, or a GPU
@@ -225,7 +235,9 @@ class ModelRunner:
         return StepResult(s.step_id, sampled_ids, [out[-1] for out in outputs],
                           logprobs=[lp[-1] if lp else None for lp in logprobs],
                           prompt_logprobs=s.prompt_logprobs, timings=timings,
-                          router_s=router_s, experts_s=experts_s, **spec)
+                          router_s=router_s, experts_s=experts_s,
+                          pooled_request_ids=list(s.pooled), pooled=list(s.pooled.values()),
+                          **spec)
 
     @torch.inference_mode()
     def _forward(self, step: ScheduleStep, t_start: float) -> _Sampling:
@@ -257,16 +269,33 @@ class ModelRunner:
         moe_seconds = None if timer is None else (timer.router_s, timer.experts_s)
         prompt_logprobs = self._prompt_logprobs(hidden, request_ids, states, num_scheduled,
                                                 query_start)
+        pooled = self._pool(hidden, request_ids, states, num_scheduled, query_start)
         # a request whose context is complete after this step samples its next token (at
         # its last position, or at each of its drafts' and the one after them)
         rows = [i for i, (s, n) in enumerate(zip(states, num_scheduled))
-                if s.num_computed_tokens + n == len(s.token_ids) + len(s.spec_token_ids)]
+                if s.num_computed_tokens + n == len(s.token_ids) + len(s.spec_token_ids)
+                and s.pooling_params is None]
         last = [query_start[i + 1] - 1 - j for i in rows
                 for j in range(len(states[i].spec_token_ids), -1, -1)]
         logits = self.model.compute_logits(hidden[last]) if rows else None  # [N, V] fp32
         return _Sampling(step.step_id, request_ids, states, rows, logits, prompt_logprobs,
                          [t_prepared - t_start, t_forward - t_prepared],
-                         time.perf_counter() - t_forward, moe_seconds)
+                         time.perf_counter() - t_forward, moe_seconds, pooled)
+
+    def _pool(self, hidden, request_ids, states, num_scheduled, query_start) -> dict[str, bytes]:
+        """Each pooling request's chunk added to its pooling; the embeddings of those whose
+        prompt this step completes (rank 0's: the others' would be the same)."""
+        pooled = {}
+        for i, (state, n) in enumerate(zip(states, num_scheduled)):
+            if state.pooling_params is None:
+                continue
+            rows = hidden[query_start[i]:query_start[i] + n]
+            self.pooler.add_chunk(state.pooled, rows, state.num_computed_tokens == 0)
+            if state.num_computed_tokens + n == len(state.token_ids) and self.tp.is_driver:
+                pooled[request_ids[i]] = self.pooler.finish(state.pooled, rows[-1],
+                                                            len(state.token_ids),
+                                                            state.pooling_params)
+        return pooled
 
     def _learn_sampled_tokens(self, step: ScheduleStep) -> None:
         """Not rank 0: append the tokens rank 0 sampled for the step's cached requests. A

@@ -1,0 +1,50 @@
+"""A pooling model's last step of a request: its prompt's final hidden states into one vector.
+
+The prompt may prefill over several steps (chunked prefill): the mean is summed chunk by chunk
+(in fp32) and divided once the prompt is complete; the first token's state is kept from the
+chunk that starts the prompt; the last token's is in the step that completes it. Under tensor
+parallelism every rank holds the whole hidden state, and rank 0 pools (``ModelRunner``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from actorlm.pooling import PoolerConfig, PoolingParams
+
+
+class PooledState:
+    """What a request's earlier chunks left for its pooling (the runner holds one per
+    request)."""
+
+    __slots__ = ("total", "first")
+
+    def __init__(self):
+        self.total: torch.Tensor | None = None  # MEAN: the sum over the tokens so far
+        self.first: torch.Tensor | None = None  # CLS: the first token's state
+
+
+class Pooler:
+    def __init__(self, config: PoolerConfig):
+        self.config = config
+
+    def add_chunk(self, state: PooledState, rows: torch.Tensor, starts_prompt: bool) -> None:
+        """``rows``: [n, hidden] of one request's chunk, in order."""
+        kind = self.config.pooling_type
+        if kind == "MEAN":
+            total = rows.float().sum(0)
+            state.total = total if state.total is None else state.total + total
+        elif kind == "CLS" and starts_prompt:
+            state.first = rows[0].float()
+
+    def finish(self, state: PooledState, last_row: torch.Tensor, num_tokens: int,
+               params: PoolingParams) -> bytes:
+        """The request's embedding (float32 bytes) once its last chunk has been added."""
+        kind = self.config.pooling_type
+        vector = last_row.float() if kind == "LAST" else \
+            state.total / num_tokens if kind == "MEAN" else state.first
+        if params.dimensions is not None:
+            vector = vector[:params.dimensions]
+        if self.config.normalizes(params):
+            vector = torch.nn.functional.normalize(vector, dim=-1)
+        return vector.cpu().numpy().tobytes()
