@@ -17,6 +17,9 @@ A consumer that stops reading (client disconnect: ``CancelledError`` or ``Genera
 aborts its request through the frontend; the scheduler finishes it as ``abort`` and its KV
 blocks are freed.
 
+A pooling model's request (``embed``) takes the same way in and out: its stream carries one
+final ``EmbeddingRequestOutput`` instead of cumulative text.
+
 The engine's supervisor tells this facade the moment an engine actor dies: every live request
 then fails with ``EngineDeadError``, on whichever thread the death is reported (``_live`` is
 guarded by a lock for that reason). Like ``LLM``, it needs no ``shutdown()``: a finalizer
@@ -45,7 +48,8 @@ from actorlm.engine_core import start_engine
 from actorlm.llm import PromptType, prompt_input, prompt_salt
 from actorlm.lora_request import LoRARequest
 from actorlm.messages import AbortRequests, SubmitRequest
-from actorlm.outputs import RequestOutput
+from actorlm.outputs import EmbeddingRequestOutput, RequestOutput
+from actorlm.pooling import NOTHING_SAMPLED, PoolingParams
 from actorlm.request_timing import RequestTiming
 from actorlm.sampling_params import SamplingParams
 from actorlm.trace import TraceRecorder
@@ -124,7 +128,7 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> RequestOutput | EmbeddingRequestOutput:
         if self.finished:
             raise StopAsyncIteration
         item = await self._queue.get()
@@ -145,13 +149,18 @@ class RequestStream:
         self._sink.put(error)
 
     def _close(self, reason: str | None) -> None:
-        """Done: by a finished output (``reason`` None), or cut short for ``reason``."""
+        """Done: by a finished output whose timing tells why (``reason`` None), or for
+        ``reason``."""
         self.finished = True
         self.engine._forget(self.request_id)
         if reason is not None:
             self._timing.cut_short(reason)
 
-    def _record(self, output: RequestOutput) -> None:
+    def _record(self, output: RequestOutput | EmbeddingRequestOutput) -> None:
+        if isinstance(output, EmbeddingRequestOutput):
+            # its one output, and no token generated: no first-token or inter-token latency
+            self._close("error" if output.error else "stop")
+            return
         self.engine.num_generation_tokens += self._timing.on_output(output)
         if output.finished:
             self._close(None)
@@ -203,11 +212,13 @@ class AsyncLLM:
     async def add_request(self, request_id: str, prompt: PromptType,
                           sampling_params: SamplingParams | None = None,
                           lora_request: LoRARequest | None = None,
-                          priority: int = 0) -> RequestStream:
+                          priority: int = 0,
+                          pooling_params: PoolingParams | None = None) -> RequestStream:
         """Validate and start one request (with a LoRA adapter: needs ``enable_lora``; a
-        ``priority`` other than 0, smaller served first: ``scheduling_policy="priority"``); raises
-        ValueError for bad input, EngineOverloadedError when the waiting queue is full,
-        EngineDeadError after a fault."""
+        ``priority`` other than 0, smaller served first: ``scheduling_policy="priority"``; with
+        ``pooling_params``, an embedding request: needs a pooling model); raises ValueError for
+        bad input, EngineOverloadedError when the waiting queue is full, EngineDeadError after a
+        fault."""
         self._check_alive()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -216,7 +227,7 @@ class AsyncLLM:
         params = sampling_params or self.get_default_sampling_params()
         submit = loop.run_in_executor(self._submitter, self._submit, request_id,
                                       prompt_input(prompt), params, sink, lora_request,
-                                      prompt_salt(prompt), priority)
+                                      prompt_salt(prompt), priority, pooling_params)
         try:
             # shielded: a cancelled caller must not leave a submitted request running unseen
             prompt_token_ids = await asyncio.shield(submit)
@@ -247,6 +258,20 @@ class AsyncLLM:
         finally:
             stream.abort()
 
+    async def embed(self, prompt: PromptType, pooling_params: PoolingParams | None = None,
+                    request_id: str | None = None, priority: int = 0) -> EmbeddingRequestOutput:
+        """The prompt's embedding from a pooling model (``error`` set, and the embedding empty,
+        if the engine failed it). Being cancelled aborts the request."""
+        request_id = request_id if request_id is not None else f"embd-{next(self._ids)}"
+        stream = await self.add_request(request_id, prompt, NOTHING_SAMPLED, priority=priority,
+                                        pooling_params=pooling_params or PoolingParams())
+        try:
+            async for output in stream:  # one: the final
+                final = output
+        finally:
+            stream.abort()  # (a no-op once finished)
+        return final
+
     def get_default_sampling_params(self) -> SamplingParams:
         """The model's sampling defaults (``generation_config``) on top of SamplingParams'."""
         return self.sampling_defaults.sampling_params()
@@ -261,7 +286,8 @@ class AsyncLLM:
 
     def _submit(self, request_id: str, prompt, params: SamplingParams, sink,
                 lora_request: LoRARequest | None = None,
-                cache_salt: str | None = None, priority: int = 0) -> list[int]:
+                cache_salt: str | None = None, priority: int = 0,
+                pooling_params: PoolingParams | None = None) -> list[int]:
         # on the submit thread: blocking asks are fine here
         try:
             if self.max_num_waiting is not None:
@@ -269,7 +295,8 @@ class AsyncLLM:
                                    self.config.max_num_seqs * self.config.data_parallel_size,
                                    self.max_num_waiting)
             return self.engine.frontend.ask(SubmitRequest(request_id, prompt, params, sink, True,
-                                                          lora_request, cache_salt, priority))
+                                                          lora_request, cache_salt, priority,
+                                                          pooling_params))
         except pykka.ActorDeadError:
             raise self.engine.supervisor.dead_error() from None
 

@@ -11,6 +11,7 @@ import msgspec
 
 import actorlm
 from actorlm.api import protocol as p
+from actorlm.api.embeddings import EmbeddingRequest, EmbeddingResponse
 from actorlm.api.errors import ErrorResponse
 from actorlm.api.lora_routes import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from actorlm.api.security import OPEN_PATHS
@@ -30,6 +31,8 @@ OPERATIONS = [
      "true)", p.CompletionRequest, p.CompletionResponse),
     ("post", "/v1/chat/completions", "Chat completions (streamed as Server-Sent Events when "
      "stream is true)", p.ChatCompletionRequest, p.ChatCompletionResponse),
+    ("post", "/v1/embeddings", "Embeddings (a pooling model's)", EmbeddingRequest,
+     EmbeddingResponse),
     ("get", "/v1/models", "The served model and its LoRA adapters", None, p.ModelList),
     ("post", "/tokenize", "Token ids of a prompt or a conversation", p.TokenizeRequest,
      p.TokenizeResponse),

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: a Starlette app over AsyncLLM, served by uvicorn.
 
-Routes: ``/v1/completions`` and ``/v1/chat/completions`` (see ``serving``), ``/v1/models``,
+Routes: ``/v1/completions`` and ``/v1/chat/completions`` (see ``serving``) for a model that
+generates, ``/v1/embeddings`` (``embeddings``) for a pooling one, ``/v1/models``,
 ``/health``, ``/metrics``, ``/version``, ``/tokenize``, ``/detokenize``,
 ``/reset_prefix_cache``, ``/openapi.json``, the trace, and with
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
@@ -34,6 +35,7 @@ import actorlm
 from actorlm.api import protocol as p
 from actorlm.api import serving
 from actorlm.api.chat_template import apply_chat_template
+from actorlm.api.embeddings import create_embedding
 from actorlm.api.lora_models import LoRAModels, LoRAModulePath, runtime_updating_allowed
 from actorlm.api.lora_routes import load_lora_adapter, unload_lora_adapter
 from actorlm.api.request_body import RequestDecoder
@@ -326,6 +328,7 @@ def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: 
               methods=["POST"]),
         Route("/v1/chat/completions", _endpoint(_generation(serving.create_chat_completion)),
               methods=["POST"]),
+        Route("/v1/embeddings", _endpoint(_generation(create_embedding)), methods=["POST"]),
     ]
     if runtime_lora:
         log.warning("LoRA dynamic loading & unloading is enabled in the API server "

@@ -15,7 +15,8 @@ defaults (``--generation-config``). A ``model`` that names a LoRA adapter runs e
 with it (``lora_models``), and the answer names the adapter. In chat, with
 ``--reasoning-parser``, each choice's think is split out first (``reasoning``:
 ``reasoning_content``, whole or as it streams); tool calls are then read out of the rest by its
-``tool_stream`` (``tool_choice``).
+``tool_stream`` (``tool_choice``). A pooling model's server refuses both routes, as vLLM's
+does (it serves ``/v1/embeddings``).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 
 
 async def create_completion(state, request: Request) -> Response:
-    engine = state.ready_engine()
+    engine = _generating_engine(state, "Completions API")
     req = state.decoder.decode(await request.body(), p.CompletionRequest)
     lora = state.resolve_model(req.model)
     req.check_supported()
@@ -82,7 +83,7 @@ async def create_completion(state, request: Request) -> Response:
 
 
 async def create_chat_completion(state, request: Request) -> Response:
-    engine = state.ready_engine()
+    engine = _generating_engine(state, "Chat Completions API")
     req = state.decoder.decode(await request.body(), p.ChatCompletionRequest)
     lora = state.resolve_model(req.model)
     req.check_supported()
@@ -108,6 +109,14 @@ async def create_chat_completion(state, request: Request) -> Response:
     if req.stream:
         return EventStream(gen.chat_events(), gen.abort)
     return await gen.respond(request, gen.chat_response)
+
+
+def _generating_engine(state, api: str) -> AsyncLLM:
+    """The engine, unless its model pools (embeddings only): then vLLM's 400."""
+    engine = state.ready_engine()
+    if engine.config.is_pooling:
+        raise p.ApiError(400, f"The model does not support {api}")
+    return engine
 
 
 def _model_name(state, lora: LoRARequest | None) -> str:
@@ -219,15 +228,8 @@ class _Generation:
     async def respond(self, request: Request, build: Callable) -> Response:
         """Collect the final outputs unless the client hangs up first (then abort)."""
         work = asyncio.ensure_future(self.finals())
-        gone = asyncio.ensure_future(_wait_for_disconnect(request))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not work.done():
-                work.cancel()
-                self.abort()
-        if not work.done() or work.cancelled():
+        if not await unless_disconnected(request, work):
+            self.abort()
             log.info("%s: client disconnected; aborted", self.engine_id)
             return Response(status_code=499)
         return json_response(build(work.result()))
@@ -402,7 +404,19 @@ def _checked(out: RequestOutput) -> RequestOutput:
     return out
 
 
-async def _wait_for_disconnect(request: Request) -> None:
+async def unless_disconnected(request: Request, work: asyncio.Future) -> bool:
+    """Wait for ``work``; False (and ``work`` cancelled) if the client hangs up first."""
+    gone = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+    return work.done() and not work.cancelled()
+
+
+async def wait_for_disconnect(request: Request) -> None:
     # the body has been read: the next message on the channel is the disconnect
     while (await request.receive())["type"] != "http.disconnect":
         pass
