@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(commands)
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     for add in (_add_bench_throughput, _add_bench_latency, _add_bench_structured,
-                _add_bench_prefix, _add_bench_serve):
+                _add_bench_prefix, _add_bench_serve, _add_bench_embed):
         add(bench)
     add_trace_commands(commands)
     return parser
@@ -138,6 +138,24 @@ def _add_bench_prefix(bench) -> None:
                           "a shared system prompt")
     add_prefix_arguments(pf)
     pf.set_defaults(run=bench_prefix)
+
+
+def _add_bench_embed(bench) -> None:
+    """``actorlm bench embed``."""
+    from actorlm.bench.embed import add_embed_arguments
+
+    em = bench.add_parser("embed", help="a pooling model's embeddings per second, optionally "
+                          "against sentence-transformers")
+    add_embed_arguments(em)
+    em.set_defaults(run=_bench_embed)
+
+
+def _bench_embed(args) -> int:
+    from actorlm.bench.embed import run_embed
+
+    result = run_embed(args.model, engine_flags(args), args.num_prompts, args.input_len,
+                       args.num_iters, args.compare == "st", args.st_batch_size)
+    return _report(result, args.json)
 
 
 def _add_bench_serve(bench) -> None:

@@ -115,9 +115,22 @@ def test_bench_structured_compares_constrained_rounds_with_free_text(tiny_llama_
     assert 0 < result["free"]["output_tokens"] <= 3 * 8
 
 
+def test_bench_embed_compares_with_sentence_transformers(tiny_embedding_dirs, capsys):
+    rc = main(["bench", "embed", "--model", str(tiny_embedding_dirs["qwen3_last"]), "--dtype",
+               "float32", "--num-prompts", "5", "--input-len", "24", "--num-iters", "2",
+               "--compare", "st", "--json"])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["num_prompts"] == 5 and 18 <= result["mean_prompt_tokens"] <= 26
+    assert result["max_cosine_distance_vs_st"] < 1e-6  # the same vectors, prompt for prompt
+    assert result["ratio_vs_st"] == statistics.median(
+        st / ours for st, ours in zip(result["st_seconds"], result["seconds"]))
+
+
 @pytest.mark.parametrize("argv", [["latency", "--num-iters", "0"], ["latency", "--batch-size", "0"],
                                   ["throughput", "--num-prompts", "0", "--output-len", "2"],
-                                  ["structured", "--num-iters", "0"]])
+                                  ["structured", "--num-iters", "0"],
+                                  ["embed", "--input-len", "0"]])
 def test_benches_refuse_counts_below_one_before_loading_anything(argv, capsys):
     assert main(["bench", *argv]) == 2
     assert "must be at least 1" in capsys.readouterr().err
