@@ -2,7 +2,8 @@
 
 from actorlm.config import EngineConfig
 from actorlm.lora_request import LoRARequest
-from actorlm.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+from actorlm.outputs import (ClassificationRequestOutput, CompletionOutput,
+                             EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput)
 from actorlm.pooling import PoolingParams
 from actorlm.sampling_params import SamplingParams
 
@@ -10,7 +11,7 @@ __version__ = "0.1.0"
 
 __all__ = ["LLM", "AsyncLLM", "EngineDeadError", "EngineShutdownError", "EngineConfig",
            "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest", "PoolingParams",
-           "EmbeddingRequestOutput"]
+           "EmbeddingRequestOutput", "ClassificationRequestOutput", "ScoringRequestOutput"]
 
 _LAZY = {"LLM": "actorlm.llm", "AsyncLLM": "actorlm.async_llm",
          "EngineDeadError": "actorlm.actors.supervisor",

@@ -38,6 +38,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable
 
+import msgspec
 import pykka
 
 from actorlm.actors.supervisor import EngineDeadError, EngineShutdownError
@@ -48,7 +49,7 @@ from actorlm.engine_core import start_engine
 from actorlm.llm import PromptType, prompt_input, prompt_salt
 from actorlm.lora_request import LoRARequest
 from actorlm.messages import AbortRequests, SubmitRequest
-from actorlm.outputs import EmbeddingRequestOutput, RequestOutput
+from actorlm.outputs import ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput
 from actorlm.pooling import NOTHING_SAMPLED, PoolingParams
 from actorlm.request_timing import RequestTiming
 from actorlm.sampling_params import SamplingParams
@@ -157,7 +158,7 @@ class RequestStream:
             self._timing.cut_short(reason)
 
     def _record(self, output: RequestOutput | EmbeddingRequestOutput) -> None:
-        if isinstance(output, EmbeddingRequestOutput):
+        if isinstance(output, (EmbeddingRequestOutput, ClassificationRequestOutput)):
             # its one output, and no token generated: no first-token or inter-token latency
             self._close("error" if output.error else "stop")
             return
@@ -262,9 +263,20 @@ class AsyncLLM:
                     request_id: str | None = None, priority: int = 0) -> EmbeddingRequestOutput:
         """The prompt's embedding from a pooling model (``error`` set, and the embedding empty,
         if the engine failed it). Being cancelled aborts the request."""
-        request_id = request_id if request_id is not None else f"embd-{next(self._ids)}"
+        return await self._pool(prompt, pooling_params, "embed", request_id, priority)
+
+    async def classify(self, prompt: PromptType, pooling_params: PoolingParams | None = None,
+                       request_id: str | None = None,
+                       priority: int = 0) -> ClassificationRequestOutput:
+        """The prompt's class probabilities from a classifier, as ``embed`` does."""
+        return await self._pool(prompt, pooling_params, "classify", request_id, priority)
+
+    async def _pool(self, prompt, pooling_params: PoolingParams | None, task: str,
+                    request_id: str | None, priority: int):
+        request_id = request_id if request_id is not None else f"pool-{next(self._ids)}"
+        params = msgspec.structs.replace(pooling_params or PoolingParams(), task=task)
         stream = await self.add_request(request_id, prompt, NOTHING_SAMPLED, priority=priority,
-                                        pooling_params=pooling_params or PoolingParams())
+                                        pooling_params=params)
         try:
             async for output in stream:  # one: the final
                 final = output

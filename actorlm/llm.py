@@ -7,6 +7,7 @@ import queue
 import weakref
 from typing import Sequence
 
+import msgspec
 import pykka
 from tqdm.auto import tqdm
 
@@ -16,7 +17,8 @@ from actorlm.config import EngineConfig
 from actorlm.engine_core import start_engine
 from actorlm.lora_request import LoRARequest
 from actorlm.messages import AbortRequests, SubmitRequest
-from actorlm.outputs import EmbeddingRequestOutput, RequestOutput
+from actorlm.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput,
+                             ScoringOutput, ScoringRequestOutput)
 from actorlm.pooling import NOTHING_SAMPLED, PoolingParams
 from actorlm.sampling_params import SamplingParams
 
@@ -94,11 +96,45 @@ class LLM:
         """Each prompt's embedding (``outputs.embedding``), in prompt order, from a pooling
         model (``runner="pooling"``, ``actorlm.pooling``). ``pooling_params``: one for all or
         one per prompt (``dimensions``, ``normalize``)."""
+        return self._pool(prompts, pooling_params, "embed", use_tqdm)
+
+    def classify(self, prompts: PromptType | Sequence[PromptType],
+                 pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+                 use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
+        """Each prompt's class probabilities (``outputs.probs``), in prompt order, from a
+        ``...ForSequenceClassification`` checkpoint (``use_activation=False``: its logits)."""
+        return self._pool(prompts, pooling_params, "classify", use_tqdm)
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str],
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """How well each pair matches (vLLM's ``LLM.score``): one text against each of the
+        others, or pairs position by position. A cross-encoder (a classifier of one label)
+        reads each pair together, as its tokenizer joins them, and gives its probability; an
+        embedding model gives the cosine similarity of the two texts' vectors."""
+        pairs = _score_pairs(data_1, data_2)
+        pooler = self.config.pooler_config
+        if pooler is None or pooler.task == "embed":
+            texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+            vectors = dict(zip(texts, self.embed(texts, use_tqdm=use_tqdm)))
+            return [ScoringRequestOutput(vectors[a].request_id,
+                                         ScoringOutput(_cosine(vectors[a], vectors[b])),
+                                         vectors[a].prompt_token_ids, True) for a, b in pairs]
+        if (labels := self.engine.hf_config.num_labels) != 1:
+            raise ValueError(f"score needs a cross-encoder (a classifier of one label); this "
+                             f"one has {labels} labels: classify gives their probabilities")
+        prompts = [{"prompt_token_ids": self.tokenizer(a, b)["input_ids"]} for a, b in pairs]
+        return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.probs[0]),
+                                     o.prompt_token_ids, o.finished)
+                for o in self.classify(prompts, use_tqdm=use_tqdm)]
+
+    def _pool(self, prompts, pooling_params, task: str, use_tqdm: bool) -> list:
+        """Submit every prompt as a pooling request of ``task``; wait for all the outputs."""
         prompts = _as_list(prompts)
         pooling = pooling_params if pooling_params is not None else PoolingParams()
         pooling = [pooling] * len(prompts) if isinstance(pooling, PoolingParams) else list(pooling)
         if len(pooling) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(pooling)} pooling_params")
+        pooling = [msgspec.structs.replace(p, task=task) for p in pooling]
         return self._run(prompts, [NOTHING_SAMPLED] * len(prompts), [None] * len(prompts),
                          [0] * len(prompts), pooling, use_tqdm)
 
@@ -212,6 +248,25 @@ def _as_list(prompts) -> list:
     if prompts and isinstance(prompts[0], int):  # one prompt given as token ids
         return [prompts]
     return prompts
+
+
+def _score_pairs(data_1, data_2) -> list[tuple[str, str]]:
+    """vLLM's pairing: one text against each of the others, else position by position."""
+    firsts = [data_1] if isinstance(data_1, str) else list(data_1)
+    seconds = [data_2] if isinstance(data_2, str) else list(data_2)
+    if len(firsts) == 1:
+        firsts = firsts * len(seconds)
+    if len(firsts) != len(seconds) or not seconds:
+        raise ValueError(f"score: data_1 ({len(firsts)}) must be one text or as many as "
+                         f"data_2 ({len(seconds)}), and data_2 not empty")
+    return list(zip(firsts, seconds))
+
+
+def _cosine(a: EmbeddingRequestOutput, b: EmbeddingRequestOutput) -> float:
+    import numpy as np
+
+    u, v = np.asarray(a.outputs.embedding), np.asarray(b.outputs.embedding)
+    return float(u @ v / (np.linalg.norm(u) * np.linalg.norm(v)))
 
 
 def prompt_salt(prompt: PromptType) -> str | None:

@@ -1,5 +1,6 @@
-"""What a caller gets back: vLLM's RequestOutput / CompletionOutput shapes, and its
-EmbeddingRequestOutput for a pooling model's requests."""
+"""What a caller gets back: vLLM's RequestOutput / CompletionOutput shapes, and for a pooling
+model's requests its EmbeddingRequestOutput, ClassificationRequestOutput and
+ScoringRequestOutput."""
 
 from __future__ import annotations
 
@@ -66,3 +67,40 @@ class EmbeddingRequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     error: str | None = None
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # per label (the logits with use_activation=False)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """A classifier's answer to one prompt (vLLM's ``ClassificationRequestOutput``)."""
+
+    request_id: str
+    outputs: ClassificationOutput  # empty when the request failed (``error``)
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """How well one pair matches (vLLM's ``ScoringRequestOutput``): a cross-encoder's
+    probability, or the cosine similarity of an embedding model's two vectors."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]  # the pair's (a cross-encoder's); the first text's otherwise
+    finished: bool

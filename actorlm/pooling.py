@@ -32,7 +32,8 @@ NOTHING_SAMPLED = SamplingParams(max_tokens=1)
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 RUNNERS = ("auto", "generate", "pooling")
-CONVERTS = ("auto", "none", "embed")
+CONVERTS = ("auto", "none", "embed", "classify")
+TASKS = ("embed", "classify")  # what a pooling model does: a vector, or class probabilities
 # sentence-transformers' pooling modes -> ours (the others are refused by name): its files name
 # a mode as "pooling_mode": "lasttoken" (v6) or as "pooling_mode_lasttoken": true (before)
 _ST_MODES = {"lasttoken": "LAST", "mean": "MEAN", "mean_tokens": "MEAN", "cls": "CLS",
@@ -43,13 +44,22 @@ _ST_MODULES = ("Transformer", "Pooling", "Normalize")
 
 
 class PoolingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """A request's pooling (vLLM's ``PoolingParams``). ``dimensions``: keep the first this many
-    (Matryoshka models only); ``normalize``: None is the model's choice."""
+    """A request's pooling (vLLM's ``PoolingParams``). ``task``: what the caller expects
+    (embed, classify; None: the model's); ``dimensions``: keep the first this many (Matryoshka
+    models only); ``normalize``: None is the model's choice; ``use_activation``: a
+    classifier's probabilities (softmax, or a sigmoid for one label) or, False, its logits."""
 
+    task: str | None = None
     dimensions: int | None = None
     normalize: bool | None = None
+    use_activation: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.task is not None and self.task not in TASKS:
+            raise ValueError(f"task: one of {', '.join(TASKS)}, got {self.task!r}")
+        if self.use_activation is not None and not isinstance(self.use_activation, bool):
+            raise ValueError(f"use_activation: must be true or false, got "
+                             f"{self.use_activation!r}")
         if self.dimensions is not None and (not isinstance(self.dimensions, int)
                                             or isinstance(self.dimensions, bool)
                                             or self.dimensions < 1):
@@ -65,6 +75,9 @@ class PoolerConfig(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
 
     pooling_type: str | None = None
     normalize: bool | None = None
+    # embed, or classify (a ...ForSequenceClassification checkpoint's score head on the
+    # pooled state); set by the model, not the flag
+    task: str | None = None
     # the dimensions a request may ask for: None: only the model's own; () any (a model
     # that says is_matryoshka without listing them)
     matryoshka_dimensions: tuple[int, ...] | None = None
@@ -79,6 +92,13 @@ class PoolerConfig(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
 
     def check(self, params: PoolingParams, hidden_size: int) -> None:
         """Refuse a request's parameters this model cannot honour (before it enters)."""
+        if params.task is not None and params.task != self.task:
+            raise ValueError(f"task: this pooling model does {self.task}, not {params.task} "
+                             f"(a ...{_CLASSIFIER} checkpoint classifies, any other embeds)")
+        if self.task == "classify" and (params.dimensions is not None
+                                        or params.normalize is not None):
+            raise ValueError("dimensions and normalize apply to embeddings, not to a "
+                             "classifier's probabilities")
         dims = params.dimensions
         if dims is None:
             return
@@ -127,14 +147,21 @@ def wants_pooling(runner: str, convert: str, task: str | None, hf_config) -> boo
     if task is not None:
         log.warning("task=%r is deprecated in vLLM; runner=%r is its new name", task,
                     "pooling" if task == "embed" else "generate")
-    if runner == "pooling" or convert == "embed" or task == "embed":
+    if runner == "pooling" or convert in TASKS or task == "embed":
         return True
     if runner == "generate" or task == "generate":
         return False
     if getattr(hf_config, "gguf_pooling_type", None):
         return True
-    arch = (getattr(hf_config, "architectures", None) or [""])[0]
-    return arch.endswith("Model") and not arch.endswith(("ForCausalLM", "LMHeadModel"))
+    return _architecture(hf_config).endswith(("Model", _CLASSIFIER)) and \
+        not _architecture(hf_config).endswith(("ForCausalLM", "LMHeadModel"))
+
+
+_CLASSIFIER = "ForSequenceClassification"  # a score head over the last token's state
+
+
+def _architecture(hf_config) -> str:
+    return (getattr(hf_config, "architectures", None) or [""])[0]
 
 
 def check_runner_flags(runner: str, convert: str, task: str | None) -> None:
@@ -145,15 +172,24 @@ def check_runner_flags(runner: str, convert: str, task: str | None) -> None:
     if task not in (None, "auto", "generate", "embed"):
         raise ValueError(f"--task {task!r} is not implemented; generate or embed (vLLM's "
                          f"--runner generate / --runner pooling)")
-    if runner == "generate" and (convert == "embed" or task == "embed"):
-        raise ValueError("--runner generate contradicts --convert embed / --task embed")
+    if runner == "generate" and (convert in TASKS or task == "embed"):
+        raise ValueError(f"--runner generate contradicts --convert {convert} / --task {task}")
 
 
-def pooler_config(path: pathlib.Path, hf_config, flag: PoolerConfig | None) -> PoolerConfig:
+def pooler_config(path: pathlib.Path, hf_config, flag: PoolerConfig | None,
+                  convert: str = "auto") -> PoolerConfig:
     """The model's pooling: the defaults (the last token's, normalized), then its
-    sentence-transformers files, then what ``flag`` (``--pooler-config``) sets."""
+    sentence-transformers files, then what ``flag`` (``--pooler-config``) sets. A
+    ``...ForSequenceClassification`` checkpoint classifies (its last token's state, as
+    transformers pools it, through its score head); ``convert`` must agree."""
+    task = "classify" if _architecture(hf_config).endswith(_CLASSIFIER) else "embed"
+    if convert in TASKS and convert != task:
+        raise ValueError(f"--convert {convert}: this checkpoint is a "
+                         f"{_architecture(hf_config) or 'model'}, which can only {task} here "
+                         f"(a classifier needs its ...{_CLASSIFIER} score head)")
     fields: dict = {"pooling_type": getattr(hf_config, "gguf_pooling_type", None) or "LAST",
-                    "normalize": True}  # (llama.cpp normalizes a GGUF model's by default)
+                    "normalize": task == "embed", "task": task}
+    # (llama.cpp normalizes a GGUF model's embeddings by default)
     fields.update(_sentence_transformers(path))
     if flag is not None:  # (a field it leaves None is the model's to say)
         fields.update({k: v for k, v in msgspec.structs.asdict(flag).items() if v is not None})

@@ -1,5 +1,5 @@
-"""Session fixture: tiny sentence-transformers models over the tiny decoders, the oracle of the
-embedding tests. sentence-transformers writes each directory itself (``modules.json``, the
+"""Session fixtures: tiny sentence-transformers models over the tiny decoders, the oracle of the
+embedding tests, and tiny classifiers (transformers' ``...ForSequenceClassification``). sentence-transformers writes each directory itself (``modules.json``, the
 pooling module's config, the bare decoder's checkpoint: ``Qwen3Model``, no LM head), as the
 embedding models users bring are laid out."""
 
@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-__all__ = ["tiny_embedding_dirs"]
+__all__ = ["tiny_embedding_dirs", "tiny_classifier_dirs"]
 
 # name -> (the decoder fixture, sentence-transformers' pooling mode, a Normalize module)
 EMBEDDING_MODELS = {"qwen3_last": ("tiny_qwen3_dir", "lasttoken", True),
@@ -41,5 +42,30 @@ def tiny_embedding_dirs(request, tmp_path_factory) -> dict:
         if name == "qwen3_last_raw":
             config = json.loads((path / "config.json").read_text())
             (path / "config.json").write_text(json.dumps({**config, "is_matryoshka": True}))
+        dirs[name] = path
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def tiny_classifier_dirs(tiny_tokenizer_dir, tmp_path_factory) -> dict:
+    """name -> a tiny ``...ForSequenceClassification`` checkpoint saved by transformers:
+    ``qwen3_labels`` (three labels, named), ``llama_cross`` (one label: a cross-encoder)."""
+    from checkpoints import _common
+    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig,
+                              Qwen3Config)
+
+    configs = {"qwen3_labels": Qwen3Config(**_common(tiny_tokenizer_dir), num_labels=3,
+                                           id2label={0: "sad", 1: "calm", 2: "glad"},
+                                           label2id={"sad": 0, "calm": 1, "glad": 2}),
+               "llama_cross": LlamaConfig(**_common(tiny_tokenizer_dir), num_labels=1,
+                                          tie_word_embeddings=True)}
+    dirs = {}
+    for seed, (name, config) in enumerate(configs.items()):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(10 + seed)
+            model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+        path = tmp_path_factory.mktemp(f"classify_{name}")
+        model.save_pretrained(path)
+        AutoTokenizer.from_pretrained(tiny_tokenizer_dir).save_pretrained(path)
         dirs[name] = path
     return dirs

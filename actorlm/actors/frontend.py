@@ -95,7 +95,8 @@ class FrontendActor(EngineActor):
         seed = self._rng.randrange(SEED_RANGE) if params.seed is None else params.seed % SEED_RANGE
         text = msg.prompt if isinstance(msg.prompt, str) else None
         stream = OutputStream(msg.request_id, text, token_ids, params, self.tokenizer, msg.sink,
-                              msg.stream, pooling=msg.pooling_params is not None)
+                              msg.stream,
+                              pooling=None if msg.pooling_params is None else self.pooler.task)
         self._streams[msg.request_id] = stream
         for index, engine_id in enumerate(stream.engine_ids):
             self._children[engine_id] = (stream, index)

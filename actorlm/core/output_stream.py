@@ -3,8 +3,9 @@
 A request with ``n`` completions runs as ``n`` engine requests (children); its stream fans them
 back in. Each child's tokens are detokenized incrementally, checked for stop strings (the
 engine cannot see text, so a hit here finishes the child and asks the scheduler to stop it),
-and their logprobs turned into vLLM's shape. An embedding request (``pooling``) has one child,
-no tokens, and ends with its vector (``EmbeddingRequestOutput``).
+and their logprobs turned into vLLM's shape. A pooling model's request (``pooling``: its task)
+has one child, no tokens, and ends with its vector: an ``EmbeddingRequestOutput``, or a
+classifier's ``ClassificationRequestOutput``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import numpy as np
 
 from actorlm.core.detokenizer import IncrementalDetokenizer, find_stop_string
 from actorlm.messages import PositionLogprobs, RequestDelta, engine_request_ids
-from actorlm.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob,
+from actorlm.outputs import (ClassificationOutput, ClassificationRequestOutput,
+                             CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob,
                              RequestOutput)
 from actorlm.sampling_params import SamplingParams
 
@@ -34,7 +36,8 @@ class _Sequence:
 
 class OutputStream:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, tokenizer, sink, stream: bool, pooling: bool = False):
+                 params: SamplingParams, tokenizer, sink, stream: bool,
+                 pooling: str | None = None):
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
         self.pooling = pooling
         self.pooled: bytes | None = None  # an embedding request's vector, once it finished
@@ -113,9 +116,10 @@ class OutputStream:
         if self.pooling:
             vector = [] if self.pooled is None else \
                 np.frombuffer(self.pooled, dtype=np.float32).tolist()
-            return EmbeddingRequestOutput(self.request_id, EmbeddingOutput(vector),
-                                          self.prompt_token_ids, finished,
-                                          self.num_cached_tokens, self.error)
+            kind, output = (ClassificationRequestOutput, ClassificationOutput) \
+                if self.pooling == "classify" else (EmbeddingRequestOutput, EmbeddingOutput)
+            return kind(self.request_id, output(vector), self.prompt_token_ids, finished,
+                        self.num_cached_tokens, self.error)
         completions = []
         for i, seq in enumerate(self.sequences):
             done = seq.finish_reason is not None

@@ -59,11 +59,13 @@ class CausalLM(nn.Module):
     heads (or one replicated), of the MLP, of each routed expert (with ``tp.expert_parallel``:
     1/N of the experts, whole) and of the vocabulary (padded up to a multiple of N), loaded
     straight from the checkpoint's tensors (``load_weights``). With ``pooling`` (a pooling
-    model's, ``actorlm.pooling``) it has no LM head, and its checkpoint may be a bare
-    decoder's (``Qwen3Model``: ``layers.0...`` for ``model.layers.0...``)."""
+    model's task, ``actorlm.pooling``) it has no LM head, and its checkpoint may be a bare
+    decoder's (``Qwen3Model``: ``layers.0...`` for ``model.layers.0...``); a classifier's
+    (``classify``) has its score head instead, whole on every rank."""
 
     def __init__(self, config, backend: KernelBackend, dtype: torch.dtype = torch.float32,
-                 device=None, tp: TensorParallel = TensorParallel(), pooling: bool = False):
+                 device=None, tp: TensorParallel = TensorParallel(),
+                 pooling: str | None = None):
         super().__init__()
         config = text_config(config)
         specs = layer_specs(config)  # refuses what the config asks for and is not implemented
@@ -96,6 +98,8 @@ class CausalLM(nn.Module):
             self.lm_head.weight.data.zero_()
         if self.tie_word_embeddings and not pooling:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.score = Linear(config.hidden_size, config.num_labels, False, dtype, device) \
+            if pooling == "classify" else None
         max_positions = getattr(config, "max_position_embeddings", None) or 2048
         self.rope_tables = [_rope_table(config, t, max_positions, dtype, device)
                             for t in table_types]

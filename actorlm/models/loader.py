@@ -117,9 +117,10 @@ def check_block_split(path, config, quantization: str | None, size: int,
 
 def load_model(path, dtype: torch.dtype, device, backend,
                tp: TensorParallel = TensorParallel(),
-               quantization: str | None = None, pooling: bool = False) -> CausalLM:
+               quantization: str | None = None, pooling: str | None = None) -> CausalLM:
     """Build the model for the directory ``path`` (rank ``tp.rank``'s shard of it) and fill it
-    from its *.safetensors files, or from its GGUF file; ``pooling``: without its LM head."""
+    from its *.safetensors files, or from its GGUF file; ``pooling`` (embed, classify): a
+    pooling model's, without its LM head."""
     path = pathlib.Path(path)
     check_quantization(path, quantization)
     config = load_hf_config(path)

@@ -124,7 +124,8 @@ class RunnerFactory:
             else TensorParallel()  # (one rank: every worker holds the whole model)
         check_initialised(tp)
         return self.build(load_model(self.path, self.dtype, self.device, self.backend, tp,
-                                     self.quantization, pooling=self.pooler is not None),
+                                     self.quantization,
+                                     pooling=self.pooler.task if self.pooler else None),
                           self.num_kv_blocks)
 
     @property
@@ -187,8 +188,8 @@ def resolve_runner(config: EngineConfig, path, hf_config) -> EngineConfig:
         if on:
             raise ValueError(f"{flag} with a pooling model (--runner pooling) is not "
                              f"implemented")
-    pooler = pooler_config(path, hf_config, config.pooler_config)
-    log.info("pooling model: %s pooling%s", pooler.pooling_type,
+    pooler = pooler_config(path, hf_config, config.pooler_config, config.convert)
+    log.info("pooling model (%s): %s pooling%s", pooler.task, pooler.pooling_type,
              ", normalized" if pooler.normalize else "")
     return dataclasses.replace(config, runner="pooling", pooler_config=pooler,
                                enable_prefix_caching=config.enable_prefix_caching
@@ -256,7 +257,8 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
         runner, profile = on_passing_thread(  # off this thread, as make_runner (see openmp)
             load_and_profile,
             lambda: load_model(path, dtype, device, factory.backend, quantization=config.quantization,
-                               pooling=config.is_pooling),
+                               pooling=config.pooler_config.task if config.is_pooling
+                               else None),
             factory.build, step, device)
         budget = kv_cache_budget(profile.total_bytes, profile.used_bytes,
                                  profile.peak_activation_bytes, config.gpu_memory_utilization)

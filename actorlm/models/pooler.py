@@ -2,8 +2,10 @@
 
 The prompt may prefill over several steps (chunked prefill): the mean is summed chunk by chunk
 (in fp32) and divided once the prompt is complete; the first token's state is kept from the
-chunk that starts the prompt; the last token's is in the step that completes it. Under tensor
-parallelism every rank holds the whole hidden state, and rank 0 pools (``ModelRunner``).
+chunk that starts the prompt; the last token's is in the step that completes it. A
+classifier's pooled state then goes through its score head, and its logits through a softmax
+(a sigmoid for one label), as vLLM's classify does. Under tensor parallelism every rank holds
+the whole hidden state, and rank 0 pools (``ModelRunner``).
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ class PooledState:
 
 
 class Pooler:
-    def __init__(self, config: PoolerConfig):
-        self.config = config
+    """``head``: a classifier's score head (``CausalLM.score``), fed in ``dtype``."""
+
+    def __init__(self, config: PoolerConfig, head=None, dtype: torch.dtype = torch.float32):
+        self.config, self.head, self.dtype = config, head, dtype
 
     def add_chunk(self, state: PooledState, rows: torch.Tensor, starts_prompt: bool) -> None:
         """``rows``: [n, hidden] of one request's chunk, in order."""
@@ -43,8 +47,17 @@ class Pooler:
         kind = self.config.pooling_type
         vector = last_row.float() if kind == "LAST" else \
             state.total / num_tokens if kind == "MEAN" else state.first
+        if self.head is not None:
+            return _probabilities(self.head(vector[None].to(self.dtype))[0].float(),
+                                  params.use_activation is not False)
         if params.dimensions is not None:
             vector = vector[:params.dimensions]
         if self.config.normalizes(params):
             vector = torch.nn.functional.normalize(vector, dim=-1)
         return vector.cpu().numpy().tobytes()
+
+
+def _probabilities(logits: torch.Tensor, activate: bool) -> bytes:
+    if activate:
+        logits = logits.softmax(-1) if logits.numel() > 1 else logits.sigmoid()
+    return logits.cpu().numpy().tobytes()

@@ -135,7 +135,8 @@ class ModelRunner:
                  tp: TensorParallel = TensorParallel(), proposer=None, lora_slots=None,
                  pooler: PoolerConfig | None = None):
         self.model, self.backend, self.tp = model, backend, tp
-        self.pooler = None if pooler is None else Pooler(pooler)
+        self.pooler = None if pooler is None else \
+            Pooler(pooler, getattr(model, "score", None), dtype)
         self.lora_slots = lora_slots  # the model's LoRA adapters (``LoRASlots``); None: off
         self.proposer = proposer  # speculative decoding's (``speculative.Proposer``); None: off
         self._moe_timer = getattr(model, "moe_timer", None)  # None: no MoE layers, or a GPU

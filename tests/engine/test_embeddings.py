@@ -211,7 +211,7 @@ def test_sentence_transformers_files(tiny_embedding_dirs, tmp_path):
     pooling, or a pooling mode not implemented, is refused by name."""
     config = type("Config", (), {})()
     assert pooler_config(tiny_embedding_dirs["llama_mean"], config, None) == \
-        PoolerConfig(pooling_type="MEAN", normalize=True)
+        PoolerConfig(pooling_type="MEAN", normalize=True, task="embed")
     old = tmp_path / "old"
     (old / "1_Pooling").mkdir(parents=True)
     modules = [{"idx": 0, "name": "0", "path": "",
@@ -223,7 +223,8 @@ def test_sentence_transformers_files(tiny_embedding_dirs, tmp_path):
              "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False,
              "pooling_mode_lasttoken": True, "include_prompt": True}
     (old / "1_Pooling" / "config.json").write_text(json.dumps(flags))
-    assert pooler_config(old, config, None) == PoolerConfig(pooling_type="LAST", normalize=False)
+    assert pooler_config(old, config, None) == \
+        PoolerConfig(pooling_type="LAST", normalize=False, task="embed")
     assert pooler_config(old, config, PoolerConfig(normalize=True)).normalize is True
     (old / "1_Pooling" / "config.json").write_text(json.dumps(
         {**flags, "pooling_mode_lasttoken": False, "pooling_mode_max_tokens": True}))
