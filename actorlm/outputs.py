@@ -30,7 +30,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
 
-    def finished(self) -> bool:
+    def finished(self) -> bool:  # (vLLM's CompletionOutput has it: scripts written for it call it)
         return self.finish_reason is not None
 
 
