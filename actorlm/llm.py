@@ -111,13 +111,13 @@ class LLM:
         others, or pairs position by position. A cross-encoder (a classifier of one label)
         reads each pair together, as its tokenizer joins them, and gives its probability; an
         embedding model gives the cosine similarity of the two texts' vectors."""
-        pairs = _score_pairs(data_1, data_2)
+        pairs = score_pairs(data_1, data_2)
         pooler = self.config.pooler_config
         if pooler is None or pooler.task == "embed":
             texts = list(dict.fromkeys(t for pair in pairs for t in pair))
             vectors = dict(zip(texts, self.embed(texts, use_tqdm=use_tqdm)))
             return [ScoringRequestOutput(vectors[a].request_id,
-                                         ScoringOutput(_cosine(vectors[a], vectors[b])),
+                                         ScoringOutput(cosine(vectors[a], vectors[b])),
                                          vectors[a].prompt_token_ids, True) for a, b in pairs]
         if (labels := self.engine.hf_config.num_labels) != 1:
             raise ValueError(f"score needs a cross-encoder (a classifier of one label); this "
@@ -250,7 +250,7 @@ def _as_list(prompts) -> list:
     return prompts
 
 
-def _score_pairs(data_1, data_2) -> list[tuple[str, str]]:
+def score_pairs(data_1, data_2) -> list[tuple[str, str]]:
     """vLLM's pairing: one text against each of the others, else position by position."""
     firsts = [data_1] if isinstance(data_1, str) else list(data_1)
     seconds = [data_2] if isinstance(data_2, str) else list(data_2)
@@ -262,7 +262,7 @@ def _score_pairs(data_1, data_2) -> list[tuple[str, str]]:
     return list(zip(firsts, seconds))
 
 
-def _cosine(a: EmbeddingRequestOutput, b: EmbeddingRequestOutput) -> float:
+def cosine(a: EmbeddingRequestOutput, b: EmbeddingRequestOutput) -> float:
     import numpy as np
 
     u, v = np.asarray(a.outputs.embedding), np.asarray(b.outputs.embedding)

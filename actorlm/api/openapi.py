@@ -14,6 +14,9 @@ from actorlm.api import protocol as p
 from actorlm.api.embeddings import EmbeddingRequest, EmbeddingResponse
 from actorlm.api.errors import ErrorResponse
 from actorlm.api.lora_routes import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from actorlm.api.scoring import (RERANK_PATHS, SCORE_PATHS, ClassificationRequest,
+                                 ClassificationResponse, RerankRequest, RerankResponse,
+                                 ScoreRequest, ScoreResponse)
 from actorlm.api.security import OPEN_PATHS
 
 _REF = "#/components/schemas/{name}"
@@ -33,6 +36,12 @@ OPERATIONS = [
      "stream is true)", p.ChatCompletionRequest, p.ChatCompletionResponse),
     ("post", "/v1/embeddings", "Embeddings (a pooling model's)", EmbeddingRequest,
      EmbeddingResponse),
+    ("post", "/classify", "Class probabilities and the likeliest label (a classifier's)",
+     ClassificationRequest, ClassificationResponse),
+    *[("post", path, "Scores of text pairs (a cross-encoder's, or an embedding model's cosine "
+       "similarity)", ScoreRequest, ScoreResponse) for path in SCORE_PATHS],
+    *[("post", path, "Documents ranked by their score against a query (Jina's and Cohere's "
+       "shape)", RerankRequest, RerankResponse) for path in RERANK_PATHS],
     ("get", "/v1/models", "The served model and its LoRA adapters", None, p.ModelList),
     ("post", "/tokenize", "Token ids of a prompt or a conversation", p.TokenizeRequest,
      p.TokenizeResponse),

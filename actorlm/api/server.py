@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: a Starlette app over AsyncLLM, served by uvicorn.
 
 Routes: ``/v1/completions`` and ``/v1/chat/completions`` (see ``serving``) for a model that
-generates, ``/v1/embeddings`` (``embeddings``) for a pooling one, ``/v1/models``,
+generates, ``/v1/embeddings`` (``embeddings``), ``/classify``, ``/score`` and ``/rerank``
+(``scoring``; vLLM's, with their ``/v1``/``/v2`` aliases) for a pooling one, ``/v1/models``,
 ``/health``, ``/metrics``, ``/version``, ``/tokenize``, ``/detokenize``,
 ``/reset_prefix_cache``, ``/openapi.json``, the trace, and with
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
@@ -44,6 +45,8 @@ from actorlm.api.openapi import openapi_document
 from actorlm.api.options import ServerOptions
 from actorlm.api.prompt_limits import check_token_ids
 from actorlm.api.responses import as_api_error, error_response, json_response
+from actorlm.api.scoring import (RERANK_PATHS, SCORE_PATHS, create_classification, create_rerank,
+                                 create_score)
 from actorlm.api.security import RequestGuard
 from actorlm.async_llm import AsyncLLM
 from actorlm.lora_request import LoRARequest
@@ -329,6 +332,11 @@ def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: 
         Route("/v1/chat/completions", _endpoint(_generation(serving.create_chat_completion)),
               methods=["POST"]),
         Route("/v1/embeddings", _endpoint(_generation(create_embedding)), methods=["POST"]),
+        Route("/classify", _endpoint(_generation(create_classification)), methods=["POST"]),
+        *[Route(path, _endpoint(_generation(create_score)), methods=["POST"])
+          for path in SCORE_PATHS],
+        *[Route(path, _endpoint(_generation(create_rerank)), methods=["POST"])
+          for path in RERANK_PATHS],
     ]
     if runtime_lora:
         log.warning("LoRA dynamic loading & unloading is enabled in the API server "

@@ -1,0 +1,121 @@
+"""What the pooling routes (``embeddings``, ``scoring``) share: reading ``input``, turning
+prompts into checked token ids off the event loop, and running one engine request per prompt
+at once while watching the connection.
+
+A client that hangs up aborts every request of its call, and so does one prompt the engine
+refuses: ``pool_all`` cancels the rest, and a cancelled ``AsyncLLM.embed``/``classify`` aborts
+its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any, Awaitable, Callable
+
+from msgspec import Struct
+from starlette.requests import ClientDisconnect, Request
+
+from actorlm.api import protocol as p
+from actorlm.api.prompt_limits import check_text_length, check_token_ids, truncated
+from actorlm.api.serving import unless_disconnected
+from actorlm.async_llm import AsyncLLM
+from actorlm.prompt_rules import empty_prompt
+
+log = logging.getLogger(__name__)
+
+# what one prompt may be: text, token ids, or (a cross-encoder's) two texts read together
+Prompt = str | list[int] | tuple[str, str]
+
+
+class PoolingUsage(Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+def check_base_model(state, model: str | None) -> None:
+    """A 404 for a model nobody serves; a 400 for a LoRA adapter (none on a pooling model)."""
+    if state.resolve_model(model) is not None:
+        raise p.ApiError(400, f"model: {model!r} is a LoRA adapter; adapters on a pooling "
+                              f"model are not implemented", "model")
+
+
+def read_inputs(x: str | list[Any], field: str = "input") -> list[str | list[int]]:
+    """The prompts of an ``input``: a text, texts, token ids or token-id lists."""
+    if isinstance(x, str):
+        return [x]
+    if not x:
+        raise p.ApiError(400, empty_prompt(field), field)
+    if all(isinstance(item, str) for item in x):
+        return list(x)
+    if all(_is_int(item) for item in x):
+        return [list(x)]
+    if all(isinstance(item, list) and all(_is_int(t) for t in item) for item in x):
+        return [list(item) for item in x]
+    raise p.ApiError(400, f"{field}: expected a string, a list of strings, a list of token ids "
+                          f"or a list of token-id lists", field)
+
+
+async def tokenized(state, engine: AsyncLLM, prompts: list[Prompt], req, field: str = "input",
+                    add_special_tokens: bool = True) -> list[list[int]]:
+    """Each prompt's token ids, checked and cut to ``req.truncate_prompt_tokens``; text that
+    cannot fit is refused before the (blocking) tokenizer sees it."""
+    for x in prompts:
+        if isinstance(x, list):
+            check_token_ids(engine, x, field)
+        else:
+            check_text_length(state, len(x) if isinstance(x, str) else sum(map(len, x)), req)
+
+    def encode(x: Prompt) -> list[int]:
+        if isinstance(x, str):
+            return engine.encode(x, add_special_tokens)
+        if isinstance(x, tuple):  # as the cross-encoder was trained: the tokenizer's pair
+            return list(engine.tokenizer(*x)["input_ids"])
+        return x
+
+    prompt_ids = await engine.run_blocking(lambda: [encode(x) for x in prompts])
+    if any(not ids for ids in prompt_ids):
+        raise p.ApiError(400, empty_prompt(field), field)
+    return [truncated(ids, req.truncate_prompt_tokens, engine.max_model_len)
+            for ids in prompt_ids]
+
+
+def engine_request_ids(request: Request, prefix: str, num_prompts: int) -> tuple[str, list[str]]:
+    """The answer's id (it carries the X-Request-Id) and one engine id per prompt."""
+    # the engine's ids must be unique whatever clients send
+    api_id = engine_id = f"{prefix}-{request.state.request_id}"
+    if request.state.request_id_from_client:
+        engine_id += f"-{uuid.uuid4().hex[:8]}"
+    if num_prompts == 1:
+        return api_id, [engine_id]
+    return api_id, [f"{engine_id}-{i}" for i in range(num_prompts)]
+
+
+async def pool_all(request: Request, engine_ids: list[str], prompt_ids: list[list[int]],
+                   pool: Callable[[list[int], str], Awaitable]) -> list:
+    """Every prompt's final output, in prompt order: ``pool(ids, engine_id)`` for each, all at
+    once. Raises ClientDisconnect (a 499, with every request aborted) if the client hangs up."""
+    work = asyncio.ensure_future(_gather_all(engine_ids, prompt_ids, pool))
+    if not await unless_disconnected(request, work):
+        log.info("%s: client disconnected; aborted", engine_ids[0])
+        raise ClientDisconnect()
+    return work.result()
+
+
+async def _gather_all(engine_ids: list[str], prompt_ids: list[list[int]],
+                      pool: Callable[[list[int], str], Awaitable]) -> list:
+    tasks = [asyncio.ensure_future(pool(ids, rid)) for ids, rid in zip(prompt_ids, engine_ids)]
+    try:
+        finals = await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:  # after a refusal or a failure: the others stop (and abort)
+            task.cancel()
+    for final in finals:
+        if final.error:
+            raise p.ApiError(500, f"the engine failed this request: {final.error}")
+    return finals
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
