@@ -1,4 +1,5 @@
-"""Embeddings: ``PoolingParams`` (a request's, vLLM's shape) and ``PoolerConfig`` (the model's).
+"""Pooling models (embeddings, classifiers): ``PoolingParams`` (a request's, vLLM's shape) and
+``PoolerConfig`` (the model's).
 
 A model runs as a pooling model (vLLM's ``--runner pooling``) when asked (``runner="pooling"``,
 ``convert="embed"``, the older ``task="embed"``) or when its checkpoint is a bare decoder
@@ -13,6 +14,11 @@ GGUF file in ``{arch}.pooling_type`` (``gguf_metadata.pooling_type``).
 
 A model trained for Matryoshka representations (``is_matryoshka`` or ``matryoshka_dimensions``
 in its config) may be asked for fewer ``dimensions``: the first ones, then normalized.
+
+A ``...ForSequenceClassification`` checkpoint (a reward model, a classifier, a cross-encoder)
+pools too, and classifies: its score head on the last token's state, then a softmax over its
+labels (a sigmoid for one). Each pooling model does one task; a request names the one it
+expects (``PoolingParams.task``).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ POOLING_TYPES = ("LAST", "MEAN", "CLS")
 RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed", "classify")
 TASKS = ("embed", "classify")  # what a pooling model does: a vector, or class probabilities
+_CLASSIFIER = "ForSequenceClassification"  # a score head over the last token's state
 # sentence-transformers' pooling modes -> ours (the others are refused by name): its files name
 # a mode as "pooling_mode": "lasttoken" (v6) or as "pooling_mode_lasttoken": true (before)
 _ST_MODES = {"lasttoken": "LAST", "mean": "MEAN", "mean_tokens": "MEAN", "cls": "CLS",
@@ -142,8 +149,8 @@ def parse_pooler_config(value) -> PoolerConfig | None:
 
 def wants_pooling(runner: str, convert: str, task: str | None, hf_config) -> bool:
     """Whether the model runs as a pooling model (vLLM's rules for ``--runner auto``: a
-    checkpoint of a bare ``...Model`` has no LM head to generate with; and a GGUF file that
-    says how it pools is an embedding model's)."""
+    checkpoint of a bare ``...Model`` has no LM head to generate with, a classifier's has its
+    score head instead; and a GGUF file that says how it pools is an embedding model's)."""
     if task is not None:
         log.warning("task=%r is deprecated in vLLM; runner=%r is its new name", task,
                     "pooling" if task == "embed" else "generate")
@@ -153,11 +160,9 @@ def wants_pooling(runner: str, convert: str, task: str | None, hf_config) -> boo
         return False
     if getattr(hf_config, "gguf_pooling_type", None):
         return True
-    return _architecture(hf_config).endswith(("Model", _CLASSIFIER)) and \
-        not _architecture(hf_config).endswith(("ForCausalLM", "LMHeadModel"))
-
-
-_CLASSIFIER = "ForSequenceClassification"  # a score head over the last token's state
+    architecture = _architecture(hf_config)
+    return architecture.endswith(("Model", _CLASSIFIER)) and \
+        not architecture.endswith(("ForCausalLM", "LMHeadModel"))
 
 
 def _architecture(hf_config) -> str:
