@@ -115,14 +115,19 @@ def _draw(logits: torch.Tensor, states: Sequence[SamplingState], backend) -> tor
     return backend.sample(logits, *_columns(params, states, logits.device))
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def _columns(params: Sequence[SamplingParams], states: Sequence[SamplingState], device):
     """The per-row parameter tensors of the sampling kernels: temperature, top_k, top_p,
     min_p, seeds, positions (the index of the output token each row draws)."""
     def column(values, dtype):
         return torch.tensor(values, dtype=dtype, device=device)
 
+    # (a top_k at or past the vocabulary keeps every token: capped, any 64-bit count that
+    # SamplingParams takes fits the kernels' int32 and means the same)
     return (column([p.temperature for p in params], torch.float32),
-            column([p.top_k for p in params], torch.int32),
+            column([min(p.top_k, _INT32_MAX) for p in params], torch.int32),
             column([p.top_p for p in params], torch.float32),
             column([p.min_p for p in params], torch.float32),
             column([s.seed for s in states], torch.int64),

@@ -210,3 +210,13 @@ def test_stop_string_finishes_the_request_and_frees_its_blocks(llm):
                                      stop=[stop]))[0].outputs[0]
     assert (out.text, out.finish_reason, out.stop_reason) == (text[:text.find(stop)], "stop", stop)
     assert len(out.token_ids) < 16
+
+
+def test_a_top_k_past_the_vocabulary_keeps_every_token(llm):
+    """vLLM takes any top_k; one past 32 bits (what the sampling kernels hold) must mean what
+    one past the vocabulary means, every token kept, not fail the step (a fuzzed request's)."""
+    p = prompts()
+    kept = [SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True, top_k=k)
+            for k in (0, len(llm.tokenizer) + 1, 2**40)]
+    outputs = [[o.outputs[0].token_ids for o in run(llm, p, params)] for params in kept]
+    assert outputs[0] == outputs[1] == outputs[2]
