@@ -8,6 +8,7 @@ them against it; every error names the flag to change.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass
 
@@ -99,6 +100,10 @@ class EngineConfig:
     # a pooling model's pooling_type (LAST, MEAN, CLS) and normalize, over what its
     # sentence-transformers files say (JSON text or a dict); resolved to a PoolerConfig
     pooler_config: PoolerConfig | None = None  # (given as JSON text or a dict)
+    # fields set on the model's config after it is read (vLLM's --hf-overrides: JSON text or
+    # a dict), e.g. {"is_matryoshka": true}; what they ask of the math is checked as the
+    # config's own fields are
+    hf_overrides: dict | None = None
 
     def __post_init__(self):
         dtype = _DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower())
@@ -147,6 +152,7 @@ class EngineConfig:
                              f"{', '.join(SCHEDULING_POLICIES)}; got {self.scheduling_policy!r}")
         check_runner_flags(self.runner, self.convert, self.task)
         object.__setattr__(self, "pooler_config", parse_pooler_config(self.pooler_config))
+        object.__setattr__(self, "hf_overrides", _hf_overrides(self.hf_overrides))
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least "
                              f"--max-loras ({self.max_loras})")
@@ -232,6 +238,20 @@ class EngineConfig:
                 f"{blocks_per_sequence} or lower --max-model-len")
         return dataclasses.replace(self, max_model_len=max_model_len,
                                    max_num_batched_tokens=max_batched, num_kv_blocks=num_blocks)
+
+
+def _hf_overrides(value) -> dict | None:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--hf-overrides: not JSON: {e}") from None
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"--hf-overrides: expected a JSON object, got {value!r}")
+    if value and "model_type" in value:
+        raise ValueError("--hf-overrides: model_type cannot be overridden (it picks how the "
+                         "checkpoint is read)")
+    return value or None
 
 
 def cpu_has_native_bf16() -> bool:

@@ -53,7 +53,7 @@ class EngineCoreSystem(EngineSystem):
         try:
             ready = start_all(self.clients)  # the weights load there; a load error raises here
             self.config, self.model_path = ready.config, pathlib.Path(ready.model_path)
-            self.hf_config = load_hf_config(self.model_path)
+            self.hf_config = load_hf_config(self.model_path, self.config.hf_overrides)
             self.dtype, self.device = getattr(torch, ready.dtype), torch.device(ready.device)
             self.backend_name, self.memory_profile = ready.backend_name, None
             self.kv_cache_windows = ready.kv_cache_windows

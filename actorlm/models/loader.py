@@ -52,9 +52,10 @@ def resolve_model(model: str | os.PathLike | None) -> pathlib.Path:
     return path
 
 
-def load_hf_config(path):
+def load_hf_config(path, overrides: dict | None = None):
     """The transformers config of the directory ``path`` (of its text decoder, for a model
-    with a vision tower); ValueError for unsupported types."""
+    with a vision tower), ``overrides`` (``--hf-overrides``) set on it; ValueError for
+    unsupported types."""
     from transformers import AutoConfig
 
     path = pathlib.Path(path)
@@ -66,7 +67,9 @@ def load_hf_config(path):
         raise ValueError(
             f"model {str(path)!r} has model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    return text_config(AutoConfig.from_pretrained(path, local_files_only=True))
+    config = text_config(AutoConfig.from_pretrained(path, local_files_only=True))
+    config.update(overrides or {})
+    return config
 
 
 def check_quantization(path, quantization: str | None) -> None:
@@ -117,13 +120,14 @@ def check_block_split(path, config, quantization: str | None, size: int,
 
 def load_model(path, dtype: torch.dtype, device, backend,
                tp: TensorParallel = TensorParallel(),
-               quantization: str | None = None, pooling: str | None = None) -> CausalLM:
+               quantization: str | None = None, pooling: str | None = None,
+               hf_overrides: dict | None = None) -> CausalLM:
     """Build the model for the directory ``path`` (rank ``tp.rank``'s shard of it) and fill it
     from its *.safetensors files, or from its GGUF file; ``pooling`` (embed, classify): a
     pooling model's, without its LM head."""
     path = pathlib.Path(path)
     check_quantization(path, quantization)
-    config = load_hf_config(path)
+    config = load_hf_config(path, hf_overrides)
     model = CausalLM(config, backend, dtype=dtype, device=device, tp=tp, pooling=pooling)
     if gguf_file.is_gguf_dir(path):
         tensors = gguf_file.read_tensors(path, config, dtype)

@@ -112,6 +112,7 @@ class RunnerFactory:
     draft_path: Any = None  # the draft model's directory (``speculative_config.model``'s)
     lora: tuple[int, int, int | None] | None = None  # max_loras, max_lora_rank, max_cpu_loras
     pooler: PoolerConfig | None = None  # a pooling model's (resolved); None: it generates
+    hf_overrides: dict | None = None  # (--hf-overrides, set on the config it reads)
     profiled: list = field(default_factory=list, compare=False)
 
     def __call__(self, rank: int) -> ModelRunner:
@@ -125,7 +126,8 @@ class RunnerFactory:
         check_initialised(tp)
         return self.build(load_model(self.path, self.dtype, self.device, self.backend, tp,
                                      self.quantization,
-                                     pooling=self.pooler.task if self.pooler else None),
+                                     pooling=self.pooler.task if self.pooler else None,
+                                     hf_overrides=self.hf_overrides),
                           self.num_kv_blocks)
 
     @property
@@ -199,7 +201,7 @@ def resolve_runner(config: EngineConfig, path, hf_config) -> EngineConfig:
 def load_model_parts(config: EngineConfig) -> LoadedModel:
     """Resolve ``config.model`` and the config against it; see the module's docstring."""
     path = resolve_model(config.model)
-    hf_config = load_hf_config(path)
+    hf_config = load_hf_config(path, config.hf_overrides)
     config = resolve_runner(config, path, hf_config)
     _, num_kv_heads, _ = model_geometry(hf_config)
     tp_size, expert_parallel = config.tensor_parallel_size, config.enable_expert_parallel
@@ -249,7 +251,8 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
                             enable_expert_parallel=expert_parallel,
                             speculative_config=spec, draft_path=draft_path,
                             lora=(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
-                            if config.enable_lora else None, pooler=config.pooler_config)
+                            if config.enable_lora else None, pooler=config.pooler_config,
+                            hf_overrides=config.hf_overrides)
     profile = None
     if profile_gpu:
         step = largest_step(resolved.max_num_batched_tokens, resolved.max_num_seqs,
@@ -258,7 +261,7 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
             load_and_profile,
             lambda: load_model(path, dtype, device, factory.backend, quantization=config.quantization,
                                pooling=config.pooler_config.task if config.is_pooling
-                               else None),
+                               else None, hf_overrides=config.hf_overrides),
             factory.build, step, device)
         budget = kv_cache_budget(profile.total_bytes, profile.used_bytes,
                                  profile.peak_activation_bytes, config.gpu_memory_utilization)

@@ -274,3 +274,36 @@ def test_gguf_embedding_model(tiny_qwen3_dir, oracles, tmp_path):
                       pooling_type=gguf.PoolingType.RANK)
     with pytest.raises(ValueError, match="pooling_type 4 is not implemented"):
         LLM(str(rank), **FLAGS)
+
+
+def test_hf_overrides_reach_the_frontend_and_the_workers(tiny_embedding_dirs, oracles):
+    """vLLM's --hf-overrides: {"is_matryoshka": true} lets a request ask for dimensions (the
+    frontend's check, in the server's process beside an engine-core process); an override
+    that changes the math (rms_norm_eps) is what a worker process computes with, as
+    transformers does with the same config."""
+    from transformers import AutoConfig
+
+    path = tiny_embedding_dirs["qwen3_last"]
+    with LLM(str(path), hf_overrides='{"is_matryoshka": true}', engine_core_process=True,
+             **FLAGS) as llm:
+        short = _vectors(llm.embed(PROMPTS, PoolingParams(dimensions=16), use_tqdm=False))
+    torch.testing.assert_close(
+        short, torch.nn.functional.normalize(oracles["qwen3_last"][:, :16], dim=-1),
+        atol=2e-6, rtol=1e-5)
+    with LLM(str(path), hf_overrides={"rms_norm_eps": 0.5}, distributed_executor_backend="mp",
+             **FLAGS) as llm:
+        got = _vectors(llm.embed(PROMPTS, use_tqdm=False))
+    from transformers import AutoModel, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(path)
+    config.rms_norm_eps = 0.5
+    model, tokenizer = AutoModel.from_pretrained(path, config=config), \
+        AutoTokenizer.from_pretrained(path)
+    with torch.no_grad():
+        want = torch.stack([torch.nn.functional.normalize(
+            model(torch.tensor([tokenizer.encode(p)])).last_hidden_state[0, -1], dim=-1)
+            for p in PROMPTS])
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    assert (got - oracles["qwen3_last"]).abs().max() > 0.01  # the override changed the math
+    with pytest.raises(ValueError, match="--hf-overrides: model_type cannot be overridden"):
+        LLM(str(path), hf_overrides={"model_type": "llama"})
