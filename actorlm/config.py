@@ -8,13 +8,13 @@ them against it; every error names the flag to change.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass
 
 import torch
 
 from actorlm.generation_config import check_setting as check_generation_config
+from actorlm.json_flags import json_object
 from actorlm.pooling import PoolerConfig, check_runner_flags, parse_pooler_config
 from actorlm.reasoning import reasoning_parser
 from actorlm.speculative import SpeculativeConfig
@@ -241,13 +241,8 @@ class EngineConfig:
 
 
 def _hf_overrides(value) -> dict | None:
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--hf-overrides: not JSON: {e}") from None
-    if value is not None and not isinstance(value, dict):
-        raise ValueError(f"--hf-overrides: expected a JSON object, got {value!r}")
+    if value is not None:
+        value = json_object(value, "--hf-overrides")
     if value and "model_type" in value:
         raise ValueError("--hf-overrides: model_type cannot be overridden (it picks how the "
                          "checkpoint is read)")

@@ -29,6 +29,7 @@ import pathlib
 
 import msgspec
 
+from actorlm.json_flags import json_object
 from actorlm.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -132,13 +133,7 @@ def parse_pooler_config(value) -> PoolerConfig | None:
     """``--pooler-config`` as given (JSON text, a dict, a PoolerConfig or None)."""
     if value is None or isinstance(value, PoolerConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--pooler-config: not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"--pooler-config: expected a JSON object, got {value!r}")
+    value = json_object(value, "--pooler-config")
     if unknown := sorted(set(value) - set(_OVERRIDES)):
         raise ValueError(f"--pooler-config: {', '.join(unknown)} not implemented; it may set "
                          f"{', '.join(_OVERRIDES)}")

@@ -15,9 +15,10 @@ name: they change what is proposed, not the output's distribution, and are not b
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from actorlm.json_flags import json_object
 
 METHODS = ("ngram", "draft_model")
 _DEFAULT_LOOKUP = 5
@@ -40,13 +41,7 @@ class SpeculativeConfig:
         None stays None. Anything else is a ValueError naming the key to change."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"--speculative-config must be JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"--speculative-config must be a JSON object, got {value!r}")
+        value = json_object(value, "--speculative-config")
         if unknown := sorted(set(value) - _KNOWN_KEYS):
             raise ValueError(f"--speculative-config: unknown key(s) {', '.join(unknown)}; "
                              f"known: {', '.join(sorted(_KNOWN_KEYS))}")
