@@ -49,7 +49,8 @@ from actorlm.engine_core import start_engine
 from actorlm.llm import PromptType, prompt_input, prompt_salt
 from actorlm.lora_request import LoRARequest
 from actorlm.messages import AbortRequests, SubmitRequest
-from actorlm.outputs import ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput
+from actorlm.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput,
+                             PoolingRequestOutput, RequestOutput)
 from actorlm.pooling import NOTHING_SAMPLED, PoolingParams
 from actorlm.request_timing import RequestTiming
 from actorlm.sampling_params import SamplingParams
@@ -158,7 +159,7 @@ class RequestStream:
             self._timing.cut_short(reason)
 
     def _record(self, output: RequestOutput | EmbeddingRequestOutput) -> None:
-        if isinstance(output, (EmbeddingRequestOutput, ClassificationRequestOutput)):
+        if isinstance(output, PoolingRequestOutput):
             # its one output, and no token generated: no first-token or inter-token latency
             self._close("error" if output.error else "stop")
             return

@@ -5,6 +5,7 @@ ScoringRequestOutput."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -49,6 +50,19 @@ class RequestOutput:
 
 
 @dataclass
+class PoolingRequestOutput:
+    """A pooling model's answer to one prompt (vLLM's ``PoolingRequestOutput``): its
+    ``outputs`` are empty when the request failed (``error``)."""
+
+    request_id: str
+    outputs: Any
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
 class EmbeddingOutput:
     embedding: list[float]
 
@@ -58,15 +72,8 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    """A pooling model's answer to one prompt (vLLM's ``EmbeddingRequestOutput``)."""
-
-    request_id: str
-    outputs: EmbeddingOutput  # empty when the request failed (``error``)
-    prompt_token_ids: list[int]
-    finished: bool
-    num_cached_tokens: int = 0
-    error: str | None = None
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    outputs: EmbeddingOutput
 
 
 @dataclass
@@ -79,15 +86,8 @@ class ClassificationOutput:
 
 
 @dataclass
-class ClassificationRequestOutput:
-    """A classifier's answer to one prompt (vLLM's ``ClassificationRequestOutput``)."""
-
-    request_id: str
-    outputs: ClassificationOutput  # empty when the request failed (``error``)
-    prompt_token_ids: list[int]
-    finished: bool
-    num_cached_tokens: int = 0
-    error: str | None = None
+class ClassificationRequestOutput(PoolingRequestOutput):
+    outputs: ClassificationOutput
 
 
 @dataclass
