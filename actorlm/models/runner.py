@@ -286,6 +286,8 @@ class ModelRunner:
     def _pool(self, hidden, request_ids, states, num_scheduled, query_start) -> dict[str, bytes]:
         """Each pooling request's chunk added to its pooling; the embeddings of those whose
         prompt this step completes (rank 0's: the others' would be the same)."""
+        if self.pooler is None:  # a generating model's step: nothing to look at
+            return {}
         pooled = {}
         for i, (state, n) in enumerate(zip(states, num_scheduled)):
             if state.pooling_params is None:
