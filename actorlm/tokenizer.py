@@ -1,4 +1,5 @@
-"""One tokenizer per thread: the frontend detokenizes while the API side encodes.
+"""A model's tokenizer, and one per thread: the frontend detokenizes while the API side
+encodes.
 
 A Hugging Face fast tokenizer wraps one Rust object that is not safe to share between threads:
 a call that changes its truncation or padding settings while another thread encodes raises
@@ -10,7 +11,25 @@ a copy of its own, made on its first use (a deep copy takes ~0.15 s for SmolLM2'
 from __future__ import annotations
 
 import copy
+import json
+import pathlib
 import threading
+
+# a multimodal checkpoint's processor keeps the chat template here (its tokenizer may not)
+_PROCESSOR_TEMPLATE = "chat_template.json"
+
+
+def load_tokenizer(path):
+    """The tokenizer of the model directory ``path``, with the chat template its processor
+    keeps where the tokenizer has none (a multimodal checkpoint's ``chat_template.json``, as
+    vLLM reads it)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    template = pathlib.Path(path) / _PROCESSOR_TEMPLATE
+    if getattr(tokenizer, "chat_template", None) is None and template.is_file():
+        tokenizer.chat_template = json.loads(template.read_text())["chat_template"]
+    return tokenizer
 
 
 class PerThreadTokenizer:

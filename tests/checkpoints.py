@@ -8,6 +8,9 @@ near-ties that flip under float noise) without collapsing into one repeated toke
 
 from __future__ import annotations
 
+import json
+import pathlib
+
 import pytest
 import torch
 
@@ -69,19 +72,77 @@ def _save_tiny(tmp_path_factory, tokenizer_dir, name, config, seed, **save_flags
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     with torch.random.fork_rng(devices=[]):  # leave the session's global RNG alone
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        with torch.no_grad():
-            # HF initialises biases to 0 and norms to 1; perturb them so a mis-mapped bias
-            # or norm weight shows up in the logits.
-            for name_, param in model.named_parameters():
-                if name_.endswith("bias"):
-                    param.normal_(0.0, 0.1)
-                elif "norm" in name_:
-                    param.add_(torch.randn_like(param) * 0.1)
+        model = perturbed(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
     path = tmp_path_factory.mktemp(name)
     model.save_pretrained(path, **save_flags)
     tokenizer.save_pretrained(path)
     return path
+
+
+def perturbed(model):
+    """``model`` with its biases and norm weights drawn at random: transformers initialises
+    them to 0 and 1, where a mis-mapped bias or norm would not show in the logits."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+            elif "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    return model
+
+
+# a multimodal checkpoint's kind -> the tiny text decoder of tiny_window_dirs inside it (Qwen's:
+# Mistral's sizes alone)
+TEXT_TOWERS = {"gemma3": "gemma3", "mistral3": "mistral", "mistral3_own_head": "mistral",
+               "llava": "helium", "qwen2_5_vl": "mistral", "qwen3_vl": "mistral"}
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+          "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+          "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def save_multimodal(kind: str, text_dir: pathlib.Path, out: pathlib.Path):
+    """A tiny multimodal checkpoint of ``kind`` (``TEXT_TOWERS``) around the text decoder of
+    ``text_dir``, random weights (perturbed) and a tiny vision tower, saved to ``out`` with
+    the text decoder's tokenizer; returns the class transformers builds it with."""
+    import transformers as tf
+
+    text = json.loads((text_dir / "config.json").read_text())
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2)
+    qwen_vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                       out_hidden_size=text["hidden_size"])
+    # Qwen's multimodal RoPE: sections of the head's 8 frequencies by time, height, width
+    mrope = {**{k: text[k] for k in _SIZES},
+             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": [2, 3, 3]}}
+    config, model_class = {
+        "gemma3": lambda: (tf.Gemma3Config(
+            text_config=text, vision_config={**vision, "image_size": 28, "patch_size": 14},
+            mm_tokens_per_image=4, image_token_index=3),
+            tf.Gemma3ForConditionalGeneration),
+        # (Mistral 3's LM head tied by the outer config's default)
+        "mistral3": lambda: (tf.Mistral3Config(text_config=text, vision_config={
+            **vision, "head_dim": 16}), tf.Mistral3ForConditionalGeneration),
+        "mistral3_own_head": lambda: (tf.Mistral3Config(
+            text_config=text, vision_config={**vision, "head_dim": 16},
+            tie_word_embeddings=False), tf.Mistral3ForConditionalGeneration),
+        "llava": lambda: (tf.LlavaConfig(text_config=text, vision_config={
+            **vision, "model_type": "clip_vision_model", "image_size": 28, "patch_size": 14}),
+            tf.LlavaForConditionalGeneration),
+        "qwen2_5_vl": lambda: (tf.Qwen2_5_VLConfig(
+            text_config=mrope, vision_config=qwen_vision, tie_word_embeddings=True),
+            tf.Qwen2_5_VLForConditionalGeneration),
+        "qwen3_vl": lambda: (tf.Qwen3VLConfig(
+            text_config=mrope | {
+                "rope_parameters": {**mrope["rope_parameters"], "mrope_interleaved": True}},
+            vision_config={**qwen_vision, "deepstack_visual_indexes": [0]}),
+            tf.Qwen3VLForConditionalGeneration),
+    }[kind]()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        perturbed(model_class(config)).save_pretrained(out)
+    tf.AutoTokenizer.from_pretrained(text_dir).save_pretrained(out)
+    return model_class
 
 
 def _common(tokenizer_dir):
@@ -175,7 +236,8 @@ LONGROPE_FACTORS = {"short_factor": [1.0 + 0.3 * i for i in range(8)],
 
 @pytest.fixture(scope="session")
 def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
-    """The families beyond Llama's, by name: Gemma 3 (five sliding-window layers to one full,
+    """The families beyond Llama's, by name: Gemma (norms by 1 + weight, GeLU, the scaled
+    embedding, a Llama's two norms a layer), Gemma 3 (five sliding-window layers to one full,
     q/k norms, two RoPE bases), Gemma 2 (sliding and full in turn, soft-capped attention and
     logits), Mistral (every layer sliding), Qwen2 with ``use_sliding_window`` (its upper
     layers), Phi-3 (q/k/v and gate/up fused in the checkpoint), SmolLM3 (no RoPE in its
@@ -189,6 +251,7 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
     layers with RoPE to one full without), Helium (RoPE on interleaved pairs), Seed-OSS (q/k/v
     biases, none on o_proj)."""
     from transformers import (Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig,
+                              GemmaConfig,
                               Glm4Config, GlmConfig, GraniteConfig, HeliumConfig, MistralConfig,
                               Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, SeedOssConfig,
                               SmolLM3Config)
@@ -231,6 +294,7 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
         "helium": HeliumConfig(**common, attention_bias=True, tie_word_embeddings=False),
         "seed_oss": SeedOssConfig(**common, attention_bias=True, attention_out_bias=False,
                                   tie_word_embeddings=False),
+        "gemma": GemmaConfig(**common, tie_word_embeddings=True),
     }
     return {name: _save_tiny(tmp_path_factory, tiny_tokenizer_dir, f"tiny_{name}", config,
                              seed=10 + i)

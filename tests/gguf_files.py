@@ -34,6 +34,7 @@ _GLM4 = {"post_self_attn_layernorm": "post_attention_norm", "post_mlp_layernorm"
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 PERMUTED = ("llama", "smollm3", "granite")  # q and k rows permuted by llama.cpp's converter
+GEMMA = ("gemma", "gemma2", "gemma3")  # norms stored as 1 + weight
 # a Granite config's multipliers -> the metadata keys llama.cpp's converter writes them under
 _GRANITE_SCALES = {"embedding_multiplier": "add_embedding_scale",
                    "attention_multiplier": "add_attention_scale",
@@ -75,7 +76,7 @@ def random_blocks(type_name: str, rows: int, columns: int, seed: int) -> np.ndar
 def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
                eot_token_id: int | None = None, pooling_type=None) -> pathlib.Path:
     """The checkpoint ``hf_dir`` (Llama, SmolLM3, Granite, OLMo 2, Phi-3, EXAONE 4, GLM-4,
-    ERNIE 4.5, Seed-OSS, Qwen2 or Qwen3) as a GGUF file whose matrices are all ``type_name`` blocks
+    ERNIE 4.5, Seed-OSS, Gemma, Qwen2 or Qwen3) as a GGUF file whose matrices are all ``type_name`` blocks
     (norms and biases F32), with an end-of-turn token where given, and an embedding model's
     ``gguf.PoolingType`` where given (as llama.cpp's converter writes a sentence-transformers
     model's); returns the file."""
@@ -114,6 +115,8 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
                 config["num_key_value_heads"]
             values = _permute(values, heads)
         if values.ndim == 1:
+            if arch in GEMMA and name.endswith("norm.weight"):  # (llama.cpp's converter)
+                values = values + 1
             writer.add_tensor(gguf_name(name, arch), values)
         elif type_name in K_TYPES:
             writer.add_tensor(gguf_name(name, arch),

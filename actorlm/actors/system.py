@@ -196,6 +196,13 @@ class EngineSystem:
             raise ValueError("messages: the conversation is empty")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("this model has no chat template; send a plain prompt instead")
+        for index, message in enumerate(conversation):
+            parts = message.get("content") if isinstance(message, dict) else None
+            for part in parts if isinstance(parts, list) else ():
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind != "text":  # (a multimodal checkpoint runs its text decoder alone)
+                    raise ValueError(f"messages[{index}].content: only text parts are "
+                                     f"supported, got {kind!r}")
         ids = self.tokenizer.apply_chat_template(conversation, tokenize=True,
                                                  add_generation_prompt=add_generation_prompt,
                                                  **template_kwargs)

@@ -22,7 +22,6 @@ import pathlib
 import threading
 
 import torch
-from transformers import AutoTokenizer
 
 from actorlm.actors.frontend import FrontendActor
 from actorlm.actors.supervisor import Supervisor
@@ -36,7 +35,7 @@ from actorlm.messages import ExecutorStats, KVStats, SchedulerStats
 from actorlm.models.loader import load_hf_config
 from actorlm.models.lora_adapter import lora_checker
 from actorlm.reasoning import ThinkTokens, reasoning_parser
-from actorlm.tokenizer import PerThreadTokenizer
+from actorlm.tokenizer import PerThreadTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +56,7 @@ class EngineCoreSystem(EngineSystem):
             self.dtype, self.device = getattr(torch, ready.dtype), torch.device(ready.device)
             self.backend_name, self.memory_profile = ready.backend_name, None
             self.kv_cache_windows = ready.kv_cache_windows
-            tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            tokenizer = load_tokenizer(self.model_path)
             self.tokenizer = PerThreadTokenizer(tokenizer)
             self.sampling_defaults = load_sampling_defaults(self.config.generation_config,
                                                             self.model_path, self.hf_config)

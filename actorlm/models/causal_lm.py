@@ -21,7 +21,7 @@ from actorlm.models.decoder import DecoderLayer
 from actorlm.models.families import (NO_ROPE, checkpoint_tensors, embedding_scale,
                                      head_dim_of, is_gemma, layer_specs, layer_windows,
                                      logits_divisor, narrow, norm_names, rope_inv_freq,
-                                     rope_layer_types, text_config)
+                                     rope_layer_types)
 from actorlm.models.layers import Embedding, Linear, RMSNorm, VocabParallelEmbedding
 from actorlm.models.expert_parallel import check_expert_parallel, split_intermediate_sizes
 from actorlm.models.moe import MoeTimer, RoutedExperts, SparseMoeBlock
@@ -67,7 +67,6 @@ class CausalLM(nn.Module):
                  device=None, tp: TensorParallel = TensorParallel(),
                  pooling: str | None = None):
         super().__init__()
-        config = text_config(config)
         specs = layer_specs(config)  # refuses what the config asks for and is not implemented
         spec = specs[0]
         check_expert_parallel(config.model_type, config, tp.size, tp.expert_parallel)

@@ -26,11 +26,15 @@ its tensors.
 - Phi-3: a Llama whose checkpoint fuses q/k/v (``qkv_proj``) and gate/up (``gate_up_proj``);
   Phi-4-mini turns RoPE on three quarters of each head; Phi-3.5's and Phi-4-mini's LongRoPE
   runs by its short factors, within the original context (``config.positions_served``).
-- Gemma 2 and Gemma 3: four norms a layer (before and after attention and MLP), RMSNorm by
-  ``1 + weight``, GeLU (tanh), the embedding scaled by sqrt(hidden), attention scaled by
-  ``query_pre_attn_scalar``; Gemma 2 soft-caps attention scores and the final logits, Gemma 3
-  norms q and k and gives its sliding layers their own RoPE base. A ``gemma3`` checkpoint
-  (text and vision) is served as its text tower.
+- Gemma (1, CodeGemma): a Llama whose norms scale by ``1 + weight``, with GeLU (tanh) and the
+  embedding scaled by sqrt(hidden).
+- Gemma 2 and Gemma 3: Gemma's, with four norms a layer (before and after attention and MLP),
+  attention scaled by ``query_pre_attn_scalar``; Gemma 2 soft-caps attention scores and the
+  final logits, Gemma 3 norms q and k and gives its sliding layers their own RoPE base.
+- Checkpoints with a vision tower (Gemma 3, Mistral 3, LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL)
+  are served as their text decoder (``TEXT_TOWERS``); the API refuses image parts. Qwen's
+  multimodal RoPE turns each of its sections by one of three positions (time, height,
+  width), which are all the token's own position in a text: it is then a plain RoPE.
 - Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE: routed experts in place of some or all dense MLPs
   (``moe_families.py`` says which and how they route; ``moe.py`` computes them).
 
@@ -51,16 +55,22 @@ from actorlm.models.moe_families import (MOE_MODEL_TYPES, check_moe_config, chec
                                          is_moe, moe_specs)
 from actorlm.models.rope_layout import ROTATED_Q_K, head_order, reordered
 
+# a multimodal checkpoint's model_type -> the model_type its text decoder is read as (None:
+# the text config's own)
+TEXT_TOWERS = {"gemma3": None, "mistral3": None, "llava": None, "llava_next": None,
+               "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite",
                          "olmo2", "olmo3", "exaone4", "glm", "glm4", "ernie4_5", "helium",
-                         "seed_oss", "gemma2", "gemma3_text", "gemma3", *MOE_MODEL_TYPES)
+                         "seed_oss", "gemma", "gemma2", "gemma3_text", *TEXT_TOWERS,
+                         *MOE_MODEL_TYPES)
 # the RoPE table of the layers without RoPE (SmolLM3's, EXAONE 4's global ones): the identity
 NO_ROPE = "no_rope"
 _QK_NORMS = {"qwen3": "head", "gemma3_text": "head", "qwen3_moe": "head", "olmoe": "projection",
              "olmo2": "projection", "olmo3": "projection", "exaone4": "head"}
 _OUTPUT_NORMS_ONLY = ("olmo2", "olmo3", "exaone4")  # norms on the branches' outputs only
 _INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5", "helium")  # RoPE on pairs (2i, 2i + 1)
-_GEMMA = ("gemma2", "gemma3_text")
+_GEMMA = ("gemma", "gemma2", "gemma3_text")
+_FOUR_NORMS = ("gemma2", "gemma3_text")  # Gemma 1 has a Llama's two
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _GRANITE_MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier",
                         "logits_scaling")
@@ -80,12 +90,26 @@ _GLM4_NORMS = {**_LLAMA_NORMS, ".post_self_attn_layernorm.": ".attn_out_norm.",
 _TEXT_TOWER = {"model.language_model.": "model.", "language_model.model.": "model.",
                "language_model.lm_head.": "lm_head."}
 _VISION = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
-           "multi_modal_projector.")
+           "multi_modal_projector.", "model.visual.", "visual.", "model.image_newline",
+           "image_newline")
 
 
-def text_config(config):
-    """The config of the text decoder: a ``gemma3`` checkpoint's ``text_config``."""
-    return config.text_config if config.model_type == "gemma3" else config
+def text_config(config, has_lm_head: bool = False):
+    """The config of the text decoder: a multimodal checkpoint's ``text_config`` (read as
+    ``TEXT_TOWERS`` says), its LM head tied to the embeddings as transformers ties it: by the
+    outer config's flag, unless the checkpoint ``has_lm_head`` of its own."""
+    if config.model_type not in TEXT_TOWERS:
+        return config
+    text, read_as = config.text_config, TEXT_TOWERS[config.model_type]
+    if read_as is not None:
+        from transformers import AutoConfig
+
+        fields = {k: v for k, v in text.to_dict().items()
+                  if k not in ("model_type", "transformers_version", "architectures")}
+        text = AutoConfig.for_model(read_as, **fields)
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False)) and \
+        not has_lm_head
+    return text
 
 
 def is_gemma(config) -> bool:
@@ -161,7 +185,7 @@ def layer_specs(config) -> list[LayerSpec]:
         num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         head_dim=head_dim, intermediate_size=config.intermediate_size,
         norm_eps=config.rms_norm_eps, norm_unit_offset=gemma,
-        output_norms=gemma or model_type in (*_OUTPUT_NORMS_ONLY, "glm4"),
+        output_norms=model_type in (*_FOUR_NORMS, *_OUTPUT_NORMS_ONLY, "glm4"),
         input_norms=model_type not in _OUTPUT_NORMS_ONLY,
         qk_norm=_QK_NORMS.get(model_type),
         clip_qkv=getattr(config, "clip_qkv", None) if model_type == "olmoe" else None,
@@ -197,7 +221,7 @@ def norm_names(config) -> dict[str, str]:
     """The checkpoint's norm names -> the decoder layer's."""
     if config.model_type == "glm4":
         return _GLM4_NORMS
-    output_norms = is_gemma(config) or config.model_type in _OUTPUT_NORMS_ONLY
+    output_norms = config.model_type in (*_FOUR_NORMS, *_OUTPUT_NORMS_ONLY)
     return _OUTPUT_NORMS if output_norms else _LLAMA_NORMS
 
 

@@ -48,23 +48,24 @@ log = logging.getLogger(__name__)
 
 # GGUF architecture -> the Hugging Face model_type it is read as (Mistral files say "llama",
 # and so do Mixtral's, with experts: gguf_moe tells them apart)
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
+                 "gemma2": "gemma2",
                  "gemma3": "gemma3_text", "smollm3": "smollm3", "granite": "granite",
                  "olmo2": "olmo2", "phi3": "phi3", "exaone4": "exaone4", "glm4": "glm4",
                  "ernie4_5": "ernie4_5",
                  "seed_oss": "seed_oss", **gguf_moe.ARCHITECTURES}
 # the architectures transformers cannot read a config of (gguf_metadata builds theirs)
-_OWN_CONFIGS = {"smollm3": gguf_metadata.smollm3_config,
+_OWN_CONFIGS = {"smollm3": gguf_metadata.smollm3_config, "gemma": gguf_metadata.gemma_config,
                 "granite": gguf_metadata.granite_config, "olmo2": gguf_metadata.olmo2_config,
                 "phi3": gguf_metadata.phi3_config, "exaone4": gguf_metadata.exaone4_config,
                 "glm4": gguf_metadata.glm4_config,
                 "ernie4_5": gguf_metadata.ernie4_5_config,
                 "seed_oss": gguf_metadata.seed_oss_config}
-_UNKNOWN_TO_TRANSFORMERS = ("smollm3", "granite", "olmo2", "olmoe", "exaone4", "glm4",
+_UNKNOWN_TO_TRANSFORMERS = ("smollm3", "gemma", "granite", "olmo2", "olmoe", "exaone4", "glm4",
                             "ernie4_5", "seed_oss")
 # q and k rows permuted by llama.cpp's converter (a Llama's and its descendants')
 _PERMUTED_QK = ("llama", "mistral", "mixtral", "smollm3", "granite")
-_GEMMA_TYPES = ("gemma2", "gemma3_text")
+_GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")  # (norms stored as 1 + weight)
 _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _INDEX = "gguf.json"
 _DIR_SUFFIX = "-gguf"  # of a cached directory: <file stem>-<file size>-gguf

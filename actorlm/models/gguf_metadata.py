@@ -115,6 +115,15 @@ def smollm3_config(reader, tensor_names: list[str]):
                          head_dim=head_dim(reader, "smollm3"), **biases(tensor_names))
 
 
+def gemma_config(reader, tensor_names: list[str]):
+    """A Gemma (1) file: a Llama's fields; its activation (GeLU, tanh) and scalings are the
+    architecture's, not the file's."""
+    from transformers import GemmaConfig
+
+    return GemmaConfig(**decoder_fields(reader, "gemma", tensor_names),
+                       head_dim=head_dim(reader, "gemma"))
+
+
 def granite_config(reader, tensor_names: list[str]):
     from transformers import GraniteConfig
 

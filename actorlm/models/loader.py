@@ -21,7 +21,7 @@ import torch
 
 from actorlm.kernels import QUANTIZED_FORMATS
 from actorlm.models import gguf_file, prequantized, quantized
-from actorlm.models.families import SUPPORTED_MODEL_TYPES, text_config
+from actorlm.models.families import SUPPORTED_MODEL_TYPES, TEXT_TOWERS, text_config
 from actorlm.models.expert_parallel import split_intermediate_sizes
 from actorlm.models.moe_families import EXPERTS_SIZE
 from actorlm.models.causal_lm import CausalLM
@@ -67,9 +67,23 @@ def load_hf_config(path, overrides: dict | None = None):
         raise ValueError(
             f"model {str(path)!r} has model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    config = text_config(AutoConfig.from_pretrained(path, local_files_only=True))
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if model_type in TEXT_TOWERS:
+        config = text_config(config, has_lm_head=any(
+            name.endswith("lm_head.weight") for name in _tensor_names(path)))
     config.update(overrides or {})
     return config
+
+
+def _tensor_names(path: pathlib.Path) -> list[str]:
+    """The names of the checkpoint's tensors (its files' headers alone)."""
+    from safetensors import safe_open
+
+    names = []
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            names.extend(f.keys())
+    return names
 
 
 def check_quantization(path, quantization: str | None) -> None:

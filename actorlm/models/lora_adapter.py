@@ -256,6 +256,6 @@ def lora_checker(config, hf_config) -> LoRAChecker | None:
     ``hf_config``; None where LoRA is off."""
     if not config.enable_lora or hf_config is None:
         return None
-    from actorlm.models.families import layer_specs, text_config
+    from actorlm.models.families import layer_specs
 
-    return LoRAChecker(layer_specs(text_config(hf_config)), config.max_lora_rank)
+    return LoRAChecker(layer_specs(hf_config), config.max_lora_rank)

@@ -43,6 +43,7 @@ from actorlm.models.runner import ModelRunner
 from actorlm.openmp import on_passing_thread
 from actorlm.pooling import PoolerConfig, pooler_config, wants_pooling
 from actorlm.speculative import SpeculativeConfig
+from actorlm.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +230,7 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
             f"--distributed-executor-backend {config.executor_backend}"
         raise ValueError(f"{what} on a GPU needs the KV pool sized by --num-kv-blocks or "
                          f"--kv-cache-memory-bytes (per rank)")
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     draft_path = None
     spec = config.speculative_config
     if spec is not None and spec.method == "draft_model":  # checked before anything loads

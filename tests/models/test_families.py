@@ -1,4 +1,4 @@
-"""The families beyond Llama's (Gemma 3, Gemma 2, Mistral and Qwen2 with their windows, Phi-3,
+"""The families beyond Llama's (Gemma, Gemma 3, Gemma 2, Mistral and Qwen2 with their windows, Phi-3,
 SmolLM3 without RoPE in a layer, Granite's multipliers, OLMo 2's and 3's output norms, GLM's
 RoPE on half of each head in interleaved pairs, Phi-3's on three quarters and LongRoPE's short
 factors, ERNIE 4.5's and Helium's interleaved pairs, EXAONE 4's global NoPE, Seed-OSS's biases)
@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from checkpoints import WINDOW
+from checkpoints import TEXT_TOWERS, WINDOW, save_multimodal
 from greedy import check_logprobs_close, hf_continuation
 from paged_contexts import greedy_with_logits, random_prompt
 
@@ -20,7 +20,7 @@ from actorlm.kernels import select_backend
 from actorlm.kernels.cpu import linear as cpu_linear
 from actorlm.models.loader import load_model
 
-FAMILIES = ["gemma3", "gemma2", "mistral", "qwen2_window", "phi3", "smollm3", "granite",
+FAMILIES = ["gemma", "gemma3", "gemma2", "mistral", "qwen2_window", "phi3", "smollm3", "granite",
             "olmo2", "olmo3", "glm", "glm4", "phi3_partial", "phi3_longrope", "ernie4_5",
             "exaone4", "helium", "seed_oss"]
 PROMPT_LEN, NUM_DECODED = 40, 60
@@ -76,26 +76,26 @@ def test_layers_are_grouped_by_their_window(tiny_window_dirs):
     assert groups["granite"] == groups["olmo2"] == [(None, (0, 1))]
     assert groups["olmo3"] == groups["exaone4"] == \
         [(None, (3,))] + [(WINDOW, (i,)) for i in range(3)]
-    assert groups["glm"] == groups["glm4"] == groups["phi3_partial"] == \
+    assert groups["gemma"] == groups["glm"] == groups["glm4"] == groups["phi3_partial"] == \
         groups["phi3_longrope"] == groups["ernie4_5"] == groups["helium"] == \
         groups["seed_oss"] == [(None, (0, 1))]
 
 
-def test_a_gemma3_checkpoint_with_a_vision_tower_is_served_as_its_text_tower(
-        tiny_window_dirs, tmp_path):
-    """A ``gemma3`` (image and text) checkpoint: its text decoder's logits, as transformers'
-    whole model computes them for a prompt with no image."""
-    from transformers import AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration
-
-    text = json.loads((tiny_window_dirs["gemma3"] / "config.json").read_text())
-    config = Gemma3Config(text_config=text, vision_config=dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        image_size=28, patch_size=14), mm_tokens_per_image=4, image_token_index=3)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(5)
-        theirs = Gemma3ForConditionalGeneration(config).eval()
-    theirs.save_pretrained(tmp_path)
-    AutoTokenizer.from_pretrained(tiny_window_dirs["gemma3"]).save_pretrained(tmp_path)
+@pytest.mark.parametrize("kind", TEXT_TOWERS)
+def test_a_checkpoint_with_a_vision_tower_is_served_as_its_text_tower(
+        tiny_window_dirs, tmp_path, kind):
+    """A multimodal checkpoint (Gemma 3, Mistral 3, LLaVA, Qwen2.5-VL, Qwen3-VL): its text
+    decoder's logits, as transformers' whole model read from the same directory computes
+    them for a prompt with no image (Qwen's multimodal RoPE by three equal positions; LM heads
+    tied as transformers ties them: by the outer config's flag, unless the checkpoint has an
+    LM head of its own, as Mistral Small 3's has under a config without the flag)."""
+    model_class = save_multimodal(kind, tiny_window_dirs[TEXT_TOWERS[kind]], tmp_path)
+    if kind == "mistral3_own_head":  # the flag left out: Mistral3Config's default ties
+        saved = json.loads((tmp_path / "config.json").read_text())
+        del saved["tie_word_embeddings"]
+        (tmp_path / "config.json").write_text(json.dumps(saved))
+        assert model_class.config_class.from_pretrained(tmp_path).tie_word_embeddings
+    theirs = model_class.from_pretrained(tmp_path, dtype=torch.float32).eval()
     ours = load_model(tmp_path, torch.float32, "cpu", select_backend("cpu"))
     prompt = random_prompt(ours.vocab_size, PROMPT_LEN)
     logits, tokens, _ = greedy_with_logits(ours, prompt, 24, block_size=4)

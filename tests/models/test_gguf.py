@@ -154,15 +154,17 @@ def test_a_llama3_file_keeps_its_rope_scaling(tiny_tokenizer_dir, tmp_path_facto
     ("ernie4_5", {"use_bias": True, "tie_word_embeddings": True}),
     ("exaone4", {"sliding_window": 16, "layer_types": ["sliding_attention"] * 3 +
                  ["full_attention"]}),
-    ("seed_oss", {"attention_bias": True, "attention_out_bias": False, "mlp_bias": False})])
-def test_a_glm4_ernie_exaone_or_seed_oss_file_reads_its_tensors_as_the_checkpoint_has_them(
+    ("seed_oss", {"attention_bias": True, "attention_out_bias": False, "mlp_bias": False}),
+    ("gemma", {"tie_word_embeddings": True, "head_dim": 16,
+               "hidden_act": "gelu_pytorch_tanh"})])
+def test_a_file_transformers_does_not_read_holds_its_checkpoints_tensors(
         tiny_window_dirs, tmp_path, family, fields):
     """GLM-4 (RoPE on half of each head in interleaved pairs, gate/up fused, four norms),
     ERNIE 4.5 (interleaved pairs, a bias on every projection), EXAONE 4 (sliding layers by
-    the file's pattern, RoPE on them alone) and Seed-OSS (q/k/v biases; its norm before the
-    MLP stored as ``post_attention_norm``): q and k as their checkpoints have them (llama.cpp's
-    converter permutes none), the biases told by the tensors; against transformers on the
-    checkpoint the file was written from."""
+    the file's pattern, RoPE on them alone), Seed-OSS (q/k/v biases; its norm before the
+    MLP stored as ``post_attention_norm``) and Gemma (norms stored as 1 + weight): q and k as
+    their checkpoints have them (llama.cpp's converter permutes none), the biases told by the
+    tensors; against transformers on the checkpoint the file was written from."""
     from gguf_files import dequantized_checkpoint
 
     from actorlm.models.loader import load_hf_config
