@@ -94,7 +94,8 @@ def perturbed(model):
 # a multimodal checkpoint's kind -> the tiny text decoder of tiny_window_dirs inside it (Qwen's:
 # Mistral's sizes alone)
 TEXT_TOWERS = {"gemma3": "gemma3", "mistral3": "mistral", "mistral3_own_head": "mistral",
-               "llava": "helium", "qwen2_5_vl": "mistral", "qwen3_vl": "mistral"}
+               "ministral3_vl": "ministral3", "llava": "helium", "qwen2_5_vl": "mistral",
+               "qwen3_vl": "mistral"}
 _SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
           "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
           "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id")
@@ -122,6 +123,9 @@ def save_multimodal(kind: str, text_dir: pathlib.Path, out: pathlib.Path):
             tf.Gemma3ForConditionalGeneration),
         # (Mistral 3's LM head tied by the outer config's default)
         "mistral3": lambda: (tf.Mistral3Config(text_config=text, vision_config={
+            **vision, "head_dim": 16}), tf.Mistral3ForConditionalGeneration),
+        # (Ministral 3's releases: a Mistral 3 around a ministral3 text decoder)
+        "ministral3_vl": lambda: (tf.Mistral3Config(text_config=text, vision_config={
             **vision, "head_dim": 16}), tf.Mistral3ForConditionalGeneration),
         "mistral3_own_head": lambda: (tf.Mistral3Config(
             text_config=text, vision_config={**vision, "head_dim": 16},
@@ -230,6 +234,7 @@ def tiny_qwen3_dir(tmp_path_factory, tiny_tokenizer_dir):
 
 WINDOW = 16  # the tiny sliding-window models' (not a multiple of every block size tried)
 LONGROPE_CONTEXT = 128  # the tiny LongRoPE model's original context, of its 512 positions
+MINISTRAL3_CONTEXT = 128  # the tiny Ministral 3's, past which its queries would be scaled
 LONGROPE_FACTORS = {"short_factor": [1.0 + 0.3 * i for i in range(8)],
                     "long_factor": [4.0 + 0.5 * i for i in range(8)]}
 
@@ -237,7 +242,8 @@ LONGROPE_FACTORS = {"short_factor": [1.0 + 0.3 * i for i in range(8)],
 @pytest.fixture(scope="session")
 def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
     """The families beyond Llama's, by name: Gemma (norms by 1 + weight, GeLU, the scaled
-    embedding, a Llama's two norms a layer), Gemma 3 (five sliding-window layers to one full,
+    embedding, a Llama's two norms a layer), Ministral (sliding layers by ``layer_types``),
+    Ministral 3 (YaRN, Llama 4's attention temperature past 128 positions), Gemma 3 (five sliding-window layers to one full,
     q/k norms, two RoPE bases), Gemma 2 (sliding and full in turn, soft-capped attention and
     logits), Mistral (every layer sliding), Qwen2 with ``use_sliding_window`` (its upper
     layers), Phi-3 (q/k/v and gate/up fused in the checkpoint), SmolLM3 (no RoPE in its
@@ -251,7 +257,7 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
     layers with RoPE to one full without), Helium (RoPE on interleaved pairs), Seed-OSS (q/k/v
     biases, none on o_proj)."""
     from transformers import (Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig,
-                              GemmaConfig,
+                              GemmaConfig, Ministral3Config, MinistralConfig,
                               Glm4Config, GlmConfig, GraniteConfig, HeliumConfig, MistralConfig,
                               Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, SeedOssConfig,
                               SmolLM3Config)
@@ -295,6 +301,15 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
         "seed_oss": SeedOssConfig(**common, attention_bias=True, attention_out_bias=False,
                                   tie_word_embeddings=False),
         "gemma": GemmaConfig(**common, tie_word_embeddings=True),
+        "ministral": MinistralConfig(**{**common, "num_hidden_layers": 3}, sliding_window=WINDOW,
+                                     layer_types=["sliding_attention", "full_attention",
+                                                  "sliding_attention"],
+                                     tie_word_embeddings=False),
+        "ministral3": Ministral3Config(**common, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": MINISTRAL3_CONTEXT, "beta_fast": 32.0,
+            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "llama_4_scaling_beta": 0.1}),
     }
     return {name: _save_tiny(tmp_path_factory, tiny_tokenizer_dir, f"tiny_{name}", config,
                              seed=10 + i)

@@ -7,6 +7,10 @@ by which, the embedding's scale, the final logits' soft-capping, and how the che
 its tensors.
 
 - Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3: pre-norm, SiLU, RMSNorm by ``weight``.
+- Ministral (8B): a Mistral whose ``layer_types`` say which layers slide. Ministral 3: a Mistral
+  with YaRN and Llama 4's attention temperature, which scales the queries of positions past
+  ``original_max_position_embeddings`` only: it is served within them
+  (``config.positions_served``).
 - SmolLM3: a Llama that leaves RoPE out of the layers its ``no_rope_layers`` mark 0 (every
   fourth by default): they rotate by an identity table (``NO_ROPE``).
 - Granite: a Llama with four multipliers: the embeddings', the attention scores' (in place of
@@ -59,7 +63,8 @@ from actorlm.models.rope_layout import ROTATED_Q_K, head_order, reordered
 # the text config's own)
 TEXT_TOWERS = {"gemma3": None, "mistral3": None, "llava": None, "llava_next": None,
                "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite",
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3",
+                         "smollm3", "granite",
                          "olmo2", "olmo3", "exaone4", "glm", "glm4", "ernie4_5", "helium",
                          "seed_oss", "gemma", "gemma2", "gemma3_text", *TEXT_TOWERS,
                          *MOE_MODEL_TYPES)

@@ -1,7 +1,8 @@
-"""The families beyond Llama's (Gemma, Gemma 3, Gemma 2, Mistral and Qwen2 with their windows, Phi-3,
+"""The families beyond Llama's (Gemma 3, Gemma 2, Mistral and Qwen2 with their windows, Phi-3,
 SmolLM3 without RoPE in a layer, Granite's multipliers, OLMo 2's and 3's output norms, GLM's
 RoPE on half of each head in interleaved pairs, Phi-3's on three quarters and LongRoPE's short
-factors, ERNIE 4.5's and Helium's interleaved pairs, EXAONE 4's global NoPE, Seed-OSS's biases)
+factors, ERNIE 4.5's and Helium's interleaved pairs, EXAONE 4's global NoPE, Seed-OSS's biases,
+Gemma's, Ministral's and Ministral 3's)
 against transformers on the same tiny checkpoints: logits at every position of a 40-token
 prompt and 60 greedy tokens after it, far past the window of 16, and the greedy tokens
 themselves by vLLM's rule."""
@@ -9,6 +10,7 @@ themselves by vLLM's rule."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -22,7 +24,7 @@ from actorlm.models.loader import load_model
 
 FAMILIES = ["gemma", "gemma3", "gemma2", "mistral", "qwen2_window", "phi3", "smollm3", "granite",
             "olmo2", "olmo3", "glm", "glm4", "phi3_partial", "phi3_longrope", "ernie4_5",
-            "exaone4", "helium", "seed_oss"]
+            "exaone4", "helium", "seed_oss", "ministral", "ministral3"]
 PROMPT_LEN, NUM_DECODED = 40, 60
 ATOL = {torch.float32: 2e-4, torch.bfloat16: None}  # bf16: judged by the greedy tokens only
 
@@ -76,7 +78,8 @@ def test_layers_are_grouped_by_their_window(tiny_window_dirs):
     assert groups["granite"] == groups["olmo2"] == [(None, (0, 1))]
     assert groups["olmo3"] == groups["exaone4"] == \
         [(None, (3,))] + [(WINDOW, (i,)) for i in range(3)]
-    assert groups["gemma"] == groups["glm"] == groups["glm4"] == groups["phi3_partial"] == \
+    assert groups["ministral"] == [(None, (1,)), (WINDOW, (0,)), (WINDOW, (2,))]
+    assert groups["gemma"] == groups["ministral3"] == groups["glm"] == groups["glm4"] == groups["phi3_partial"] == \
         groups["phi3_longrope"] == groups["ernie4_5"] == groups["helium"] == \
         groups["seed_oss"] == [(None, (0, 1))]
 
@@ -104,17 +107,23 @@ def test_a_checkpoint_with_a_vision_tower_is_served_as_its_text_tower(
     torch.testing.assert_close(logits, expected, atol=ATOL[torch.float32], rtol=0)
 
 
-def test_a_longrope_model_is_served_within_its_original_context(tiny_window_dirs):
+@pytest.mark.parametrize("family, beyond", [("phi3_longrope", "LongRoPE's long factors"),
+                                             ("ministral3", "llama_4_scaling_beta")])
+def test_a_model_is_served_within_the_context_its_computed_math_holds(tiny_window_dirs, family,
+                                                                     beyond):
     """LongRoPE's short factors are exact up to the original context, where transformers
-    switches to the long ones (not implemented): the context is capped there, and a longer
+    switches to the long ones; Ministral 3's queries are scaled past it (Llama 4's attention
+    temperature): neither is implemented beyond, so the context is capped there, and a longer
     --max-model-len is refused naming why."""
-    from checkpoints import LONGROPE_CONTEXT
+    from checkpoints import LONGROPE_CONTEXT, MINISTRAL3_CONTEXT
 
     from actorlm.config import EngineConfig
     from actorlm.models.loader import load_hf_config
 
-    hf_config = load_hf_config(tiny_window_dirs["phi3_longrope"])
-    assert hf_config.max_position_embeddings > LONGROPE_CONTEXT
-    assert EngineConfig().resolve_lengths(hf_config).max_model_len == LONGROPE_CONTEXT
-    with pytest.raises(ValueError, match="original_max_position_embeddings .128.*LongRoPE"):
-        EngineConfig(max_model_len=LONGROPE_CONTEXT + 1).resolve_lengths(hf_config)
+    context = {"phi3_longrope": LONGROPE_CONTEXT, "ministral3": MINISTRAL3_CONTEXT}[family]
+    hf_config = load_hf_config(tiny_window_dirs[family])
+    assert hf_config.max_position_embeddings > context
+    assert EngineConfig().resolve_lengths(hf_config).max_model_len == context
+    with pytest.raises(ValueError, match=f"original_max_position_embeddings .{context}.*"
+                                         f"{re.escape(beyond)}"):
+        EngineConfig(max_model_len=context + 1).resolve_lengths(hf_config)
