@@ -1,5 +1,6 @@
 """actorlm: an LLM inference and serving engine built from actors exchanging typed messages."""
 
+from actorlm.beam_search import BeamSearchParams
 from actorlm.config import EngineConfig
 from actorlm.lora_request import LoRARequest
 from actorlm.outputs import (ClassificationRequestOutput, CompletionOutput,
@@ -11,7 +12,8 @@ __version__ = "0.1.0"
 
 __all__ = ["LLM", "AsyncLLM", "EngineDeadError", "EngineShutdownError", "EngineConfig",
            "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest", "PoolingParams",
-           "EmbeddingRequestOutput", "ClassificationRequestOutput", "ScoringRequestOutput"]
+           "EmbeddingRequestOutput", "ClassificationRequestOutput", "ScoringRequestOutput",
+           "BeamSearchParams"]
 
 _LAZY = {"LLM": "actorlm.llm", "AsyncLLM": "actorlm.async_llm",
          "EngineDeadError": "actorlm.actors.supervisor",

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import logging
 import threading
@@ -43,10 +44,11 @@ import pykka
 
 from actorlm.actors.supervisor import EngineDeadError, EngineShutdownError
 from actorlm.admission import EngineOverloadedError, check_waiting_room
+from actorlm.beam_search import BeamSearch, BeamSearchParams, BeamSearchStream
 from actorlm.actors.system import EngineSystem
 from actorlm.config import EngineConfig
 from actorlm.engine_core import start_engine
-from actorlm.llm import PromptType, prompt_input, prompt_salt
+from actorlm.llm import PromptType, prompt_input, prompt_salt, salted
 from actorlm.lora_request import LoRARequest
 from actorlm.messages import AbortRequests, SubmitRequest
 from actorlm.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput,
@@ -260,6 +262,54 @@ class AsyncLLM:
         finally:
             stream.abort()
 
+    async def add_beam_search(self, request_id: str, prompt: PromptType,
+                              params: BeamSearchParams, lora_request: LoRARequest | None = None,
+                              priority: int = 0) -> BeamSearchStream:
+        """Start a beam search (``actorlm.beam_search``): its stream's one output holds the
+        ``beam_width`` best continuations as its ``outputs``, best first. The prompt is
+        checked here, as ``add_request`` checks it."""
+        step = params.step_params()
+        first = await self.add_request(f"{request_id}-0", prompt, step, lora_request, priority)
+        salt = prompt_salt(prompt)
+        task = asyncio.ensure_future(self._beam_search(
+            request_id, first, params, lambda rid, tokens: self._one_token(
+                rid, salted(tokens, salt), step, lora_request, priority)))
+        return BeamSearchStream(request_id, first.prompt_token_ids, task)
+
+    async def _beam_search(self, request_id: str, first: RequestStream,
+                           params: BeamSearchParams, one_token) -> RequestOutput:
+        search = BeamSearch(first.prompt_token_ids, params, self.engine.eos_token_ids,
+                            self.max_model_len)
+        outs, step = [await self._final(first)], 0
+        while (failed := next((o for o in outs if o.error is not None), None)) is None:
+            search.advance(outs)
+            if search.done:
+                return await self.run_blocking(search.request_output, request_id, self.decode)
+            step += 1
+            steps = [asyncio.ensure_future(one_token(f"{request_id}-{step}-{i}", beam.tokens))
+                     for i, beam in enumerate(search.beams)]
+            try:
+                outs = await asyncio.gather(*steps)
+            finally:  # (a failed or cancelled step leaves none of the others running)
+                for task in steps:
+                    task.cancel()
+        return dataclasses.replace(failed, request_id=request_id)
+
+    async def _one_token(self, request_id: str, prompt, params: SamplingParams,
+                         lora_request: LoRARequest | None, priority: int) -> RequestOutput:
+        return await self._final(await self.add_request(request_id, prompt, params,
+                                                        lora_request, priority))
+
+    @staticmethod
+    async def _final(stream: RequestStream) -> RequestOutput:
+        """A request's last output (leaving early aborts it)."""
+        try:
+            async for output in stream:
+                final = output
+        finally:
+            stream.abort()  # (a no-op once finished)
+        return final
+
     async def embed(self, prompt: PromptType, pooling_params: PoolingParams | None = None,
                     request_id: str | None = None, priority: int = 0) -> EmbeddingRequestOutput:
         """The prompt's embedding from a pooling model (``error`` set, and the embedding empty,
@@ -276,14 +326,8 @@ class AsyncLLM:
                     request_id: str | None, priority: int):
         request_id = request_id if request_id is not None else f"pool-{next(self._ids)}"
         params = msgspec.structs.replace(pooling_params or PoolingParams(), task=task)
-        stream = await self.add_request(request_id, prompt, NOTHING_SAMPLED, priority=priority,
-                                        pooling_params=params)
-        try:
-            async for output in stream:  # one: the final
-                final = output
-        finally:
-            stream.abort()  # (a no-op once finished)
-        return final
+        return await self._final(await self.add_request(
+            request_id, prompt, NOTHING_SAMPLED, priority=priority, pooling_params=params))
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The model's sampling defaults (``generation_config``) on top of SamplingParams'."""

@@ -12,6 +12,7 @@ import pykka
 from tqdm.auto import tqdm
 
 from actorlm.actors.supervisor import EngineDeadError
+from actorlm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from actorlm.actors.system import EngineSystem
 from actorlm.config import EngineConfig
 from actorlm.engine_core import start_engine
@@ -127,6 +128,41 @@ class LLM:
                                      o.prompt_token_ids, o.finished)
                 for o in self.classify(prompts, use_tqdm=use_tqdm)]
 
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    lora_request: LoRARequest | None = None,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """The ``beam_width`` best continuations of each prompt (vLLM's ``LLM.beam_search``,
+        ``actorlm.beam_search``): each ``sequences[i]`` holds its prompt's and its generated
+        ``tokens``, their ``cum_logprob`` and their ``text``, best first. Every step runs the
+        live beams of all prompts as one batch of one-token requests."""
+        prompts = _as_list(prompts)
+        step = params.step_params()
+        # the first step tokenizes and checks the prompts as generate does
+        firsts = self.generate(prompts, step, use_tqdm=False, lora_request=lora_request)
+        searches = [BeamSearch(out.prompt_token_ids, params, self.engine.eos_token_ids,
+                               self.config.max_model_len) for out in firsts]
+        for search, out in zip(searches, firsts):
+            search.advance([_succeeded(out)])
+        salts = [prompt_salt(prompt) for prompt in prompts]
+        with tqdm(total=params.max_tokens, initial=1, desc="Beam search", unit="step",
+                  disable=not use_tqdm) as bar:
+            while live := [(search, salt) for search, salt in zip(searches, salts)
+                           if not search.done]:
+                beams = [salted(beam.tokens, salt) for search, salt in live
+                         for beam in search.beams]
+                outs = iter(self.generate(beams, step, use_tqdm=False,
+                                          lora_request=lora_request))
+                for search, _ in live:
+                    search.advance([_succeeded(next(outs)) for _ in search.beams])
+                bar.update(1)
+        results = []
+        for search in searches:
+            best = search.best()
+            for beam in best:
+                beam.text = self.tokenizer.decode(beam.tokens, skip_special_tokens=True)
+            results.append(BeamSearchOutput(best))
+        return results
+
     def _pool(self, prompts, pooling_params, task: str, use_tqdm: bool) -> list:
         """Submit every prompt as a pooling request of ``task``; wait for all the outputs."""
         prompts = _as_list(prompts)
@@ -241,6 +277,13 @@ def stop_engine(engine: EngineSystem, trace=None) -> None:
         trace.close()
 
 
+def _succeeded(output: RequestOutput) -> RequestOutput:
+    """A beam's one-token step, unless the engine failed it."""
+    if output.error:
+        raise RuntimeError(f"the engine failed a beam's step: {output.error}")
+    return output
+
+
 def _as_list(prompts) -> list:
     if isinstance(prompts, (str, dict)):
         return [prompts]
@@ -267,6 +310,11 @@ def cosine(a: EmbeddingRequestOutput, b: EmbeddingRequestOutput) -> float:
 
     u, v = np.asarray(a.outputs.embedding), np.asarray(b.outputs.embedding)
     return float(u @ v / (np.linalg.norm(u) * np.linalg.norm(v)))
+
+
+def salted(token_ids: list[int], salt: str | None) -> PromptType:
+    """Token ids as a prompt of the prefix-cache tenant ``salt`` (None: shared)."""
+    return token_ids if salt is None else {"prompt_token_ids": token_ids, "cache_salt": salt}
 
 
 def prompt_salt(prompt: PromptType) -> str | None:

@@ -85,6 +85,7 @@ class EngineSystem:
         else:
             self.config = config
         self.tokenizer = PerThreadTokenizer(parts.tokenizer)
+        self.eos_token_ids = parts.eos_token_ids  # the tokens that end a sequence
         # both checked before any actor starts: a bad file or a model that cannot think in the
         # parser's tags fails here, with nothing left running
         self.sampling_defaults = load_sampling_defaults(self.config.generation_config,

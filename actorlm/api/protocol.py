@@ -14,12 +14,14 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any
 
+import msgspec
 from msgspec import Meta, Struct
 
 from actorlm.api.errors import ApiError
 from actorlm.api.protocol_tools import DeltaToolCall, Tool, ToolCall, ToolChoice
 from actorlm.api.refused import CHAT_FIELDS
 from actorlm.api.structured import StructuredFields
+from actorlm.beam_search import BeamSearchParams
 from actorlm.generation_config import SamplingDefaults
 from actorlm.prompt_rules import empty_prompt
 from actorlm.sampling_params import MAX_LOGPROBS as MAX_TOP_LOGPROBS
@@ -34,6 +36,12 @@ MAX_N = 128  # the most choices (n, best_of) one request may ask for
 class StreamOptions(Struct):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
+
+
+# the sampling fields a beam search does not combine with
+_NOT_WITH_BEAMS = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "logit_bias", "stop", "stop_token_ids", "bad_words",
+                   "min_tokens", "allowed_token_ids", "prompt_logprobs")
 
 
 class _SamplingRequest(StructuredFields, kw_only=True):
@@ -70,6 +78,29 @@ class _SamplingRequest(StructuredFields, kw_only=True):
     cache_salt: Annotated[str, Meta(min_length=1)] | None = None
     # smaller is served first, under --scheduling-policy priority (else it must be 0)
     priority: Annotated[int, Meta(ge=-2**63, le=2**63 - 1)] = 0
+    # vLLM's beam search: n beams, ranked by cumulative logprob over length ** length_penalty
+    use_beam_search: bool | None = False
+    length_penalty: float | None = 1.0
+
+    def beam_search(self, params: SamplingParams, constrained: bool) -> BeamSearchParams | None:
+        """``use_beam_search``'s parameters (None without it) from the request's sampling
+        ``params``; a 400 naming a field it does not combine with (the search ranks raw
+        logprobs: filters, penalties, stops and constraints would change them)."""
+        if not self.use_beam_search:
+            return None
+        defaults = {f.name: f.default for f in msgspec.structs.fields(_SamplingRequest)}
+        for name in _NOT_WITH_BEAMS:
+            if getattr(self, name) != defaults[name]:
+                raise ApiError(400, f"{name}: not supported with use_beam_search", name)
+        if constrained:
+            raise ApiError(400, "use_beam_search: not supported with structured outputs or "
+                                "a forced tool call", "use_beam_search")
+        try:
+            return BeamSearchParams(params.n, params.max_tokens, params.ignore_eos,
+                                    params.temperature, or_default(self.length_penalty, 1.0),
+                                    params.include_stop_str_in_output)
+        except ValueError as e:
+            raise ApiError(400, f"use_beam_search: {e}", "use_beam_search") from None
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:

@@ -1,7 +1,7 @@
 """Fields that vLLM or OpenAI define and actorlm does not implement: refused, never dropped.
 
-A client that asks for beam search or the deprecated ``functions`` and silently gets plain
-sampling draws wrong conclusions from a 200. These fields are declared (so the schema shows
+A client that asks for logits processors or the deprecated ``functions`` and silently gets
+plain sampling draws wrong conclusions from a 200. These fields are declared (so the schema shows
 them and they decode strictly) and a request that uses one gets a 400 naming it. Sent with
 their "off" value (``null``, ``false``, ``0``, empty, ``function_call: "none"``, the one
 grammar backend there is) they change nothing and pass. Fields nobody defines are another
@@ -24,11 +24,10 @@ _OFF = {"function_call": lambda v: v == "none",
 
 
 class RefusedFields(Struct, kw_only=True):
-    """Beam search and the like, for completions and chat alike."""
+    """Logits processors and the like, for completions and chat alike."""
 
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None  # JSON is generated compact
-    use_beam_search: bool | None = False
     logits_processors: list[Any] | None = None
 
     def check_refused(self, extra: tuple[str, ...] = ()) -> None:

@@ -40,6 +40,7 @@ from actorlm.api.structured import checked_constraint
 from actorlm.api.tool_choice import ToolUse, decoding_constraint, tool_use
 from actorlm.api.tool_stream import collect
 from actorlm.async_llm import AsyncLLM, RequestStream
+from actorlm.beam_search import BeamSearchParams
 from actorlm.lora_request import LoRARequest
 from actorlm.outputs import RequestOutput
 from actorlm.prompt_rules import empty_prompt
@@ -75,8 +76,9 @@ async def create_completion(state, request: Request) -> Response:
     if req.echo:
         echo = await engine.run_blocking(
             lambda: [x if isinstance(x, str) else engine.decode(x) for x in prompts])
+    beams = req.beam_search(params[0], constraint is not None)
     gen = _Generation(engine, _model_name(state, lora), "cmpl", request, req, lora=lora)
-    await gen.start(prompt_ids, params)
+    await gen.start(prompt_ids, params, beams)
     if req.stream:
         return EventStream(gen.completion_events(echo), gen.abort)
     return await gen.respond(request, lambda finals: gen.completion_response(finals, echo))
@@ -103,9 +105,10 @@ async def create_chat_completion(state, request: Request) -> Response:
     max_tokens = max_tokens_for(len(ids), req.requested_max_tokens, engine.max_model_len, field,
                                 defaults.get("max_tokens", None))
     params = req.sampling_params(max_tokens, req.num_logprobs, constraint, defaults)
+    beams = req.beam_search(params, constraint is not None)
     gen = _Generation(engine, _model_name(state, lora), "chatcmpl", request, req, tools,
                       engine.reasoning, lora)
-    await gen.start([ids], [params])
+    await gen.start([ids], [params], beams)
     if req.stream:
         return EventStream(gen.chat_events(), gen.abort)
     return await gen.respond(request, gen.chat_response)
@@ -170,15 +173,20 @@ class _Generation:
         self.n = p.or_default(req.n, 1)
         self.streams: list[RequestStream] = []
 
-    async def start(self, prompt_ids: list[list[int]], params: list) -> None:
+    async def start(self, prompt_ids: list[list[int]], params: list,
+                    beams: BeamSearchParams | None = None) -> None:
+        """Start every prompt's request (``beams``: a beam search each, in their place)."""
         self.prompt_token_ids = prompt_ids
         try:
             for i, (ids, sp) in enumerate(zip(prompt_ids, params)):
                 rid = self.engine_id if len(prompt_ids) == 1 else f"{self.engine_id}-{i}"
                 prompt = ids if self.req.cache_salt is None else \
                     {"prompt_token_ids": ids, "cache_salt": self.req.cache_salt}
-                self.streams.append(await self.engine.add_request(rid, prompt, sp, self.lora,
-                                                                  self.req.priority))
+                self.streams.append(
+                    await self.engine.add_request(rid, prompt, sp, self.lora, self.req.priority)
+                    if beams is None else
+                    await self.engine.add_beam_search(rid, prompt, beams, self.lora,
+                                                      self.req.priority))
         except BaseException:
             self.abort()
             raise

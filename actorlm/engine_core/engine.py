@@ -33,6 +33,7 @@ from actorlm.engine_core.wire import CoreReady
 from actorlm.generation_config import load_sampling_defaults
 from actorlm.messages import ExecutorStats, KVStats, SchedulerStats
 from actorlm.models.loader import load_hf_config
+from actorlm.models.parts import eos_token_ids
 from actorlm.models.lora_adapter import lora_checker
 from actorlm.reasoning import ThinkTokens, reasoning_parser
 from actorlm.tokenizer import PerThreadTokenizer, load_tokenizer
@@ -58,6 +59,7 @@ class EngineCoreSystem(EngineSystem):
             self.kv_cache_windows = ready.kv_cache_windows
             tokenizer = load_tokenizer(self.model_path)
             self.tokenizer = PerThreadTokenizer(tokenizer)
+            self.eos_token_ids = eos_token_ids(self.model_path, tokenizer)
             self.sampling_defaults = load_sampling_defaults(self.config.generation_config,
                                                             self.model_path, self.hf_config)
             self.reasoning = None if self.config.reasoning_parser is None else \

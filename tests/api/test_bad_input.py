@@ -143,7 +143,11 @@ CASES = [
     ("functions-deprecated", "POST", CHAT, _chat(functions=[{"name": "f"}]), 400, "functions",
      "not supported"),
     # fields vLLM defines and actorlm does not implement: refused, not dropped
-    ("use-beam-search", "POST", CMPL, _cmpl(use_beam_search=True), 400, "use_beam_search", ""),
+    ("logits-processors", "POST", CMPL, _cmpl(logits_processors=["x"]), 400,
+     "logits_processors", "not supported"),
+    # beam search with a field that would change the logprobs it ranks
+    ("beam-search-top-p", "POST", CMPL, _cmpl(use_beam_search=True, top_p=0.5), 400, "top_p",
+     "not supported with use_beam_search"),
     # a priority needs the priority policy (this server serves first come, first served)
     ("priority-under-fcfs", "POST", CHAT, _chat(priority=3), 400, "priority",
      "--scheduling-policy priority"),
