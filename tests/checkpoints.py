@@ -243,7 +243,11 @@ LONGROPE_FACTORS = {"short_factor": [1.0 + 0.3 * i for i in range(8)],
 def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
     """The families beyond Llama's, by name: Gemma (norms by 1 + weight, GeLU, the scaled
     embedding, a Llama's two norms a layer), Ministral (sliding layers by ``layer_types``),
-    Ministral 3 (YaRN, Llama 4's attention temperature past 128 positions), Gemma 3 (five sliding-window layers to one full,
+    Ministral 3 (YaRN, Llama 4's attention temperature past 128 positions), StarCoder2
+    (LayerNorm with biases, an ungated MLP, every layer sliding), Phi-2 (attention and an ungated
+    MLP in parallel from one LayerNorm, RoPE on half of each head, a bias on the LM head), Cohere
+    (attention and MLP in parallel from one LayerNorm without bias, RoPE on interleaved pairs,
+    scaled logits), Gemma 3 (five sliding-window layers to one full,
     q/k norms, two RoPE bases), Gemma 2 (sliding and full in turn, soft-capped attention and
     logits), Mistral (every layer sliding), Qwen2 with ``use_sliding_window`` (its upper
     layers), Phi-3 (q/k/v and gate/up fused in the checkpoint), SmolLM3 (no RoPE in its
@@ -257,7 +261,8 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
     layers with RoPE to one full without), Helium (RoPE on interleaved pairs), Seed-OSS (q/k/v
     biases, none on o_proj)."""
     from transformers import (Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig,
-                              GemmaConfig, Ministral3Config, MinistralConfig,
+                              CohereConfig, GemmaConfig, Ministral3Config, MinistralConfig,
+                              PhiConfig, Starcoder2Config,
                               Glm4Config, GlmConfig, GraniteConfig, HeliumConfig, MistralConfig,
                               Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, SeedOssConfig,
                               SmolLM3Config)
@@ -310,6 +315,12 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
             "original_max_position_embeddings": MINISTRAL3_CONTEXT, "beta_fast": 32.0,
             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
             "llama_4_scaling_beta": 0.1}),
+        "starcoder2": Starcoder2Config(**common, sliding_window=WINDOW, use_bias=True,
+                                       tie_word_embeddings=True),
+        "phi": PhiConfig(**{k: v for k, v in common.items() if k != "head_dim"},
+                         tie_word_embeddings=False),
+        "cohere": CohereConfig(**common, logit_scale=0.25, attention_bias=True,
+                               tie_word_embeddings=True),
     }
     return {name: _save_tiny(tmp_path_factory, tiny_tokenizer_dir, f"tiny_{name}", config,
                              seed=10 + i)

@@ -17,12 +17,12 @@ from torch import nn
 from actorlm.kernels import ActivationQuant, AttentionMetadata, KernelBackend, QuantizedWeight
 from actorlm.kv_groups import kv_cache_groups, layer_slots
 from actorlm.models import expert_weights, quantized
-from actorlm.models.decoder import DecoderLayer
+from actorlm.models.decoder import DecoderLayer, norm_of
 from actorlm.models.families import (NO_ROPE, checkpoint_tensors, embedding_scale,
                                      head_dim_of, is_gemma, layer_specs, layer_windows,
-                                     logits_divisor, narrow, norm_names, rope_inv_freq,
+                                     lm_head_bias, logits_divisor, narrow, norm_names, rope_inv_freq,
                                      rope_layer_types)
-from actorlm.models.layers import Embedding, Linear, RMSNorm, VocabParallelEmbedding
+from actorlm.models.layers import Embedding, Linear, VocabParallelEmbedding
 from actorlm.models.expert_parallel import check_expert_parallel, split_intermediate_sizes
 from actorlm.models.moe import MoeTimer, RoutedExperts, SparseMoeBlock
 from actorlm.models.parallel import (TensorParallel, check_tensor_parallel, first_kv_head,
@@ -50,8 +50,7 @@ class DecoderBody(nn.Module):
             self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
         self.layers = nn.ModuleList(DecoderLayer(spec, backend, dtype, device, tp, rope, group)
                                     for spec, rope, group in zip(specs, ropes, groups))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, is_gemma(config), backend,
-                            dtype, device)
+        self.norm = norm_of(specs[0], backend, dtype, device)
 
 
 class CausalLM(nn.Module):
@@ -92,9 +91,10 @@ class CausalLM(nn.Module):
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads  # this rank's
         self.vocab_rows = -(-config.vocab_size // tp.size)  # this rank's slice, padded
         self.lm_head = None if pooling else \
-            Linear(config.hidden_size, self.vocab_rows, False, dtype, device)
+            Linear(config.hidden_size, self.vocab_rows, lm_head_bias(config), dtype, device)
         if tp.is_parallel and not pooling:  # its padding rows past the vocabulary: never loaded
-            self.lm_head.weight.data.zero_()
+            for param in self.lm_head.parameters():
+                param.data.zero_()
         if self.tie_word_embeddings and not pooling:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.score = Linear(config.hidden_size, config.num_labels, False, dtype, device) \
@@ -194,7 +194,7 @@ class CausalLM(nn.Module):
             if shard is not None:
                 first_row, size = self._shard_range(target, shard, dst)
                 dst = dst.narrow(0, first_row, size)
-            vocabulary = target in ("model.embed_tokens.weight", "lm_head.weight")
+            vocabulary = target in _VOCABULARY
             if self.tp.is_parallel:
                 tensor = self._rank_part(name, tensor, dst)
                 if vocabulary:
@@ -275,13 +275,14 @@ class CausalLM(nn.Module):
                 self.config.num_attention_heads
             first = first_kv_head(self.tp, self.config.num_attention_heads, num_kv_heads)
             start, length = first * self.head_dim, attn.kv_size
-        elif ".gate_proj." in name or ".up_proj." in name:  # this rank's half of gate_up
+        elif ".gate_proj." in name or ".up_proj." in name or ".fc_in." in name:
+            # this rank's half of gate_up, its share of an ungated MLP's fc_in
             start, length = rank * dst.shape[0], dst.shape[0]
         elif ".o_proj.weight" in name:
             dim, start, length = 1, rank * attn.q_size, attn.q_size
         elif ".down_proj.weight" in name:
             dim, start, length = 1, rank * dst.shape[1], dst.shape[1]
-        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+        elif name in _VOCABULARY:
             rows = self.vocab_rows
             start = rank * rows
             length = max(0, min(rows, self.vocab_size - start))
@@ -289,6 +290,8 @@ class CausalLM(nn.Module):
 
 
 _BARE_DECODER = ("embed_tokens.", "layers.", "norm.")  # a ``...Model`` checkpoint's names
+# the tensors split by the vocabulary over the ranks (Phi-2's LM head has a bias)
+_VOCABULARY = ("model.embed_tokens.weight", "lm_head.weight", "lm_head.bias")
 
 
 def _decoder_only(weights):

@@ -7,7 +7,8 @@ parts and run them through the kernel backend; ``plan()`` hands the same descrip
 loaded weights, to the backend's one-call decode step (``KernelBackend.decode_step``). So a new
 family takes both paths by describing itself (routed experts as a ``MoePlan``); a layer with
 OLMoE's q/k norms over whole projections split across tensor-parallel ranks has no plan and
-runs on the Python path.
+runs on the Python path, as do layers of LayerNorm, parallel branches or an ungated MLP
+(StarCoder2's, Phi-2's, Cohere's).
 
 Inputs are one flattened batch of T tokens (no padding, no batch dimension). q/k/v and
 gate/up are merged into one matmul each.
@@ -17,10 +18,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
 from torch import nn
 
 from actorlm.kernels import AttentionLayer, DecoderLayerPlan, KernelBackend, MoePlan
-from actorlm.models.layers import Linear, RMSNorm, RowParallelLinear, SplitRMSNorm
+from actorlm.models.layers import LayerNorm, Linear, RMSNorm, RowParallelLinear, SplitRMSNorm
 from actorlm.models.moe import MoeSpec, SparseMoeBlock
 from actorlm.models.parallel import TensorParallel, num_kv_heads_per_rank
 
@@ -56,6 +58,11 @@ class LayerSpec:
     # None: the checkpoint's order
     rope_order: tuple[int, ...] | None = None
     moe: MoeSpec | None = None  # routed experts in place of the dense MLP
+    # LayerNorm (the mean taken out; a bias with ``norm_bias``) in place of RMSNorm
+    layer_norm: bool = False
+    norm_bias: bool = False
+    parallel: bool = False  # attention and MLP both from the one norm's output, summed
+    gated_mlp: bool = True  # act(gate) * up; False: act(up) alone (fc_in)
 
     def __post_init__(self):
         if self.qk_norm not in (None, "head", "projection"):
@@ -113,17 +120,31 @@ class Attention(nn.Module):
         return self.o_proj(o)  # [T, Hq D] -> [T, hidden]
 
 
+def norm_of(spec: LayerSpec, backend: KernelBackend, dtype, device) -> RMSNorm | LayerNorm:
+    """A norm over the hidden features, of the kind the family's layers have."""
+    if spec.layer_norm:
+        return LayerNorm(spec.hidden_size, spec.norm_eps, spec.norm_bias, dtype, device)
+    return RMSNorm(spec.hidden_size, spec.norm_eps, spec.norm_unit_offset, backend, dtype,
+                   device)
+
+
 class MLP(nn.Module):
     """Tensor-parallel: this rank's share of the intermediate features; its output is summed
-    over the ranks, unless ``reduce`` is False (a shared expert, whose MoE block reduces)."""
+    over the ranks, unless ``reduce`` is False (a shared expert, whose MoE block reduces).
+    Ungated (``gated_mlp`` False: StarCoder2's, Phi-2's): ``fc_in`` in place of gate_up."""
 
     def __init__(self, spec: LayerSpec, backend: KernelBackend, dtype, device,
                  tp: TensorParallel, reduce: bool = True):
         super().__init__()
         self.backend, self.activation = backend, spec.activation
         self.intermediate_size = spec.intermediate_size // tp.size
-        self.gate_up_proj = Linear(spec.hidden_size, 2 * self.intermediate_size, spec.mlp_bias,
-                                   dtype, device)
+        self.gate_up_proj = self.fc_in = None
+        if spec.gated_mlp:
+            self.gate_up_proj = Linear(spec.hidden_size, 2 * self.intermediate_size,
+                                       spec.mlp_bias, dtype, device)
+        else:
+            self.fc_in = Linear(spec.hidden_size, self.intermediate_size, spec.mlp_bias, dtype,
+                                device)
         if reduce:
             self.down_proj = _row_linear(spec.intermediate_size, spec.hidden_size,
                                          spec.mlp_bias, tp, dtype, device)
@@ -133,8 +154,14 @@ class MLP(nn.Module):
                                     device)
 
     def forward(self, x):
+        if self.fc_in is not None:  # [T, H] -> [T, I] -> [T, H]
+            return self.down_proj(_UNGATED_ACTIVATIONS[self.activation](self.fc_in(x)))
         # [T, H] -> [T, 2I] -> [T, I] -> [T, H]
         return self.down_proj(self.backend.act_and_mul(self.gate_up_proj(x), self.activation))
+
+
+# an ungated MLP's activation, as transformers computes it (in the model dtype)
+_UNGATED_ACTIVATIONS = {"gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh")}
 
 
 class DecoderLayer(nn.Module):
@@ -147,15 +174,14 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.rope = rope  # which of the model's RoPE tables this layer rotates by
         self.kv_group = kv_group  # which of the step's attention metadata it reads
-        self.residual_scale = spec.residual_scale
+        self.residual_scale, self.parallel = spec.residual_scale, spec.parallel
 
         def norm():
-            return RMSNorm(spec.hidden_size, spec.norm_eps, spec.norm_unit_offset, backend,
-                           dtype, device)
+            return norm_of(spec, backend, dtype, device)
 
         self.attn_norm = self.mlp_norm = self.attn_out_norm = self.mlp_out_norm = None
-        if spec.input_norms:
-            self.attn_norm, self.mlp_norm = norm(), norm()
+        if spec.input_norms:  # (in parallel, both branches read the attention's)
+            self.attn_norm, self.mlp_norm = norm(), None if spec.parallel else norm()
         if spec.output_norms:
             self.attn_out_norm, self.mlp_out_norm = norm(), norm()
         self.self_attn = Attention(spec, backend, dtype, device, tp)
@@ -173,6 +199,9 @@ class DecoderLayer(nn.Module):
         first layer, whose x is the embeddings. ``ropes`` and ``metas``: the step's RoPE
         tables and its attention metadata per KV-cache group."""
         x, residual = _joined(self.attn_norm, x, residual)
+        if self.parallel:  # Phi-2's, Cohere's: both branches of the one norm, summed
+            attended = self.self_attn(x, *ropes[self.rope], kv_cache, metas[self.kv_group])
+            return attended + self.mlp(x), residual
         x = self.self_attn(x, *ropes[self.rope], kv_cache, metas[self.kv_group])
         if self.attn_out_norm is not None:
             x = self.attn_out_norm(x)
@@ -189,8 +218,12 @@ class DecoderLayer(nn.Module):
     def plan(self) -> DecoderLayerPlan | None:
         """This layer for the backend's one-call decode step (once the weights are loaded), or
         None where a plan does not describe it: q/k norms over projections split across
-        tensor-parallel ranks (their mean square is summed over the ranks)."""
+        tensor-parallel ranks (their mean square is summed over the ranks), LayerNorm,
+        parallel branches, an ungated MLP."""
         attn, mlp = self.self_attn, self.mlp
+        if self.parallel or isinstance(self.attn_norm, LayerNorm) or \
+                getattr(mlp, "fc_in", None) is not None:
+            return None
         projection_norms = None
         if attn.projection_norms:
             if attn.q_norm.tp.is_parallel:
@@ -214,7 +247,7 @@ class DecoderLayer(nn.Module):
             self.residual_scale, None if lora == (None,) * 4 else lora)
 
 
-def _joined(norm: RMSNorm | None, x, residual):
+def _joined(norm: RMSNorm | LayerNorm | None, x, residual):
     """(a branch's input, the stream) once ``x`` has joined the stream ``residual`` (None: x
     starts it, the embeddings): the stream normed, or, without a norm (OLMo 2), the stream."""
     if norm is None:

@@ -39,6 +39,11 @@ its tensors.
   are served as their text decoder (``TEXT_TOWERS``); the API refuses image parts. Qwen's
   multimodal RoPE turns each of its sections by one of three positions (time, height,
   width), which are all the token's own position in a text: it is then a plain RoPE.
+- StarCoder2, Phi-2, Cohere (Command R, Aya): LayerNorm in place of RMSNorm (with a bias but
+  in Cohere's); StarCoder2's and Phi-2's MLPs ungated (GeLU of one projection); Phi-2's and
+  Cohere's attention and MLP in parallel from one norm, summed; Phi-2's LM head has a bias,
+  Cohere's logits are scaled (``logit_scale``) and its RoPE turns interleaved pairs. Their
+  layers run on the Python path (the one-call decode step has none of these three).
 - Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE: routed experts in place of some or all dense MLPs
   (``moe_families.py`` says which and how they route; ``moe.py`` computes them).
 
@@ -66,17 +71,29 @@ TEXT_TOWERS = {"gemma3": None, "mistral3": None, "llava": None, "llava_next": No
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3",
                          "smollm3", "granite",
                          "olmo2", "olmo3", "exaone4", "glm", "glm4", "ernie4_5", "helium",
-                         "seed_oss", "gemma", "gemma2", "gemma3_text", *TEXT_TOWERS,
-                         *MOE_MODEL_TYPES)
+                         "seed_oss", "gemma", "gemma2", "gemma3_text", "starcoder2", "phi",
+                         "cohere", *TEXT_TOWERS, *MOE_MODEL_TYPES)
 # the RoPE table of the layers without RoPE (SmolLM3's, EXAONE 4's global ones): the identity
 NO_ROPE = "no_rope"
 _QK_NORMS = {"qwen3": "head", "gemma3_text": "head", "qwen3_moe": "head", "olmoe": "projection",
              "olmo2": "projection", "olmo3": "projection", "exaone4": "head"}
 _OUTPUT_NORMS_ONLY = ("olmo2", "olmo3", "exaone4")  # norms on the branches' outputs only
-_INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5", "helium")  # RoPE on pairs (2i, 2i + 1)
+_INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5", "helium", "cohere")  # RoPE on (2i, 2i + 1)
+_LAYER_NORM = ("starcoder2", "phi", "cohere")  # LayerNorm, with a bias but in Cohere's
+_PARALLEL = ("phi", "cohere")  # attention and MLP from one norm, in parallel
+_UNGATED_MLP = ("starcoder2", "phi")
+_GELU_FAMILIES = ("starcoder2", "phi")  # (besides Gemma's)
+# a family's checkpoint names -> the shared decoder's
+_RENAMES = {"starcoder2": {".mlp.c_fc.": ".mlp.fc_in.", ".mlp.c_proj.": ".mlp.down_proj."},
+            "phi": {".mlp.fc1.": ".mlp.fc_in.", ".mlp.fc2.": ".mlp.down_proj.",
+                    ".self_attn.dense.": ".self_attn.o_proj.",
+                    "model.final_layernorm.": "model.norm."}}
+# a query/key norm the family's config may turn on, not implemented (a LayerNorm per head)
+_QK_LAYER_NORMS = {"phi": "qk_layernorm", "cohere": "use_qk_norm"}
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
 _FOUR_NORMS = ("gemma2", "gemma3_text")  # Gemma 1 has a Llama's two
-_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# (Phi-2's gelu_new is the tanh approximation, written out in torch ops)
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 _GRANITE_MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier",
                         "logits_scaling")
 
@@ -127,8 +144,13 @@ def check_config(config) -> None:
         raise ValueError(f"model_type {config.model_type!r} is not supported (use one of "
                          f"{SUPPORTED_MODEL_TYPES})")
     activation = activation_of(config)
-    if activation not in _ACTIVATIONS or is_gemma(config) != (activation != "silu"):
+    gelu = is_gemma(config) or config.model_type in _GELU_FAMILIES
+    if activation not in _ACTIVATIONS or gelu != (activation != "silu"):
         raise ValueError(f"{config.model_type}: activation {activation!r} is not implemented")
+    flag = _QK_LAYER_NORMS.get(config.model_type)
+    if flag is not None and getattr(config, flag, False):
+        raise ValueError(f"{config.model_type}: {flag} (a LayerNorm of each head's q and k) "
+                         f"is not implemented")
     rope_head_order(config)  # refuses a RoPE layout the reordering cannot express
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention (an encoder, not a causal decoder) is "
@@ -184,22 +206,25 @@ def layer_specs(config) -> list[LayerSpec]:
         else attention_bias
     head_dim = head_dim_of(config)
     scalar = getattr(config, "query_pre_attn_scalar", None) if gemma else None
-    granite = model_type == "granite"
+    granite, phi = model_type == "granite", model_type == "phi"
     base = dict(
         hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         head_dim=head_dim, intermediate_size=config.intermediate_size,
-        norm_eps=config.rms_norm_eps, norm_unit_offset=gemma,
+        norm_eps=norm_eps(config), norm_unit_offset=gemma,
+        layer_norm=model_type in _LAYER_NORM,
+        norm_bias=model_type in _LAYER_NORM and model_type != "cohere",
+        parallel=model_type in _PARALLEL, gated_mlp=model_type not in _UNGATED_MLP,
         output_norms=model_type in (*_FOUR_NORMS, *_OUTPUT_NORMS_ONLY, "glm4"),
         input_norms=model_type not in _OUTPUT_NORMS_ONLY,
         qk_norm=_QK_NORMS.get(model_type),
         clip_qkv=getattr(config, "clip_qkv", None) if model_type == "olmoe" else None,
         activation=_ACTIVATIONS[activation_of(config)],
-        qkv_bias=qkv_bias,
-        o_bias=_o_bias(config, attention_bias),
+        qkv_bias=qkv_bias or phi,  # (Phi-2's projections all have biases)
+        o_bias=_o_bias(config, attention_bias) or phi,
         # (the MoE families' MLPs have no biases, whatever their config says)
-        mlp_bias=bool(getattr(config, "mlp_bias", getattr(config, "use_bias", False))) and
-        not is_moe(config),
+        mlp_bias=phi or bool(getattr(config, "mlp_bias", getattr(config, "use_bias", False)))
+        and not is_moe(config),
         attention_scale=config.attention_multiplier if granite else
         None if scalar is None else scalar**-0.5,
         softcap=getattr(config, "attn_logit_softcapping", None) if gemma else None,
@@ -216,6 +241,19 @@ def _o_bias(config, attention_bias: bool) -> bool:
         return bool(config.attention_out_bias)
     return attention_bias and config.model_type not in ("qwen2", "qwen2_moe", "glm", "glm4",
                                                         "helium")
+
+
+def norm_eps(config) -> float:
+    """The norms' epsilon, by whichever name the family's config gives it."""
+    for name in ("rms_norm_eps", "layer_norm_eps", "norm_epsilon"):
+        if (value := getattr(config, name, None)) is not None:
+            return value
+    raise ValueError(f"{config.model_type}: the config names no norm epsilon")
+
+
+def lm_head_bias(config) -> bool:
+    """Whether the LM head adds a bias (Phi-2's does)."""
+    return config.model_type == "phi"
 
 
 def head_dim_of(config) -> int:
@@ -239,7 +277,10 @@ def embedding_scale(config, dtype: torch.dtype, device=None) -> torch.Tensor | f
 
 
 def logits_divisor(config) -> float | None:
-    """What the logits are divided by (Granite's ``logits_scaling``); None: nothing."""
+    """What the logits are divided by (Granite's ``logits_scaling``, the reciprocal of
+    Cohere's ``logit_scale``); None: nothing."""
+    if config.model_type == "cohere" and config.logit_scale is not None:
+        return 1 / config.logit_scale
     return config.logits_scaling if config.model_type == "granite" else None
 
 
@@ -335,6 +376,8 @@ def _split_fused(config, tensors, q_size: int, kv_size: int):
                 name = ours + name.removeprefix(prefix)
                 break
         name = checkpoint_name(config, name)
+        for fragment, ours in _RENAMES.get(config.model_type, {}).items():
+            name = name.replace(fragment, ours)
         if ".self_attn.qkv_proj." in name:
             parts = [("q_proj", 0, q_size), ("k_proj", q_size, kv_size),
                      ("v_proj", q_size + kv_size, kv_size)]

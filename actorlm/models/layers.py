@@ -188,6 +188,27 @@ class RMSNorm(nn.Module):
         return self.backend.rms_norm(x, self.norm)
 
 
+class LayerNorm(nn.Module):
+    """A layer norm (the mean taken out, then the variance; by ``weight``, plus ``bias`` where
+    the family has one), fused with the residual add before it as ``RMSNorm`` is. It runs on
+    torch's kernel, which computes in fp32 and rounds once, as transformers' does: the layers
+    of such families have no plan for the backend's one-call decode step."""
+
+    def __init__(self, dim, eps, bias: bool, dtype, device):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), False)
+        self.bias = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), False) \
+            if bias else None
+
+    def forward(self, x, residual=None):
+        """``norm(x)``; with ``residual``: (norm(x + residual), x + residual)."""
+        if residual is not None:
+            x = x + residual
+            return self(x), x
+        return torch.nn.functional.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+
+
 class SplitRMSNorm(RMSNorm):
     """An RMS norm over features that tensor parallelism splits over the ranks (OLMoE's q and k
     norms span every head): each rank norms its share by the mean square of all of them, its

@@ -58,11 +58,13 @@ def checkpoints(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_replicated_
             # sliding windows in KV-cache groups, Gemma's norms and soft-capping, Phi-3's
             # fused q/k/v and gate/up split per rank, Granite's branches scaled after the sum,
             # OLMo 2's q/k norms over projections split across the ranks, q and k reordered
-            # for RoPE on part of each head (GLM-4's interleaved, Phi-4-mini's)
+            # for RoPE on part of each head (GLM-4's interleaved, Phi-4-mini's); LayerNorm,
+            # ungated MLPs and parallel branches on the Python path (StarCoder2's, Phi-2's
+            # with its LM head's bias split by the vocabulary, Cohere's)
             **{name: tiny_window_dirs[name]
                for name in ("gemma3", "gemma2", "mistral", "qwen2_window", "phi3", "smollm3",
                             "granite", "olmo2", "olmo3", "glm4", "phi3_partial", "ernie4_5",
-                            "exaone4", "helium", "seed_oss")},
+                            "exaone4", "helium", "seed_oss", "starcoder2", "phi", "cohere")},
             # every expert's intermediate features split (from per-expert tensors and from
             # stacked ones), a shared expert's too, a router on every rank; OLMoE's q/k norms
             # over all heads, its one KV head on both ranks
@@ -92,7 +94,8 @@ def split(checkpoints):
                                   "llama_replicated_kv", "gemma3", "gemma2", "mistral",
                                   "qwen2_window", "phi3", "smollm3", "granite", "olmo2",
                                   "olmo3", "glm4", "phi3_partial", "ernie4_5", "exaone4",
-                                  "helium", "seed_oss", "qwen3_moe",
+                                  "helium", "seed_oss", "starcoder2", "phi", "cohere",
+                                  "qwen3_moe",
                                   "qwen3_moe_stacked", "qwen2_moe", "mixtral", "olmoe",
                                   "llama_fp8", "qwen2_fp8_block"])
 def test_two_ranks_compute_what_one_computes(name, checkpoints, split):
