@@ -247,7 +247,8 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
     (LayerNorm with biases, an ungated MLP, every layer sliding), Phi-2 (attention and an ungated
     MLP in parallel from one LayerNorm, RoPE on half of each head, a bias on the LM head), Cohere
     (attention and MLP in parallel from one LayerNorm without bias, RoPE on interleaved pairs,
-    scaled logits), Gemma 3 (five sliding-window layers to one full,
+    scaled logits), Cohere 2 (Cohere's, three sliding layers with RoPE to one full without),
+    Gemma 3 (five sliding-window layers to one full,
     q/k norms, two RoPE bases), Gemma 2 (sliding and full in turn, soft-capped attention and
     logits), Mistral (every layer sliding), Qwen2 with ``use_sliding_window`` (its upper
     layers), Phi-3 (q/k/v and gate/up fused in the checkpoint), SmolLM3 (no RoPE in its
@@ -261,7 +262,7 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
     layers with RoPE to one full without), Helium (RoPE on interleaved pairs), Seed-OSS (q/k/v
     biases, none on o_proj)."""
     from transformers import (Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig,
-                              CohereConfig, GemmaConfig, Ministral3Config, MinistralConfig,
+                              Cohere2Config, CohereConfig, GemmaConfig, Ministral3Config, MinistralConfig,
                               PhiConfig, Starcoder2Config,
                               Glm4Config, GlmConfig, GraniteConfig, HeliumConfig, MistralConfig,
                               Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, SeedOssConfig,
@@ -321,6 +322,8 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
                          tie_word_embeddings=False),
         "cohere": CohereConfig(**common, logit_scale=0.25, attention_bias=True,
                                tie_word_embeddings=True),
+        "cohere2": Cohere2Config(**{**common, "num_hidden_layers": 4}, sliding_window=WINDOW,
+                                 logit_scale=0.5, tie_word_embeddings=True),
     }
     return {name: _save_tiny(tmp_path_factory, tiny_tokenizer_dir, f"tiny_{name}", config,
                              seed=10 + i)

@@ -39,11 +39,13 @@ its tensors.
   are served as their text decoder (``TEXT_TOWERS``); the API refuses image parts. Qwen's
   multimodal RoPE turns each of its sections by one of three positions (time, height,
   width), which are all the token's own position in a text: it is then a plain RoPE.
-- StarCoder2, Phi-2, Cohere (Command R, Aya): LayerNorm in place of RMSNorm (with a bias but
-  in Cohere's); StarCoder2's and Phi-2's MLPs ungated (GeLU of one projection); Phi-2's and
-  Cohere's attention and MLP in parallel from one norm, summed; Phi-2's LM head has a bias,
-  Cohere's logits are scaled (``logit_scale``) and its RoPE turns interleaved pairs. Their
-  layers run on the Python path (the one-call decode step has none of these three).
+- StarCoder2, Phi-2, Cohere (Command R, Aya) and Cohere 2 (Command R7B, Command A):
+  LayerNorm in place of RMSNorm (with a bias but in Cohere's); StarCoder2's and Phi-2's MLPs
+  ungated (GeLU of one projection); Phi-2's and Cohere's attention and MLP in parallel from
+  one norm, summed; Phi-2's LM head has a bias, Cohere's logits are scaled (``logit_scale``)
+  and its RoPE turns interleaved pairs; Cohere 2's sliding layers (three to each full one)
+  alone turn by RoPE, as EXAONE 4's. Their layers run on the Python path (the one-call decode
+  step has none of these three).
 - Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE: routed experts in place of some or all dense MLPs
   (``moe_families.py`` says which and how they route; ``moe.py`` computes them).
 
@@ -72,15 +74,17 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2",
                          "smollm3", "granite",
                          "olmo2", "olmo3", "exaone4", "glm", "glm4", "ernie4_5", "helium",
                          "seed_oss", "gemma", "gemma2", "gemma3_text", "starcoder2", "phi",
-                         "cohere", *TEXT_TOWERS, *MOE_MODEL_TYPES)
-# the RoPE table of the layers without RoPE (SmolLM3's, EXAONE 4's global ones): the identity
+                         "cohere", "cohere2", *TEXT_TOWERS, *MOE_MODEL_TYPES)
+# the RoPE table of the layers without RoPE (SmolLM3's, EXAONE 4's and Cohere 2's global
+# ones): the identity
 NO_ROPE = "no_rope"
 _QK_NORMS = {"qwen3": "head", "gemma3_text": "head", "qwen3_moe": "head", "olmoe": "projection",
              "olmo2": "projection", "olmo3": "projection", "exaone4": "head"}
 _OUTPUT_NORMS_ONLY = ("olmo2", "olmo3", "exaone4")  # norms on the branches' outputs only
-_INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5", "helium", "cohere")  # RoPE on (2i, 2i + 1)
-_LAYER_NORM = ("starcoder2", "phi", "cohere")  # LayerNorm, with a bias but in Cohere's
-_PARALLEL = ("phi", "cohere")  # attention and MLP from one norm, in parallel
+_COHERE = ("cohere", "cohere2")
+_INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5", "helium", *_COHERE)  # RoPE on (2i, 2i + 1)
+_LAYER_NORM = ("starcoder2", "phi", *_COHERE)  # LayerNorm, with a bias but in Cohere's
+_PARALLEL = ("phi", *_COHERE)  # attention and MLP from one norm, in parallel
 _UNGATED_MLP = ("starcoder2", "phi")
 _GELU_FAMILIES = ("starcoder2", "phi")  # (besides Gemma's)
 # a family's checkpoint names -> the shared decoder's
@@ -213,7 +217,7 @@ def layer_specs(config) -> list[LayerSpec]:
         head_dim=head_dim, intermediate_size=config.intermediate_size,
         norm_eps=norm_eps(config), norm_unit_offset=gemma,
         layer_norm=model_type in _LAYER_NORM,
-        norm_bias=model_type in _LAYER_NORM and model_type != "cohere",
+        norm_bias=model_type in _LAYER_NORM and model_type not in _COHERE,
         parallel=model_type in _PARALLEL, gated_mlp=model_type not in _UNGATED_MLP,
         output_norms=model_type in (*_FOUR_NORMS, *_OUTPUT_NORMS_ONLY, "glm4"),
         input_norms=model_type not in _OUTPUT_NORMS_ONLY,
@@ -279,7 +283,7 @@ def embedding_scale(config, dtype: torch.dtype, device=None) -> torch.Tensor | f
 def logits_divisor(config) -> float | None:
     """What the logits are divided by (Granite's ``logits_scaling``, the reciprocal of
     Cohere's ``logit_scale``); None: nothing."""
-    if config.model_type == "cohere" and config.logit_scale is not None:
+    if config.model_type in _COHERE and config.logit_scale is not None:
         return 1 / config.logit_scale
     return config.logits_scaling if config.model_type == "granite" else None
 
@@ -287,13 +291,14 @@ def logits_divisor(config) -> float | None:
 def rope_layer_types(config) -> list[str | None]:
     """The RoPE table each layer rotates by: a layer type where the config keeps RoPE
     parameters per type (Gemma 3), ``NO_ROPE`` where ``no_rope_layers`` says 0 (SmolLM3) or,
-    in a model with sliding windows, on its full-attention layers (EXAONE 4's global NoPE),
+    in a model with sliding windows, on its full-attention layers (EXAONE 4's and Cohere 2's
+    global NoPE),
     else None (one table for all)."""
     params = getattr(config, "rope_parameters", None) or {}
     layers = config.num_hidden_layers
     types = list(config.layer_types) if "sliding_attention" in params else [None] * layers
     uses_rope = getattr(config, "no_rope_layers", None) or [1] * layers
-    if config.model_type == "exaone4" and getattr(config, "sliding_window", None):
+    if config.model_type in ("exaone4", "cohere2") and getattr(config, "sliding_window", None):
         uses_rope = [kind == "sliding_attention" for kind in config.layer_types]
     if len(uses_rope) < layers:
         raise ValueError(f"no_rope_layers has {len(uses_rope)} entries for {layers} layers")

@@ -15,7 +15,7 @@ PROMPTS = [[5 + (i * 13 + j * 7) % 300 for j in range(6 + 9 * i)] for i in range
 
 
 @pytest.mark.parametrize("name", ["gemma3", "gemma2", "qwen2_window", "mistral", "smollm3",
-                                  "olmo3", "exaone4", "starcoder2"])
+                                  "olmo3", "exaone4", "starcoder2", "cohere2"])
 def test_past_the_window_the_engine_gives_transformers_greedy(tiny_window_dirs, make_llm, name,
                                                               tmp_path):
     path, trace = tiny_window_dirs[name], tmp_path / "trace.jsonl"
@@ -49,7 +49,7 @@ FOLLOW_UPS = [SHARED + [40 + i, 90 + i, 140 + i] for i in range(3)]
 @pytest.mark.parametrize("caching", ["on", "off"])
 @pytest.mark.parametrize("name", ["gemma3", "gemma2", "qwen2_window", "mistral", "phi3",
                                   "smollm3", "granite", "olmo2", "olmo3", "glm4", "ernie4_5",
-                                  "exaone4", "starcoder2", "phi", "cohere"])
+                                  "exaone4", "starcoder2", "phi", "cohere", "cohere2"])
 def test_prefix_hits_across_the_window_give_transformers_greedy(tiny_window_dirs, make_llm,
                                                                 name, caching):
     path = tiny_window_dirs[name]

@@ -26,7 +26,7 @@ FAMILIES = ["gemma", "gemma3", "gemma2", "mistral", "qwen2_window", "phi3", "smo
             "olmo2", "olmo3", "glm", "glm4", "phi3_partial", "phi3_longrope", "ernie4_5",
             "exaone4", "helium", "seed_oss", "ministral", "ministral3"]
 # LayerNorm, parallel branches, ungated MLPs: on the Python path (no one-call decode step)
-LAYER_NORM_FAMILIES = ["starcoder2", "phi", "cohere"]
+LAYER_NORM_FAMILIES = ["starcoder2", "phi", "cohere", "cohere2"]
 PROMPT_LEN, NUM_DECODED = 40, 60
 ATOL = {torch.float32: 2e-4, torch.bfloat16: None}  # bf16: judged by the greedy tokens only
 

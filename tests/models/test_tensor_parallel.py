@@ -64,7 +64,8 @@ def checkpoints(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_replicated_
             **{name: tiny_window_dirs[name]
                for name in ("gemma3", "gemma2", "mistral", "qwen2_window", "phi3", "smollm3",
                             "granite", "olmo2", "olmo3", "glm4", "phi3_partial", "ernie4_5",
-                            "exaone4", "helium", "seed_oss", "starcoder2", "phi", "cohere")},
+                            "exaone4", "helium", "seed_oss", "starcoder2", "phi", "cohere",
+                            "cohere2")},
             # every expert's intermediate features split (from per-expert tensors and from
             # stacked ones), a shared expert's too, a router on every rank; OLMoE's q/k norms
             # over all heads, its one KV head on both ranks
@@ -95,7 +96,7 @@ def split(checkpoints):
                                   "qwen2_window", "phi3", "smollm3", "granite", "olmo2",
                                   "olmo3", "glm4", "phi3_partial", "ernie4_5", "exaone4",
                                   "helium", "seed_oss", "starcoder2", "phi", "cohere",
-                                  "qwen3_moe",
+                                  "cohere2", "qwen3_moe",
                                   "qwen3_moe_stacked", "qwen2_moe", "mixtral", "olmoe",
                                   "llama_fp8", "qwen2_fp8_block"])
 def test_two_ranks_compute_what_one_computes(name, checkpoints, split):
