@@ -27,11 +27,16 @@ ACTIVATIONS = ("silu", "gelu_tanh")  # act_and_mul's: SiLU, GeLU's tanh approxim
 class Norm(NamedTuple):
     """An RMS norm over the last dimension: ``x * rsqrt(mean(x^2) + eps)`` in fp32, then
     scaled. ``unit_offset`` False (Llama, Qwen, Mistral): by ``weight``, after the normed value
-    is rounded to x's dtype; True (Gemma): by ``1 + weight``, in fp32, rounded once."""
+    is rounded to x's dtype; True (Gemma): by ``1 + weight``, in fp32, rounded once. ``layer``:
+    a LayerNorm instead (StarCoder2, Phi-2, Cohere: the mean taken out, by weight, plus
+    ``bias`` where there is one, rounded once); only the one-call decode step takes one (the
+    layers compute theirs in torch)."""
 
     weight: torch.Tensor  # [H]
     eps: float
     unit_offset: bool = False
+    bias: torch.Tensor | None = None  # [H]
+    layer: bool = False
 
 
 class AttentionLayer(NamedTuple):
@@ -124,8 +129,12 @@ class DecoderLayerPlan(NamedTuple):
                                                heads of q and of k; then ``clip_qkv``)
         stream += attn_out_norm(a) or a       (times ``residual_scale``, if any)
         m = down(act_and_mul(gate_up(mlp_norm(stream))))
+                                              (ungated, ``gated`` False: down(act(gate_up(.))))
         out = mlp_out_norm(m) or m            (the next layer adds it to the stream; times
                                                ``residual_scale``, if any)
+
+    A ``parallel`` layer (Phi-2, Cohere) has no mlp_norm: out = a + m, m of h as a is. Norms
+    are RMS norms or LayerNorms (``Norm.layer``).
 
     With ``moe`` (a ``MoePlan``) the experts take the dense MLP's place, and ``gate_up`` and
     ``down`` are None. The linear layers are what ``KernelBackend.prepare_linear`` returned; ``rope`` picks which
@@ -153,6 +162,10 @@ class DecoderLayerPlan(NamedTuple):
     # LoRA adapters' slots of (qkv, o, gate_up, down), each a ``LoRATable`` or None: a step's
     # rows with a slot get its delta on each (``add_lora``); None: no LoRA
     lora: tuple[LoRATable | None, ...] | None = None
+    # attention and MLP both read attn_norm's output, and the layer's output is their sum
+    # (Phi-2, Cohere; mlp_norm None)
+    parallel: bool = False
+    gated: bool = True  # False: gate_up is one projection, act(it) alone (StarCoder2, Phi-2)
 
 
 class KernelBackend:

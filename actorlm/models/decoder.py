@@ -7,8 +7,7 @@ parts and run them through the kernel backend; ``plan()`` hands the same descrip
 loaded weights, to the backend's one-call decode step (``KernelBackend.decode_step``). So a new
 family takes both paths by describing itself (routed experts as a ``MoePlan``); a layer with
 OLMoE's q/k norms over whole projections split across tensor-parallel ranks has no plan and
-runs on the Python path, as do layers of LayerNorm, parallel branches or an ungated MLP
-(StarCoder2's, Phi-2's, Cohere's).
+runs on the Python path.
 
 Inputs are one flattened batch of T tokens (no padding, no batch dimension). q/k/v and
 gate/up are merged into one matmul each.
@@ -218,23 +217,21 @@ class DecoderLayer(nn.Module):
     def plan(self) -> DecoderLayerPlan | None:
         """This layer for the backend's one-call decode step (once the weights are loaded), or
         None where a plan does not describe it: q/k norms over projections split across
-        tensor-parallel ranks (their mean square is summed over the ranks), LayerNorm,
-        parallel branches, an ungated MLP."""
+        tensor-parallel ranks (their mean square is summed over the ranks)."""
         attn, mlp = self.self_attn, self.mlp
-        if self.parallel or isinstance(self.attn_norm, LayerNorm) or \
-                getattr(mlp, "fc_in", None) is not None:
-            return None
         projection_norms = None
         if attn.projection_norms:
             if attn.q_norm.tp.is_parallel:
                 return None
             projection_norms = (attn.q_norm.norm, attn.k_norm.norm)
+        gated = True
         if isinstance(mlp, MLP):
-            dense, activation, moe = (mlp.gate_up_proj.prepared, mlp.down_proj.prepared), \
-                mlp.activation, None
+            gated = mlp.fc_in is None
+            dense, activation, moe = ((mlp.gate_up_proj or mlp.fc_in).prepared,
+                                      mlp.down_proj.prepared), mlp.activation, None
         else:  # routed experts in the dense MLP's place
             dense, activation, moe = (None, None), mlp.experts.activation, _moe_plan(mlp)
-        adapted = (attn.qkv_proj, attn.o_proj, *((mlp.gate_up_proj, mlp.down_proj)
+        adapted = (attn.qkv_proj, attn.o_proj, *((mlp.gate_up_proj or mlp.fc_in, mlp.down_proj)
                                                  if isinstance(mlp, MLP) else (None, None)))
         lora = tuple(None if p is None or p.lora is None else p.lora.table for p in adapted)
         attn_norm, mlp_norm, attn_out_norm, mlp_out_norm = (
@@ -244,7 +241,7 @@ class DecoderLayer(nn.Module):
             attn_norm, attn.layer, attn.qkv_proj.prepared, attn.o_proj.prepared, mlp_norm,
             *dense, activation, attn_out_norm, mlp_out_norm,
             self.rope, self.kv_group, moe, projection_norms, attn.clip_qkv,
-            self.residual_scale, None if lora == (None,) * 4 else lora)
+            self.residual_scale, None if lora == (None,) * 4 else lora, self.parallel, gated)
 
 
 def _joined(norm: RMSNorm | LayerNorm | None, x, residual):

@@ -44,8 +44,7 @@ its tensors.
   ungated (GeLU of one projection); Phi-2's and Cohere's attention and MLP in parallel from
   one norm, summed; Phi-2's LM head has a bias, Cohere's logits are scaled (``logit_scale``)
   and its RoPE turns interleaved pairs; Cohere 2's sliding layers (three to each full one)
-  alone turn by RoPE, as EXAONE 4's. Their layers run on the Python path (the one-call decode
-  step has none of these three).
+  alone turn by RoPE, as EXAONE 4's.
 - Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE: routed experts in place of some or all dense MLPs
   (``moe_families.py`` says which and how they route; ``moe.py`` computes them).
 

@@ -191,8 +191,8 @@ class RMSNorm(nn.Module):
 class LayerNorm(nn.Module):
     """A layer norm (the mean taken out, then the variance; by ``weight``, plus ``bias`` where
     the family has one), fused with the residual add before it as ``RMSNorm`` is. It runs on
-    torch's kernel, which computes in fp32 and rounds once, as transformers' does: the layers
-    of such families have no plan for the backend's one-call decode step."""
+    torch's kernel, which computes in fp32 and rounds once, as transformers' does; its
+    ``norm`` describes it to the backend's one-call decode step."""
 
     def __init__(self, dim, eps, bias: bool, dtype, device):
         super().__init__()
@@ -200,6 +200,10 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), False)
         self.bias = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), False) \
             if bias else None
+
+    @property
+    def norm(self) -> Norm:
+        return Norm(self.weight, self.eps, False, self.bias, layer=True)
 
     def forward(self, x, residual=None):
         """``norm(x)``; with ``residual``: (norm(x + residual), x + residual)."""

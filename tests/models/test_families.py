@@ -25,7 +25,7 @@ from actorlm.models.loader import load_model
 FAMILIES = ["gemma", "gemma3", "gemma2", "mistral", "qwen2_window", "phi3", "smollm3", "granite",
             "olmo2", "olmo3", "glm", "glm4", "phi3_partial", "phi3_longrope", "ernie4_5",
             "exaone4", "helium", "seed_oss", "ministral", "ministral3"]
-# LayerNorm, parallel branches, ungated MLPs: on the Python path (no one-call decode step)
+# LayerNorm, parallel branches, ungated MLPs
 LAYER_NORM_FAMILIES = ["starcoder2", "phi", "cohere", "cohere2"]
 PROMPT_LEN, NUM_DECODED = 40, 60
 ATOL = {torch.float32: 2e-4, torch.bfloat16: None}  # bf16: judged by the greedy tokens only
@@ -59,8 +59,9 @@ def test_logits_at_every_position_past_the_window_match_transformers(
                     reason="the fp32 panel GEMM needs AVX-512 or AVX2 and FMA, and a C++ compiler")
 def test_each_family_takes_the_one_call_decode_step(tiny_window_dirs):
     """A decode step of every family goes through the backend's one-call step (the layer
-    descriptions carry windows, four norms, soft-capping, two RoPE tables)."""
-    for family in FAMILIES:
+    descriptions carry windows, four norms, soft-capping, two RoPE tables, LayerNorms,
+    parallel branches, ungated MLPs)."""
+    for family in FAMILIES + LAYER_NORM_FAMILIES:
         ours = load_model(tiny_window_dirs[family], torch.float32, "cpu", select_backend("cpu"))
         assert ours.decode_step is not None, family
         greedy_with_logits(ours, random_prompt(ours.vocab_size, PROMPT_LEN), 4, block_size=4)

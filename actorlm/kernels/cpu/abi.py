@@ -19,8 +19,11 @@ _DTYPES = {"f32": "float", "bf16": "uint16_t"}
 
 # Structs of the one-call decode step (``decode_step.py``): a layer's description and a step.
 STRUCTS = {
-    "actorlm_norm": [  # weight null: the layer has no norm there
-        ("const void*", "weight"), ("float", "eps"), ("int32_t", "unit_offset")],
+    # weight null: the layer has no norm there; layer 1: a LayerNorm (the mean taken out; its
+    # bias null or [dim]), 0: an RMS norm
+    "actorlm_norm": [
+        ("const void*", "weight"), ("float", "eps"), ("int32_t", "unit_offset"),
+        ("const void*", "bias"), ("int32_t", "layer")],
     "actorlm_quant_part": [  # rows of a weight in one GGML block format (its ggml_type id);
         # layout 0: the file's, rows of blocks; 1: 16 rows interleaved (actorlm_quant_interleave)
         ("const void*", "blocks"), ("int32_t", "type"), ("int64_t", "rows"), ("int32_t", "layout")],
@@ -72,7 +75,12 @@ STRUCTS = {
         ("float", "residual_scale"),
         ("const actorlm_moe*", "moe"),  # null: the dense gate_up and down
         ("actorlm_lora", "qkv_lora"), ("actorlm_lora", "o_lora"),  # LoRA slots of each
-        ("actorlm_lora", "gate_up_lora"), ("actorlm_lora", "down_lora")],
+        ("actorlm_lora", "gate_up_lora"), ("actorlm_lora", "down_lora"),
+        # 1: the MLP reads attn_norm's output too, and its output is added to the attention's
+        # (Phi-2, Cohere; no mlp_norm); 0: one after the other
+        ("int32_t", "parallel"),
+        ("int32_t", "gated"),  # 0: gate_up is one projection, act(up) alone (StarCoder2)
+    ],
     # one KV-cache group's view of a step: its slot per row, its block table [rows, max_blocks]
     "actorlm_kv_group": [
         ("const int64_t*", "slots"), ("const int32_t*", "block_tables"),
@@ -98,6 +106,12 @@ FUNCTIONS = [
     ("void", "actorlm_add_rms_norm", [
         ("T*", "x"), ("T*", "residual"), ("const T*", "weight"), ("int64_t", "rows"),
         ("int", "dim"), ("float", "eps"), ("int", "unit_offset")]),
+    ("void", "actorlm_layer_norm", [  # bias may be null; out may be x
+        ("const T*", "x"), ("int64_t", "x_stride"), ("T*", "out"), ("const T*", "weight"),
+        ("const T*", "bias"), ("int64_t", "rows"), ("int", "dim"), ("float", "eps")]),
+    ("void", "actorlm_act", [  # an ungated MLP's: out = act(x)
+        ("const T*", "x"), ("T*", "out"), ("int64_t", "rows"), ("int", "dim"),
+        ("int", "activation")]),
     ("void", "actorlm_head_rms_norm", [
         ("T*", "qkv"), ("int64_t", "row_stride"), ("int64_t", "rows"), ("int", "num_heads"),
         ("int", "num_kv_heads"), ("int", "head_dim"), ("const T*", "q_weight"),

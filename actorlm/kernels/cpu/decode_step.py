@@ -184,7 +184,10 @@ def _runs_here(layer: DecoderLayerPlan, dtype: torch.dtype) -> bool:
             not all(isinstance(linear, QuantLinear) or
                     isinstance(linear, PanelLinear) and linear.dtype == dtype
                     for linear in linears) or \
-            not all(n.weight.dtype == dtype and n.weight.is_contiguous() for n in norms):
+            not all(t.dtype == dtype and t.is_contiguous() for n in norms
+                    for t in (n.weight, n.bias) if t is not None) or \
+            any(n.layer for n in (q_norm, k_norm) if n is not None) or \
+            (layer.parallel and (layer.mlp_norm is not None or layer.moe is not None)):
         return False
     qkv, o = linears[:2]
     hidden, q_size, kv_size = qkv.in_features, a.num_heads * a.head_dim, \
@@ -198,7 +201,7 @@ def _runs_here(layer: DecoderLayerPlan, dtype: torch.dtype) -> bool:
     if layer.moe is not None:
         return attention_fits and _moe_fits(layer.moe, layer.activation, hidden, dtype)
     gate_up, down = linears[2:]
-    return attention_fits and _mlp_fits(gate_up, down, hidden)
+    return attention_fits and _mlp_fits(gate_up, down, hidden, layer.gated)
 
 
 def _loras_fit(layer: DecoderLayerPlan, dtype: torch.dtype) -> bool:
@@ -212,9 +215,9 @@ def _loras_fit(layer: DecoderLayerPlan, dtype: torch.dtype) -> bool:
                for table, linear in zip(layer.lora, projections, strict=True))
 
 
-def _mlp_fits(gate_up, down, hidden: int) -> bool:
+def _mlp_fits(gate_up, down, hidden: int, gated: bool = True) -> bool:
     return gate_up.in_features == down.out_features == hidden and \
-        gate_up.out_features == 2 * down.in_features
+        gate_up.out_features == (2 if gated else 1) * down.in_features
 
 
 def _moe_fits(moe: MoePlan, activation: str, hidden: int, dtype: torch.dtype) -> bool:
@@ -266,8 +269,9 @@ def _qk_norms(layer: DecoderLayerPlan) -> tuple[Norm | None, Norm | None]:
 
 def _norm_struct(norm: Norm | None) -> _NormStruct:
     if norm is None:
-        return _NormStruct(None, 0.0, 0)
-    return _NormStruct(norm.weight.data_ptr(), norm.eps, int(norm.unit_offset))
+        return _NormStruct(None, 0.0, 0, None, 0)
+    return _NormStruct(norm.weight.data_ptr(), norm.eps, int(norm.unit_offset),
+                       None if norm.bias is None else norm.bias.data_ptr(), int(norm.layer))
 
 
 def _without_fp8_inputs(layer: DecoderLayerPlan) -> tuple[DecoderLayerPlan, tuple]:
@@ -331,4 +335,5 @@ def _layer_struct(layer: DecoderLayerPlan, moe: _MoeStruct | None, k_cache,
         a.softcap or 0.0, layer.kv_group, int(layer.projection_norms is not None),
         layer.clip_qkv or 0.0,
         1.0 if layer.residual_scale is None else layer.residual_scale,
-        None if moe is None else ctypes.pointer(moe), **lora)
+        None if moe is None else ctypes.pointer(moe), **lora, parallel=int(layer.parallel),
+        gated=int(layer.gated))

@@ -1,8 +1,9 @@
 // A decode step through every decoder layer in one call: fp32, or bf16 (carried as its 16 bits)
 // for the rows the bf16 panel GEMM takes.
 //
-// It executes the layers' descriptions (actorlm_decoder_layer: which norms sit where and how
-// they scale, q/k norms per head or over whole projections, q/k/v clipping, the activation,
+// It executes the layers' descriptions (actorlm_decoder_layer: which norms sit where, RMS or
+// LayerNorm, and how they scale, q/k norms per head or over whole projections, q/k/v
+// clipping, the activation, a gated or ungated MLP in sequence or in parallel,
 // biases, the attention scale, window and score cap, the RoPE table, the KV-cache group whose
 // slots and block table it reads, routed experts in the dense MLP's place), which a model family
 // gives (kernels.backend.DecoderLayerPlan), and LoRA adapters' deltas on its projections for
@@ -33,6 +34,8 @@ struct Kernels;
   struct Kernels<T> {                                                     \
     static constexpr auto rms_norm = actorlm_rms_norm_##S;                \
     static constexpr auto add_rms_norm = actorlm_add_rms_norm_##S;        \
+    static constexpr auto layer_norm = actorlm_layer_norm_##S;            \
+    static constexpr auto act = actorlm_act_##S;                          \
     static constexpr auto head_rms_norm = actorlm_head_rms_norm_##S;      \
     static constexpr auto act_and_mul = actorlm_act_and_mul_##S;          \
     static constexpr auto rope_write_kv = actorlm_rope_write_kv_##S;      \
@@ -83,7 +86,11 @@ inline void add_lora(const actorlm_lora& lora, const actorlm_linear& l, const in
 // x [rows, dim] normed in place, where the layer has a norm there
 template <typename T>
 inline void norm_in_place(const actorlm_norm& n, T* x, int64_t rows, int64_t dim) {
-  if (n.weight)
+  if (!n.weight) return;
+  if (n.layer)
+    Kernels<T>::layer_norm(x, dim, x, weight_of<T>(n), static_cast<const T*>(n.bias), rows,
+                           int(dim), n.eps);
+  else
     Kernels<T>::rms_norm(x, dim, x, weight_of<T>(n), rows, int(dim), n.eps, n.unit_offset);
 }
 
@@ -111,7 +118,7 @@ void clamp_in_place(T* x, int64_t n, float clip) {
 // norms no branch's input (OLMo 2: n has no weight), the stream itself
 template <typename T>
 void join_stream(const actorlm_norm& n, T* x, T* residual, int64_t rows, int64_t hidden) {
-  if (n.weight) {
+  if (n.weight && !n.layer) {
     Kernels<T>::add_rms_norm(x, residual, weight_of<T>(n), rows, int(hidden), n.eps,
                              n.unit_offset);
     return;
@@ -120,6 +127,24 @@ void join_stream(const actorlm_norm& n, T* x, T* residual, int64_t rows, int64_t
     actorlm::store(actorlm::to_float(x[i]) + actorlm::to_float(residual[i]), residual + i);
     x[i] = residual[i];
   }
+  norm_in_place(n, x, rows, hidden);  // (a LayerNorm's, of the sum)
+}
+
+// x [rows, hidden] through the dense MLP into out (which may be x): gate_up and down, or, in
+// an ungated MLP, its one projection and down
+template <typename T>
+void dense_mlp(const actorlm_decoder_layer& l, const int32_t* lora_slots, const T* x, T* out,
+               int64_t rows, int64_t hidden, T* gate_up, T* activation) {
+  const int64_t inter = l.down.in_features;
+  linear(l.gate_up, x, hidden, gate_up, rows);
+  add_lora(l.gate_up_lora, l.gate_up, lora_slots, x, hidden, gate_up, l.gate_up.out_features,
+           rows);
+  if (l.gated)
+    Kernels<T>::act_and_mul(gate_up, activation, rows, int(inter), l.activation);
+  else
+    Kernels<T>::act(gate_up, activation, rows, int(inter), l.activation);
+  linear(l.down, activation, inter, out, rows);
+  add_lora(l.down_lora, l.down, lora_slots, activation, inter, out, hidden, rows);
 }
 
 // every value of x [n] times `scale`, as torch's x * scale (in fp32, rounded back); 1: none
@@ -130,11 +155,12 @@ void scale_in_place(T* x, int64_t n, float scale) {
 }
 
 // The step's scratch, sized for its widest layer: [rows, (Hq + 2 Hkv) D], [rows, Hq D],
-// [rows, 2 I], [rows, I], each 64-byte aligned.
+// [rows, 2 I], [rows, I], each 64-byte aligned (and, for parallel layers, two [rows, hidden]).
 template <typename T>
 struct Scratch {
   T *qkv, *attention, *gate_up, *activation;
   std::unique_ptr<T, decltype(&std::free)> memory{nullptr, &std::free};
+  std::vector<T> branch_input, branch_output;  // a parallel layer's MLP input and output
 
   Scratch(const actorlm_decoder_layer* layers, int num_layers, int64_t rows) {
     int64_t widths[4] = {0, 0, 0, 0};
@@ -227,6 +253,7 @@ void decode_layers(const actorlm_decoder_layer* layers, int num_layers,
     } else {  // the previous layer's output joins the stream
       join_stream(l.attn_norm, x, residual, rows, hidden);
     }
+    if (l.parallel) t.branch_input.assign(x, x + rows * hidden);  // the MLP's too
     linear(l.qkv, x, hidden, t.qkv, rows);
     add_lora(l.qkv_lora, l.qkv, s.lora_slots, x, hidden, t.qkv, qkv_size, rows);
     if (l.q_norm.weight && l.projection_norms) {
@@ -247,19 +274,21 @@ void decode_layers(const actorlm_decoder_layer* layers, int num_layers,
               s.block_size, l.scale, l.window, l.softcap);
     linear(l.o, t.attention, q_size, x, rows);
     add_lora(l.o_lora, l.o, s.lora_slots, t.attention, q_size, x, hidden, rows);
+    if (l.parallel) {  // the layer's output: attention's + the MLP's (of the same input)
+      t.branch_output.resize(rows * hidden);
+      dense_mlp(l, s.lora_slots, t.branch_input.data(), t.branch_output.data(), rows, hidden,
+                t.gate_up, t.activation);
+      for (int64_t j = 0; j < rows * hidden; ++j)
+        actorlm::store(actorlm::to_float(x[j]) + actorlm::to_float(t.branch_output[j]), x + j);
+      continue;
+    }
     norm_in_place(l.attn_out_norm, x, rows, hidden);
     scale_in_place(x, rows * hidden, l.residual_scale);
     join_stream(l.mlp_norm, x, residual, rows, hidden);
-    if (l.moe) {
+    if (l.moe)
       moe_mlp(*l.moe, l.activation, x, rows, hidden, t, s.moe_seconds);
-    } else {
-      const int64_t inter = l.down.in_features;
-      linear(l.gate_up, x, hidden, t.gate_up, rows);
-      add_lora(l.gate_up_lora, l.gate_up, s.lora_slots, x, hidden, t.gate_up, 2 * inter, rows);
-      K::act_and_mul(t.gate_up, t.activation, rows, int(inter), l.activation);
-      linear(l.down, t.activation, inter, x, rows);
-      add_lora(l.down_lora, l.down, s.lora_slots, t.activation, inter, x, hidden, rows);
-    }
+    else
+      dense_mlp(l, s.lora_slots, x, x, rows, hidden, t.gate_up, t.activation);
     norm_in_place(l.mlp_out_norm, x, rows, hidden);
     scale_in_place(x, rows * hidden, l.residual_scale);
   }

@@ -4,7 +4,8 @@
 // Each follows the rounding of the torch ops it replaces (HF's order): in bf16 the residual
 // sum is rounded to bf16; an RMS norm normalises in fp32 and, scaled by its weight, rounds the
 // normed value before the weight multiplies it (a unit-offset norm multiplies by 1 + weight in
-// fp32 and rounds once); act(gate) is rounded before it multiplies up. Only the order of the
+// fp32 and rounds once), a LayerNorm rounds once; act(gate) is rounded before it multiplies
+// up. Only the order of the
 // fp32 sum of squares differs from torch's, which moves the last bits.
 #include <cmath>
 #include <cstdint>
@@ -77,6 +78,32 @@ void add_rms_norm(T* x, T* residual, const T* weight, int64_t rows, int dim, flo
   }
 }
 
+// out = (x - mean) / sqrt(var + eps) * weight (+ bias), in fp32, rounded once, as torch's
+// layer_norm (whose moments come from a Welford pass: the last bits differ); out may be x
+template <typename T>
+void layer_norm(const T* x, int64_t x_stride, T* out, const T* weight, const T* bias,
+                int64_t rows, int dim, float eps) {
+#pragma omp parallel for schedule(static) if (rows * dim >= kParallelFrom)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* row = x + r * x_stride;
+    T* o = out + r * dim;
+    float sum = 0.f, sum_sq = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int d = 0; d < dim; ++d) sum += to_float(row[d]);
+    const float mean = sum / dim;
+#pragma omp simd reduction(+ : sum_sq)
+    for (int d = 0; d < dim; ++d) {
+      const float centred = to_float(row[d]) - mean;
+      sum_sq += centred * centred;
+    }
+    const float inv = 1.f / std::sqrt(sum_sq / dim + eps);
+#pragma omp simd
+    for (int d = 0; d < dim; ++d)
+      store((to_float(row[d]) - mean) * inv * to_float(weight[d]) +
+                (bias ? to_float(bias[d]) : 0.f), o + d);
+  }
+}
+
 // Each q head and k head of the fused projection's rows normed in place, by its own weight.
 template <typename T>
 void head_rms_norm(T* qkv, int64_t row_stride, int64_t rows, int num_heads, int num_kv_heads,
@@ -93,6 +120,14 @@ void head_rms_norm(T* qkv, int64_t row_stride, int64_t rows, int num_heads, int 
   }
 }
 
+inline float silu(float g) { return g / (1.f + expf(-g)); }
+
+// torch's gelu(approximate="tanh")
+inline float gelu_tanh(float g) {
+  constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+  return 0.5f * g * (1.f + tanhf(kBeta * (g + 0.044715f * g * g * g)));
+}
+
 // out[r] = act(gate[r]) * up[r], where row r of gate_up is [gate | up]
 template <typename T>
 void act_and_mul(const T* gate_up, T* out, int64_t rows, int dim, int activation) {
@@ -103,18 +138,29 @@ void act_and_mul(const T* gate_up, T* out, int64_t rows, int dim, int activation
     T* o = out + r * dim;
     if (activation == kSilu) {
 #pragma omp simd
-      for (int d = 0; d < dim; ++d) {
-        const float g = to_float(gate[d]);
-        store(rounded(g / (1.f + expf(-g)), o) * to_float(up[d]), o + d);
-      }
-    } else {  // torch's gelu(approximate="tanh")
-      constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+      for (int d = 0; d < dim; ++d)
+        store(rounded(silu(to_float(gate[d])), o) * to_float(up[d]), o + d);
+    } else {
 #pragma omp simd
-      for (int d = 0; d < dim; ++d) {
-        const float g = to_float(gate[d]);
-        const float act = 0.5f * g * (1.f + tanhf(kBeta * (g + 0.044715f * g * g * g)));
-        store(rounded(act, o) * to_float(up[d]), o + d);
-      }
+      for (int d = 0; d < dim; ++d)
+        store(rounded(gelu_tanh(to_float(gate[d])), o) * to_float(up[d]), o + d);
+    }
+  }
+}
+
+// out = act(x), rounded (an ungated MLP's)
+template <typename T>
+void act(const T* x, T* out, int64_t rows, int dim, int activation) {
+#pragma omp parallel for schedule(static) if (rows * dim >= kParallelFrom)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* in = x + r * dim;
+    T* o = out + r * dim;
+    if (activation == kSilu) {
+#pragma omp simd
+      for (int d = 0; d < dim; ++d) store(silu(to_float(in[d])), o + d);
+    } else {
+#pragma omp simd
+      for (int d = 0; d < dim; ++d) store(gelu_tanh(to_float(in[d])), o + d);
     }
   }
 }
@@ -164,6 +210,13 @@ extern "C" {
   void actorlm_add_rms_norm_##S(T* x, T* residual, const T* weight, int64_t rows, int dim,     \
                                 float eps, int unit_offset) {                                  \
     add_rms_norm(x, residual, weight, rows, dim, eps, unit_offset);                             \
+  }                                                                                             \
+  void actorlm_layer_norm_##S(const T* x, int64_t x_stride, T* out, const T* weight,           \
+                              const T* bias, int64_t rows, int dim, float eps) {               \
+    layer_norm(x, x_stride, out, weight, bias, rows, dim, eps);                                 \
+  }                                                                                             \
+  void actorlm_act_##S(const T* x, T* out, int64_t rows, int dim, int activation) {            \
+    act(x, out, rows, dim, activation);                                                         \
   }                                                                                             \
   void actorlm_head_rms_norm_##S(T* qkv, int64_t row_stride, int64_t rows, int num_heads,      \
                                  int num_kv_heads, int head_dim, const T* q_weight,            \
