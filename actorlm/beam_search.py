@@ -113,7 +113,12 @@ class BeamSearch:
         the length penalty, as transformers ranks hypotheses (vLLM counts the prompt in the
         length too)."""
         length = len(beam.tokens) - self.prompt_len - (beam.finish_reason == "stop")
-        return beam.cum_logprob / max(length, 1) ** self.params.length_penalty
+        try:
+            return beam.cum_logprob / max(length, 1) ** self.params.length_penalty
+        except OverflowError:  # an extreme penalty: the longer beam always ranks first
+            return -0.0
+        except ZeroDivisionError:  # ... or always last
+            return -math.inf
 
     def best(self) -> list[BeamSearchSequence]:
         """The best ``beam_width`` of the finished and the live beams, best first."""

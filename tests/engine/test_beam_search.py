@@ -117,6 +117,10 @@ def test_the_search_stops_at_the_context_and_refuses_what_it_cannot_run(make_llm
                 dict(beam_width=2, max_tokens=4, temperature=-1.0)):
         with pytest.raises(ValueError):
             BeamSearchParams(**bad)
+    for extreme in (1e308, -1e308):  # (a length to that power under- or overflows)
+        out = llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=2, max_tokens=3,
+                                                             length_penalty=extreme))[0]
+        assert len(out.sequences) == 2
     with pytest.raises(ValueError, match="vocabulary"):
         llm.beam_search([[10**6]], BeamSearchParams(beam_width=2, max_tokens=4))
     assert llm.generate([PROMPTS[0]], use_tqdm=False)[0].outputs[0].token_ids  # still serving
