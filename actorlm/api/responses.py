@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import AsyncIterator, Callable
 
 import anyio
@@ -68,9 +69,15 @@ def error_event(exc: Exception, request_id: str) -> bytes:
 
 class EventStream(Response):
     """Server-Sent Events from an async iterator of encoded events. It listens for the client
-    hanging up while it streams; either way it closes the iterator and calls ``on_close``."""
+    hanging up while it streams; either way it closes the iterator and calls ``on_close``.
+
+    A stream silent for ``KEEP_ALIVE_S`` (a beam search streams nothing until it ends, a
+    queued request nothing until its first token) sends an SSE comment, which clients skip:
+    a client that hung up answers those bytes with a reset, and only then can the connection
+    tell its hang-up from a half-close (``connection.GuardedH11Protocol``)."""
 
     media_type = "text/event-stream"
+    KEEP_ALIVE_S = 1.0
 
     def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None]):
         self.events, self.on_close = events, on_close
@@ -79,11 +86,27 @@ class EventStream(Response):
 
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        sending, last_sent, ended = anyio.Lock(), time.monotonic(), False
+
+        async def write(body: bytes, more_body: bool = True) -> None:
+            nonlocal last_sent, ended
+            async with sending:  # one writer at a time; nothing after the last
+                if not ended:
+                    ended = not more_body
+                    await send({"type": "http.response.body", "body": body,
+                                "more_body": more_body})
+                    last_sent = time.monotonic()
 
         async def stream() -> None:
             async for chunk in self.events:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                await write(chunk)
+            await write(b"", more_body=False)
+
+        async def keep_alive() -> None:
+            while True:
+                await anyio.sleep(max(0.0, last_sent + self.KEEP_ALIVE_S - time.monotonic()))
+                if time.monotonic() - last_sent >= self.KEEP_ALIVE_S:
+                    await write(b": keep-alive\n\n")
 
         async def listen() -> None:
             while (await receive())["type"] != "http.disconnect":
@@ -98,6 +121,7 @@ class EventStream(Response):
 
                 group.start_soon(run_then_cancel, stream)
                 group.start_soon(run_then_cancel, listen)
+                group.start_soon(keep_alive)
         finally:
             with contextlib.suppress(Exception):
                 await self.events.aclose()

@@ -102,7 +102,7 @@ def running(app, client_timeout: float = 10.0):
 
 def read_events(base_url: str, path: str, body: dict,
                 started: threading.Event | None = None) -> list[str]:
-    """The data of each event of one streaming request; ``started`` is set at the first (or
+    """The data of each event of one streaming request (comments skipped); ``started`` is set at the first (or
     when the request fails, so that nobody waits for it). A dropped connection raises."""
     events, pending = [], b""
     try:
@@ -114,6 +114,8 @@ def read_events(base_url: str, path: str, body: dict,
             for chunk in response.iter_bytes():
                 *complete, pending = (pending + chunk).split(b"\n\n")
                 for event in complete:
+                    if event.startswith(b":"):  # a comment (keep-alive): SSE skips it
+                        continue
                     assert event.startswith(b"data: "), event
                     events.append(event[len(b"data: "):].decode())
                     if started is not None:

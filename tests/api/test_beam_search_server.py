@@ -117,3 +117,25 @@ def _wait_for(condition, what: str, within: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"waited {within} s for {what}"
         time.sleep(0.02)
+
+
+
+def test_a_streaming_client_that_hangs_up_aborts_the_search(server):
+    # a search streams nothing until it ends: a client that leaves after the headers sends
+    # nothing more, so only the server's own bytes (a keep-alive comment) reveal it has gone
+    width, max_tokens = 10, 480
+    body = {"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": max_tokens, "n": width,
+            "stream": True, **BEAMS}
+    before = _metric(server, "vllm:generation_tokens_total")
+    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=30) as reply:
+        assert reply.status_code == 200  # leaving the block unread hangs up
+    _wait_for(lambda: _no_step_in(server, 0.3), "the search to stop", 10.0)
+    assert _metric(server, "vllm:generation_tokens_total") - before < 0.7 * width * max_tokens
+    assert _metric(server, "vllm:num_requests_running") == 0
+    assert _metric(server, "vllm:kv_cache_usage_perc") == 0
+
+
+def _no_step_in(base: str, seconds: float) -> bool:
+    generated = _metric(base, "vllm:generation_tokens_total")
+    time.sleep(seconds)
+    return _metric(base, "vllm:generation_tokens_total") == generated
