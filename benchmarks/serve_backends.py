@@ -50,13 +50,13 @@ def _wait_ready(base_url: str, server: subprocess.Popen, timeout_s: float = 300.
 
 
 @contextlib.contextmanager
-def serving(port: int, flags: list[str]):
-    """``actorlm serve`` with ``flags`` on ``port``, up and warmed; its base URL. Stopped with
-    SIGTERM on leaving."""
+def serving(port: int, flags: list[str], env: dict | None = None):
+    """``actorlm serve`` with ``flags`` on ``port`` (in ``env``), up and warmed; its base URL.
+    Stopped with SIGTERM on leaving."""
     base_url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "actorlm.api.cli", "serve", "--port", str(port), *flags]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                              env=env or {**os.environ, "HF_HUB_OFFLINE": "1"})
     try:
         _wait_ready(base_url, server)
         run_serve_benchmark(base_url, 2, endpoint="/v1/chat/completions", max_tokens=8)  # warm
