@@ -110,10 +110,6 @@ class TestProbe:
             raise AssertionError(f"{self.name}: expected {_describe(matcher)}, got {message!r}")
         return message
 
-    def expect_messages(self, *matchers: Matcher, timeout: float | None = None) -> list[Any]:
-        """``expect_message`` for each matcher in turn: asserts an exact sequence."""
-        return [self.expect_message(m, timeout) for m in matchers]
-
     def expect_no_message(self, duration: float = 0.1) -> None:
         """Assert that nothing unread is waiting and nothing arrives within ``duration`` seconds.
         ``duration=0`` checks only what has already arrived (exact after a barrier ``ask``)."""
