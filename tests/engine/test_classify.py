@@ -70,7 +70,10 @@ def test_cross_encoder_scores_pairs(tiny_classifier_dirs):
             llm.score([query, query], docs)
     got = torch.tensor([s.outputs.score for s in scores])
     torch.testing.assert_close(got, logits.sigmoid(), atol=2e-6, rtol=1e-5)
-    assert [s.outputs.score for s in pairwise] == got.tolist()
+    # the same pairs; the second call finds them in the prefix cache and computes only their
+    # last token, which may round differently in the last bits (it does on a Zen 4)
+    torch.testing.assert_close(torch.tensor([s.outputs.score for s in pairwise]), got,
+                               atol=1e-6, rtol=0)
     assert got.max() - got.min() > 0.01  # the pairs differ
 
 
