@@ -21,6 +21,7 @@ from actorlm.messages import AbortRequests, SubmitRequest
 from actorlm.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput,
                              ScoringOutput, ScoringRequestOutput)
 from actorlm.pooling import NOTHING_SAMPLED, PoolingParams
+from actorlm.prompt_rules import open_and_closed
 from actorlm.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
@@ -235,14 +236,26 @@ class LLM:
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the chat template."""
+             use_tqdm: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the chat template
+        (vLLM's arguments: ``continue_final_message`` leaves the last message open for the model
+        to carry on, instead of opening the assistant's turn)."""
         if not messages:
             raise ValueError("messages: the conversation is empty")
+        if error := open_and_closed(add_generation_prompt, continue_final_message):
+            raise ValueError(error)
+        kwargs = {**(chat_template_kwargs or {}),
+                  **({"continue_final_message": True} if continue_final_message else {}),
+                  **({"chat_template": chat_template} if chat_template is not None else {}),
+                  **({"tools": tools} if tools else {})}
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt)}
-                   for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        prompts = [{"prompt_token_ids": self.engine.apply_chat_template(
+            c, add_generation_prompt, **kwargs)} for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt=True) -> list[int]:
         return self.engine.apply_chat_template(conversation, add_generation_prompt)

@@ -19,3 +19,12 @@ def outside_vocabulary(field: str, token_ids: Iterable, vocab_size: int) -> str 
                 not 0 <= token_id < vocab_size:
             return f"{field}: token id {token_id!r} is outside the vocabulary [0, {vocab_size})"
     return None
+
+
+def open_and_closed(add_generation_prompt: bool, continue_final_message: bool) -> str | None:
+    """Why a conversation cannot end both ways: with the assistant's turn opened and with its
+    last message left open to continue (vLLM refuses the pair too); None when it does not."""
+    if add_generation_prompt and continue_final_message:
+        return ("continue_final_message: cannot be used together with add_generation_prompt "
+                "(turn that off)")
+    return None

@@ -7,6 +7,10 @@ TypeError) or the variables it fills in (``messages``, the special tokens). A te
 program the server runs, so a request may bring one only when the operator allows it
 (``--trust-request-chat-template``, as in vLLM). Whatever the template raises on a client's
 input is that client's 400.
+
+A request with vLLM's chat fields says how its conversation ends (``template_call``): with the
+generation prompt (the assistant's turn opened), or, ``continue_final_message``, with its last
+message left open for the model to carry on (the two exclude each other, as in vLLM).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from actorlm.api.errors import ApiError
 from actorlm.async_llm import AsyncLLM
+from actorlm.prompt_rules import open_and_closed
 
 RESERVED_KWARGS = frozenset(
     set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
@@ -39,6 +44,22 @@ def template_arguments(kwargs: dict | None, chat_template: str | None,
         raise ApiError(400, "chat_template: this server runs only its own chat template "
                             "(see --trust-request-chat-template)", "chat_template")
     return {**(kwargs or {}), "chat_template": chat_template}
+
+
+def template_call(req, trust_chat_template: bool, generation_prompt: bool) -> tuple[bool, dict]:
+    """``apply_chat_template``'s arguments for a request with vLLM's chat fields
+    (``add_generation_prompt``, ``continue_final_message``, ``chat_template``,
+    ``chat_template_kwargs``): whether to add the generation prompt (``generation_prompt``, the
+    route's default, where the request leaves it null), and the rest."""
+    kwargs = template_arguments(req.chat_template_kwargs, req.chat_template,
+                                trust_chat_template)
+    add_generation_prompt = (generation_prompt if req.add_generation_prompt is None
+                             else req.add_generation_prompt)
+    if error := open_and_closed(add_generation_prompt, req.continue_final_message):
+        raise ApiError(400, error, "continue_final_message")
+    if req.continue_final_message:
+        kwargs["continue_final_message"] = True
+    return add_generation_prompt, kwargs
 
 
 async def apply_chat_template(engine: AsyncLLM, conversation: list[dict],

@@ -2,19 +2,20 @@
 
 A request's path: refuse it unless the model embeds (vLLM's words), decode it, refuse a LoRA
 adapter (not implemented on pooling models), read ``input`` (text, texts, token ids or lists of
-them), tokenize it off the event loop (text that cannot fit is refused first), truncate if
-asked, then run one engine request per input at once (``AsyncLLM.embed``) while watching the
-connection (``pooling_requests``: a client that hangs up aborts them all, and so does one input
-the engine refuses). The vectors come back in input order, as JSON numbers or (``encoding_format:
-"base64"``, what the official ``openai`` client asks for) as the base64 of their
-little-endian float32 bytes.
+them) or ``messages`` (vLLM's chat form: one prompt, through the chat template), tokenize it
+off the event loop (text that cannot fit is refused first), truncate if asked, then run one
+engine request per input at once (``AsyncLLM.embed``) while watching the connection
+(``pooling_requests``: a client that hangs up aborts them all, and so does one input the engine
+refuses). The vectors come back in input order, as JSON numbers or (``encoding_format:
+"base64"``, what the official ``openai`` client asks for) as the base64 of their little-endian
+float32 bytes.
 """
 
 from __future__ import annotations
 
 import base64
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import numpy as np
 from msgspec import Meta, Struct
@@ -22,24 +23,21 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from actorlm.api import protocol as p
-from actorlm.api.pooling_requests import (PoolingUsage, check_base_model, engine_request_ids,
-                                          pool_all, read_inputs, tokenized)
+from actorlm.api.pooling_requests import (PoolingUsage, PromptFields, check_base_model,
+                                          engine_request_ids, pool_all, request_prompts)
 from actorlm.api.responses import json_response
 from actorlm.pooling import PoolingParams
 
 NOT_EMBEDDING = "The model does not support Embeddings API"  # vLLM's words
 
 
-class EmbeddingRequest(Struct, kw_only=True):
-    # text, a list of texts, token ids, or a list of token-id lists (``read_inputs``)
-    input: str | list[Any]
+class EmbeddingRequest(PromptFields, kw_only=True):
     model: str | None = None
     encoding_format: Literal["float", "base64"] | None = "float"
     dimensions: int | None = None  # the first this many (Matryoshka models only)
     user: str | None = None  # accepted and ignored, as OpenAI does
     # vLLM's extras
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
-    add_special_tokens: bool | None = True
     normalize: bool | None = None  # None: the model's choice
     priority: Annotated[int, Meta(ge=-2**63, le=2**63 - 1)] = 0
 
@@ -69,10 +67,9 @@ async def create_embedding(state, request: Request) -> Response:
     req = state.decoder.decode(await request.body(), EmbeddingRequest)
     check_base_model(state, req.model)
     pooling = req.pooling_params()
-    prompt_ids = await tokenized(state, engine, read_inputs(req.input), req,
-                                 add_special_tokens=p.or_default(req.add_special_tokens, True))
-    api_id, engine_ids = engine_request_ids(request, "embd", len(prompt_ids))
-    finals = await pool_all(request, engine_ids, prompt_ids,
+    prompts = await request_prompts(state, engine, req)
+    api_id, engine_ids = engine_request_ids(request, "embd", len(prompts))
+    finals = await pool_all(request, engine_ids, prompts,
                             lambda ids, rid: engine.embed(ids, pooling, rid, req.priority))
     num_tokens = sum(len(f.prompt_token_ids) for f in finals)
     as_base64 = req.encoding_format == "base64"

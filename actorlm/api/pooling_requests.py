@@ -1,6 +1,10 @@
-"""What the pooling routes (``embeddings``, ``scoring``) share: reading ``input``, turning
-prompts into checked token ids off the event loop, and running one engine request per prompt
-at once while watching the connection.
+"""What the pooling routes (``embeddings``, ``scoring``) share: reading ``input`` (or, in
+vLLM's chat form, ``messages``), turning prompts into checked token ids off the event loop,
+and running one engine request per prompt at once while watching the connection.
+
+The chat form renders the conversation through the model's chat template, as vLLM's does: no
+generation prompt unless asked, and no special tokens beyond the template's own (which is why
+``add_special_tokens: true`` is refused there rather than applied on top).
 
 A client that hangs up aborts every request of its call, and so does one prompt the engine
 refuses: ``pool_all`` cancels the rest, and a cancelled ``AsyncLLM.embed``/``classify`` aborts
@@ -18,6 +22,7 @@ from msgspec import Struct
 from starlette.requests import ClientDisconnect, Request
 
 from actorlm.api import protocol as p
+from actorlm.api.chat_template import apply_chat_template, template_call
 from actorlm.api.prompt_limits import check_text_length, check_token_ids, truncated
 from actorlm.api.serving import unless_disconnected
 from actorlm.async_llm import AsyncLLM
@@ -32,6 +37,40 @@ Prompt = str | list[int] | tuple[str, str]
 class PoolingUsage(Struct):
     prompt_tokens: int
     total_tokens: int
+
+
+class PromptFields(Struct, kw_only=True):
+    """A pooling request's prompts: ``input`` (text, texts, token ids or lists of them), or
+    ``messages`` with vLLM's chat fields; exactly one of the two."""
+
+    input: str | list[Any] | None = None
+    messages: list[p.ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # null: true for input, false for messages
+    add_generation_prompt: bool | None = False
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # only with --trust-request-chat-template
+
+
+async def request_prompts(state, engine: AsyncLLM, req: PromptFields) -> list[list[int]]:
+    """The token ids of each of the request's prompts, checked (``tokenized``)."""
+    if (req.input is None) == (req.messages is None):
+        raise p.ApiError(400, "input: give either input or messages", "input")
+    if req.input is not None:
+        return await tokenized(state, engine, read_inputs(req.input), req,
+                               add_special_tokens=p.or_default(req.add_special_tokens, True))
+    if req.add_special_tokens:
+        raise p.ApiError(400, "add_special_tokens: with messages, the chat template's special "
+                              "tokens are the prompt's; more are not supported",
+                         "add_special_tokens")
+    if not req.messages:
+        raise p.ApiError(400, "messages: the conversation is empty", "messages")
+    conversation = p.conversation(req.messages)
+    check_text_length(state, p.num_chars(req.messages, conversation), req)
+    add_generation_prompt, kwargs = template_call(
+        req, state.options.trust_request_chat_template, False)
+    ids = await apply_chat_template(engine, conversation, add_generation_prompt, **kwargs)
+    return [truncated(ids, req.truncate_prompt_tokens, engine.max_model_len)]
 
 
 def check_base_model(state, model: str | None) -> None:

@@ -247,6 +247,7 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # only with --trust-request-chat-template
     tools: list[Tool] | None = None
@@ -277,13 +278,18 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
         return or_default(self.top_logprobs, 0) if self.logprobs else None
 
     def conversation(self) -> list[dict]:
-        return [m.as_dict(i) for i, m in enumerate(self.messages)]
+        return conversation(self.messages)
 
-    def num_chars(self, conversation: list[dict]) -> int:
-        """The characters of the conversation's texts: contents and call arguments."""
-        arguments = sum(len(c.function.arguments) for m in self.messages
-                        for c in m.tool_calls or ())
-        return sum(len(m["content"]) for m in conversation) + arguments
+
+def conversation(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as the chat template reads them."""
+    return [m.as_dict(i) for i, m in enumerate(messages)]
+
+
+def num_chars(messages: list[ChatMessage], conversation: list[dict]) -> int:
+    """The characters of a conversation's texts: contents and call arguments."""
+    arguments = sum(len(c.function.arguments) for m in messages for c in m.tool_calls or ())
+    return sum(len(m["content"]) for m in conversation) + arguments
 
 
 class TokenizeRequest(Struct, kw_only=True):
@@ -293,6 +299,9 @@ class TokenizeRequest(Struct, kw_only=True):
     tools: list[Tool] | None = None  # for the chat template, with messages
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # only with --trust-request-chat-template
 
 
 class DetokenizeRequest(Struct, kw_only=True):

@@ -1,7 +1,8 @@
 """vLLM's pooling routes beyond embeddings: ``/classify``, ``/score`` and ``/rerank``.
 
-``/classify`` runs a ``...ForSequenceClassification`` checkpoint over each input and names the
-likeliest label (``id2label``). ``/score`` and ``/rerank`` rate text pairs as ``LLM.score``
+``/classify`` runs a ``...ForSequenceClassification`` checkpoint over each input (or over a
+conversation through the chat template: ``messages``) and names the likeliest label
+(``id2label``). ``/score`` and ``/rerank`` rate text pairs as ``LLM.score``
 does: a cross-encoder (a classifier of one label) reads each pair together, joined by its
 tokenizer, and gives its probability; an embedding model embeds each distinct text once and
 gives the cosine similarity of the pair's vectors. A classifier of several labels cannot
@@ -13,15 +14,16 @@ that cannot do its task before reading the body, as vLLM does.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any
+from typing import Annotated
 
 from msgspec import Meta, Struct
 from starlette.requests import Request
 from starlette.responses import Response
 
 from actorlm.api import protocol as p
-from actorlm.api.pooling_requests import (PoolingUsage, check_base_model, engine_request_ids,
-                                          pool_all, read_inputs, tokenized)
+from actorlm.api.pooling_requests import (PoolingUsage, PromptFields, check_base_model,
+                                          engine_request_ids, pool_all, request_prompts,
+                                          tokenized)
 from actorlm.api.responses import json_response
 from actorlm.async_llm import AsyncLLM
 from actorlm.llm import cosine, score_pairs
@@ -32,13 +34,10 @@ SCORE_PATHS = ("/score", "/v1/score")
 RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
 
 
-class ClassificationRequest(Struct, kw_only=True):
-    # text, a list of texts, token ids, or a list of token-id lists (``read_inputs``)
-    input: str | list[Any]
+class ClassificationRequest(PromptFields, kw_only=True):
     model: str | None = None
     user: str | None = None  # accepted and ignored
     truncate_prompt_tokens: TruncateTokens = None
-    add_special_tokens: bool | None = True
     priority: Annotated[int, Meta(ge=-2**63, le=2**63 - 1)] = 0
 
 
@@ -115,10 +114,9 @@ async def create_classification(state, request: Request) -> Response:
         raise p.ApiError(400, "The model does not support Classification API")
     req = state.decoder.decode(await request.body(), ClassificationRequest)
     check_base_model(state, req.model)
-    prompt_ids = await tokenized(state, engine, read_inputs(req.input), req,
-                                 add_special_tokens=p.or_default(req.add_special_tokens, True))
-    api_id, engine_ids = engine_request_ids(request, "classify", len(prompt_ids))
-    finals = await pool_all(request, engine_ids, prompt_ids,
+    prompts = await request_prompts(state, engine, req)
+    api_id, engine_ids = engine_request_ids(request, "classify", len(prompts))
+    finals = await pool_all(request, engine_ids, prompts,
                             lambda ids, rid: engine.classify(ids, None, rid, req.priority))
     labels = engine.engine.hf_config.id2label
     data = []
@@ -126,7 +124,7 @@ async def create_classification(state, request: Request) -> Response:
         probs = final.outputs.probs
         best = max(range(len(probs)), key=probs.__getitem__)
         data.append(ClassificationData(i, labels.get(best, f"LABEL_{best}"), probs, len(probs)))
-    num_tokens = sum(len(ids) for ids in prompt_ids)
+    num_tokens = sum(len(ids) for ids in prompts)
     return json_response(ClassificationResponse(api_id, "list", int(time.time()),
                                                 state.model_name, data,
                                                 PoolingUsage(num_tokens, num_tokens)))

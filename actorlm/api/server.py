@@ -35,7 +35,7 @@ from starlette.routing import Route
 import actorlm
 from actorlm.api import protocol as p
 from actorlm.api import serving
-from actorlm.api.chat_template import apply_chat_template
+from actorlm.api.chat_template import apply_chat_template, template_call
 from actorlm.api.embeddings import create_embedding
 from actorlm.api.lora_models import LoRAModels, LoRAModulePath, runtime_updating_allowed
 from actorlm.api.lora_routes import load_lora_adapter, unload_lora_adapter
@@ -221,10 +221,12 @@ async def tokenize(request: Request) -> Response:
     req = state.decoder.decode(await request.body(), p.TokenizeRequest)
     state.check_model(req.model)
     if req.messages is not None:
-        conversation = [m.as_dict(i) for i, m in enumerate(req.messages)]
-        tools = {"tools": [t.as_dict() for t in req.tools]} if req.tools else {}
-        ids = await apply_chat_template(engine, conversation,
-                                        p.or_default(req.add_generation_prompt, True), **tools)
+        add_generation_prompt, kwargs = template_call(
+            req, state.options.trust_request_chat_template, True)
+        if req.tools:
+            kwargs["tools"] = [t.as_dict() for t in req.tools]
+        ids = await apply_chat_template(engine, p.conversation(req.messages),
+                                        add_generation_prompt, **kwargs)
     elif req.prompt is not None:
         ids = await engine.run_blocking(engine.encode, req.prompt,
                                         p.or_default(req.add_special_tokens, True))

@@ -31,7 +31,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from actorlm.api import protocol as p
-from actorlm.api.chat_template import apply_chat_template, template_arguments
+from actorlm.api.chat_template import apply_chat_template, template_call
 from actorlm.api.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from actorlm.api.prompt_limits import (check_text_length, check_token_ids, max_tokens_for,
                                        truncated)
@@ -91,14 +91,13 @@ async def create_chat_completion(state, request: Request) -> Response:
     req.check_supported()
     tools = tool_use(req.tools, req.tool_choice, req.parallel_tool_calls, state.options)
     constraint = await decoding_constraint(tools, await checked_constraint(req))
-    kwargs = template_arguments(req.chat_template_kwargs, req.chat_template,
-                                state.options.trust_request_chat_template)
+    add_generation_prompt, kwargs = template_call(req, state.options.trust_request_chat_template,
+                                                 True)
     if req.tools:
         kwargs["tools"] = [t.as_dict() for t in req.tools]
     conversation = req.conversation()
-    check_text_length(state, req.num_chars(conversation), req)
-    ids = await apply_chat_template(engine, conversation,
-                                    p.or_default(req.add_generation_prompt, True), **kwargs)
+    check_text_length(state, p.num_chars(req.messages, conversation), req)
+    ids = await apply_chat_template(engine, conversation, add_generation_prompt, **kwargs)
     ids = truncated(ids, req.truncate_prompt_tokens, engine.max_model_len)
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     defaults = engine.sampling_defaults

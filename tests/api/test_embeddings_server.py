@@ -129,6 +129,47 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(embed_client, embedding_mo
     np.testing.assert_allclose(cut.data[0].embedding, tail.data[0].embedding, atol=1e-6)
 
 
+# (a partial answer last, for continue_final_message)
+CONVERSATION = [{"role": "system", "content": "You embed things."},
+                {"role": "user", "content": "The quick brown fox"},
+                {"role": "assistant", "content": "jumps over"}]
+
+
+def _rendered(embedding_model, **template_kwargs) -> str:
+    """The conversation as the model's own chat template renders it (transformers)."""
+    return embedding_model[1].tokenizer.apply_chat_template(CONVERSATION, tokenize=False,
+                                                            **template_kwargs)
+
+
+@pytest.mark.parametrize("fields, template_kwargs", [
+    ({}, {"add_generation_prompt": False}),
+    ({"add_generation_prompt": True}, {"add_generation_prompt": True}),
+    ({"continue_final_message": True}, {"continue_final_message": True}),
+], ids=["as-is", "generation-prompt", "continue-final-message"])
+def test_messages_embed_as_the_chat_template_renders_them(embed_url, embedding_model, fields,
+                                                          template_kwargs):
+    text = _rendered(embedding_model, **template_kwargs)
+    ids = embedding_model[1].tokenizer.apply_chat_template(
+        CONVERSATION, tokenize=True, return_dict=True, **template_kwargs)["input_ids"]
+    assert _tokens(embedding_model, text) == ids  # (the oracle reads the same tokens)
+    reply = _post(embed_url, "/v1/embeddings", {"messages": CONVERSATION, **fields})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["prompt_tokens"] == len(ids)
+    np.testing.assert_allclose(np.asarray(reply.json()["data"][0]["embedding"], np.float32),
+                               embedding_model[1].encode(text), atol=ATOL, rtol=0)
+
+
+def test_the_chat_fields_change_the_vector(embed_url):
+    def vector(**fields):
+        reply = _post(embed_url, "/v1/embeddings", {"messages": CONVERSATION, **fields})
+        assert reply.status_code == 200, reply.text
+        return np.asarray(reply.json()["data"][0]["embedding"])
+
+    as_is = vector()
+    assert not np.allclose(as_is, vector(add_generation_prompt=True), atol=1e-3)
+    assert not np.allclose(as_is, vector(continue_final_message=True), atol=1e-3)
+
+
 def test_embeddings_are_counted_in_the_metrics(embed_client, embed_url):
     embed_client.embeddings.create(model=EMBED_NAME, input=TEXTS[0])
     metrics = httpx.get(embed_url + "/metrics").text
@@ -185,10 +226,22 @@ def _wait_for(condition, what: str, within: float = 10.0) -> None:
     ({"input": "x", "dimensions": 10**30}, "dimensions", ""),
     ({"input": "x", "encoding_format": "bytes"}, "encoding_format", "Invalid enum value"),
     ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "must be -1"),
-    ({}, "input", "missing required field"),
+    ({}, "input", "either input or messages"),
+    ({"input": "x", "messages": CONVERSATION}, "input", "either input or messages"),
+    ({"messages": []}, "messages", "empty"),
+    ({"messages": CONVERSATION, "add_special_tokens": True}, "add_special_tokens",
+     "chat template's special tokens"),
+    ({"messages": CONVERSATION, "continue_final_message": True, "add_generation_prompt": True},
+     "continue_final_message", "add_generation_prompt"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content", "only text parts"),
+    ({"messages": CONVERSATION, "chat_template": "{{ messages }}"}, "chat_template",
+     "--trust-request-chat-template"),
 ], ids=["empty-list", "empty-text", "empty-ids", "mixed", "ids-and-text", "bool",
         "outside-vocab", "dimensions-0", "dimensions-not-matryoshka", "dimensions-text",
-        "dimensions-huge", "encoding-format", "truncate-0", "no-input"])
+        "dimensions-huge", "encoding-format", "truncate-0", "no-input", "input-and-messages",
+        "no-messages", "special-tokens-on-messages", "continue-and-generation-prompt",
+        "image-part", "untrusted-template"])
 def test_bad_input_is_a_400_naming_the_field(embed_url, body, param, words):
     _assert_refused(_post(embed_url, "/v1/embeddings", body), param, words)
     assert _post(embed_url, "/v1/embeddings", {"input": TEXTS[0]}).status_code == 200
@@ -225,7 +278,8 @@ def test_openapi_lists_the_route(embed_url):
     operation = document["paths"]["/v1/embeddings"]["post"]
     schema = operation["requestBody"]["content"]["application/json"]["schema"]["$ref"]
     assert schema.endswith("/EmbeddingRequest")
-    assert "input" in document["components"]["schemas"]["EmbeddingRequest"]["required"]
+    assert {"input", "messages"} <= set(
+        document["components"]["schemas"]["EmbeddingRequest"]["properties"])
 
 
 # --- AsyncLLM.embed on its own --------------------------------------------------------------------

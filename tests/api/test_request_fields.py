@@ -48,6 +48,32 @@ def test_truncate_prompt_tokens_in_chat(http):
     assert full["usage"]["prompt_tokens"] > 5 and cut["usage"]["prompt_tokens"] == 5
 
 
+def test_continue_final_message_leaves_the_last_message_open(http, tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    messages = [*HI, {"role": "assistant", "content": "who baked"}]
+
+    def rendered(**kwargs) -> list[int]:
+        return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                             **kwargs)["input_ids"]
+
+    open_ids = rendered(continue_final_message=True)
+    assert open_ids != rendered(add_generation_prompt=False)  # the turn's end is left off
+    fields = {"messages": messages, "add_generation_prompt": False,
+              "continue_final_message": True}
+    assert _ok(http.post("/tokenize", json=fields))["tokens"] == open_ids
+    chat = _ok(http.post("/v1/chat/completions", json={**GREEDY, **fields}))
+    assert chat["usage"]["prompt_tokens"] == len(open_ids)
+    completion = _ok(http.post("/v1/completions", json={**GREEDY, "prompt": open_ids}))
+    assert chat["choices"][0]["message"]["content"] == completion["choices"][0]["text"]
+    # the generation prompt (on by default in chat) and an open last message exclude each other
+    both = http.post("/v1/chat/completions", json={**GREEDY, "messages": messages,
+                                                   "continue_final_message": True})
+    assert both.status_code == 400
+    assert both.json()["error"]["param"] == "continue_final_message"
+
+
 def test_a_cache_salt_keeps_a_tenants_cached_prefix_to_itself(http):
     import random
 

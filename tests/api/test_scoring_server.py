@@ -99,6 +99,20 @@ def test_classify_equals_the_oracle_in_input_order(labels_server, tiny_classifie
         np.testing.assert_allclose(data[0]["probs"], probs[1], atol=ATOL, rtol=0)
 
 
+def test_classify_reads_a_conversation_through_the_chat_template(labels_server,
+                                                                 tiny_classifier_dirs):
+    from transformers import AutoTokenizer
+
+    path = tiny_classifier_dirs["qwen3_labels"]
+    messages = [{"role": "user", "content": TEXTS[0]}, {"role": "assistant", "content": TEXTS[1]}]
+    text = AutoTokenizer.from_pretrained(path).apply_chat_template(messages, tokenize=False)
+    logits, num_tokens = _oracle(path, [text])
+    reply = _post(labels_server, "/classify", {"messages": messages})
+    np.testing.assert_allclose(reply["data"][0]["probs"], logits.softmax(-1)[0], atol=ATOL,
+                               rtol=0)
+    assert reply["usage"]["prompt_tokens"] == num_tokens[0]
+
+
 def test_cross_encoder_scores_are_the_sigmoid_of_the_oracle(cross_server, cross_oracle):
     expected, num_tokens = cross_oracle
     one_to_many = _post(cross_server, "/score", {"model": NAME, "text_1": QUERY, "text_2": DOCS})

@@ -156,6 +156,19 @@ def test_the_prefix_cache_keeps_adapters_apart(make_llm, tiny_llama_dir, tiny_ll
     assert cached("alpha") > 0 and cached("base") > 0  # each finds its own
 
 
+def test_chat_takes_an_adapter_as_generate_does(make_llm, tiny_llama_dir, tiny_llama_adapters):
+    llm = make_llm(str(tiny_llama_dir), **LORA_FLAGS)
+    lora = requests_of(tiny_llama_adapters)["alpha"]
+    conversation = [{"role": "user", "content": "Once upon a time"}]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    [chat] = llm.chat(conversation, params, False, lora)
+    ids = {"prompt_token_ids": chat.prompt_token_ids}
+    [adapted] = llm.generate([ids], params, use_tqdm=False, lora_request=lora)
+    [base] = llm.generate([ids], params, use_tqdm=False)
+    assert chat.outputs[0].token_ids == adapted.outputs[0].token_ids
+    assert adapted.outputs[0].token_ids != base.outputs[0].token_ids  # the adapter counts
+
+
 def test_preemption_recomputes_an_adapters_request_with_its_adapter(
         make_llm, tiny_llama_dir, tiny_llama_adapters, oracle):
     llm = make_llm(str(tiny_llama_dir), **LORA_FLAGS, num_kv_blocks=14, block_size=4,

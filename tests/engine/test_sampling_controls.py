@@ -220,3 +220,20 @@ def test_a_top_k_past_the_vocabulary_keeps_every_token(llm):
             for k in (0, len(llm.tokenizer) + 1, 2**40)]
     outputs = [[o.outputs[0].token_ids for o in run(llm, p, params)] for params in kept]
     assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_chat_continues_an_open_final_message(llm, tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    conversation = [{"role": "user", "content": "Tell me a story"},
+                    {"role": "assistant", "content": "Once upon"}]
+    ids = AutoTokenizer.from_pretrained(tiny_llama_dir).apply_chat_template(
+        conversation, tokenize=True, return_dict=True, continue_final_message=True)["input_ids"]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    [chat] = llm.chat(conversation, greedy, use_tqdm=False, add_generation_prompt=False,
+                      continue_final_message=True)
+    [plain] = run(llm, [ids], greedy)
+    assert chat.prompt_token_ids == ids
+    assert chat.outputs[0].token_ids == plain.outputs[0].token_ids
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.chat(conversation, greedy, use_tqdm=False, continue_final_message=True)
