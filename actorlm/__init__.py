@@ -4,7 +4,8 @@ from actorlm.beam_search import BeamSearchParams
 from actorlm.config import EngineConfig
 from actorlm.lora_request import LoRARequest
 from actorlm.outputs import (ClassificationRequestOutput, CompletionOutput,
-                             EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput)
+                             EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput,
+                             ScoringRequestOutput)
 from actorlm.pooling import PoolingParams
 from actorlm.sampling_params import SamplingParams
 
@@ -13,7 +14,7 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "AsyncLLM", "EngineDeadError", "EngineShutdownError", "EngineConfig",
            "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest", "PoolingParams",
            "EmbeddingRequestOutput", "ClassificationRequestOutput", "ScoringRequestOutput",
-           "BeamSearchParams"]
+           "PoolingRequestOutput", "BeamSearchParams"]
 
 _LAZY = {"LLM": "actorlm.llm", "AsyncLLM": "actorlm.async_llm",
          "EngineDeadError": "actorlm.actors.supervisor",

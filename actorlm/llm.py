@@ -9,6 +9,7 @@ from typing import Sequence
 
 import msgspec
 import pykka
+import torch
 from tqdm.auto import tqdm
 
 from actorlm.actors.supervisor import EngineDeadError
@@ -18,9 +19,10 @@ from actorlm.config import EngineConfig
 from actorlm.engine_core import start_engine
 from actorlm.lora_request import LoRARequest
 from actorlm.messages import AbortRequests, SubmitRequest
-from actorlm.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput,
-                             ScoringOutput, ScoringRequestOutput)
-from actorlm.pooling import NOTHING_SAMPLED, PoolingParams
+from actorlm.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingOutput,
+                             PoolingRequestOutput, RequestOutput, ScoringOutput,
+                             ScoringRequestOutput)
+from actorlm.pooling import NOTHING_SAMPLED, TASKS, PoolingParams
 from actorlm.prompt_rules import open_and_closed
 from actorlm.sampling_params import SamplingParams
 
@@ -106,6 +108,25 @@ class LLM:
         """Each prompt's class probabilities (``outputs.probs``), in prompt order, from a
         ``...ForSequenceClassification`` checkpoint (``use_activation=False``: its logits)."""
         return self._pool(prompts, pooling_params, "classify", use_tqdm)
+
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+               use_tqdm: bool = True, *,
+               pooling_task: str | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's generic pooling call: each prompt's pooled output as a tensor
+        (``outputs.data``), in prompt order. ``pooling_task``: "embed" (the vector, as
+        ``embed``), "classify" (the probabilities, as ``classify``), or None for the model's
+        task; the per-token tasks are not implemented, and are refused by name."""
+        pooler = self.config.pooler_config
+        task = pooling_task or (pooler.task if pooler is not None else "embed")
+        if task not in TASKS:
+            raise ValueError(f"pooling_task: {task!r} is not implemented here (only "
+                             f"{', '.join(TASKS)})")
+        outputs = self._pool(prompts, pooling_params, task, use_tqdm)
+        data = [o.outputs.embedding if task == "embed" else o.outputs.probs for o in outputs]
+        return [PoolingRequestOutput(o.request_id, PoolingOutput(torch.tensor(d)),
+                                     o.prompt_token_ids, o.finished, o.num_cached_tokens, o.error)
+                for o, d in zip(outputs, data)]
 
     def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str],
               use_tqdm: bool = True) -> list[ScoringRequestOutput]:

@@ -63,6 +63,11 @@ class PoolingRequestOutput:
 
 
 @dataclass
+class PoolingOutput:
+    data: Any  # a torch tensor: the vector (embed) or the probabilities (classify)
+
+
+@dataclass
 class EmbeddingOutput:
     embedding: list[float]
 

@@ -47,11 +47,18 @@ def test_classify_matches_transformers(tiny_classifier_dirs):
             llm.classify(PROMPTS[0], PoolingParams(dimensions=2))
         with pytest.raises(ValueError, match="score needs a cross-encoder"):
             llm.score(PROMPTS[0], PROMPTS[1])
+        encoded = llm.encode(PROMPTS, use_tqdm=False)  # vLLM's generic call: the model's task
+        with pytest.raises(ValueError, match="'token_classify' is not implemented"):
+            llm.encode(PROMPTS[0], pooling_task="token_classify")
+        with pytest.raises(ValueError, match="does classify, not embed"):
+            llm.encode(PROMPTS[0], pooling_task="embed")
         stats = llm.stats()
     assert [o.outputs.num_classes for o in probs] == [3, 3, 3]
     torch.testing.assert_close(torch.tensor([o.outputs.probs for o in raw]), logits,
                                atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(torch.tensor([o.outputs.probs for o in probs]),
+                               logits.softmax(-1), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(torch.stack([o.outputs.data for o in encoded]),
                                logits.softmax(-1), atol=2e-6, rtol=1e-5)
     assert logits.softmax(-1).max(-1).values.min() < 0.99  # not saturated: the test can see
     assert stats["num_requests_holding_blocks"] == 0

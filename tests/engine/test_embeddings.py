@@ -45,8 +45,11 @@ def test_embeddings_match_sentence_transformers(name, tiny_embedding_dirs, oracl
     with LLM(str(tiny_embedding_dirs[name]), **FLAGS) as llm:
         assert llm.config.is_pooling  # a bare Qwen3Model / LlamaModel checkpoint: auto
         outputs = llm.embed(PROMPTS, use_tqdm=False)
+        encoded = llm.encode(PROMPTS[:2], use_tqdm=False)  # vLLM's generic call: the same
         stats = llm.stats()
     got, want = _vectors(outputs), oracles[name]
+    torch.testing.assert_close(torch.stack([o.outputs.data for o in encoded]), want[:2],
+                               atol=2e-6, rtol=1e-5)
     assert [o.prompt_token_ids for o in outputs] == [llm.tokenizer.encode(p) for p in PROMPTS]
     assert max(len(o.prompt_token_ids) for o in outputs) > 16  # crossed steps
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
