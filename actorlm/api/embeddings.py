@@ -1,4 +1,6 @@
-"""``/v1/embeddings``: OpenAI's Embeddings API (with vLLM's extra fields) on a pooling model.
+"""``/v1/embeddings``: OpenAI's Embeddings API (with vLLM's extra fields) on a pooling model;
+and vLLM's ``/pooling``, the same for either task (an embedding's vector, a classifier's
+probabilities, as ``data``).
 
 A request's path: refuse it unless the model embeds (vLLM's words), decode it, refuse a LoRA
 adapter (not implemented on pooling models), read ``input`` (text, texts, token ids or lists of
@@ -17,6 +19,7 @@ import base64
 import time
 from typing import Annotated, Literal
 
+import msgspec
 import numpy as np
 from msgspec import Meta, Struct
 from starlette.requests import Request
@@ -29,6 +32,7 @@ from actorlm.api.responses import json_response
 from actorlm.pooling import PoolingParams
 
 NOT_EMBEDDING = "The model does not support Embeddings API"  # vLLM's words
+NOT_POOLING = "The model does not support Pooling API"
 
 
 class EmbeddingRequest(PromptFields, kw_only=True):
@@ -41,8 +45,23 @@ class EmbeddingRequest(PromptFields, kw_only=True):
     normalize: bool | None = None  # None: the model's choice
     priority: Annotated[int, Meta(ge=-2**63, le=2**63 - 1)] = 0
 
-    def pooling_params(self) -> PoolingParams:
-        return PoolingParams(dimensions=self.dimensions, normalize=self.normalize)
+    def pooling_params(self, task: str) -> PoolingParams:
+        return PoolingParams(task=task, dimensions=self.dimensions, normalize=self.normalize)
+
+    def encoded(self, vector: list[float]) -> list[float] | str:
+        return _base64(vector) if self.encoding_format == "base64" else vector
+
+
+class PoolingRequest(EmbeddingRequest, kw_only=True):
+    """vLLM's ``/pooling``: an embedding request that may name its task (null: the model's)
+    and, for a classifier, whether to apply its activation."""
+
+    task: str | None = None
+    use_activation: bool | None = None
+
+    def pooling_params(self, task: str) -> PoolingParams:
+        return msgspec.structs.replace(super().pooling_params(task),
+                                       use_activation=self.use_activation)
 
 
 class EmbeddingData(Struct):
@@ -60,23 +79,61 @@ class EmbeddingResponse(Struct):
     usage: PoolingUsage
 
 
+class PoolingData(Struct):
+    index: int
+    object: str
+    data: list[float] | str  # str: base64
+
+
+class PoolingResponse(Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    data: list[PoolingData]
+    usage: PoolingUsage
+
+
 async def create_embedding(state, request: Request) -> Response:
     engine = state.ready_engine()
     if not engine.config.is_pooling or engine.config.pooler_config.task != "embed":
         raise p.ApiError(400, NOT_EMBEDDING)
     req = state.decoder.decode(await request.body(), EmbeddingRequest)
-    check_base_model(state, req.model)
-    pooling = req.pooling_params()
-    prompts = await request_prompts(state, engine, req)
-    api_id, engine_ids = engine_request_ids(request, "embd", len(prompts))
-    finals = await pool_all(request, engine_ids, prompts,
-                            lambda ids, rid: engine.embed(ids, pooling, rid, req.priority))
-    num_tokens = sum(len(f.prompt_token_ids) for f in finals)
-    as_base64 = req.encoding_format == "base64"
-    data = [EmbeddingData("embedding", i, _base64(f.outputs.embedding) if as_base64
-                          else f.outputs.embedding) for i, f in enumerate(finals)]
+    api_id, finals, usage = await _pooled(state, request, req, "embed", "embd")
+    data = [EmbeddingData("embedding", i, req.encoded(f.outputs.embedding))
+            for i, f in enumerate(finals)]
     return json_response(EmbeddingResponse(api_id, "list", int(time.time()), state.model_name,
-                                           data, PoolingUsage(num_tokens, num_tokens)))
+                                           data, usage))
+
+
+async def create_pooling(state, request: Request) -> Response:
+    engine = state.ready_engine()
+    if not engine.config.is_pooling:
+        raise p.ApiError(400, NOT_POOLING)
+    req = state.decoder.decode(await request.body(), PoolingRequest)
+    task = req.task or engine.config.pooler_config.task
+    api_id, finals, usage = await _pooled(state, request, req, task, "pool")
+    data = [PoolingData(i, "pooling", req.encoded(
+        f.outputs.embedding if task == "embed" else f.outputs.probs))
+        for i, f in enumerate(finals)]
+    return json_response(PoolingResponse(api_id, "list", int(time.time()), state.model_name,
+                                         data, usage))
+
+
+async def _pooled(state, request: Request, req: EmbeddingRequest, task: str,
+                  prefix: str) -> tuple[str, list, PoolingUsage]:
+    """Run the request's prompts through the engine's ``task``: (the answer's id, each
+    prompt's final output, the usage)."""
+    engine = state.ready_engine()
+    check_base_model(state, req.model)
+    params = req.pooling_params(task)
+    prompts = await request_prompts(state, engine, req)
+    run = engine.classify if task == "classify" else engine.embed
+    api_id, engine_ids = engine_request_ids(request, prefix, len(prompts))
+    finals = await pool_all(request, engine_ids, prompts,
+                            lambda ids, rid: run(ids, params, rid, req.priority))
+    num_tokens = sum(len(f.prompt_token_ids) for f in finals)
+    return api_id, finals, PoolingUsage(num_tokens, num_tokens)
 
 
 def _base64(embedding: list[float]) -> str:

@@ -11,7 +11,8 @@ import msgspec
 
 import actorlm
 from actorlm.api import protocol as p
-from actorlm.api.embeddings import EmbeddingRequest, EmbeddingResponse
+from actorlm.api.embeddings import (EmbeddingRequest, EmbeddingResponse, PoolingRequest,
+                                    PoolingResponse)
 from actorlm.api.errors import ErrorResponse
 from actorlm.api.lora_routes import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from actorlm.api.scoring import (RERANK_PATHS, SCORE_PATHS, ClassificationRequest,
@@ -38,6 +39,8 @@ OPERATIONS = [
      EmbeddingResponse),
     ("post", "/classify", "Class probabilities and the likeliest label (a classifier's)",
      ClassificationRequest, ClassificationResponse),
+    ("post", "/pooling", "A pooling model's output: an embedding's vector or a classifier's "
+     "probabilities", PoolingRequest, PoolingResponse),
     *[("post", path, "Scores of text pairs (a cross-encoder's, or an embedding model's cosine "
        "similarity)", ScoreRequest, ScoreResponse) for path in SCORE_PATHS],
     *[("post", path, "Documents ranked by their score against a query (Jina's and Cohere's "

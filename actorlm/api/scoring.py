@@ -27,6 +27,7 @@ from actorlm.api.pooling_requests import (PoolingUsage, PromptFields, check_base
 from actorlm.api.responses import json_response
 from actorlm.async_llm import AsyncLLM
 from actorlm.llm import cosine, score_pairs
+from actorlm.pooling import PoolingParams
 
 TruncateTokens = Annotated[int, Meta(ge=-1)] | None
 # vLLM's paths for each route (its aliases included)
@@ -38,6 +39,7 @@ class ClassificationRequest(PromptFields, kw_only=True):
     model: str | None = None
     user: str | None = None  # accepted and ignored
     truncate_prompt_tokens: TruncateTokens = None
+    use_activation: bool | None = None  # false: the logits rather than the probabilities
     priority: Annotated[int, Meta(ge=-2**63, le=2**63 - 1)] = 0
 
 
@@ -114,10 +116,11 @@ async def create_classification(state, request: Request) -> Response:
         raise p.ApiError(400, "The model does not support Classification API")
     req = state.decoder.decode(await request.body(), ClassificationRequest)
     check_base_model(state, req.model)
+    pooling = PoolingParams(use_activation=req.use_activation)
     prompts = await request_prompts(state, engine, req)
     api_id, engine_ids = engine_request_ids(request, "classify", len(prompts))
     finals = await pool_all(request, engine_ids, prompts,
-                            lambda ids, rid: engine.classify(ids, None, rid, req.priority))
+                            lambda ids, rid: engine.classify(ids, pooling, rid, req.priority))
     labels = engine.engine.hf_config.id2label
     data = []
     for i, final in enumerate(finals):

@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP server: a Starlette app over AsyncLLM, served by uvicorn.
 
 Routes: ``/v1/completions`` and ``/v1/chat/completions`` (see ``serving``) for a model that
-generates, ``/v1/embeddings`` (``embeddings``), ``/classify``, ``/score`` and ``/rerank``
-(``scoring``; vLLM's, with their ``/v1``/``/v2`` aliases) for a pooling one, ``/v1/models``,
-``/health``, ``/metrics``, ``/version``, ``/tokenize``, ``/detokenize``,
+generates, ``/v1/embeddings`` and ``/pooling`` (``embeddings``), ``/classify``, ``/score``
+and ``/rerank`` (``scoring``; vLLM's, with their ``/v1``/``/v2`` aliases) for a pooling one,
+``/v1/models``, ``/health``, ``/metrics``, ``/version``, ``/tokenize``, ``/detokenize``,
 ``/reset_prefix_cache``, ``/openapi.json``, the trace, and with
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
 (``lora_routes``; a request's ``model`` names the base model or an adapter, ``lora_models``).
@@ -36,7 +36,7 @@ import actorlm
 from actorlm.api import protocol as p
 from actorlm.api import serving
 from actorlm.api.chat_template import apply_chat_template, template_call
-from actorlm.api.embeddings import create_embedding
+from actorlm.api.embeddings import create_embedding, create_pooling
 from actorlm.api.lora_models import LoRAModels, LoRAModulePath, runtime_updating_allowed
 from actorlm.api.lora_routes import load_lora_adapter, unload_lora_adapter
 from actorlm.api.request_body import RequestDecoder
@@ -335,6 +335,7 @@ def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: 
               methods=["POST"]),
         Route("/v1/embeddings", _endpoint(_generation(create_embedding)), methods=["POST"]),
         Route("/classify", _endpoint(_generation(create_classification)), methods=["POST"]),
+        Route("/pooling", _endpoint(_generation(create_pooling)), methods=["POST"]),
         *[Route(path, _endpoint(_generation(create_score)), methods=["POST"])
           for path in SCORE_PATHS],
         *[Route(path, _endpoint(_generation(create_rerank)), methods=["POST"])

@@ -170,6 +170,32 @@ def test_the_chat_fields_change_the_vector(embed_url):
     assert not np.allclose(as_is, vector(continue_final_message=True), atol=1e-3)
 
 
+def test_pooling_gives_the_embedding_as_data(embed_url, embedding_model, oracle):
+    reply = _post(embed_url, "/pooling", {"input": TEXTS[:2]})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["id"].startswith("pool-") and body["object"] == "list"
+    assert [(d["index"], d["object"]) for d in body["data"]] == [(0, "pooling"), (1, "pooling")]
+    for text, item in zip(TEXTS, body["data"]):
+        np.testing.assert_allclose(item["data"], oracle[text], atol=ATOL, rtol=0)
+    encoded = _post(embed_url, "/pooling", {"input": TEXTS[0], "encoding_format": "base64",
+                                            "task": "embed"}).json()["data"][0]["data"]
+    np.testing.assert_allclose(np.frombuffer(base64.b64decode(encoded), dtype="<f4"),
+                               oracle[TEXTS[0]], atol=ATOL, rtol=0)
+    chat = _post(embed_url, "/pooling", {"messages": CONVERSATION}).json()["data"][0]["data"]
+    np.testing.assert_allclose(chat, embedding_model[1].encode(_rendered(embedding_model)),
+                               atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"input": "x", "task": "classify"}, "task", "does embed, not classify"),
+    ({"input": "x", "task": "token_embed"}, "task", "token_embed"),
+    ({"messages": CONVERSATION, "input": "x"}, "input", "either input or messages"),
+], ids=["other-task", "token-task", "input-and-messages"])
+def test_pooling_refuses_what_the_model_does_not_do(embed_url, body, param, words):
+    _assert_refused(_post(embed_url, "/pooling", body), param, words)
+
+
 def test_embeddings_are_counted_in_the_metrics(embed_client, embed_url):
     embed_client.embeddings.create(model=EMBED_NAME, input=TEXTS[0])
     metrics = httpx.get(embed_url + "/metrics").text
@@ -271,6 +297,8 @@ def test_generation_routes_refuse_a_pooling_model(embed_url):
 def test_embeddings_refuse_a_generating_model(server):
     _assert_refused(_post(server, "/v1/embeddings", {"input": "x"}), None,
                     "The model does not support Embeddings API")
+    _assert_refused(_post(server, "/pooling", {"input": "x"}), None,
+                    "The model does not support Pooling API")
 
 
 def test_openapi_lists_the_route(embed_url):

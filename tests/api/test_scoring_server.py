@@ -113,6 +113,17 @@ def test_classify_reads_a_conversation_through_the_chat_template(labels_server,
     assert reply["usage"]["prompt_tokens"] == num_tokens[0]
 
 
+def test_pooling_and_use_activation_on_a_classifier(labels_server, tiny_classifier_dirs):
+    logits, _ = _oracle(tiny_classifier_dirs["qwen3_labels"], TEXTS)
+    pooled = _post(labels_server, "/pooling", {"input": TEXTS})
+    np.testing.assert_allclose([d["data"] for d in pooled["data"]], logits.softmax(-1),
+                               atol=ATOL, rtol=0)
+    raw = _post(labels_server, "/classify", {"input": TEXTS, "use_activation": False})
+    np.testing.assert_allclose([d["probs"] for d in raw["data"]], logits, atol=1e-4, rtol=0)
+    raw = _post(labels_server, "/pooling", {"input": TEXTS, "use_activation": False})
+    np.testing.assert_allclose([d["data"] for d in raw["data"]], logits, atol=1e-4, rtol=0)
+
+
 def test_cross_encoder_scores_are_the_sigmoid_of_the_oracle(cross_server, cross_oracle):
     expected, num_tokens = cross_oracle
     one_to_many = _post(cross_server, "/score", {"model": NAME, "text_1": QUERY, "text_2": DOCS})
