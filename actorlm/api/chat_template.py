@@ -50,7 +50,12 @@ def template_call(req, trust_chat_template: bool, generation_prompt: bool) -> tu
     """``apply_chat_template``'s arguments for a request with vLLM's chat fields
     (``add_generation_prompt``, ``continue_final_message``, ``chat_template``,
     ``chat_template_kwargs``): whether to add the generation prompt (``generation_prompt``, the
-    route's default, where the request leaves it null), and the rest."""
+    route's default, where the request leaves it null), and the rest. Special tokens beyond
+    the template's own (``add_special_tokens: true``) are refused."""
+    if getattr(req, "add_special_tokens", None):
+        raise ApiError(400, "add_special_tokens: with messages, the chat template's special "
+                            "tokens are the prompt's; more are not supported",
+                       "add_special_tokens")
     kwargs = template_arguments(req.chat_template_kwargs, req.chat_template,
                                 trust_chat_template)
     add_generation_prompt = (generation_prompt if req.add_generation_prompt is None

@@ -3,8 +3,8 @@ vLLM's chat form, ``messages``), turning prompts into checked token ids off the 
 and running one engine request per prompt at once while watching the connection.
 
 The chat form renders the conversation through the model's chat template, as vLLM's does: no
-generation prompt unless asked, and no special tokens beyond the template's own (which is why
-``add_special_tokens: true`` is refused there rather than applied on top).
+generation prompt unless asked, and no special tokens beyond the template's own
+(``chat_template.template_call``).
 
 A client that hangs up aborts every request of its call, and so does one prompt the engine
 refuses: ``pool_all`` cancels the rest, and a cancelled ``AsyncLLM.embed``/``classify`` aborts
@@ -59,10 +59,6 @@ async def request_prompts(state, engine: AsyncLLM, req: PromptFields) -> list[li
     if req.input is not None:
         return await tokenized(state, engine, read_inputs(req.input), req,
                                add_special_tokens=p.or_default(req.add_special_tokens, True))
-    if req.add_special_tokens:
-        raise p.ApiError(400, "add_special_tokens: with messages, the chat template's special "
-                              "tokens are the prompt's; more are not supported",
-                         "add_special_tokens")
     if not req.messages:
         raise p.ApiError(400, "messages: the conversation is empty", "messages")
     conversation = p.conversation(req.messages)

@@ -248,6 +248,7 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
+    add_special_tokens: bool | None = False  # beyond the template's: refused
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # only with --trust-request-chat-template
     tools: list[Tool] | None = None

@@ -159,6 +159,12 @@ CASES = [
      "truncate_prompt_tokens", "512"),
     ("truncate-below-minus-one", "POST", CMPL, _cmpl(truncate_prompt_tokens=-2), 400,
      "truncate_prompt_tokens", ""),
+    # special tokens on top of the chat template's: not supported, so not dropped either
+    ("chat-special-tokens", "POST", CHAT, _chat(add_special_tokens=True), 400,
+     "add_special_tokens", "chat template's special tokens"),
+    ("tokenize-chat-special-tokens", "POST", "/tokenize",
+     {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": True}, 400,
+     "add_special_tokens", "chat template's special tokens"),
     # client input stays data: no overriding what the server sets, no templates of its own
     ("template-kwargs-add-generation-prompt", "POST", CHAT,
      _chat(chat_template_kwargs={"add_generation_prompt": False}), 400, "chat_template_kwargs",
