@@ -15,3 +15,4 @@ unset GOMP_SPINCOUNT
 .venv/bin/python benchmarks/server_share.py --streams 1 16 --rounds 3 --engine-cpus 0 --dtype float32 > $here/pinned-fp32.jsonl
 .venv/bin/python benchmarks/server_share.py --streams 1 --requests-per-stream 8 --rounds 5 --engine-cpus 0 > $here/pinned-1x8.jsonl
 .venv/bin/python benchmarks/server_share.py --streams 1 --requests-per-stream 8 --rounds 5 > $here/shared-1x8.jsonl
+.venv/bin/python benchmarks/server_share.py --streams 1 --requests-per-stream 8 --rounds 5 --engine-cpus 0 --dtype float32 > $here/pinned-fp32-1x8.jsonl
