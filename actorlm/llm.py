@@ -122,11 +122,9 @@ class LLM:
         if task not in TASKS:
             raise ValueError(f"pooling_task: {task!r} is not implemented here (only "
                              f"{', '.join(TASKS)})")
-        outputs = self._pool(prompts, pooling_params, task, use_tqdm)
-        data = [o.outputs.embedding if task == "embed" else o.outputs.probs for o in outputs]
-        return [PoolingRequestOutput(o.request_id, PoolingOutput(torch.tensor(d)),
+        return [PoolingRequestOutput(o.request_id, PoolingOutput(torch.tensor(o.outputs.values)),
                                      o.prompt_token_ids, o.finished, o.num_cached_tokens, o.error)
-                for o, d in zip(outputs, data)]
+                for o in self._pool(prompts, pooling_params, task, use_tqdm)]
 
     def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str],
               use_tqdm: bool = True) -> list[ScoringRequestOutput]:

@@ -75,6 +75,10 @@ class EmbeddingOutput:
     def hidden_size(self) -> int:
         return len(self.embedding)
 
+    @property
+    def values(self) -> list[float]:  # what a task-blind caller (``LLM.encode``, /pooling) reads
+        return self.embedding
+
 
 @dataclass
 class EmbeddingRequestOutput(PoolingRequestOutput):
@@ -88,6 +92,10 @@ class ClassificationOutput:
     @property
     def num_classes(self) -> int:
         return len(self.probs)
+
+    @property
+    def values(self) -> list[float]:
+        return self.probs
 
 
 @dataclass

@@ -26,8 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from actorlm.api import protocol as p
-from actorlm.api.pooling_requests import (PoolingUsage, PromptFields, check_base_model,
-                                          engine_request_ids, pool_all, request_prompts)
+from actorlm.api.pooling_requests import PoolingUsage, PromptFields, pooled
 from actorlm.api.responses import json_response
 from actorlm.pooling import PoolingParams
 
@@ -99,7 +98,8 @@ async def create_embedding(state, request: Request) -> Response:
     if not engine.config.is_pooling or engine.config.pooler_config.task != "embed":
         raise p.ApiError(400, NOT_EMBEDDING)
     req = state.decoder.decode(await request.body(), EmbeddingRequest)
-    api_id, finals, usage = await _pooled(state, request, req, "embed", "embd")
+    api_id, finals, usage = await pooled(state, request, req, req.pooling_params("embed"),
+                                         "embd")
     data = [EmbeddingData("embedding", i, req.encoded(f.outputs.embedding))
             for i, f in enumerate(finals)]
     return json_response(EmbeddingResponse(api_id, "list", int(time.time()), state.model_name,
@@ -112,28 +112,11 @@ async def create_pooling(state, request: Request) -> Response:
         raise p.ApiError(400, NOT_POOLING)
     req = state.decoder.decode(await request.body(), PoolingRequest)
     task = req.task or engine.config.pooler_config.task
-    api_id, finals, usage = await _pooled(state, request, req, task, "pool")
-    data = [PoolingData(i, "pooling", req.encoded(
-        f.outputs.embedding if task == "embed" else f.outputs.probs))
-        for i, f in enumerate(finals)]
+    api_id, finals, usage = await pooled(state, request, req, req.pooling_params(task), "pool")
+    data = [PoolingData(i, "pooling", req.encoded(f.outputs.values))
+            for i, f in enumerate(finals)]
     return json_response(PoolingResponse(api_id, "list", int(time.time()), state.model_name,
                                          data, usage))
-
-
-async def _pooled(state, request: Request, req: EmbeddingRequest, task: str,
-                  prefix: str) -> tuple[str, list, PoolingUsage]:
-    """Run the request's prompts through the engine's ``task``: (the answer's id, each
-    prompt's final output, the usage)."""
-    engine = state.ready_engine()
-    check_base_model(state, req.model)
-    params = req.pooling_params(task)
-    prompts = await request_prompts(state, engine, req)
-    run = engine.classify if task == "classify" else engine.embed
-    api_id, engine_ids = engine_request_ids(request, prefix, len(prompts))
-    finals = await pool_all(request, engine_ids, prompts,
-                            lambda ids, rid: run(ids, params, rid, req.priority))
-    num_tokens = sum(len(f.prompt_token_ids) for f in finals)
-    return api_id, finals, PoolingUsage(num_tokens, num_tokens)
 
 
 def _base64(embedding: list[float]) -> str:

@@ -26,6 +26,7 @@ from actorlm.api.chat_template import apply_chat_template, template_call
 from actorlm.api.prompt_limits import check_text_length, check_token_ids, truncated
 from actorlm.api.serving import unless_disconnected
 from actorlm.async_llm import AsyncLLM
+from actorlm.pooling import PoolingParams
 from actorlm.prompt_rules import empty_prompt
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,21 @@ async def request_prompts(state, engine: AsyncLLM, req: PromptFields) -> list[li
         req, state.options.trust_request_chat_template, False)
     ids = await apply_chat_template(engine, conversation, add_generation_prompt, **kwargs)
     return [truncated(ids, req.truncate_prompt_tokens, engine.max_model_len)]
+
+
+async def pooled(state, request: Request, req, params: PoolingParams,
+                 prefix: str) -> tuple[str, list, PoolingUsage]:
+    """Run a pooling request (``PromptFields`` with ``model`` and ``priority``) through the
+    engine's ``params.task``: (the answer's id, each prompt's final output, the usage)."""
+    engine = state.ready_engine()
+    check_base_model(state, req.model)
+    prompts = await request_prompts(state, engine, req)
+    run = engine.classify if params.task == "classify" else engine.embed
+    api_id, engine_ids = engine_request_ids(request, prefix, len(prompts))
+    finals = await pool_all(request, engine_ids, prompts,
+                            lambda ids, rid: run(ids, params, rid, req.priority))
+    num_tokens = sum(len(f.prompt_token_ids) for f in finals)
+    return api_id, finals, PoolingUsage(num_tokens, num_tokens)
 
 
 def check_base_model(state, model: str | None) -> None:

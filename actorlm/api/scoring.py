@@ -22,8 +22,7 @@ from starlette.responses import Response
 
 from actorlm.api import protocol as p
 from actorlm.api.pooling_requests import (PoolingUsage, PromptFields, check_base_model,
-                                          engine_request_ids, pool_all, request_prompts,
-                                          tokenized)
+                                          engine_request_ids, pool_all, pooled, tokenized)
 from actorlm.api.responses import json_response
 from actorlm.async_llm import AsyncLLM
 from actorlm.llm import cosine, score_pairs
@@ -115,22 +114,17 @@ async def create_classification(state, request: Request) -> Response:
     if _task(engine) != "classify":
         raise p.ApiError(400, "The model does not support Classification API")
     req = state.decoder.decode(await request.body(), ClassificationRequest)
-    check_base_model(state, req.model)
-    pooling = PoolingParams(use_activation=req.use_activation)
-    prompts = await request_prompts(state, engine, req)
-    api_id, engine_ids = engine_request_ids(request, "classify", len(prompts))
-    finals = await pool_all(request, engine_ids, prompts,
-                            lambda ids, rid: engine.classify(ids, pooling, rid, req.priority))
+    api_id, finals, usage = await pooled(
+        state, request, req, PoolingParams(task="classify", use_activation=req.use_activation),
+        "classify")
     labels = engine.engine.hf_config.id2label
     data = []
     for i, final in enumerate(finals):
         probs = final.outputs.probs
         best = max(range(len(probs)), key=probs.__getitem__)
         data.append(ClassificationData(i, labels.get(best, f"LABEL_{best}"), probs, len(probs)))
-    num_tokens = sum(len(ids) for ids in prompts)
     return json_response(ClassificationResponse(api_id, "list", int(time.time()),
-                                                state.model_name, data,
-                                                PoolingUsage(num_tokens, num_tokens)))
+                                                state.model_name, data, usage))
 
 
 async def create_score(state, request: Request) -> Response:
