@@ -31,7 +31,14 @@ _OUTPUT_NORMS = {"post_attention_layernorm": "post_attention_norm",
 # GLM-4's norms after attention and MLP, and its fused gate/up
 _GLM4 = {"post_self_attn_layernorm": "post_attention_norm", "post_mlp_layernorm": "post_ffw_norm",
          "mlp.gate_up_proj": "ffn_up"}
-_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+# StarCoder2's and Phi-2's MLPs without a gate, Phi-2's attention output and last norm
+_STARCODER2 = {"mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
+_PHI2 = {"self_attn.dense": "attn_output", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down",
+         "self_attn.qkv_proj": "attn_qkv"}
+_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+        "model.final_layernorm": "output_norm"}
+# llama.cpp's name of a Hugging Face model_type where the two differ
+_ARCHITECTURES = {"olmo3": "olmo2", "phi": "phi2", "cohere": "command-r"}
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 PERMUTED = ("llama", "smollm3", "granite")  # q and k rows permuted by llama.cpp's converter
 GEMMA = ("gemma", "gemma2", "gemma3")  # norms stored as 1 + weight
@@ -48,7 +55,8 @@ def gguf_name(hf_name: str, arch: str) -> str:
         names = {"olmo2": {**_LAYER, **_OUTPUT_NORMS}, "exaone4": {**_LAYER, **_OUTPUT_NORMS},
                  "phi3": {**_LAYER, **_PHI3_FUSED},
                  "seed_oss": {**_LAYER, "post_attention_layernorm": "post_attention_norm"},
-                 "glm4": {**_LAYER, **_GLM4}}.get(arch, _LAYER)
+                 "glm4": {**_LAYER, **_GLM4}, "starcoder2": {**_LAYER, **_STARCODER2},
+                 "phi2": {**_LAYER, **_PHI2}}.get(arch, _LAYER)
         return f"blk.{layer}.{names[part]}.{kind}"
     return f"{_TOP[stem]}.{kind}"
 
@@ -74,22 +82,26 @@ def random_blocks(type_name: str, rows: int, columns: int, seed: int) -> np.ndar
 
 
 def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
-               eot_token_id: int | None = None, pooling_type=None) -> pathlib.Path:
+               eot_token_id: int | None = None, pooling_type=None,
+               fuse_qkv: bool = False) -> pathlib.Path:
     """The checkpoint ``hf_dir`` (Llama, SmolLM3, Granite, OLMo 2, Phi-3, EXAONE 4, GLM-4,
-    ERNIE 4.5, Seed-OSS, Gemma, Qwen2 or Qwen3) as a GGUF file whose matrices are all ``type_name`` blocks
-    (norms and biases F32), with an end-of-turn token where given, and an embedding model's
-    ``gguf.PoolingType`` where given (as llama.cpp's converter writes a sentence-transformers
-    model's); returns the file."""
+    ERNIE 4.5, Seed-OSS, Gemma, Qwen2, Qwen3, StarCoder2, Phi-2, Cohere or Cohere 2) as a GGUF
+    file whose matrices are all ``type_name`` blocks (norms and biases F32), with an
+    end-of-turn token where given, an embedding model's ``gguf.PoolingType`` where given (as
+    llama.cpp's converter writes a sentence-transformers model's), q/k/v fused into one tensor
+    where asked (as the files of Phi-2's first checkpoint have them); returns the file."""
     import gguf
     from safetensors.torch import load_file
 
     config = json.loads((hf_dir / "config.json").read_text())
-    arch = {"olmo3": "olmo2"}.get(config["model_type"], config["model_type"])  # (as llama.cpp)
+    arch = _ARCHITECTURES.get(config["model_type"], config["model_type"])
     state = {}
     for file in sorted(hf_dir.glob("*.safetensors")):
         state.update(load_file(file))
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
+    if fuse_qkv:
+        state = _fused_qkv(state)
     writer = gguf.GGUFWriter(out, arch)
     _write_config(writer, config)
     if arch == "phi3":
@@ -98,6 +110,10 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
         writer.add_sliding_window(config["sliding_window"])
         writer.add_sliding_window_pattern([t == "sliding_attention"
                                            for t in config["layer_types"]])
+    if arch == "cohere2":  # (its window alone: llama.cpp's loader fixes the pattern)
+        writer.add_sliding_window(config["sliding_window"])
+    if "logit_scale" in config:
+        writer.add_logit_scale(config["logit_scale"])
     if config["model_type"] == "olmo3":
         _write_olmo3_rope(writer, config["rope_parameters"])
     if (config.get("rope_parameters") or {}).get("rope_type") == "llama3":
@@ -132,6 +148,19 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
     return out
 
 
+def _fused_qkv(state: dict) -> dict:
+    """Each layer's q/k/v weights and biases as one ``qkv_proj`` tensor, rows q, k, v."""
+    fused = {}
+    for name, tensor in state.items():
+        if ".self_attn.q_proj." in name:
+            parts = [state[name.replace(".q_proj.", f".{p}.")] for p in ("q_proj", "k_proj",
+                                                                          "v_proj")]
+            fused[name.replace(".q_proj.", ".qkv_proj.")] = torch.cat(parts)
+        elif ".self_attn.k_proj." not in name and ".self_attn.v_proj." not in name:
+            fused[name] = tensor
+    return fused
+
+
 def _permute(rows: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's q/k permutation: each head's two rotary halves interleaved."""
     return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]) \
@@ -152,7 +181,10 @@ def _write_config(writer, config: dict) -> None:
     writer.add_rope_dimension_count(int(head_dim * (rope.get("partial_rotary_factor") or 1.0)))
     rope = rope.get("full_attention", rope)  # (OLMo 3's per kind of layer: the full layers')
     writer.add_rope_freq_base(config.get("rope_theta") or rope.get("rope_theta", 10000.0))
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if "rms_norm_eps" in config:
+        writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    else:  # a LayerNorm family's
+        writer.add_layer_norm_eps(config.get("layer_norm_eps") or config["norm_epsilon"])
     writer.add_vocab_size(config["vocab_size"])
     for multiplier, add in _GRANITE_SCALES.items():
         if multiplier in config:

@@ -18,9 +18,9 @@ MoE files (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE).
 llama.cpp stores a Llama's (and Mixtral's, SmolLM3's, Granite's) q and k rows permuted (each
 head's two rotary halves interleaved); the permutation is undone here on whole rows of blocks,
 which quantization never crosses. It stores a Gemma's norm weights plus one (what they scale by);
-they are handed over as the checkpoint has them. ``gguf_metadata`` builds the config of a
-SmolLM3, Granite, OLMo 2 or Phi-3 file, which transformers does not read (or, Phi-3's, reads
-only in part).
+they are handed over as the checkpoint has them. ``gguf_metadata`` builds the config of the
+files transformers does not read (SmolLM3, Granite, OLMo 2, GLM-4, Phi-2, Command R…) or reads
+only in part (Phi-3, StarCoder2).
 """
 
 from __future__ import annotations
@@ -52,17 +52,22 @@ ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": 
                  "gemma2": "gemma2",
                  "gemma3": "gemma3_text", "smollm3": "smollm3", "granite": "granite",
                  "olmo2": "olmo2", "phi3": "phi3", "exaone4": "exaone4", "glm4": "glm4",
-                 "ernie4_5": "ernie4_5",
-                 "seed_oss": "seed_oss", **gguf_moe.ARCHITECTURES}
+                 "ernie4_5": "ernie4_5", "seed_oss": "seed_oss", "starcoder2": "starcoder2",
+                 "phi2": "phi", "command-r": "cohere", "cohere2": "cohere2",
+                 **gguf_moe.ARCHITECTURES}
 # the architectures transformers cannot read a config of (gguf_metadata builds theirs)
 _OWN_CONFIGS = {"smollm3": gguf_metadata.smollm3_config, "gemma": gguf_metadata.gemma_config,
                 "granite": gguf_metadata.granite_config, "olmo2": gguf_metadata.olmo2_config,
                 "phi3": gguf_metadata.phi3_config, "exaone4": gguf_metadata.exaone4_config,
                 "glm4": gguf_metadata.glm4_config,
                 "ernie4_5": gguf_metadata.ernie4_5_config,
-                "seed_oss": gguf_metadata.seed_oss_config}
+                "seed_oss": gguf_metadata.seed_oss_config,
+                # (transformers reads a StarCoder2 file's sizes but not its RoPE base)
+                "starcoder2": gguf_metadata.starcoder2_config,
+                "phi2": gguf_metadata.phi2_config, "command-r": gguf_metadata.command_r_config,
+                "cohere2": gguf_metadata.cohere2_config}
 _UNKNOWN_TO_TRANSFORMERS = ("smollm3", "gemma", "granite", "olmo2", "olmoe", "exaone4", "glm4",
-                            "ernie4_5", "seed_oss")
+                            "ernie4_5", "seed_oss", "phi2", "command-r", "cohere2")
 # q and k rows permuted by llama.cpp's converter (a Llama's and its descendants')
 _PERMUTED_QK = ("llama", "mistral", "mixtral", "smollm3", "granite")
 _GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")  # (norms stored as 1 + weight)
@@ -92,8 +97,14 @@ _GLM4_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_self_attn_layernorm"
 # Phi-3's q/k/v and gate/up, fused as in its checkpoint (the model splits them)
 _PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj",
                      "ffn_up": "mlp.gate_up_proj"}
+# StarCoder2's MLP without a gate; Phi-2's too, its attention's output and its last norm under
+# names of their own, its q/k/v fused in the files converted from its first checkpoints
+_STARCODER2_NAMES = {**_LAYER_NAMES, "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
+_PHI2_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.dense",
+               "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
               "output": "lm_head"}
+_PHI2_TOP_NAMES = {**_TOP_NAMES, "output_norm": "model.final_layernorm"}
 
 
 class TensorInfo(NamedTuple):
@@ -273,15 +284,16 @@ def _hf_name(name: str, arch: str) -> str:
     if stem.startswith("blk."):
         _, layer, part = stem.split(".", 2)
         names = _OUTPUT_NORM_NAMES if arch in ("gemma2", "gemma3", "olmo2", "exaone4") else \
-            {"phi3": _PHI3_LAYER_NAMES, "seed_oss": _SEED_OSS_NAMES,
-             "glm4": _GLM4_NAMES}.get(arch, _LAYER_NAMES)
+            {"phi3": _PHI3_LAYER_NAMES, "seed_oss": _SEED_OSS_NAMES, "glm4": _GLM4_NAMES,
+             "starcoder2": _STARCODER2_NAMES, "phi2": _PHI2_NAMES}.get(arch, _LAYER_NAMES)
         part = names.get(part) or gguf_moe.per_expert_name(part)
         if part is None:
             raise ValueError(f"GGUF tensor {name!r} is not one this engine knows")
         return f"model.layers.{layer}.{part}.{kind}"
-    if stem not in _TOP_NAMES:
+    top_names = _PHI2_TOP_NAMES if arch == "phi2" else _TOP_NAMES
+    if stem not in top_names:
         raise ValueError(f"GGUF tensor {name!r} is not one this engine knows")
-    return f"{_TOP_NAMES[stem]}.{kind}"
+    return f"{top_names[stem]}.{kind}"
 
 
 def _write_dir(gguf: pathlib.Path, out: pathlib.Path) -> None:

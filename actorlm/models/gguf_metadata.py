@@ -5,7 +5,8 @@ config is built here from llama.cpp's keys (``gguf-py/gguf/constants.py`` names 
 sizes every decoder has (``decoder_fields``), and what an architecture adds
 (``gguf_moe`` for the mixtures of experts, ``smollm3_config``, ``granite_config``,
 ``olmo2_config``, ``phi3_config``, ``exaone4_config``, ``glm4_config``, ``ernie4_5_config``,
-``seed_oss_config``).
+``seed_oss_config``, and the LayerNorm families: ``starcoder2_config``, ``phi2_config``,
+``command_r_config``, ``cohere2_config``).
 
 - ``smollm3``: a Llama (q and k rows permuted as a Llama's) that leaves RoPE out of every
   fourth layer. llama.cpp keeps no key for it (its graph skips RoPE where ``(layer + 1) % 4``
@@ -36,6 +37,14 @@ sizes every decoder has (``decoder_fields``), and what an architecture adds
   k not permuted; a sliding window on the layers ``attention.sliding_window_pattern`` marks,
   RoPE on those alone (on all where there is no window), as llama.cpp's graph and
   transformers' model do.
+- ``starcoder2``, ``phi2``, ``command-r`` (Command R, Aya) and ``cohere2`` (Command R7B):
+  LayerNorms (``attention.layer_norm_epsilon``), q and k as their checkpoints have them (Phi-2
+  and StarCoder2 rotate halves, as llama.cpp's NEOX RoPE; Cohere interleaved pairs, as its
+  NORM RoPE). StarCoder2's and Phi-2's MLPs have no gate (``ffn_up`` is ``c_fc`` / ``fc1``);
+  Phi-2 rotates ``rope.dimension_count`` of each head's features and its q/k/v are fused
+  (``attn_qkv``) in the files converted from its first checkpoint; Cohere's files keep the
+  ``logit_scale`` the logits are multiplied by, and Command R7B's the window of its sliding
+  layers (three to every full one, as llama.cpp's loader fixes it).
 - Llama 3.1-3.3 (and what took their RoPE scaling, EXAONE 4): the converter stores the ``llama3``
   scaling as a tensor of divisors of the frequencies, ``rope_freqs`` (``read_rope_freqs``).
 """
@@ -78,7 +87,8 @@ def decoder_fields(reader, arch: str, tensor_names: list[str],
                    reads_rope_scaling: bool = False) -> dict:
     """The config fields of any decoder file (``tensor_names``: its tensors' Hugging Face
     names, which tell whether the LM head is tied); a RoPE scaling is refused unless the
-    caller ``reads_rope_scaling`` itself."""
+    caller ``reads_rope_scaling`` itself. ``rms_norm_eps`` is a LayerNorm family's epsilon
+    where the file has that one (its config builder renames it)."""
     if not reads_rope_scaling:
         _refuse_rope_scaling(reader, arch)
     heads = field(reader, f"{arch}.attention.head_count")
@@ -90,7 +100,8 @@ def decoder_fields(reader, arch: str, tensor_names: list[str],
         num_hidden_layers=field(reader, f"{arch}.block_count"), num_attention_heads=heads,
         num_key_value_heads=field(reader, f"{arch}.attention.head_count_kv", heads),
         max_position_embeddings=field(reader, f"{arch}.context_length"),
-        rms_norm_eps=field(reader, f"{arch}.attention.layer_norm_rms_epsilon"),
+        rms_norm_eps=field(reader, f"{arch}.attention.layer_norm_rms_epsilon", None) or
+        field(reader, f"{arch}.attention.layer_norm_epsilon"),
         rope_parameters={"rope_type": "default",
                          "rope_theta": field(reader, f"{arch}.rope.freq_base", 10000.0)},
         tie_word_embeddings="lm_head.weight" not in tensor_names,
@@ -178,9 +189,7 @@ def phi3_config(reader, tensor_names: list[str]):
     from transformers import Phi3Config
 
     fields = decoder_fields(reader, "phi3", tensor_names)
-    dim = head_dim(reader, "phi3")
-    rope = {**fields["rope_parameters"],
-            "partial_rotary_factor": field(reader, "phi3.rope.dimension_count", dim) / dim}
+    rope = {**fields["rope_parameters"], "partial_rotary_factor": _rotated_share(reader, "phi3")}
     factors = {t.name: [float(x) for x in t.data] for t in reader.tensors
                if t.name in CONFIG_TENSORS}
     original = field(reader, "phi3.rope.scaling.original_context_length", None)
@@ -189,7 +198,7 @@ def phi3_config(reader, tensor_names: list[str]):
                     short_factor=factors["rope_factors_short.weight"],
                     original_max_position_embeddings=original,
                     attention_factor=field(reader, "phi3.rope.scaling.attn_factor", None))
-    return Phi3Config(**{**fields, "rope_parameters": rope}, head_dim=dim,
+    return Phi3Config(**{**fields, "rope_parameters": rope}, head_dim=head_dim(reader, "phi3"),
                       sliding_window=field(reader, "phi3.attention.sliding_window", 0) or None,
                       original_max_position_embeddings=original)
 
@@ -198,10 +207,8 @@ def glm4_config(reader, tensor_names: list[str]):
     from transformers import Glm4Config
 
     fields = decoder_fields(reader, "glm4", tensor_names)
-    dim = head_dim(reader, "glm4")
-    rope = {**fields["rope_parameters"],
-            "partial_rotary_factor": field(reader, "glm4.rope.dimension_count", dim) / dim}
-    return Glm4Config(**{**fields, "rope_parameters": rope}, head_dim=dim,
+    rope = {**fields["rope_parameters"], "partial_rotary_factor": _rotated_share(reader, "glm4")}
+    return Glm4Config(**{**fields, "rope_parameters": rope}, head_dim=head_dim(reader, "glm4"),
                       attention_bias=_has(tensor_names, "q_proj.bias"))
 
 
@@ -249,6 +256,66 @@ def seed_oss_config(reader, tensor_names: list[str]):
         attention_bias=_has(tensor_names, "q_proj.bias"),
         attention_out_bias=_has(tensor_names, "o_proj.bias"),
         mlp_bias=_has(tensor_names, "down_proj.bias"))
+
+
+def starcoder2_config(reader, tensor_names: list[str]):
+    """No sliding window: llama.cpp's converter writes none and its graph applies none, and
+    transformers reads such a file without one (a StarCoder2 checkpoint's 4096 would differ
+    from this past 4096 tokens only)."""
+    from transformers import Starcoder2Config
+
+    fields = _layer_norm_fields(reader, "starcoder2", tensor_names, "norm_epsilon")
+    return Starcoder2Config(**fields, head_dim=head_dim(reader, "starcoder2"),
+                            use_bias=_has(tensor_names, "q_proj.bias"))
+
+
+def phi2_config(reader, tensor_names: list[str]):
+    from transformers import PhiConfig
+
+    fields = _layer_norm_fields(reader, "phi2", tensor_names, "layer_norm_eps")
+    fields["rope_parameters"]["partial_rotary_factor"] = _rotated_share(reader, "phi2")
+    return PhiConfig(**fields)
+
+
+def command_r_config(reader, tensor_names: list[str]):
+    """Command R (and Aya), whose q/k norms (Command R+'s) the tensors tell."""
+    from transformers import CohereConfig
+
+    return CohereConfig(**_cohere_fields(reader, "command-r", tensor_names),
+                        use_qk_norm=_has(tensor_names, "q_norm.weight"))
+
+
+def cohere2_config(reader, tensor_names: list[str]):
+    """Command R7B: three sliding layers to a full one, as llama.cpp's loader fixes it where
+    the file has no pattern (RoPE on the sliding layers alone: the family's own rule)."""
+    from transformers import Cohere2Config
+
+    fields = _cohere_fields(reader, "cohere2", tensor_names)
+    return Cohere2Config(**fields, sliding_window=field(reader, "cohere2.attention.sliding_window"),
+                         layer_types=_layer_types(reader, "cohere2", fields, default_period=4))
+
+
+def _cohere_fields(reader, arch: str, tensor_names: list[str]) -> dict:
+    if _rotated_share(reader, arch) != 1:
+        raise ValueError(f"GGUF {arch} file: RoPE on part of each head is not implemented for "
+                         f"this architecture")
+    return dict(**_layer_norm_fields(reader, arch, tensor_names, "layer_norm_eps"),
+                head_dim=head_dim(reader, arch),
+                logit_scale=field(reader, f"{arch}.logit_scale", 1.0),
+                attention_bias=_has(tensor_names, "q_proj.bias"))
+
+
+def _layer_norm_fields(reader, arch: str, tensor_names: list[str], epsilon: str) -> dict:
+    """``decoder_fields`` with the LayerNorm's epsilon under the family's name for it."""
+    fields = decoder_fields(reader, arch, tensor_names)
+    fields[epsilon] = fields.pop("rms_norm_eps")
+    return fields
+
+
+def _rotated_share(reader, arch: str) -> float:
+    """The share of each head's features RoPE rotates (``rope.dimension_count``)."""
+    dim = head_dim(reader, arch)
+    return field(reader, f"{arch}.rope.dimension_count", dim) / dim
 
 
 def read_rope_freqs(reader, config) -> None:

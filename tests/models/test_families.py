@@ -130,3 +130,17 @@ def test_a_model_is_served_within_the_context_its_computed_math_holds(tiny_windo
     with pytest.raises(ValueError, match=f"original_max_position_embeddings .{context}.*"
                                          f"{re.escape(beyond)}"):
         EngineConfig(max_model_len=context + 1).resolve_lengths(hf_config)
+
+
+@pytest.mark.parametrize("family, flag", [("cohere", "use_qk_norm"), ("phi", "qk_layernorm")])
+def test_a_layer_norm_of_each_heads_q_and_k_is_refused_by_name(tiny_window_dirs, family, flag):
+    """Command R+'s and some Phi-2 fine-tunes' LayerNorm of each head's q and k changes the
+    math and is not implemented: loading refuses, naming the config's flag."""
+    from actorlm.models.families import check_config
+    from actorlm.models.loader import load_hf_config
+
+    config = load_hf_config(tiny_window_dirs[family])
+    check_config(config)
+    setattr(config, flag, True)
+    with pytest.raises(ValueError, match=f"{family}: {flag} .a LayerNorm of each head's q and k"):
+        check_config(config)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+import shutil
 
 import pytest
 import torch
@@ -113,8 +114,6 @@ def test_a_llama3_file_keeps_its_rope_scaling(tiny_tokenizer_dir, tmp_path_facto
     parameters, whose frequencies are the file's (short wavelengths kept, the longest divided
     by the factor, one blended); against transformers on the checkpoint the file was written
     from. Divisors of another band than Llama 3's are refused by name."""
-    import shutil
-
     from checkpoints import _common, _save_tiny
     from gguf_files import dequantized_checkpoint
     from transformers import LlamaConfig
@@ -206,6 +205,49 @@ def test_a_phi3_file_keeps_what_transformers_does_not_read(tiny_window_dirs, tmp
     ours = load_model(path, torch.float32, "cpu", select_backend("cpu"))
     assert type(ours.model.layers[0].self_attn.qkv_proj.prepared).__name__ == "QuantLinear"
     check_greedy_and_kl(ours, dequantized_checkpoint(hf_dir, "Q8_0"))
+
+
+@pytest.mark.parametrize("family, fields", [
+    ("starcoder2", {"use_bias": True, "sliding_window": None, "norm_epsilon": 1e-5}),
+    ("phi", {"tie_word_embeddings": False, "layer_norm_eps": 1e-5,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                 "partial_rotary_factor": 0.5}}),
+    ("phi_fused_qkv", {"tie_word_embeddings": False}),
+    ("cohere", {"logit_scale": 0.25, "attention_bias": True, "use_qk_norm": False,
+                "tie_word_embeddings": True}),
+    ("cohere2", {"logit_scale": 0.5, "sliding_window": 16, "layer_types":
+                 ["sliding_attention"] * 3 + ["full_attention"]})])
+def test_a_layer_norm_family_file_matches_its_checkpoint(tiny_window_dirs, tmp_path, family,
+                                                        fields):
+    """StarCoder2, Phi-2 (RoPE on half of each head; q/k/v fused where the file was converted
+    from Phi-2's first checkpoint), Command R and Command R7B files, which transformers does
+    not read (StarCoder2's in part): LayerNorms, MLPs without a gate, Cohere's logit scale and
+    sliding layers; against transformers on the checkpoint the file was written from, each
+    matrix quantized as the file stores it. A StarCoder2 file has no window (llama.cpp's
+    converter writes none), so its checkpoint is read without one too."""
+    from gguf_files import dequantized_checkpoint
+
+    from actorlm.models.loader import load_hf_config
+
+    hf_dir = tiny_window_dirs[family.removesuffix("_fused_qkv")]
+    if family == "starcoder2":
+        hf_dir = _copy_with(hf_dir, tmp_path / "unwindowed", sliding_window=None)
+    path = resolve_model(write_gguf(hf_dir, tmp_path / f"tiny-{family}.gguf", "Q8_0",
+                                    fuse_qkv=family.endswith("_fused_qkv")))
+    config = load_hf_config(path)
+    assert config.model_type == json.loads((hf_dir / "config.json").read_text())["model_type"]
+    assert {key: pytest.approx(getattr(config, key)) for key in fields} == fields
+    ours = load_model(path, torch.float32, "cpu", select_backend("cpu"))
+    assert type(ours.model.layers[0].self_attn.qkv_proj.prepared).__name__ == "QuantLinear"
+    check_greedy_and_kl(ours, dequantized_checkpoint(hf_dir, "Q8_0"))
+
+
+def _copy_with(hf_dir: pathlib.Path, target: pathlib.Path, **fields) -> pathlib.Path:
+    """A copy of the checkpoint whose config has ``fields`` changed."""
+    shutil.copytree(hf_dir, target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, **fields}))
+    return target
 
 
 @pytest.mark.parametrize("yarn", [False, True], ids=["bases", "yarn"])
