@@ -7,6 +7,8 @@ its errors as ``default``: OpenAI's error shape, whatever the status.
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 
 import actorlm
@@ -15,6 +17,7 @@ from actorlm.api.embeddings import (EmbeddingRequest, EmbeddingResponse, Pooling
                                     PoolingResponse)
 from actorlm.api.errors import ErrorResponse
 from actorlm.api.lora_routes import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from actorlm.api.protocol_responses import DeletedResponse, ResponseObject, ResponsesRequest
 from actorlm.api.scoring import (RERANK_PATHS, SCORE_PATHS, ClassificationRequest,
                                  ClassificationResponse, RerankRequest, RerankResponse,
                                  ScoreRequest, ScoreResponse)
@@ -35,6 +38,11 @@ OPERATIONS = [
      "true)", p.CompletionRequest, p.CompletionResponse),
     ("post", "/v1/chat/completions", "Chat completions (streamed as Server-Sent Events when "
      "stream is true)", p.ChatCompletionRequest, p.ChatCompletionResponse),
+    ("post", "/v1/responses", "OpenAI's Responses API (streamed as Server-Sent Events when "
+     "stream is true)", ResponsesRequest, ResponseObject),
+    ("get", "/v1/responses/{response_id}", "A stored response", None, ResponseObject),
+    ("delete", "/v1/responses/{response_id}", "Forget a stored response", None,
+     DeletedResponse),
     ("post", "/v1/embeddings", "Embeddings (a pooling model's)", EmbeddingRequest,
      EmbeddingResponse),
     ("post", "/classify", "Class probabilities and the likeliest label (a classifier's)",
@@ -60,7 +68,7 @@ OPERATIONS = [
     ("get", "/openapi.json", "This document", None,
      {"application/json": {"schema": {"type": "object"}}}),
 ]
-_STREAMING = {"/v1/completions", "/v1/chat/completions"}
+_STREAMING = {"/v1/completions", "/v1/chat/completions", "/v1/responses"}
 # with VLLM_ALLOW_RUNTIME_LORA_UPDATING only
 LORA_OPERATIONS = [
     ("post", "/v1/load_lora_adapter", "Serve a LoRA adapter's directory under a model name",
@@ -93,6 +101,9 @@ def openapi_document(requires_api_key: bool, runtime_lora: bool = False) -> dict
                                         {"schema": ref_of[ErrorResponse]}}},
             },
         }
+        if names := re.findall(r"{(\w+)}", path):
+            operation["parameters"] = [{"name": name, "in": "path", "required": True,
+                                        "schema": {"type": "string"}} for name in names]
         if request is not None:
             operation["requestBody"] = {"required": True, "content": {
                 "application/json": {"schema": ref_of[request]}}}

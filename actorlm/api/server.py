@@ -45,6 +45,8 @@ from actorlm.api.openapi import openapi_document
 from actorlm.api.options import ServerOptions
 from actorlm.api.prompt_limits import check_token_ids
 from actorlm.api.responses import as_api_error, error_response, json_response
+from actorlm.api.responses_api import (ResponseStore, create_response, delete_response,
+                                       retrieve_response)
 from actorlm.api.scoring import (RERANK_PATHS, SCORE_PATHS, create_classification, create_rerank,
                                  create_score)
 from actorlm.api.security import RequestGuard
@@ -73,6 +75,7 @@ class ServerState:
         self.lora = LoRAModels()  # its checker comes with the engine
         self.lora_modules = list(lora_modules)  # loaded once the engine is, before serving
         self.decoder = RequestDecoder()
+        self.responses = ResponseStore()  # the Responses API's stored answers
         self.openapi = openapi_document(bool(options.api_keys), runtime_lora)
         self.max_token_chars = 0  # the longest text one token stands for; set when ready
         self.factory = None if isinstance(engine, AsyncLLM) else engine
@@ -333,6 +336,11 @@ def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: 
               methods=["POST"]),
         Route("/v1/chat/completions", _endpoint(_generation(serving.create_chat_completion)),
               methods=["POST"]),
+        Route("/v1/responses", _endpoint(_generation(create_response)), methods=["POST"]),
+        Route("/v1/responses/{response_id}", _endpoint(_generation(retrieve_response)),
+              methods=["GET"]),
+        Route("/v1/responses/{response_id}", _endpoint(_generation(delete_response)),
+              methods=["DELETE"]),
         Route("/v1/embeddings", _endpoint(_generation(create_embedding)), methods=["POST"]),
         Route("/classify", _endpoint(_generation(create_classification)), methods=["POST"]),
         Route("/pooling", _endpoint(_generation(create_pooling)), methods=["POST"]),

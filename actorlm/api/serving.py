@@ -85,8 +85,18 @@ async def create_completion(state, request: Request) -> Response:
 
 
 async def create_chat_completion(state, request: Request) -> Response:
-    engine = _generating_engine(state, "Chat Completions API")
     req = state.decoder.decode(await request.body(), p.ChatCompletionRequest)
+    gen = await start_chat(state, request, req, "Chat Completions API", "chatcmpl")
+    if req.stream:
+        return EventStream(gen.chat_events(), gen.abort)
+    return await gen.respond(request, gen.chat_response)
+
+
+async def start_chat(state, request: Request, req: p.ChatCompletionRequest, api: str,
+                     kind: str) -> _Generation:
+    """The chat request ``req`` checked, rendered by the chat template and started: its
+    generation, to answer with (the Chat Completions API's shape, or the Responses API's)."""
+    engine = _generating_engine(state, api)
     lora = state.resolve_model(req.model)
     req.check_supported()
     tools = tool_use(req.tools, req.tool_choice, req.parallel_tool_calls, state.options)
@@ -105,12 +115,10 @@ async def create_chat_completion(state, request: Request) -> Response:
                                 defaults.get("max_tokens", None))
     params = req.sampling_params(max_tokens, req.num_logprobs, constraint, defaults)
     beams = req.beam_search(params, constraint is not None)
-    gen = _Generation(engine, _model_name(state, lora), "chatcmpl", request, req, tools,
+    gen = _Generation(engine, _model_name(state, lora), kind, request, req, tools,
                       engine.reasoning, lora)
     await gen.start([ids], [params], beams)
-    if req.stream:
-        return EventStream(gen.chat_events(), gen.abort)
-    return await gen.respond(request, gen.chat_response)
+    return gen
 
 
 def _generating_engine(state, api: str) -> AsyncLLM:
@@ -171,6 +179,7 @@ class _Generation:
         self.created = int(time.time())
         self.n = p.or_default(req.n, 1)
         self.streams: list[RequestStream] = []
+        self.final: RequestOutput | None = None  # the last output a stream of chunks read
 
     async def start(self, prompt_ids: list[list[int]], params: list,
                     beams: BeamSearchParams | None = None) -> None:
@@ -336,11 +345,21 @@ class _Generation:
     def _think_stream(self):
         return self.reasoning.text_stream(self.prompt_token_ids[0])
 
-    def _chunk(self, choices: list, usage=None) -> bytes:
-        return event(p.ChatCompletionChunk(self.request_id, "chat.completion.chunk",
-                                            self.created, self.model_name, choices, usage))
+    def _chunk(self, choices: list, usage=None) -> p.ChatCompletionChunk:
+        return p.ChatCompletionChunk(self.request_id, "chat.completion.chunk", self.created,
+                                     self.model_name, choices, usage)
 
     async def chat_events(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self.chat_chunks():
+                yield event(chunk)
+        except Exception as exc:
+            yield error_event(exc, self.engine_id)
+        yield DONE
+
+    async def chat_chunks(self) -> AsyncIterator[p.ChatCompletionChunk]:
+        """The stream's chunks: the role first, then each choice's deltas (its think, its
+        content, its calls), the usage last when asked."""
         progress = [_Progress() for _ in range(self.n)]
         calls = [self.tools.new_stream() for _ in range(self.n)] if self.tools else None
         thinks = [self._think_stream() for _ in range(self.n)] if self.reasoning else None
@@ -348,54 +367,51 @@ class _Generation:
         logprobs_from = [0] * self.n  # the first token whose logprobs are not sent yet
         final = None
         continuous = self.req.continuous_usage
-        try:
-            async for _, out in self.outputs():
-                usage = self.usage([out]) if continuous else None
-                if final is None:  # the role comes first, with the first output (as vLLM)
-                    for index in range(self.n):
-                        yield self._chunk([p.ChatChunkChoice(
-                            index, p.DeltaMessage(role="assistant", content=""))], usage)
-                final = out
-                for c in out.outputs:
-                    prog = progress[c.index]
-                    step = prog.advance(c)
-                    if step is None:
-                        continue
-                    text, _, end = step
-                    done = prog.finished
-                    think = None
-                    if thinks is not None:  # the think first: tools read only the content
-                        think, text = thinks[c.index].feed(text)
-                        if done:
-                            more_think, more_text = thinks[c.index].finish()
-                            think, text = think + more_think, text + more_text
-                        think = think or None
-                    delta = p.DeltaMessage(content=text)
-                    if calls is not None:
-                        content, deltas = calls[c.index].feed(text)
-                        if done:
-                            more, last = calls[c.index].finish()
-                            content, deltas = content + more, deltas + last
-                        if not (content or deltas or think or done):
-                            continue  # held back: a call may be starting
-                        made_calls[c.index] |= bool(deltas)
-                        delta = p.DeltaMessage(content=content or None, reasoning_content=think,
-                                               reasoning=think, tool_calls=deltas or None)
-                    elif thinks is not None:
-                        if not (text or think or done):
-                            continue  # held back: a tag may be starting
-                        delta = p.DeltaMessage(content=text or None, reasoning_content=think,
-                                               reasoning=think)
-                    start, logprobs_from[c.index] = logprobs_from[c.index], end
-                    finish = _finish_reason(c.finish_reason, made_calls[c.index])
+        async for _, out in self.outputs():
+            usage = self.usage([out]) if continuous else None
+            if final is None:  # the role comes first, with the first output (as vLLM)
+                for index in range(self.n):
                     yield self._chunk([p.ChatChunkChoice(
-                        c.index, delta, self._chat_logprobs(c, start, end),
-                        finish if done else None, c.stop_reason if done else None)], usage)
-            if self.req.include_usage:
-                yield self._chunk([], self.usage([final]))
-        except Exception as exc:
-            yield error_event(exc, self.engine_id)
-        yield DONE
+                        index, p.DeltaMessage(role="assistant", content=""))], usage)
+            final = out
+            for c in out.outputs:
+                prog = progress[c.index]
+                step = prog.advance(c)
+                if step is None:
+                    continue
+                text, _, end = step
+                done = prog.finished
+                think = None
+                if thinks is not None:  # the think first: tools read only the content
+                    think, text = thinks[c.index].feed(text)
+                    if done:
+                        more_think, more_text = thinks[c.index].finish()
+                        think, text = think + more_think, text + more_text
+                    think = think or None
+                delta = p.DeltaMessage(content=text)
+                if calls is not None:
+                    content, deltas = calls[c.index].feed(text)
+                    if done:
+                        more, last = calls[c.index].finish()
+                        content, deltas = content + more, deltas + last
+                    if not (content or deltas or think or done):
+                        continue  # held back: a call may be starting
+                    made_calls[c.index] |= bool(deltas)
+                    delta = p.DeltaMessage(content=content or None, reasoning_content=think,
+                                           reasoning=think, tool_calls=deltas or None)
+                elif thinks is not None:
+                    if not (text or think or done):
+                        continue  # held back: a tag may be starting
+                    delta = p.DeltaMessage(content=text or None, reasoning_content=think,
+                                           reasoning=think)
+                start, logprobs_from[c.index] = logprobs_from[c.index], end
+                finish = _finish_reason(c.finish_reason, made_calls[c.index])
+                yield self._chunk([p.ChatChunkChoice(
+                    c.index, delta, self._chat_logprobs(c, start, end),
+                    finish if done else None, c.stop_reason if done else None)], usage)
+        self.final = final
+        if self.req.include_usage:
+            yield self._chunk([], self.usage([final]))
 
 
 def _finish_reason(reason: str | None, made_calls: bool) -> str | None:

@@ -189,6 +189,27 @@ def test_tool_calls_are_read_from_the_content_after_the_think(think_server):
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_time", {"tz": "utc"})
 
 
+def test_a_response_holds_the_think_as_its_reasoning_item(think_server):
+    """The Responses API: the think is a reasoning item before the answer, whole and
+    streamed, and the usage counts its tokens."""
+    client, engine = think_server
+    raw = _raw(client, _prompt(engine))
+    kw = dict(model=SERVED_NAME, input=MESSAGES[0]["content"], max_output_tokens=16,
+              temperature=0.0)
+    response = client.responses.create(**kw)
+    [reasoning] = response.output  # (unterminated: no answer after it)
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == raw
+    assert response.usage.output_tokens_details.reasoning_tokens == 16
+    events = list(client.responses.create(**kw, stream=True))
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == raw
+    assert events[-1].response.output[0].content[0].text == raw
+    assert events[-1].response.usage.output_tokens_details.reasoning_tokens == 16
+    closed = client.responses.create(**{**kw, "input": [
+        {"role": "user", "content": MESSAGES[0]["content"]}]}, extra_body={"top_k": 1})
+    assert closed.output[0].content[0].text == raw  # (vLLM's top_k, and the same answer)
+
+
 # --- the chat answer's order of parsing, without an engine ---------------------------------------
 
 THINK_START, THINK_END = 400, 401
