@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import ipaddress
 import os
+import pathlib
 
 from actorlm.api.tool_parsers import PARSERS
 
@@ -30,6 +31,7 @@ class ServerOptions:
     allowed_headers: tuple[str, ...] = ("*",)
     allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides the local ones
     trust_request_chat_template: bool = False
+    chat_template: str | None = None  # the server's, in place of the model's (--chat-template)
     enable_auto_tool_choice: bool = False  # tool_choice "auto": read calls out of free text
     tool_call_parser: str | None = None  # how (a name in tool_parsers.PARSERS)
     host: str = "127.0.0.1"  # the address the server is bound to
@@ -48,6 +50,8 @@ class ServerOptions:
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(f"--tool-call-parser: unknown parser {self.tool_call_parser!r} "
                              f"(known: {', '.join(PARSERS)})")
+        if self.chat_template is not None:
+            _check_template(self.chat_template)
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (which format "
                              "the model writes its calls in)")
@@ -77,9 +81,39 @@ class ServerOptions:
                    allowed_headers=tuple(args.allowed_headers or ("*",)),
                    allowed_hosts=tuple(args.allowed_hosts or ()),
                    trust_request_chat_template=args.trust_request_chat_template,
+                   chat_template=read_chat_template(args.chat_template),
                    enable_auto_tool_choice=args.enable_auto_tool_choice,
                    tool_call_parser=args.tool_call_parser,
                    host=args.host)
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``'s template: the file it names, or the template itself (as vLLM
+    reads the flag); a name of no file that holds no template markup is refused as the
+    missing file it most likely is."""
+    if value is None:
+        return None
+    try:
+        path = pathlib.Path(value)
+        if path.is_file():
+            return path.read_text()
+    except (OSError, ValueError):  # a template too long, or too odd, to be a path
+        pass
+    if not any(mark in value for mark in ("{{", "{%")):
+        raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+    return value
+
+
+def _check_template(template: str) -> None:
+    """Compile the template as transformers will, so that a broken one stops the start."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment().parse(template)
+    except TemplateSyntaxError as exc:
+        raise ValueError(f"--chat-template: not a valid Jinja template: {exc.message} "
+                         f"(line {exc.lineno})") from None
 
 
 def _is_loopback(host: str) -> bool:
@@ -116,6 +150,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="let requests bring their own chat template (a Jinja program the "
                              "server runs); refused by default")
+    parser.add_argument("--chat-template", default=None, metavar="TEMPLATE",
+                        help="the chat template for chat requests in place of the model's: a "
+                             "file holding a Jinja template, or the template itself")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="serve tool_choice 'auto' (the default when a request has tools): "
                              "calls are read out of the model's text with --tool-call-parser")

@@ -64,8 +64,7 @@ async def request_prompts(state, engine: AsyncLLM, req: PromptFields) -> list[li
         raise p.ApiError(400, "messages: the conversation is empty", "messages")
     conversation = p.conversation(req.messages)
     check_text_length(state, p.num_chars(req.messages, conversation), req)
-    add_generation_prompt, kwargs = template_call(
-        req, state.options.trust_request_chat_template, False)
+    add_generation_prompt, kwargs = template_call(req, state.options, False)
     ids = await apply_chat_template(engine, conversation, add_generation_prompt, **kwargs)
     return [truncated(ids, req.truncate_prompt_tokens, engine.max_model_len)]
 

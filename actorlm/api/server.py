@@ -224,8 +224,7 @@ async def tokenize(request: Request) -> Response:
     req = state.decoder.decode(await request.body(), p.TokenizeRequest)
     state.check_model(req.model)
     if req.messages is not None:
-        add_generation_prompt, kwargs = template_call(
-            req, state.options.trust_request_chat_template, True)
+        add_generation_prompt, kwargs = template_call(req, state.options, True)
         if req.tools:
             kwargs["tools"] = [t.as_dict() for t in req.tools]
         ids = await apply_chat_template(engine, p.conversation(req.messages),

@@ -101,8 +101,7 @@ async def start_chat(state, request: Request, req: p.ChatCompletionRequest, api:
     req.check_supported()
     tools = tool_use(req.tools, req.tool_choice, req.parallel_tool_calls, state.options)
     constraint = await decoding_constraint(tools, await checked_constraint(req))
-    add_generation_prompt, kwargs = template_call(req, state.options.trust_request_chat_template,
-                                                 True)
+    add_generation_prompt, kwargs = template_call(req, state.options, True)
     if req.tools:
         kwargs["tools"] = [t.as_dict() for t in req.tools]
     conversation = req.conversation()

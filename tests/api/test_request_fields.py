@@ -7,7 +7,7 @@ import httpx
 import pytest
 from api_helpers import SERVED_NAME, running
 
-from actorlm.api.options import ServerOptions
+from actorlm.api.options import ServerOptions, read_chat_template
 from actorlm.api.server import create_app
 from actorlm.async_llm import AsyncLLM
 
@@ -135,5 +135,37 @@ def test_trusted_server_runs_a_request_template(tiny_llama_dir):
             kwargs = httpx.post(base + "/v1/chat/completions", timeout=30,
                                 json={**body, "chat_template_kwargs": {"chat_template": template}})
             assert kwargs.status_code == 400
+    finally:
+        engine.shutdown()
+
+
+def test_the_servers_chat_template_takes_the_models_place(tiny_llama_dir, tmp_path):
+    """``--chat-template``: chat, /tokenize and the Responses API render with the server's
+    template; a request's own stays refused unless trusted; a missing file or a broken
+    template stops the start with the flag named."""
+    template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    assert read_chat_template(str(tmp_path / "t.jinja")) == template
+    assert read_chat_template(template) == template
+    with pytest.raises(ValueError, match="--chat-template: .*neither a file nor a Jinja"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="--chat-template: not a valid Jinja template"):
+        ServerOptions(chat_template="{% for m in messages %}")
+    engine = AsyncLLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=64)
+    try:
+        options = ServerOptions(chat_template=template)
+        with running(create_app(engine, options=options, served_model_name=SERVED_NAME)) as base:
+            expected = engine.encode("<" + HI[0]["content"] + ">", add_special_tokens=False)
+            body = {**GREEDY, "messages": HI, "max_tokens": 1}
+            chat = _ok(httpx.post(base + "/v1/chat/completions", json=body, timeout=30))
+            assert chat["usage"]["prompt_tokens"] == len(expected)
+            tokens = _ok(httpx.post(base + "/tokenize", json={"messages": HI}, timeout=30))
+            assert tokens["tokens"] == expected
+            response = _ok(httpx.post(base + "/v1/responses", timeout=30, json={
+                "input": HI[0]["content"], "max_output_tokens": 1}))
+            assert response["usage"]["input_tokens"] == len(expected)
+            own = httpx.post(base + "/v1/chat/completions", timeout=30,
+                             json={**body, "chat_template": "{{ 'x' }}"})
+            assert own.status_code == 400 and own.json()["error"]["param"] == "chat_template"
     finally:
         engine.shutdown()
