@@ -83,18 +83,20 @@ def random_blocks(type_name: str, rows: int, columns: int, seed: int) -> np.ndar
 
 def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
                eot_token_id: int | None = None, pooling_type=None,
-               fuse_qkv: bool = False) -> pathlib.Path:
+               fuse_qkv: bool = False, architecture: str | None = None) -> pathlib.Path:
     """The checkpoint ``hf_dir`` (Llama, SmolLM3, Granite, OLMo 2, Phi-3, EXAONE 4, GLM-4,
     ERNIE 4.5, Seed-OSS, Gemma, Qwen2, Qwen3, StarCoder2, Phi-2, Cohere or Cohere 2) as a GGUF
     file whose matrices are all ``type_name`` blocks (norms and biases F32), with an
     end-of-turn token where given, an embedding model's ``gguf.PoolingType`` where given (as
     llama.cpp's converter writes a sentence-transformers model's), q/k/v fused into one tensor
-    where asked (as the files of Phi-2's first checkpoint have them); returns the file."""
+    where asked (as the files of Phi-2's first checkpoint have them), under ``architecture``
+    where given (a Qwen2 or Qwen3 written as the text decoder of a Qwen2-VL or Qwen3-VL file,
+    with the multimodal RoPE's sections); returns the file."""
     import gguf
     from safetensors.torch import load_file
 
     config = json.loads((hf_dir / "config.json").read_text())
-    arch = _ARCHITECTURES.get(config["model_type"], config["model_type"])
+    arch = architecture or _ARCHITECTURES.get(config["model_type"], config["model_type"])
     state = {}
     for file in sorted(hf_dir.glob("*.safetensors")):
         state.update(load_file(file))
@@ -114,6 +116,11 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
         writer.add_sliding_window(config["sliding_window"])
     if "logit_scale" in config:
         writer.add_logit_scale(config["logit_scale"])
+    if arch in ("qwen2vl", "qwen3vl"):  # time, height, width and an unused fourth
+        half = (config.get("head_dim") or
+                config["hidden_size"] // config["num_attention_heads"]) // 2
+        time, height = half // 4, (half - half // 4) // 2
+        writer.add_rope_dimension_sections([time, height, half - time - height, 0])
     if config["model_type"] == "olmo3":
         _write_olmo3_rope(writer, config["rope_parameters"])
     if (config.get("rope_parameters") or {}).get("rope_type") == "llama3":

@@ -5,8 +5,9 @@ config is built here from llama.cpp's keys (``gguf-py/gguf/constants.py`` names 
 sizes every decoder has (``decoder_fields``), and what an architecture adds
 (``gguf_moe`` for the mixtures of experts, ``smollm3_config``, ``granite_config``,
 ``olmo2_config``, ``phi3_config``, ``exaone4_config``, ``glm4_config``, ``ernie4_5_config``,
-``seed_oss_config``, and the LayerNorm families: ``starcoder2_config``, ``phi2_config``,
-``command_r_config``, ``cohere2_config``).
+``seed_oss_config``, the LayerNorm families: ``starcoder2_config``, ``phi2_config``,
+``command_r_config``, ``cohere2_config``, and the multimodal files' text decoders:
+``qwen2vl_config``, ``qwen3vl_config``).
 
 - ``smollm3``: a Llama (q and k rows permuted as a Llama's) that leaves RoPE out of every
   fourth layer. llama.cpp keeps no key for it (its graph skips RoPE where ``(layer + 1) % 4``
@@ -45,6 +46,10 @@ sizes every decoder has (``decoder_fields``), and what an architecture adds
   (``attn_qkv``) in the files converted from its first checkpoint; Cohere's files keep the
   ``logit_scale`` the logits are multiplied by, and Command R7B's the window of its sliding
   layers (three to every full one, as llama.cpp's loader fixes it).
+- ``qwen2vl`` (Qwen2-VL, Qwen2.5-VL) and ``qwen3vl`` (Qwen3-VL): the text decoder of a
+  multimodal file (its vision tower is a file apart, the mmproj), read as Qwen2 / Qwen3. Text
+  tokens take one position in all of the multimodal RoPE's sections, which makes it the text
+  model's RoPE.
 - Llama 3.1-3.3 (and what took their RoPE scaling, EXAONE 4): the converter stores the ``llama3``
   scaling as a tensor of divisors of the frequencies, ``rope_freqs`` (``read_rope_freqs``).
 """
@@ -293,6 +298,32 @@ def cohere2_config(reader, tensor_names: list[str]):
     fields = _cohere_fields(reader, "cohere2", tensor_names)
     return Cohere2Config(**fields, sliding_window=field(reader, "cohere2.attention.sliding_window"),
                          layer_types=_layer_types(reader, "cohere2", fields, default_period=4))
+
+
+def qwen2vl_config(reader, tensor_names: list[str]):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**_text_tower_fields(reader, "qwen2vl", tensor_names))
+
+
+def qwen3vl_config(reader, tensor_names: list[str]):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**_text_tower_fields(reader, "qwen3vl", tensor_names),
+                       head_dim=head_dim(reader, "qwen3vl"))
+
+
+def _text_tower_fields(reader, arch: str, tensor_names: list[str]) -> dict:
+    """A Qwen2-VL / Qwen2.5-VL or Qwen3-VL file read as the text decoder it holds: its
+    multimodal RoPE gives a text token the same position in every section
+    (``rope.dimension_sections``), which is the text model's RoPE; sections that do not
+    cover each head's frequencies are refused."""
+    sections = field(reader, f"{arch}.rope.dimension_sections", None)
+    half = head_dim(reader, arch) // 2
+    if sections is not None and sum(sections) != half:
+        raise ValueError(f"GGUF {arch} file: rope.dimension_sections {list(sections)} do not "
+                         f"cover the {half} frequencies of a head")
+    return decoder_fields(reader, arch, tensor_names)
 
 
 def _cohere_fields(reader, arch: str, tensor_names: list[str]) -> dict:

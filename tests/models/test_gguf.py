@@ -242,6 +242,34 @@ def test_a_layer_norm_family_file_matches_its_checkpoint(tiny_window_dirs, tmp_p
     check_greedy_and_kl(ours, dequantized_checkpoint(hf_dir, "Q8_0"))
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_a_multimodal_files_text_decoder_is_its_text_model(request, tmp_path, monkeypatch,
+                                                          family):
+    """A Qwen2-VL (Qwen2.5-VL) or Qwen3-VL file's decoder, read as the Qwen2 / Qwen3 it is
+    for text (a text token has one position in every section of the multimodal RoPE), against
+    transformers on the text checkpoint the file was written from; sections that do not cover
+    a head's frequencies are refused by name."""
+    from gguf_files import dequantized_checkpoint
+
+    from actorlm.models.loader import load_hf_config
+
+    hf_dir = request.getfixturevalue(f"tiny_{family}_dir")
+    path = resolve_model(write_gguf(hf_dir, tmp_path / f"tiny-{family}vl.gguf", "Q8_0",
+                                    architecture=f"{family}vl"))
+    assert load_hf_config(path).model_type == family
+    ours = load_model(path, torch.float32, "cpu", select_backend("cpu"))
+    check_greedy_and_kl(ours, dequantized_checkpoint(hf_dir, "Q8_0"))
+    import gguf
+
+    write_sections = gguf.GGUFWriter.add_rope_dimension_sections
+    monkeypatch.setattr(gguf.GGUFWriter, "add_rope_dimension_sections",
+                        lambda writer, dims: write_sections(writer, [1, 1, 1, 0]))
+    with pytest.raises(ValueError, match=rf"GGUF {family}vl file: rope.dimension_sections "
+                                         r"\[1, 1, 1, 0\] do not cover the \d+ frequencies"):
+        resolve_model(write_gguf(hf_dir, tmp_path / "short.gguf", "Q8_0",
+                                 architecture=f"{family}vl"))
+
+
 def _copy_with(hf_dir: pathlib.Path, target: pathlib.Path, **fields) -> pathlib.Path:
     """A copy of the checkpoint whose config has ``fields`` changed."""
     shutil.copytree(hf_dir, target)
