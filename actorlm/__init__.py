@@ -7,14 +7,14 @@ from actorlm.outputs import (ClassificationRequestOutput, CompletionOutput,
                              EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput,
                              ScoringRequestOutput)
 from actorlm.pooling import PoolingParams
-from actorlm.sampling_params import SamplingParams
+from actorlm.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "AsyncLLM", "EngineDeadError", "EngineShutdownError", "EngineConfig",
            "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest", "PoolingParams",
            "EmbeddingRequestOutput", "ClassificationRequestOutput", "ScoringRequestOutput",
-           "PoolingRequestOutput", "BeamSearchParams"]
+           "PoolingRequestOutput", "BeamSearchParams", "RequestOutputKind"]
 
 _LAZY = {"LLM": "actorlm.llm", "AsyncLLM": "actorlm.async_llm",
          "EngineDeadError": "actorlm.actors.supervisor",

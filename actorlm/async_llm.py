@@ -51,11 +51,11 @@ from actorlm.engine_core import start_engine
 from actorlm.llm import PromptType, prompt_input, prompt_salt, salted
 from actorlm.lora_request import LoRARequest
 from actorlm.messages import AbortRequests, SubmitRequest
-from actorlm.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput,
+from actorlm.outputs import (ClassificationRequestOutput, DeltaOutputs, EmbeddingRequestOutput,
                              PoolingRequestOutput, RequestOutput)
 from actorlm.pooling import NOTHING_SAMPLED, PoolingParams
 from actorlm.request_timing import RequestTiming
-from actorlm.sampling_params import SamplingParams
+from actorlm.sampling_params import RequestOutputKind, SamplingParams
 from actorlm.trace import TraceRecorder
 
 log = logging.getLogger(__name__)
@@ -122,25 +122,30 @@ class RequestStream:
     """The outputs of one submitted request, as an async iterator; ``abort()`` cancels it."""
 
     def __init__(self, engine: AsyncLLM, request_id: str, prompt_token_ids: list[int],
-                 sink: _AsyncSink, queue: asyncio.Queue, arrival: float):
+                 sink: _AsyncSink, queue: asyncio.Queue, arrival: float,
+                 kind: RequestOutputKind = RequestOutputKind.CUMULATIVE):
         self.engine, self.request_id = engine, request_id
         self.prompt_token_ids = prompt_token_ids
         self.finished = False
         self._sink, self._queue = sink, queue
         self._timing = RequestTiming(engine.stats_listener, arrival)
+        self._kind = kind  # (the engine's outputs are cumulative: cut or held back here)
+        self._delta = DeltaOutputs() if kind == RequestOutputKind.DELTA else None
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput | EmbeddingRequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self._close("error")
-            raise item
-        self._record(item)
-        return item
+        while not self.finished:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self._close("error")
+                raise item
+            self._record(item)
+            if isinstance(item, PoolingRequestOutput) or item.finished or \
+                    self._kind != RequestOutputKind.FINAL_ONLY:
+                return self._delta(item) if self._delta is not None else item
+        raise StopAsyncIteration
 
     def abort(self) -> None:
         """Abort the request unless it has finished (idempotent; safe from the loop)."""
@@ -239,7 +244,8 @@ class AsyncLLM:
             submit.add_done_callback(
                 lambda f: f.cancelled() or f.exception() is not None or self.abort(request_id))
             raise
-        stream = RequestStream(self, request_id, prompt_token_ids, sink, queue, arrival)
+        stream = RequestStream(self, request_id, prompt_token_ids, sink, queue, arrival,
+                               params.output_kind)
         with self._live_lock:
             self._live[request_id] = stream
         if self.stats_listener is not None:
@@ -251,7 +257,8 @@ class AsyncLLM:
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, lora_request: LoRARequest | None = None,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yield a cumulative ``RequestOutput`` after every step; the last has ``finished``.
+        """Yield a ``RequestOutput`` after every step, cumulative (what each step added with
+        ``output_kind`` DELTA; the last one alone with FINAL_ONLY); the last has ``finished``.
         Leaving the loop early (or being cancelled) aborts the request."""
         request_id = request_id if request_id is not None else f"async-{next(self._ids)}"
         stream = await self.add_request(request_id, prompt, sampling_params, lora_request,

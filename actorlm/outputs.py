@@ -1,9 +1,10 @@
 """What a caller gets back: vLLM's RequestOutput / CompletionOutput shapes, and for a pooling
 model's requests its EmbeddingRequestOutput, ClassificationRequestOutput and
-ScoringRequestOutput."""
+ScoringRequestOutput; ``DeltaOutputs`` cuts a stream of cumulative outputs into deltas."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,3 +118,23 @@ class ScoringRequestOutput:
     outputs: ScoringOutput
     prompt_token_ids: list[int]  # the pair's (a cross-encoder's); the first text's otherwise
     finished: bool
+
+
+class DeltaOutputs:
+    """One request's cumulative outputs as what each adds (vLLM's ``DELTA`` kind): each
+    completion's new text, tokens and logprobs; the prompt's logprobs with the first only."""
+
+    def __init__(self):
+        self._sent: dict[int, tuple[int, int]] = {}  # index -> (characters, tokens) given
+
+    def __call__(self, output: RequestOutput) -> RequestOutput:
+        first = not self._sent
+        outputs = []
+        for c in output.outputs:
+            chars, tokens = self._sent.get(c.index, (0, 0))
+            self._sent[c.index] = (len(c.text), len(c.token_ids))
+            outputs.append(dataclasses.replace(
+                c, text=c.text[chars:], token_ids=c.token_ids[tokens:],
+                logprobs=None if c.logprobs is None else c.logprobs[tokens:]))
+        return dataclasses.replace(output, outputs=outputs,
+                                   prompt_logprobs=output.prompt_logprobs if first else None)

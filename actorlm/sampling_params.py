@@ -7,6 +7,7 @@ vocabulary, logprobs above the engine's cap) happen when the request is submitte
 
 from __future__ import annotations
 
+import enum
 import math
 
 import msgspec
@@ -74,6 +75,15 @@ def _json_text(value) -> str:
     return msgspec.json.encode(value).decode()
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What ``AsyncLLM`` streams of a request (vLLM's): everything so far after each step, what
+    each step added, or the final output alone."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """How to sample one request (see vLLM's ``SamplingParams`` for each field's meaning)."""
 
@@ -101,6 +111,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: StructuredOutputsParams | None = None  # the older name: moved on
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what AsyncLLM streams
 
     def __post_init__(self) -> None:
         if self.guided_decoding is not None:
@@ -115,6 +126,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         force_setattr(self, "bad_words", list(self.bad_words or []))
         if self.logit_bias is not None:
             force_setattr(self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
+        _check(self.output_kind in tuple(RequestOutputKind) and
+               not isinstance(self.output_kind, bool), "output_kind",
+               f"must be a RequestOutputKind, got {_show(self.output_kind)}")
+        force_setattr(self, "output_kind", RequestOutputKind(self.output_kind))
         self._validate()
 
     def _validate(self) -> None:

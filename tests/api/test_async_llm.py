@@ -8,7 +8,7 @@ import time
 import pytest
 
 from actorlm.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
-from actorlm.sampling_params import SamplingParams
+from actorlm.sampling_params import RequestOutputKind, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
@@ -42,6 +42,29 @@ def test_generate_streams_cumulative_outputs(engine):
     assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
     assert all(outputs[-1].outputs[0].text.startswith(o.outputs[0].text) for o in outputs)
     assert outputs[-1].prompt_token_ids == engine.encode("Once upon a time")
+
+
+def test_output_kinds_stream_deltas_or_the_final_output_alone(engine):
+    """vLLM's ``output_kind``: DELTA streams what each step added (which joins into the
+    cumulative answer, logprobs and all), FINAL_ONLY the last output alone."""
+    params = dict(max_tokens=8, temperature=0.0, ignore_eos=True, n=2, logprobs=1)
+
+    async def collect(kind):
+        sp = SamplingParams(**params, output_kind=kind)
+        return [out async for out in engine.generate("Once upon a time", sp)]
+
+    cumulative, delta, final = (asyncio.run(collect(kind)) for kind in RequestOutputKind)
+    assert len(delta) == len(cumulative) >= 2 and len(final) == 1
+    assert final[0].outputs == cumulative[-1].outputs and final[0].finished
+    for index in range(2):
+        pieces = [c for out in delta for c in out.outputs if c.index == index]
+        whole = cumulative[-1].outputs[index]
+        assert "".join(c.text for c in pieces) == whole.text
+        assert [t for c in pieces for t in c.token_ids] == whole.token_ids
+        assert [lp for c in pieces for lp in c.logprobs] == whole.logprobs
+        assert pieces[-1].finish_reason == "length"
+    with pytest.raises(ValueError, match="output_kind: must be a RequestOutputKind, got 3"):
+        SamplingParams(output_kind=3)
 
 
 def test_concurrent_generates_match_one_at_a_time(engine):
