@@ -42,16 +42,19 @@ def chat_logprobs(token_ids: list[int], positions: list[dict | None], num_top: i
 def completion_logprobs(token_ids: list[int], positions: list[dict | None], num_top: int,
                         decode, text_offset: int = 0) -> CompletionLogProbs:
     """Legacy completions shape: the chosen tokens, their logprobs and up to ``num_top``
-    alternatives plus the chosen one at each position (as OpenAI documents)."""
+    alternatives plus the chosen one at each position (as OpenAI documents); a position
+    without logprobs (an echoed prompt's first: nothing comes before it) has null for both."""
     out = CompletionLogProbs([], [], [], [])
     for token_id, position in zip(token_ids, positions):
-        position = position or {}
-        chosen = position.get(token_id)
+        chosen = position.get(token_id) if position else None
         text = _token_text(token_id, chosen, decode)
         out.tokens.append(text)
         out.token_logprobs.append(_value(chosen) if chosen else None)
         out.text_offset.append(text_offset)
         text_offset += len(text)
+        if position is None:
+            out.top_logprobs.append(None)
+            continue
         top = {}  # keyed by text: tokens that decode alike keep the best value
         for tid, lp in _ranked(position)[:num_top]:
             top.setdefault(_token_text(tid, lp, decode), _value(lp))

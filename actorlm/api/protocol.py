@@ -186,8 +186,17 @@ class CompletionRequest(_SamplingRequest, kw_only=True):
             raise ApiError(400, "suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != or_default(self.n, 1):
             raise ApiError(400, "best_of: only best_of == n is supported", "best_of")
-        if self.echo and self.logprobs is not None:
-            raise ApiError(400, "echo together with logprobs is not supported", "echo")
+        if self.echo and self.logprobs is not None and self.stream:
+            raise ApiError(400, "echo together with logprobs is not supported when streaming",
+                           "echo")
+
+    def sampling_params(self, *args, **kwargs) -> SamplingParams:
+        """As every request's; with ``echo`` and ``logprobs``, the prompt's logprobs too (as
+        many alternatives), which the answer puts before the completion's, as vLLM's does."""
+        params = super().sampling_params(*args, **kwargs)
+        if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
+            params = msgspec.structs.replace(params, prompt_logprobs=self.logprobs)
+        return params
 
 
 class ContentPart(Struct):

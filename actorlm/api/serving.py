@@ -265,8 +265,13 @@ class _Generation:
             for c in final.outputs:
                 lp = None
                 if self.req.logprobs is not None and c.logprobs is not None:
-                    lp = completion_logprobs(c.token_ids, c.logprobs, self.req.logprobs,
-                                             self.engine.decode, len(prefix))
+                    ids, positions, offset = c.token_ids, c.logprobs, len(prefix)
+                    if echo:  # the prompt's tokens first (its first without a logprob)
+                        ids, positions = final.prompt_token_ids + ids, \
+                            final.prompt_logprobs + positions
+                        offset = 0
+                    lp = completion_logprobs(ids, positions, self.req.logprobs,
+                                             self.engine.decode, offset)
                 choices.append(p.CompletionChoice(i * self.n + c.index, prefix + c.text, lp,
                                                   c.finish_reason, c.stop_reason,
                                                   prompt_logprobs(final.prompt_logprobs)))

@@ -88,6 +88,8 @@ CASES = [
     ("stream-not-bool", "POST", CHAT, _chat(stream="yes"), 400, "stream", ""),
     ("prompt-logprobs-streaming", "POST", CMPL, _cmpl(prompt_logprobs=1, stream=True), 400,
      "prompt_logprobs", "stream"),
+    ("echo-logprobs-streaming", "POST", CMPL, _cmpl(echo=True, logprobs=1, stream=True), 400,
+     "echo", "streaming"),
     ("suffix-unsupported", "POST", CMPL, _cmpl(suffix="x"), 400, "suffix", ""),
     ("get-on-post-route", "GET", CMPL, None, 405, None, ""),
     ("unknown-route", "GET", "/v1/nothing", None, 404, None, ""),

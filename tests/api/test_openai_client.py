@@ -245,6 +245,32 @@ def test_tokenize_detokenize(server, client):
     assert chat_tokens["count"] == _chat(client, max_tokens=1).usage.prompt_tokens
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, server,
+                                                                  tiny_llama_dir):
+    """lm-evaluation-harness's loglikelihood request (``echo``, ``logprobs`` 1, ``max_tokens``
+    1): the prompt's tokens with their logprobs before the completion's, the first null,
+    each against transformers' log-softmax over the same ids; and ``is_greedy`` as lm-eval
+    reads it from the top logprobs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ids = httpx.post(server + "/tokenize", json={"prompt": PROMPTS[1]}).json()["tokens"]
+    choice = _complete(client, PROMPTS[1], max_tokens=1, echo=True, logprobs=1).choices[0]
+    lp = choice.logprobs
+    assert choice.text.startswith(PROMPTS[1]) and len(lp.tokens) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    expected = [float(logits[i - 1, ids[i]]) for i in range(1, len(ids))]
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx(expected, abs=1e-4)
+    greedy = [int(logits[i - 1].argmax()) == ids[i] for i in range(1, len(ids))]
+    assert [max(top, key=top.get) == token for token, top in
+            zip(lp.tokens[1:len(ids)], lp.top_logprobs[1:len(ids)])] == greedy
+    assert not all(greedy)  # (a random model's prompt: the check can tell)
+
+
 def test_prompt_logprobs(server):
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2, "prompt_logprobs": 1}
     choice = httpx.post(server + "/v1/completions", json=body, timeout=30).json()["choices"][0]
