@@ -104,6 +104,9 @@ class EngineConfig:
     # a dict), e.g. {"is_matryoshka": true}; what they ask of the math is checked as the
     # config's own fields are
     hf_overrides: dict | None = None
+    # a tokenizer's directory in place of the model's own (vLLM's --tokenizer), e.g. a GGUF
+    # file's base model's
+    tokenizer: str | None = None
 
     def __post_init__(self):
         dtype = _DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower())

@@ -19,13 +19,24 @@ import threading
 _PROCESSOR_TEMPLATE = "chat_template.json"
 
 
-def load_tokenizer(path):
-    """The tokenizer of the model directory ``path``, with the chat template its processor
-    keeps where the tokenizer has none (a multimodal checkpoint's ``chat_template.json``, as
-    vLLM reads it)."""
+def load_tokenizer(path, tokenizer_path=None, vocab_size: int | None = None):
+    """The tokenizer of the model directory ``path`` (or of ``tokenizer_path``, where the
+    caller names one: ``--tokenizer``), with the chat template its processor keeps where the
+    tokenizer has none (a multimodal checkpoint's ``chat_template.json``, as vLLM reads it).
+    A tokenizer with more tokens than the model's ``vocab_size`` is refused."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    path = tokenizer_path or path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as exc:
+        if tokenizer_path is None:
+            raise
+        raise ValueError(f"--tokenizer {str(tokenizer_path)!r}: no tokenizer there ({exc})") \
+            from None
+    if tokenizer_path is not None and vocab_size is not None and len(tokenizer) > vocab_size:
+        raise ValueError(f"--tokenizer {str(tokenizer_path)!r} has {len(tokenizer)} tokens, "
+                         f"more than the model's vocabulary ({vocab_size})")
     template = pathlib.Path(path) / _PROCESSOR_TEMPLATE
     if getattr(tokenizer, "chat_template", None) is None and template.is_file():
         tokenizer.chat_template = json.loads(template.read_text())["chat_template"]

@@ -10,6 +10,8 @@ from actorlm.config import EngineConfig
 from actorlm.reasoning import REASONING_PARSERS
 
 _HELP = {
+    "tokenizer": "a tokenizer's directory in place of the model's (e.g. a GGUF file's base "
+                 "model's, with its chat template)",
     "generation_config": "sampling defaults for the fields a request leaves out: auto (the "
                          "model's generation_config.json), vllm (vLLM's own), or a directory "
                          "holding a generation_config.json (default: auto)",

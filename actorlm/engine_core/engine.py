@@ -57,7 +57,8 @@ class EngineCoreSystem(EngineSystem):
             self.dtype, self.device = getattr(torch, ready.dtype), torch.device(ready.device)
             self.backend_name, self.memory_profile = ready.backend_name, None
             self.kv_cache_windows = ready.kv_cache_windows
-            tokenizer = load_tokenizer(self.model_path)
+            tokenizer = load_tokenizer(self.model_path, self.config.tokenizer,
+                                       self.hf_config.vocab_size)
             self.tokenizer = PerThreadTokenizer(tokenizer)
             self.eos_token_ids = eos_token_ids(self.model_path, tokenizer)
             self.sampling_defaults = load_sampling_defaults(self.config.generation_config,

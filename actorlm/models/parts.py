@@ -230,7 +230,7 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
             f"--distributed-executor-backend {config.executor_backend}"
         raise ValueError(f"{what} on a GPU needs the KV pool sized by --num-kv-blocks or "
                          f"--kv-cache-memory-bytes (per rank)")
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(path, config.tokenizer, hf_config.vocab_size)
     draft_path = None
     spec = config.speculative_config
     if spec is not None and spec.method == "draft_model":  # checked before anything loads
