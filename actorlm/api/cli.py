@@ -15,6 +15,18 @@ from actorlm.bench.cli import add_bench_commands
 from actorlm.trace.cli import add_trace_commands
 
 
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# vLLM serve flags that ask for nothing this server does otherwise (noted in the log when given)
+NOTHING_TO_DO = {
+    "--trust-remote-code": "no code from a model's repository runs here, only its config, "
+                           "tokenizer and weights are read",
+    "--enforce-eager": "no CUDA graphs are captured here",
+    "--disable-log-requests": "requests are not logged one by one (the trace has them)",
+}
+
+log = logging.getLogger(__name__)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -62,6 +74,12 @@ def _add_serve(commands) -> None:
                      help="answer 503 while this many requests already wait (default: no limit)")
     srv.add_argument("--log-stats-interval", type=float, default=10.0,
                      help="seconds between the periodic stats lines while busy")
+    srv.add_argument("--disable-log-stats", action="store_true",
+                     help="no periodic stats lines (/metrics still counts)")
+    srv.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS,
+                     help="the HTTP server's own log level")
+    for flag, why in NOTHING_TO_DO.items():
+        srv.add_argument(flag, action="store_true", help=f"accepted for vLLM's scripts: {why}")
     srv.add_argument("--trace-file", default=None,
                      help="also write the engine trace there as JSON lines (see /trace)")
     srv.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",
@@ -101,10 +119,14 @@ def _serve(args) -> int:
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         raise ValueError(f"two models: {args.model_tag} and --model {args.model} (give one)")
     model = args.model if args.model_tag is None else args.model_tag  # ("" is not the default)
+    for flag, why in NOTHING_TO_DO.items():
+        if getattr(args, flag[2:].replace("-", "_")):
+            log.info("%s: nothing to do (%s)", flag, why)
     status = serve(model, engine_flags(args), host=args.host, port=args.port,
                    served_model_name=args.served_model_name,
                    max_num_waiting=args.max_num_waiting,
-                   log_stats_interval=args.log_stats_interval, trace_file=args.trace_file,
+                   log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
+                   uvicorn_log_level=args.uvicorn_log_level, trace_file=args.trace_file,
                    shutdown_timeout=args.shutdown_timeout, options=ServerOptions.from_args(args),
                    lora_modules=args.lora_modules)
     # the process ends now: spare it the interpreter's final collection over torch's and

@@ -23,11 +23,13 @@ log = logging.getLogger(__name__)
 
 def serve(model: str | None, engine_flags: dict, *, host: str = "127.0.0.1", port: int = 8000,
           served_model_name: str | None = None, max_num_waiting: int | None = None,
-          log_stats_interval: float = 10.0, trace_file: str | None = None,
+          log_stats_interval: float | None = 10.0, uvicorn_log_level: str = "info",
+          trace_file: str | None = None,
           shutdown_timeout: float = 5.0, options: ServerOptions | None = None,
           lora_modules: list[LoRAModulePath] = ()) -> int:
     """Run the server until SIGTERM or SIGINT, then stop gracefully (see ``_GracefulServer``)
-    and return 0; the engine loads while the port already answers, then ``lora_modules``."""
+    and return 0; the engine loads while the port already answers, then ``lora_modules``.
+    ``log_stats_interval`` None: no periodic stats lines."""
     from actorlm.config import EngineConfig
 
     options = dataclasses.replace(options or ServerOptions(), host=host)
@@ -39,6 +41,9 @@ def serve(model: str | None, engine_flags: dict, *, host: str = "127.0.0.1", por
     check_lora_modules(lora_modules, config.enable_lora)
     if max_num_waiting is not None and max_num_waiting < 1:
         raise ValueError(f"--max-num-waiting must be at least 1, got {max_num_waiting}")
+    if log_stats_interval is not None and not log_stats_interval > 0:
+        raise ValueError(f"--log-stats-interval must be above 0 seconds, got "
+                         f"{log_stats_interval} (--disable-log-stats turns the lines off)")
     if not shutdown_timeout >= 0:  # also refuses nan
         raise ValueError(f"--shutdown-timeout must be at least 0 seconds, got {shutdown_timeout}")
     failed: list[str] = []
@@ -59,7 +64,8 @@ def serve(model: str | None, engine_flags: dict, *, host: str = "127.0.0.1", por
         log.warning("serving on %s without an API key: anyone who reaches the port may use "
                     "it (--api-key)", host)
     protocol = functools.partial(GuardedH11Protocol, client_timeout=options.client_timeout)
-    config = uvicorn.Config(app, host=host, port=port, log_level="info", http=protocol)
+    config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
+                            http=protocol)
     server = _GracefulServer(config, lambda: app.state.actorlm.engine, shutdown_timeout)
     try:
         server.run()

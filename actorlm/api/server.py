@@ -67,7 +67,7 @@ class ServerState:
     metrics, options and request decoder."""
 
     def __init__(self, engine: AsyncLLM | Callable[[], AsyncLLM], served_model_name: str | None,
-                 log_stats_interval: float, on_load_error: Callable[[str], None] | None,
+                 log_stats_interval: float | None, on_load_error: Callable[[str], None] | None,
                  options: ServerOptions, lora_modules: list[LoRAModulePath] = (),
                  runtime_lora: bool = False, cancel_load: threading.Event | None = None):
         self.options = options
@@ -163,8 +163,9 @@ class ServerState:
     def _engine_ready(self) -> None:
         self.metrics = ServerMetrics(self.model_name, lambda: self.engine)
         self.engine.stats_listener = self.metrics
-        logger = StatsLogger(lambda: self.engine, self.metrics, self.log_stats_interval)
-        self._tasks.append(asyncio.create_task(logger.run()))
+        if self.log_stats_interval is not None:
+            logger = StatsLogger(lambda: self.engine, self.metrics, self.log_stats_interval)
+            self._tasks.append(asyncio.create_task(logger.run()))
         log.info("serving %s as %r", self.engine.model_path, self.model_name)
 
 
@@ -297,7 +298,7 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 
 
 def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str | None = None,
-               log_stats_interval: float = 10.0,
+               log_stats_interval: float | None = 10.0,
                on_load_error: Callable[[str], None] | None = None,
                options: ServerOptions | None = None,
                lora_modules: list[LoRAModulePath] = (),

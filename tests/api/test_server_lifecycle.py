@@ -185,3 +185,29 @@ def test_serve_refuses_two_different_models(capsys):
 
     assert cli.main(["serve", "a", "--model", "b"]) == 2
     assert "error: two models: a and --model b (give one)" in capsys.readouterr().err
+
+
+def test_vllms_logging_and_compatibility_flags(tiny_llama_dir, tmp_path, capsys):
+    """``--disable-log-stats`` (no stats lines, however short the interval),
+    ``--uvicorn-log-level``, and vLLM's flags that ask for nothing here, each noted once in the
+    log; an interval that would spin is refused."""
+    from api_helpers import serving
+
+    from actorlm.api import cli
+
+    log_path = tmp_path / "server.log"
+    flags = ("--trust-remote-code", "--enforce-eager", "--disable-log-stats",
+             "--log-stats-interval", "0.1", "--uvicorn-log-level", "warning")
+    with serving(tiny_llama_dir, log_path, *flags) as (proc, base):
+        for _ in range(3):
+            httpx.post(base + "/v1/completions", timeout=30,
+                       json={"prompt": "Once upon a time", "max_tokens": 32})
+        proc.terminate()
+        proc.wait(timeout=30)
+    text = log_path.read_text()
+    assert "--trust-remote-code: nothing to do (no code from a model's repository" in text
+    assert "--enforce-eager: nothing to do (no CUDA graphs" in text
+    assert "Running:" not in text and "Uvicorn running on" not in text
+    assert "serving" in text  # (the server's own lines stay)
+    assert cli.main(["serve", "--log-stats-interval", "0"]) == 2
+    assert "--log-stats-interval must be above 0 seconds" in capsys.readouterr().err
