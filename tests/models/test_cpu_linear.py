@@ -3,8 +3,9 @@
 in whatever order the GEMM (and ``-march=native``) chooses, rounded once to the layer's dtype.
 bf16 gives F.linear's bits too where oneDNN runs it (not on the panel GEMM, which takes one or
 two rows where the CPU has avx512_bf16 and sums in another order); fp32 runs the C++ panel GEMM
-where the CPU has AVX-512 (AVX2 and FMA: up to 16 rows), else oneDNN, and MKL's own GEMV
-(F.linear's bits) at one or two rows."""
+where the CPU has AVX-512 (AVX2 and FMA: up to 16 rows), else oneDNN up to 128 rows (its row
+count rounded up to a multiple of 8) and MKL beyond, and MKL's own GEMV (F.linear's bits) at
+one or two rows."""
 
 from __future__ import annotations
 
@@ -61,12 +62,30 @@ def test_packed_fp32_linear_is_the_oracle_within_rounding_at_every_row_count(wit
     linear = packed_linear(weight, bias)
     assert linear is not None, "no oneDNN here: fp32 linear layers run on MKL alone"
     with torch.inference_mode():
-        for rows in (0, 1, 2, 3, 16, 65, 300):
+        for rows in (0, 1, 2, 3, 16, 17, 65, 100, 128, 129, 300):
             x = torch.randn(rows, 80, generator=gen)
             got = linear(x)
             _assert_matches_reference(got, x, weight, bias, f"{rows} rows")
             if rows < 3 and cpu_linear._kernel() is None:  # MKL's GEMV, bit for bit
                 assert torch.equal(got, F.linear(x, weight, bias)), rows
+
+
+def test_onednn_sees_sixteen_row_counts_whatever_the_batches():
+    """oneDNN keeps memory for every row count it has run (a server's batches of prompts of
+    every length grew it by 400 MiB): the rows it takes are padded to a multiple of 8, and the
+    answer is the unpadded rows' all the same."""
+    weight, bias = torch.randn(24, 16), torch.randn(24)
+    seen = set()
+
+    def onednn(x):
+        seen.add(x.shape[0])
+        return F.linear(x, weight, bias)
+
+    for rows in range(300):
+        x = torch.randn(rows, 16)
+        torch.testing.assert_close(cpu_linear._fp32_rows(weight, bias, onednn, x),
+                                   F.linear(x, weight, bias))  # (a GEMM per row count)
+    assert seen == set(range(8, 129, 8))
 
 
 @pytest.fixture

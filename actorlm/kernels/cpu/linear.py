@@ -15,8 +15,13 @@ reordered once runs faster where it matters:
   LM head, 16 rows take 0.75x oneDNN's time and 64 rows 0.85x, and one or two rows 0.9x and
   0.85x MKL's GEMV. With AVX2 and FMA alone (panels of 32 columns, tiles of 3 rows) it runs
   up to 16 rows: on a Zen 3, 1 row takes 0.65-1.0x MKL's time, 2 to 8 rows 0.25-0.6x, 16 rows
-  0.55-0.95x; beyond, where MKL computes faster, and on a CPU without either, oneDNN's packed
-  GEMM runs from three rows and MKL's GEMV below.
+  0.55-0.95x. Beyond, and on a CPU without either, MKL's GEMV runs below three rows, oneDNN's
+  packed GEMM up to 128 (2x MKL's speed at 17 rows, 1.3x at 64, even at 128), and MKL's GEMM
+  above (1.1x oneDNN's speed from 256 rows). oneDNN keeps memory for every row count it has
+  seen (~1 MiB a count over SmolLM2's four layer shapes, not the primitive cache's alone: it
+  stays with that cache off), and a batch of prompts of each length is a new count: a server
+  grew by 400 MiB over 10,000 requests. So its rows are rounded up to a multiple of 8, sixteen
+  counts in all (17 rows then take 1.3x their own count's time, still 0.75x MKL's).
   Either GEMM moves the last bits of the result against MKL (transformers' bits): greedy
   tokens stay within vLLM's ``check_logprobs_close`` rule.
 """
@@ -31,7 +36,9 @@ import torch.nn.functional as F
 
 from actorlm.kernels.cpu import native
 
-_ONEDNN_FP32_FROM_ROWS = 3  # below, MKL's GEMV is faster than oneDNN's packed fp32 GEMM
+# fp32 rows on oneDNN's packed GEMM: from 3 (below, MKL's GEMV is faster) to 128 (above, MKL's
+# GEMM is as fast or faster and keeps nothing per row count), rounded up to a multiple of 8
+_ONEDNN_FP32_ROWS, _ONEDNN_FP32_ROW_STEP = range(3, 129), 8
 
 
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable | None:
@@ -43,9 +50,7 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable |
     if weight.dtype == torch.float32:
         plain = weight.detach()
         packed = _onednn_linear(plain, bias)
-        wide = None if packed is None else (
-            lambda x: F.linear(x, plain, bias) if x.shape[0] < _ONEDNN_FP32_FROM_ROWS
-            else packed(x))
+        wide = None if packed is None else functools.partial(_fp32_rows, plain, bias, packed)
         return PanelLinear.build(plain, bias, wide=wide) or wide
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None
@@ -54,6 +59,19 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable |
         return None
     # up to two rows on the panel GEMM where the CPU has avx512_bf16, beyond on oneDNN's AMX
     return PanelLinear.build(weight.detach(), bias, wide=wide) or wide
+
+
+def _fp32_rows(weight: torch.Tensor, bias: torch.Tensor | None, packed: Callable,
+               x: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` on MKL, or on oneDNN's ``packed`` GEMM over ``x``'s rows
+    padded to a multiple of 8 where oneDNN is the faster (see the module's docstring)."""
+    rows = x.shape[0]
+    if rows not in _ONEDNN_FP32_ROWS:
+        return F.linear(x, weight, bias)
+    padded = -(-rows // _ONEDNN_FP32_ROW_STEP) * _ONEDNN_FP32_ROW_STEP
+    if padded != rows:
+        x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+    return packed(x)[:rows]
 
 
 def amx_tiles(on: bool | None = None) -> bool | None:
