@@ -15,8 +15,8 @@ import pytest
 import torch
 from checkpoints import _common, _save_tiny
 from tp_helpers import run_ranks
-from tp_steps import (ATOL, BLOCK_SIZE, BLOCKS_PER_REQUEST, NUM_STEPS, PROMPTS, greedy_steps,
-                      hf_greedy)
+from tp_steps import (ATOL, BLOCK_SIZE, BLOCKS_PER_REQUEST, NUM_STEPS, PROMPTS,
+                      assert_alike_but_for_int8_steps, greedy_steps, hf_greedy)
 
 from actorlm.config import EngineConfig
 from actorlm.models.parallel import TensorParallel, check_tensor_parallel
@@ -123,11 +123,10 @@ def test_two_ranks_compute_in_blocks_what_one_computes(name, checkpoints, split)
     whole = greedy_steps(TensorParallel(), checkpoints[name])
     ours = split[0][name]
     assert ours["tokens"] == whole["tokens"]
-    for got, expected in zip(ours["logits"], whole["logits"], strict=True):
-        # the same activation blocks on both sides (a rank's columns start on a block), so
-        # only the order of the fp32 sums differs
-        torch.testing.assert_close(torch.from_numpy(got), torch.from_numpy(expected),
-                                   atol=ATOL, rtol=0)
+    # the same activation blocks on both sides (a rank's columns start on a block), so only
+    # the order of the fp32 sums differs (and, now and then, an int8 step it carries a value
+    # across: the GPTQ file's last row on a Zen 3, by 0.03)
+    assert_alike_but_for_int8_steps(ours["logits"], whole["logits"], name)
 
 
 @pytest.mark.parametrize("name, kv_heads_per_rank", [("llama_tied", 1), ("qwen3_qk_norm", 1),
