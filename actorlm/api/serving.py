@@ -266,7 +266,7 @@ class _Generation:
                 lp = None
                 if self.req.logprobs is not None and c.logprobs is not None:
                     ids, positions, offset = c.token_ids, c.logprobs, len(prefix)
-                    if echo:  # the prompt's tokens first (its first without a logprob)
+                    if echo and final.prompt_logprobs is not None:  # the prompt's first
                         ids, positions = final.prompt_token_ids + ids, \
                             final.prompt_logprobs + positions
                         offset = 0
