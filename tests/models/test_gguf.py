@@ -340,7 +340,7 @@ def test_an_unsupported_architecture_is_refused_from_the_header(tmp_path, monkey
     import gguf
 
     file = tmp_path / "other.gguf"
-    writer = gguf.GGUFWriter(file, "phi2")
+    writer = gguf.GGUFWriter(file, "mamba")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
     writer.write_header_to_file()
@@ -352,7 +352,7 @@ def test_an_unsupported_architecture_is_refused_from_the_header(tmp_path, monkey
         raise AssertionError("the file was parsed past its header")
 
     monkeypatch.setattr(gguf, "GGUFReader", parse)
-    with pytest.raises(ValueError, match="architecture 'phi2'.*supported: llama"):
+    with pytest.raises(ValueError, match="architecture 'mamba'.*supported: llama"):
         resolve_model(file)
 
 
