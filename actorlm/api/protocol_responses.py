@@ -119,7 +119,9 @@ class ResponsesRequest(Struct, kw_only=True):
         """A 400 naming the first field this request turns on that is not implemented."""
         refused = {"background": self.background, "truncation": self.truncation == "auto",
                    "max_tool_calls": self.max_tool_calls is not None,
-                   "reasoning": bool(self.reasoning), "conversation": self.conversation,
+                   # the SDKs send ``{"effort": null}`` for "no preference"
+                   "reasoning": any(v is not None for v in (self.reasoning or {}).values()),
+                   "conversation": self.conversation,
                    "prompt": self.prompt,
                    "text.verbosity": self.text is not None and self.text.verbosity}
         for name, on in refused.items():

@@ -127,6 +127,11 @@ def test_the_text_follows_a_json_schema(client):
     jsonschema.validate(json.loads(response.output_text), schema)
 
 
+def test_a_reasoning_setting_left_unset_is_no_setting(client):
+    response = _respond(client, reasoning={"effort": None, "summary": None})
+    assert response.output_text and response.error is None
+
+
 def test_logprobs_come_with_each_output_token(client):
     response = _respond(client, top_logprobs=2, include=["message.output_text.logprobs"])
     logprobs = response.output[0].content[0].logprobs
