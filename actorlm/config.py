@@ -261,19 +261,16 @@ def cpu_has_native_bf16() -> bool:
 def positions_served(hf_config) -> tuple[int, str]:
     """(the longest context the model is served for, what sets it, in words): its
     max_position_embeddings, or its original_max_position_embeddings where what it computes
-    beyond them is not implemented: LongRoPE's long factors (Phi-3.5, Phi-4-mini; within, its
-    short factors are exact, as transformers computes them), Llama 4's attention temperature
-    (Ministral 3: the queries of later positions scaled by 1 + beta log(1 + floor(position /
-    original)), which is 1 within)."""
+    beyond them is not implemented: Llama 4's attention temperature (Ministral 3: the queries
+    of later positions scaled by 1 + beta log(1 + floor(position / original)), which is 1
+    within)."""
     rope = getattr(hf_config, "rope_parameters", None) or \
         getattr(hf_config, "rope_scaling", None) or {}
     original = rope.get("original_max_position_embeddings") or \
         getattr(hf_config, "original_max_position_embeddings", None)
-    beyond = "LongRoPE's long factors" if rope.get("rope_type", rope.get("type")) == "longrope" \
-        else "Llama 4's attention temperature (llama_4_scaling_beta)" \
-        if rope.get("llama_4_scaling_beta") else None
-    if original and beyond:
+    if original and rope.get("llama_4_scaling_beta"):
         return original, (f"original_max_position_embeddings ({original}): beyond it the "
-                          f"model takes {beyond}, not implemented")
+                          f"model takes Llama 4's attention temperature "
+                          f"(llama_4_scaling_beta), not implemented")
     limit = getattr(hf_config, "max_position_embeddings", None) or 2048
     return limit, f"max_position_embeddings ({limit})"

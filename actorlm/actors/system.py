@@ -117,11 +117,12 @@ class EngineSystem:
             enable_prefix_caching=config.enable_prefix_caching,
             speculative=config.speculative_config is not None,
             max_loras=config.max_loras if config.enable_lora else 0,
-            scheduling_policy=config.scheduling_policy),
+            scheduling_policy=config.scheduling_policy, long_rope_from=parts.long_rope_from),
             listeners=[*listeners, trace.on_transition] if trace else listeners)
         self.trace = trace
         if trace is not None:
-            trace.configure(config, parts.eos_token_ids, parts.name, self.kv_cache_windows)
+            trace.configure(config, parts.eos_token_ids, parts.name, self.kv_cache_windows,
+                            parts.long_rope_from)
             trace.attach(policy)
 
         def reach(ref, sender: str, receiver: str):

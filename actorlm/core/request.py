@@ -34,7 +34,8 @@ class Request:
                  seed: int, arrival_time: float, listeners: Iterable[Listener] = (),
                  bad_words_token_ids: list[list[int]] | None = None,
                  lora_request: LoRARequest | None = None, cache_salt: str | None = None,
-                 priority: int = 0, pooling_params: PoolingParams | None = None):
+                 priority: int = 0, pooling_params: PoolingParams | None = None,
+                 long_rope_from: int | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -70,8 +71,12 @@ class Request:
         # what besides its tokens keys its KV blocks (``block_hash.extra_keys``), once: its
         # adapter, so no prefix cached under one adapter, or none, is served to another; and its
         # salt, so that a tenant can neither reuse nor time another's cached prompts (digested:
-        # every block hashes the keys, and a salt may be megabytes long)
+        # every block hashes the keys, and a salt may be megabytes long); and, in a LongRoPE
+        # model, a prompt past its original context, whose every position turns by the long
+        # factors (``CausalLM.rope_rows``)
         self.block_hash_keys: tuple = ()
+        if long_rope_from is not None and len(self.prompt_token_ids) > long_rope_from:
+            self.block_hash_keys += (("long_rope",),)
         if lora_request is not None:
             self.block_hash_keys += (("lora", lora_request.lora_int_id, lora_request.lora_path),)
         if cache_salt is not None:

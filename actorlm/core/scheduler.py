@@ -69,6 +69,7 @@ class SchedulerConfig:
     speculative: bool = False  # the runner proposes drafts (``--speculative-config``)
     max_loras: int = 0  # distinct LoRA adapters in one step (``--max-loras``); 0: LoRA off
     scheduling_policy: str = "fcfs"  # or "priority" (``core/waiting_queue.py``)
+    long_rope_from: int | None = None  # (``ModelParts``')
 
 
 class Scheduler:
@@ -111,7 +112,7 @@ class Scheduler:
         children = [Request(rid, msg.prompt_token_ids, msg.sampling_params,
                             (msg.seed + i) % SEED_RANGE, msg.arrival_time, self.listeners,
                             msg.bad_words_token_ids, msg.lora_request, msg.cache_salt,
-                            msg.priority, msg.pooling_params)
+                            msg.priority, msg.pooling_params, self.config.long_rope_from)
                     for i, rid in enumerate(ids)]
         if msg.output_token_ids:  # resumed: its prompt's logprobs went out before its tokens
             if len(children) > 1 or msg.sampling_params.structured_outputs is not None:

@@ -20,7 +20,7 @@ from actorlm.models import expert_weights, quantized
 from actorlm.models.decoder import DecoderLayer, norm_of
 from actorlm.models.families import (NO_ROPE, checkpoint_tensors, embedding_scale,
                                      head_dim_of, is_gemma, layer_specs, layer_windows,
-                                     lm_head_bias, logits_divisor, narrow, norm_names, rope_inv_freq,
+                                     lm_head_bias, long_rope_from, logits_divisor, narrow, norm_names, rope_inv_freq,
                                      rope_layer_types)
 from actorlm.models.layers import Embedding, Linear, VocabParallelEmbedding
 from actorlm.models.expert_parallel import check_expert_parallel, split_intermediate_sizes
@@ -100,21 +100,36 @@ class CausalLM(nn.Module):
         self.score = Linear(config.hidden_size, config.num_labels, False, dtype, device) \
             if pooling == "classify" else None
         max_positions = getattr(config, "max_position_embeddings", None) or 2048
-        self.rope_tables = [_rope_table(config, t, max_positions, dtype, device)
-                            for t in table_types]
+        # LongRoPE: each table's rows are the short factors' first positions, then the long
+        # factors' all (``rope_rows``)
+        self.long_rope_from = long_rope_from(config)
+        self.rope_tables = [_rope_table(config, t, max_positions, self.long_rope_from, dtype,
+                                        device) for t in table_types]
         self.decode_step = None  # the backend's one-call decode step, once the weights load
         self.lora_state = None  # LoRA adapters' step mapping, once enabled (``lora_slots``)
         self.moe_timer = _moe_timer(self.model, device)
 
-    def ropes(self, positions) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def rope_rows(self, start: int, end: int, num_prompt_tokens: int) -> Sequence[int]:
+        """The RoPE tables' rows of a request's positions ``start:end``: the positions
+        themselves, but in a LongRoPE model whose request reaches past the original context
+        (its prompt does, or a position does: transformers' rule for one sequence), the long
+        factors' rows after the short ones'."""
+        short = self.long_rope_from
+        if short is None or (end <= short and num_prompt_tokens <= short):
+            return range(start, end)
+        if num_prompt_tokens > short or start >= short:
+            return range(start + short, end + short)
+        return [*range(start, short), *range(2 * short, end + short)]
+
+    def ropes(self, rows) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The step's RoPE tables, (cos, sin_signed) [T, 1, D] each (Gemma 3: two)."""
-        return [(cos[positions][:, None], sin[positions][:, None])
-                for cos, sin in self.rope_tables]
+        return [(cos[rows][:, None], sin[rows][:, None]) for cos, sin in self.rope_tables]
 
     def forward(self, input_ids, positions, kv_caches,
                 metas: Sequence[AttentionMetadata]) -> torch.Tensor:
-        """input_ids, positions: [T] int64; kv_caches: per layer (k_cache, v_cache); metas: the
-        step's attention metadata, one per KV-cache group (``kv_groups``) -> [T, hidden]."""
+        """input_ids, positions: [T] int64, positions as rows of the RoPE tables (``rope_rows``);
+        kv_caches: per layer (k_cache, v_cache); metas: the step's attention metadata, one per
+        KV-cache group (``kv_groups``) -> [T, hidden]."""
         ropes = self.ropes(positions)
         if self.moe_timer is not None:
             self.moe_timer.reset()  # it holds the last forward's seconds
@@ -314,18 +329,28 @@ def _moe_timer(body: DecoderBody, device) -> MoeTimer | None:
     return timer
 
 
-def _rope_table(config, layer_type, max_positions, dtype, device):
+def _rope_table(config, layer_type, max_positions, long_rope_from, dtype, device):
     """(cos, sin_signed) of every position, computed once as HF computes them per step (fp32
-    angles, then the model dtype): [max_positions, D] each, sin's first half negated."""
+    angles, then the model dtype): [max_positions, D] each, sin's first half negated. LongRoPE
+    (``long_rope_from``: its original context): the short factors' rows of the positions
+    within it, then the long factors' of every position."""
+    if long_rope_from is None:
+        return _rope_rows(config, layer_type, max_positions, False, dtype, device)
+    short, long = (_rope_rows(config, layer_type, n, is_long, dtype, device)
+                   for n, is_long in ((long_rope_from, False), (max_positions, True)))
+    return torch.cat((short[0], long[0])), torch.cat((short[1], long[1]))
+
+
+def _rope_rows(config, layer_type, num_positions, long, dtype, device):
     # (a layer without RoPE has no frequencies: all of its table is what they get below)
     inv_freq, scaling = (torch.zeros(0, device=device), 1.0) if layer_type == NO_ROPE else \
-        rope_inv_freq(config, layer_type, device)
+        rope_inv_freq(config, layer_type, device, long)
     half = head_dim_of(config) // 2
     # the features RoPE leaves (partial rotary: rope_layout) turn by frequency 0, unscaled:
     # cos 1 and sin 0, which leave them exactly as they are
     rotated = torch.arange(half, device=device) < len(inv_freq)
     inv_freq = torch.cat((inv_freq.float(), inv_freq.new_zeros(half - len(inv_freq))))
-    freqs = torch.arange(max_positions, device=device).float()[:, None] * inv_freq
+    freqs = torch.arange(num_positions, device=device).float()[:, None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     scale = torch.where(rotated, scaling, 1.0).repeat(2)
     sign = torch.cat((-torch.ones(half, device=device), torch.ones(half, device=device)))

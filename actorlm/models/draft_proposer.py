@@ -135,8 +135,11 @@ class DraftModelProposer:
         meta = self.backend.attention_metadata(q_lens, seq_lens, row_tables, self.block_size)
         dev = self.device
         input_ids = torch.tensor([t for tokens in inputs for t in tokens], device=dev)
+        # (LongRoPE: each position by its own side of the original context, the prompt's
+        # length unknown here; a draft only proposes)
         positions = torch.tensor([p for tokens, start in zip(inputs, starts)
-                                  for p in range(start, start + len(tokens))], device=dev)
+                                  for p in self.model.rope_rows(start, start + len(tokens), 0)],
+                                 device=dev)
         hidden = self.model(input_ids, positions, self.kv_caches,
                             [meta] * self.num_groups)  # [T, hidden]
         logits = self.model.compute_logits(hidden[last_rows])  # [N, V] fp32

@@ -29,7 +29,8 @@ its tensors.
   o_proj's by ``attention_out_bias``.
 - Phi-3: a Llama whose checkpoint fuses q/k/v (``qkv_proj``) and gate/up (``gate_up_proj``);
   Phi-4-mini turns RoPE on three quarters of each head; Phi-3.5's and Phi-4-mini's LongRoPE
-  runs by its short factors, within the original context (``config.positions_served``).
+  turns by its short factors within the original context and by its long ones beyond it
+  (``long_rope_from``).
 - Gemma (1, CodeGemma): a Llama whose norms scale by ``1 + weight``, with GeLU (tanh) and the
   embedding scaled by sqrt(hidden).
 - Gemma 2 and Gemma 3: Gemma's, with four norms a layer (before and after attention and MLP),
@@ -324,11 +325,34 @@ def _rope_parameters(config) -> dict:
     return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
 
 
-def rope_inv_freq(config, layer_type: str | None = None,
-                  device=None) -> tuple[torch.Tensor, float]:
+def _rope_type(params: dict) -> str:
+    return params.get("rope_type", params.get("type", "default"))
+
+
+def long_rope_from(config) -> int | None:
+    """LongRoPE's original context (``original_max_position_embeddings``): a request whose
+    context reaches past it (its prompt, or a position it decodes at) rotates by the long
+    factors, the rest by the short ones, as transformers picks them per forward over a
+    sequence. None: not LongRoPE."""
+    params = _rope_parameters(config)
+    if _rope_type(params) != "longrope":
+        if any(isinstance(p, dict) and _rope_type(p) == "longrope" for p in params.values()):
+            raise ValueError("LongRoPE in rope_parameters per layer type is not implemented")
+        return None
+    original = params.get("original_max_position_embeddings") or \
+        getattr(config, "original_max_position_embeddings", None)
+    if not (isinstance(original, int) and original > 0):
+        raise ValueError(f"LongRoPE needs a positive original_max_position_embeddings, got "
+                         f"{original!r}")
+    return original
+
+
+def rope_inv_freq(config, layer_type: str | None = None, device=None,
+                  long: bool = False) -> tuple[torch.Tensor, float]:
     """(inv_freq [R/2] fp32, attention_scaling) through transformers' own RoPE init functions,
     for the layers of ``layer_type`` where the config has RoPE parameters per layer type (R:
-    the features RoPE turns, the head's D or ``partial_rotary_factor`` of them).
+    the features RoPE turns, the head's D or ``partial_rotary_factor`` of them); ``long``:
+    LongRoPE's long factors (its short ones otherwise).
 
     transformers 5 keeps ``rope_theta`` and the scaling type in ``config.rope_parameters``;
     older versions have ``rope_theta`` and ``rope_scaling`` attributes.
@@ -338,11 +362,11 @@ def rope_inv_freq(config, layer_type: str | None = None,
     params = _rope_parameters(config)
     if layer_type is not None:
         params = params[layer_type]
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = _rope_type(params)
     if rope_type == "dynamic":  # frequencies that follow the running sequence length
         raise ValueError(f"rope type {rope_type!r} is not implemented")
-    # (LongRoPE: its short factors, which transformers keeps up to the original context;
-    # config.positions_served keeps every request within it)
+    if long:  # transformers' choice for a sequence one longer than the original context
+        return ROPE_INIT_FUNCTIONS[rope_type](config, device, seq_len=long_rope_from(config) + 1)
     if rope_type == "default" and "default" not in ROPE_INIT_FUNCTIONS:
         theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         dim = int(head_dim_of(config) * (params.get("partial_rotary_factor") or 1.0))

@@ -34,7 +34,7 @@ from actorlm.models.loader import (check_block_split, check_quantization, load_h
 from actorlm.models.parallel import (TensorParallel, check_initialised, check_tensor_parallel,
                                      num_kv_heads_per_rank)
 from actorlm.models.expert_parallel import check_expert_parallel, split_intermediate_sizes
-from actorlm.models.families import layer_windows
+from actorlm.models.families import layer_windows, long_rope_from
 from actorlm.models.memory_profile import MemoryProfile, kv_cache_budget, largest_step, load_and_profile
 from actorlm.models.draft_proposer import DraftModelProposer, check_draft_vocabulary
 from actorlm.models.lora_slots import LoRASlots
@@ -89,6 +89,9 @@ class ModelParts:
     # the model's KV-cache groups (``actorlm.kv_groups``), which the block pool serves; empty:
     # one full-attention group of every layer
     kv_cache_groups: tuple[KVCacheGroup, ...] = ()
+    # a LongRoPE model's original context (``families.long_rope_from``): the KV of a prompt
+    # longer than it is computed by other factors, so cached apart
+    long_rope_from: int | None = None
 
 
 @dataclass(frozen=True)
@@ -276,5 +279,5 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
     factory = dataclasses.replace(factory, num_kv_blocks=resolved.num_kv_blocks)
 
     parts = ModelParts(f"{path.name} ({dtype}, {backend.name})", tokenizer, factory,
-                       hf_config.vocab_size, eos_ids, groups)
+                       hf_config.vocab_size, eos_ids, groups, long_rope_from(hf_config))
     return LoadedModel(parts, resolved, path, hf_config, dtype, device, backend.name, profile)

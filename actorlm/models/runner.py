@@ -250,7 +250,7 @@ class ModelRunner:
             input_ids += state.token_ids[start:end]
             if state.spec_token_ids:  # (the step verifies them: they follow its last token)
                 input_ids += state.spec_token_ids[:end - len(state.token_ids)]
-            positions += range(start, end)
+            positions += self.model.rope_rows(start, end, state.num_prompt_tokens)
             seq_lens.append(end)
             query_start.append(query_start[-1] + n)
         dev = self.device

@@ -147,9 +147,11 @@ class TraceRecorder:
     # --- set-up -------------------------------------------------------------------------------
 
     def configure(self, config, eos_token_ids: Iterable[int] = (), model: str = "",
-                  kv_cache_windows: Iterable[int | None] = (None,)) -> None:
-        """Record the engine configuration (an ``EngineConfig`` after ``resolve``) and the
-        window of each KV-cache group the block pool serves."""
+                  kv_cache_windows: Iterable[int | None] = (None,),
+                  long_rope_from: int | None = None) -> None:
+        """Record the engine configuration (an ``EngineConfig`` after ``resolve``), the
+        window of each KV-cache group the block pool serves and a LongRoPE model's original
+        context (``ModelParts.long_rope_from``)."""
         windows = list(kv_cache_windows)
         spec = getattr(config, "speculative_config", None)
         max_loras = config.max_loras if getattr(config, "enable_lora", False) else 0
@@ -165,7 +167,8 @@ class TraceRecorder:
             kv_cache_windows=[] if windows == [None] else windows,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
             max_loras=max_loras,
-            scheduling_policy=getattr(config, "scheduling_policy", "fcfs"))
+            scheduling_policy=getattr(config, "scheduling_policy", "fcfs"),
+            long_rope_from=long_rope_from)
         if self._forwarded is not None:
             self._forwarded.append(self.config)
         if self._file is not None:

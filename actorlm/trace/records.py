@@ -54,6 +54,7 @@ class TraceConfig(_Record, tag="config"):
     num_speculative_tokens: int = 0  # drafts proposed per request and step at most; 0: none
     max_loras: int = 0  # distinct LoRA adapters a step holds at most; 0: LoRA off
     scheduling_policy: str = "fcfs"  # or "priority": the order of the queues
+    long_rope_from: int | None = None  # a LongRoPE model's original context (block hash keys)
 
 
 class Arrival(_Record, tag="arrival"):

@@ -21,6 +21,7 @@ class PagedContexts:
         num_groups = num_groups or len(model.kv_cache_groups)
         self.tables: list[dict[int, list[int]]] = [{} for _ in range(num_groups)]  # rid -> ids
         self.lens: dict[int, int] = {}
+        self.prompt_lens: dict[int, int] = {}  # rid -> its prompt's length, where it matters
 
     def step(self, model, chunks: list[tuple[int, list[int]]]) -> torch.Tensor:
         """Run one flattened step of (request id, new token ids) chunks; returns logits [T, V]."""
@@ -33,7 +34,7 @@ class PagedContexts:
                 while len(blocks) * self.block_size < end:
                     blocks.append(self.pool.pop())
             ids += tokens
-            positions += range(start, end)
+            positions += model.rope_rows(start, end, self.prompt_lens.get(rid, end))
             q_lens.append(len(tokens))
             seq_lens.append(end)
             self.lens[rid] = end
@@ -54,6 +55,7 @@ def greedy_with_logits(model, prompt, num_tokens, block_size, num_blocks=256):
     """The model's logits at every position (the prompt prefilled in two chunks, then one
     token a step), its greedy tokens and each step's top ``TOP``."""
     cache = PagedContexts(model, num_blocks=num_blocks, block_size=block_size)
+    cache.prompt_lens[0] = len(prompt)
     cut = len(prompt) // 2 + 3
     logits = [cache.step(model, [(0, prompt[:cut])]), cache.step(model, [(0, prompt[cut:])])]
     tokens, tops = [], []

@@ -10,11 +10,10 @@ themselves by vLLM's rule."""
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 import torch
-from checkpoints import TEXT_TOWERS, WINDOW, save_multimodal
+from checkpoints import LONGROPE_CONTEXT, TEXT_TOWERS, WINDOW, save_multimodal
 from greedy import check_logprobs_close, hf_continuation
 from paged_contexts import greedy_with_logits, random_prompt
 
@@ -110,26 +109,55 @@ def test_a_checkpoint_with_a_vision_tower_is_served_as_its_text_tower(
     torch.testing.assert_close(logits, expected, atol=ATOL[torch.float32], rtol=0)
 
 
-@pytest.mark.parametrize("family, beyond", [("phi3_longrope", "LongRoPE's long factors"),
-                                             ("ministral3", "llama_4_scaling_beta")])
-def test_a_model_is_served_within_the_context_its_computed_math_holds(tiny_window_dirs, family,
-                                                                     beyond):
-    """LongRoPE's short factors are exact up to the original context, where transformers
-    switches to the long ones; Ministral 3's queries are scaled past it (Llama 4's attention
-    temperature): neither is implemented beyond, so the context is capped there, and a longer
-    --max-model-len is refused naming why."""
-    from checkpoints import LONGROPE_CONTEXT, MINISTRAL3_CONTEXT
+def test_a_model_is_served_within_the_context_its_computed_math_holds(tiny_window_dirs):
+    """Ministral 3's queries are scaled past its original context (Llama 4's attention
+    temperature), which is not implemented: the context is capped there, and a longer
+    --max-model-len is refused naming why. LongRoPE's whole context is served."""
+    from checkpoints import MINISTRAL3_CONTEXT
 
     from actorlm.config import EngineConfig
     from actorlm.models.loader import load_hf_config
 
-    context = {"phi3_longrope": LONGROPE_CONTEXT, "ministral3": MINISTRAL3_CONTEXT}[family]
-    hf_config = load_hf_config(tiny_window_dirs[family])
-    assert hf_config.max_position_embeddings > context
-    assert EngineConfig().resolve_lengths(hf_config).max_model_len == context
-    with pytest.raises(ValueError, match=f"original_max_position_embeddings .{context}.*"
-                                         f"{re.escape(beyond)}"):
-        EngineConfig(max_model_len=context + 1).resolve_lengths(hf_config)
+    hf_config = load_hf_config(tiny_window_dirs["ministral3"])
+    assert hf_config.max_position_embeddings > MINISTRAL3_CONTEXT
+    assert EngineConfig().resolve_lengths(hf_config).max_model_len == MINISTRAL3_CONTEXT
+    with pytest.raises(ValueError, match=f"original_max_position_embeddings "
+                                         f".{MINISTRAL3_CONTEXT}.*llama_4_scaling_beta"):
+        EngineConfig(max_model_len=MINISTRAL3_CONTEXT + 1).resolve_lengths(hf_config)
+    longrope = load_hf_config(tiny_window_dirs["phi3_longrope"])
+    assert EngineConfig().resolve_lengths(longrope).max_model_len == \
+        longrope.max_position_embeddings
+
+
+@pytest.mark.parametrize("prompt_len", [LONGROPE_CONTEXT + 22, LONGROPE_CONTEXT - 8],
+                         ids=["prompt_past_it", "decoding_past_it"])
+def test_longrope_past_its_original_context_matches_transformers(tiny_window_dirs, hf_models,
+                                                                 prompt_len):
+    """transformers turns a sequence by LongRoPE's long factors once it reaches past the
+    original context (128 positions here): a longer prompt by them at every position, a
+    shorter one by its short factors until its decoding passes 128, its later positions by
+    the long ones. The logits of each greedy step against transformers' own decoding with its
+    KV cache, and with a longer prompt at every position against one forward over it all."""
+    theirs = hf_models["phi3_longrope"]
+    ours = load_model(tiny_window_dirs["phi3_longrope"], torch.float32, "cpu",
+                      select_backend("cpu"))
+    prompt = random_prompt(ours.vocab_size, prompt_len)
+    logits, tokens, tops = greedy_with_logits(ours, prompt, 24, block_size=8)
+    with torch.inference_mode():
+        out = theirs(torch.tensor([prompt]), use_cache=True)
+        expected = [out.logits[0, -1]]
+        for token in tokens[:-1]:
+            out = theirs(torch.tensor([[token]]), past_key_values=out.past_key_values,
+                         use_cache=True)
+            expected.append(out.logits[0, -1])
+    torch.testing.assert_close(logits[prompt_len - 1:], torch.stack(expected), atol=2e-4, rtol=0)
+    if prompt_len > LONGROPE_CONTEXT:
+        with torch.inference_mode():
+            whole = theirs(torch.tensor([prompt + tokens[:-1]])).logits[0]
+        torch.testing.assert_close(logits, whole, atol=2e-4, rtol=0)
+    # the short factors alone would not have given these
+    assert not torch.allclose(theirs.model.rotary_emb.original_inv_freq,
+                              theirs.model.rotary_emb.long_inv_freq)
 
 
 @pytest.mark.parametrize("family, flag", [("cohere", "use_qk_norm"), ("phi", "qk_layernorm")])

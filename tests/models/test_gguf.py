@@ -182,18 +182,19 @@ def test_a_file_transformers_does_not_read_holds_its_checkpoints_tensors(
 
 
 @pytest.mark.parametrize("family, rope", [
-    ("phi3", ("default", 1.0, 512)), ("phi3_partial", ("default", 0.75, 512)),
+    ("phi3", ("default", 1.0, None)), ("phi3_partial", ("default", 0.75, None)),
     ("phi3_longrope", ("longrope", 1.0, 128))])
 def test_a_phi3_file_keeps_what_transformers_does_not_read(tiny_window_dirs, tmp_path, family,
                                                            rope):
     """A Phi-3 file: q/k/v and gate/up fused in blocks (split on load), and what
     transformers' reading of the file drops: RoPE on part of each head
     (``rope.dimension_count``, Phi-4-mini's) and LongRoPE's factors stored as tensors
-    (Phi-3.5's, served within its original context); against transformers on the checkpoint
-    the file was written from."""
+    (Phi-3.5's: its RoPE tables, short and long, are those of the checkpoint the file was
+    written from); against transformers on that checkpoint."""
     from gguf_files import dequantized_checkpoint
 
     from actorlm.config import positions_served
+    from actorlm.models.families import long_rope_from
     from actorlm.models.loader import load_hf_config
 
     hf_dir = tiny_window_dirs[family]
@@ -201,9 +202,13 @@ def test_a_phi3_file_keeps_what_transformers_does_not_read(tiny_window_dirs, tmp
     config = load_hf_config(path)
     assert (config.rope_parameters["rope_type"],
             config.rope_parameters.get("partial_rotary_factor") or 1.0,
-            positions_served(config)[0]) == rope
+            long_rope_from(config)) == rope
+    assert positions_served(config)[0] == 512
     ours = load_model(path, torch.float32, "cpu", select_backend("cpu"))
     assert type(ours.model.layers[0].self_attn.qkv_proj.prepared).__name__ == "QuantLinear"
+    from_checkpoint = load_model(hf_dir, torch.float32, "cpu", select_backend("cpu"))
+    for table, expected in zip(ours.rope_tables, from_checkpoint.rope_tables, strict=True):
+        torch.testing.assert_close(table, expected)
     check_greedy_and_kl(ours, dequantized_checkpoint(hf_dir, "Q8_0"))
 
 
