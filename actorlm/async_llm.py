@@ -200,6 +200,9 @@ class AsyncLLM:
         self.sampling_defaults = self.engine.sampling_defaults  # generation_config's
         self.reasoning = self.engine.reasoning  # the reasoning parser's tags, or None
         self.max_model_len: int = self.config.max_model_len
+        # the most logprobs a request may ask for at a position (-1: the whole vocabulary)
+        self.max_logprobs: int = self.config.max_logprobs if self.config.max_logprobs != -1 \
+            else self.vocab_size
         self.max_num_waiting = max_num_waiting
         self.stats_listener = None  # metrics: observe_first_token, observe_inter_token, …
         self.num_generation_tokens = 0  # since start, for throughput logs
@@ -275,7 +278,7 @@ class AsyncLLM:
         """Start a beam search (``actorlm.beam_search``): its stream's one output holds the
         ``beam_width`` best continuations as its ``outputs``, best first. The prompt is
         checked here, as ``add_request`` checks it."""
-        step = params.step_params()
+        step = params.step_params(self.config.max_logprobs)
         first = await self.add_request(f"{request_id}-0", prompt, step, lora_request, priority)
         salt = prompt_salt(prompt)
         task = asyncio.ensure_future(self._beam_search(

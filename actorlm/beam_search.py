@@ -39,9 +39,6 @@ class BeamSearchParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if 2 * self.beam_width > MAX_LOGPROBS:
-            raise ValueError(f"beam_width {self.beam_width}: each step reads 2 x beam_width "
-                             f"candidates, at most {MAX_LOGPROBS} (max_logprobs)")
         for name in ("temperature", "length_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or \
@@ -50,8 +47,12 @@ class BeamSearchParams:
         if self.temperature < 0:
             raise ValueError(f"temperature must be at least 0, got {self.temperature!r}")
 
-    def step_params(self) -> SamplingParams:
-        """What each beam's one-token step asks the engine for."""
+    def step_params(self, max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
+        """What each beam's one-token step asks the engine for: 2 x beam_width logprobs, which
+        the engine's ``max_logprobs`` must allow (-1: any number)."""
+        if max_logprobs != -1 and 2 * self.beam_width > max_logprobs:
+            raise ValueError(f"beam_width {self.beam_width}: each step reads 2 x beam_width "
+                             f"candidates, at most {max_logprobs} (--max-logprobs)")
         return SamplingParams(max_tokens=1, temperature=self.temperature,
                               logprobs=2 * self.beam_width, ignore_eos=True)
 

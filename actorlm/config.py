@@ -17,6 +17,7 @@ from actorlm.generation_config import check_setting as check_generation_config
 from actorlm.json_flags import json_object
 from actorlm.pooling import PoolerConfig, check_runner_flags, parse_pooler_config
 from actorlm.reasoning import reasoning_parser
+from actorlm.sampling_params import MAX_LOGPROBS
 from actorlm.speculative import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -107,6 +108,9 @@ class EngineConfig:
     # a tokenizer's directory in place of the model's own (vLLM's --tokenizer), e.g. a GGUF
     # file's base model's
     tokenizer: str | None = None
+    # the most logprobs (and prompt_logprobs) a request may ask for at each position, vLLM's
+    # max_logprobs; -1: the whole vocabulary
+    max_logprobs: int = MAX_LOGPROBS
 
     def __post_init__(self):
         dtype = _DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower())
@@ -123,6 +127,10 @@ class EngineConfig:
                                       or value <= 0):  # True is an int to Python
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or \
+                self.max_logprobs < -1:
+            raise ValueError(f"--max-logprobs must be -1 (the whole vocabulary) or at least 0, "
+                             f"got {self.max_logprobs!r}")
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "enable_expert_parallel",
                      "enable_lora"):
             if not isinstance(getattr(self, name), bool):

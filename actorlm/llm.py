@@ -156,7 +156,7 @@ class LLM:
         ``tokens``, their ``cum_logprob`` and their ``text``, best first. Every step runs the
         live beams of all prompts as one batch of one-token requests."""
         prompts = _as_list(prompts)
-        step = params.step_params()
+        step = params.step_params(self.config.max_logprobs)
         # the first step tokenizes and checks the prompts as generate does
         firsts = self.generate(prompts, step, use_tqdm=False, lora_request=lora_request)
         searches = [BeamSearch(out.prompt_token_ids, params, self.engine.eos_token_ids,

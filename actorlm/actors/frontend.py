@@ -40,7 +40,8 @@ class FrontendActor(EngineActor):
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int,
                  scheduler: pykka.ActorRef, seed: int = 0, clock=time, on_death=None,
                  lora_checker=None, priority_scheduling: bool = False,
-                 pooler: PoolerConfig | None = None, hidden_size: int = 0):
+                 pooler: PoolerConfig | None = None, hidden_size: int = 0,
+                 max_logprobs: int = MAX_LOGPROBS):
         super().__init__(on_death)
         # a pooling model's (``actorlm.pooling``): its requests are embeddings, and only;
         # None: a generating model's, which takes no embedding request
@@ -52,6 +53,7 @@ class FrontendActor(EngineActor):
         self.clock = clock  # anything with monotonic(): the time module or a ManualClock
         self.tokenizer, self.scheduler = tokenizer, scheduler
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
+        self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
         self._rng = random.Random(seed)  # seeds for requests that bring none
         self._streams: dict[str, OutputStream] = {}
         self._children: dict[str, tuple[OutputStream, int]] = {}  # engine id -> (stream, index)
@@ -205,8 +207,9 @@ class FrontendActor(EngineActor):
     def _validate(self, params: SamplingParams) -> None:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
-            if value is not None and value > MAX_LOGPROBS:
-                raise ValueError(f"{name}: at most {MAX_LOGPROBS} are supported, got {value}")
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(f"{name}: at most {self.max_logprobs} are supported "
+                                 f"(--max-logprobs), got {value}")
         if params.logit_bias:
             self._check_token_ids("logit_bias", list(params.logit_bias))
         if params.allowed_token_ids:

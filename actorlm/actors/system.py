@@ -151,7 +151,8 @@ class EngineSystem:
                 on_death=on_death("frontend"), lora_checker=lora_checker(config, self.hf_config),
                 priority_scheduling=config.scheduling_policy == "priority",
                 pooler=config.pooler_config if config.is_pooling else None,
-                hidden_size=getattr(self.hf_config, "hidden_size", 0))
+                hidden_size=getattr(self.hf_config, "hidden_size", 0),
+                max_logprobs=config.max_logprobs)
         except BaseException:
             self.stop()
             raise

@@ -65,7 +65,8 @@ def serve(model: str | None, engine_flags: dict, *, host: str = "127.0.0.1", por
                     "it (--api-key)", host)
     protocol = functools.partial(GuardedH11Protocol, client_timeout=options.client_timeout)
     config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
-                            http=protocol)
+                            http=protocol, access_log=options.access_log,
+                            ssl_keyfile=options.ssl_keyfile, ssl_certfile=options.ssl_certfile)
     server = _GracefulServer(config, lambda: app.state.actorlm.engine, shutdown_timeout)
     try:
         server.run()

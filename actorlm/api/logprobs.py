@@ -1,5 +1,6 @@
 """Logprobs in OpenAI's shapes (chat, legacy completions) and vLLM's prompt-logprobs shape,
-from the engine's per-position ``{token_id: Logprob}`` dicts."""
+from the engine's per-position ``{token_id: Logprob}`` dicts. Each token is written as its text
+(``decode``), or, with ``decode`` None, as vLLM's ``token_id:<id>``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
 
 def _token_text(token_id: int, lp, decode) -> str:
+    if decode is None:  # vLLM's return_tokens_as_token_ids
+        return f"token_id:{token_id}"
     text = getattr(lp, "decoded_token", None)
     return text if text is not None else decode([token_id])
 

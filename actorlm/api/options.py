@@ -35,6 +35,13 @@ class ServerOptions:
     enable_auto_tool_choice: bool = False  # tool_choice "auto": read calls out of free text
     tool_call_parser: str | None = None  # how (a name in tool_parsers.PARSERS)
     host: str = "127.0.0.1"  # the address the server is bound to
+    response_role: str = "assistant"  # the role of chat answers (vLLM's --response-role)
+    # logprobs' tokens as vLLM's "token_id:<id>" (a token's text may not be valid UTF-8 on
+    # its own); a request's return_tokens_as_token_ids decides for itself
+    return_tokens_as_token_ids: bool = False
+    ssl_keyfile: str | None = None  # HTTPS, with this key and the certificate below
+    ssl_certfile: str | None = None
+    access_log: bool = True  # uvicorn's line per request
 
     def __post_init__(self):
         for key in self.api_keys:
@@ -52,6 +59,14 @@ class ServerOptions:
                              f"(known: {', '.join(PARSERS)})")
         if self.chat_template is not None:
             _check_template(self.chat_template)
+        if not self.response_role.strip():
+            raise ValueError("--response-role must not be empty")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
+        for flag, path in (("--ssl-keyfile", self.ssl_keyfile),
+                           ("--ssl-certfile", self.ssl_certfile)):
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{flag}: no such file: {path}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (which format "
                              "the model writes its calls in)")
@@ -84,7 +99,10 @@ class ServerOptions:
                    chat_template=read_chat_template(args.chat_template),
                    enable_auto_tool_choice=args.enable_auto_tool_choice,
                    tool_call_parser=args.tool_call_parser,
-                   host=args.host)
+                   host=args.host, response_role=args.response_role,
+                   return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                   ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                   access_log=not args.disable_uvicorn_access_log)
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -159,3 +177,15 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
                         help="the format the model writes tool calls in: hermes (Qwen2.5, "
                              "Qwen3, Hermes) or llama3_json (Llama 3.1/3.2)")
+    parser.add_argument("--response-role", default=defaults.response_role, metavar="ROLE",
+                        help="the role chat answers carry when the request adds the generation "
+                             "prompt (default: assistant)")
+    parser.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help="write logprobs' tokens as 'token_id:<id>' (a request's "
+                             "return_tokens_as_token_ids decides for itself)")
+    parser.add_argument("--ssl-keyfile", default=None, metavar="FILE",
+                        help="serve HTTPS with this private key (and --ssl-certfile)")
+    parser.add_argument("--ssl-certfile", default=None, metavar="FILE",
+                        help="serve HTTPS with this certificate (and --ssl-keyfile)")
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true",
+                        help="no log line per HTTP request")

@@ -24,7 +24,6 @@ from actorlm.api.structured import StructuredFields
 from actorlm.beam_search import BeamSearchParams
 from actorlm.generation_config import SamplingDefaults
 from actorlm.prompt_rules import empty_prompt
-from actorlm.sampling_params import MAX_LOGPROBS as MAX_TOP_LOGPROBS
 from actorlm.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 128  # the most choices (n, best_of) one request may ask for
@@ -72,6 +71,8 @@ class _SamplingRequest(StructuredFields, kw_only=True):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
+    # logprobs' tokens as "token_id:<id>"; None: as the server's --return-tokens-as-token-ids
+    return_tokens_as_token_ids: bool | None = None
     # keep only the prompt's last k tokens (-1: as many as the context holds), as vLLM does
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
     # its prefix-cache tenant: cached prefixes are shared only with requests of the same salt
@@ -82,10 +83,12 @@ class _SamplingRequest(StructuredFields, kw_only=True):
     use_beam_search: bool | None = False
     length_penalty: float | None = 1.0
 
-    def beam_search(self, params: SamplingParams, constrained: bool) -> BeamSearchParams | None:
+    def beam_search(self, params: SamplingParams, constrained: bool,
+                    max_logprobs: int) -> BeamSearchParams | None:
         """``use_beam_search``'s parameters (None without it) from the request's sampling
         ``params``; a 400 naming a field it does not combine with (the search ranks raw
-        logprobs: filters, penalties, stops and constraints would change them)."""
+        logprobs: filters, penalties, stops and constraints would change them), or a width
+        the engine's ``max_logprobs`` does not allow."""
         if not self.use_beam_search:
             return None
         defaults = {f.name: f.default for f in msgspec.structs.fields(_SamplingRequest)}
@@ -96,9 +99,11 @@ class _SamplingRequest(StructuredFields, kw_only=True):
             raise ApiError(400, "use_beam_search: not supported with structured outputs or "
                                 "a forced tool call", "use_beam_search")
         try:
-            return BeamSearchParams(params.n, params.max_tokens, params.ignore_eos,
-                                    params.temperature, or_default(self.length_penalty, 1.0),
-                                    params.include_stop_str_in_output)
+            beams = BeamSearchParams(params.n, params.max_tokens, params.ignore_eos,
+                                     params.temperature, or_default(self.length_penalty, 1.0),
+                                     params.include_stop_str_in_output)
+            beams.step_params(max_logprobs)
+            return beams
         except ValueError as e:
             raise ApiError(400, f"use_beam_search: {e}", "use_beam_search") from None
 
@@ -157,7 +162,7 @@ class CompletionRequest(_SamplingRequest, kw_only=True):
     # text, a list of texts, token ids, or a list of token-id lists (checked in prompts())
     prompt: str | list[Any]
     max_tokens: int | None = 16
-    logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    logprobs: Annotated[int, Meta(ge=0)] | None = None  # at most --max-logprobs
     echo: bool | None = False
     suffix: str | None = None
     best_of: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None  # only best_of == n runs
@@ -254,7 +259,7 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
-    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    top_logprobs: Annotated[int, Meta(ge=0)] | None = None  # at most --max-logprobs
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     add_special_tokens: bool | None = False  # beyond the template's: refused

@@ -22,7 +22,6 @@ from actorlm.api.protocol import ChatLogprobToken, ChatMessage
 from actorlm.api.protocol_tools import (FunctionCall, FunctionDefinition, FunctionName,
                                         NamedFunction, NamedToolChoice, Tool, ToolCall, ToolChoice)
 from actorlm.api.structured import JsonSchemaFormat, ResponseFormat
-from actorlm.sampling_params import MAX_LOGPROBS
 
 # what ``include`` may ask for: the output text's logprobs (with ``top_logprobs``)
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -90,7 +89,7 @@ class ResponsesRequest(Struct, kw_only=True):
     max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Annotated[int, Meta(ge=0)] | None = None  # at most --max-logprobs
     stream: bool | None = False
     store: bool | None = True
     tools: list[dict[str, Any]] | None = None

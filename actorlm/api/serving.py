@@ -76,8 +76,9 @@ async def create_completion(state, request: Request) -> Response:
     if req.echo:
         echo = await engine.run_blocking(
             lambda: [x if isinstance(x, str) else engine.decode(x) for x in prompts])
-    beams = req.beam_search(params[0], constraint is not None)
-    gen = _Generation(engine, _model_name(state, lora), "cmpl", request, req, lora=lora)
+    beams = req.beam_search(params[0], constraint is not None, engine.config.max_logprobs)
+    gen = _Generation(engine, _model_name(state, lora), "cmpl", request, req, state.options,
+                      lora=lora)
     await gen.start(prompt_ids, params, beams)
     if req.stream:
         return EventStream(gen.completion_events(echo), gen.abort)
@@ -112,10 +113,15 @@ async def start_chat(state, request: Request, req: p.ChatCompletionRequest, api:
     defaults = engine.sampling_defaults
     max_tokens = max_tokens_for(len(ids), req.requested_max_tokens, engine.max_model_len, field,
                                 defaults.get("max_tokens", None))
-    params = req.sampling_params(max_tokens, req.num_logprobs, constraint, defaults)
-    beams = req.beam_search(params, constraint is not None)
-    gen = _Generation(engine, _model_name(state, lora), kind, request, req, tools,
-                      engine.reasoning, lora)
+    if (top := req.num_logprobs) is not None and top > engine.max_logprobs:
+        raise p.ApiError(400, f"top_logprobs: at most {engine.max_logprobs} are supported "
+                              f"(--max-logprobs), got {top}", "top_logprobs")
+    params = req.sampling_params(max_tokens, top, constraint, defaults)
+    beams = req.beam_search(params, constraint is not None, engine.config.max_logprobs)
+    # vLLM's: the answer's role is the server's, unless it continues the last message
+    role = state.options.response_role if add_generation_prompt else req.messages[-1].role
+    gen = _Generation(engine, _model_name(state, lora), kind, request, req, state.options,
+                      tools, engine.reasoning, lora, role)
     await gen.start([ids], [params], beams)
     return gen
 
@@ -162,9 +168,13 @@ class _Generation:
     """One API request's engine requests (one per prompt) and how to answer with them."""
 
     def __init__(self, engine: AsyncLLM, model_name: str, kind: str, request: Request, req,
-                 tools: ToolUse | None = None, reasoning: ThinkTokens | None = None,
-                 lora: LoRARequest | None = None):
+                 options, tools: ToolUse | None = None, reasoning: ThinkTokens | None = None,
+                 lora: LoRARequest | None = None, role: str = "assistant"):
         self.engine, self.model_name, self.req = engine, model_name, req
+        self.role = role  # of a chat answer
+        # how logprobs write a token: its text, or as its id (None, ``logprobs``)
+        as_ids = p.or_default(req.return_tokens_as_token_ids, options.return_tokens_as_token_ids)
+        self.token_text = None if as_ids else engine.decode
         self.lora = lora  # the adapter every prompt runs with; None: the base model
         self.tools = tools if tools is not None and tools.reads_calls else None
         self.reasoning = reasoning  # chat with --reasoning-parser: split the think out
@@ -271,7 +281,7 @@ class _Generation:
                             final.prompt_logprobs + positions
                         offset = 0
                     lp = completion_logprobs(ids, positions, self.req.logprobs,
-                                             self.engine.decode, offset)
+                                             self.token_text, offset)
                 choices.append(p.CompletionChoice(i * self.n + c.index, prefix + c.text, lp,
                                                   c.finish_reason, c.stop_reason,
                                                   prompt_logprobs(final.prompt_logprobs)))
@@ -296,7 +306,7 @@ class _Generation:
                     lp = None
                     if self.req.logprobs is not None and c.logprobs is not None:
                         lp = completion_logprobs(c.token_ids[start:end], c.logprobs[start:end],
-                                                 self.req.logprobs, self.engine.decode,
+                                                 self.req.logprobs, self.token_text,
                                                  prog.text_offset)
                         if lp.tokens:
                             prog.text_offset = lp.text_offset[-1] + len(lp.tokens[-1])
@@ -331,7 +341,7 @@ class _Generation:
                 content, calls = collect(self.tools.new_stream(), text)
             if (calls and not content.strip()) or (self.reasoning is not None and not content):
                 content = None
-            message = p.ChatResponseMessage("assistant", content, calls, think, think)
+            message = p.ChatResponseMessage(self.role, content, calls, think, think)
             choices.append(p.ChatChoice(c.index, message, lp,
                                         _finish_reason(c.finish_reason, bool(calls)),
                                         c.stop_reason))
@@ -344,7 +354,7 @@ class _Generation:
         if num_top is None or c.logprobs is None:
             return None
         return chat_logprobs(c.token_ids[start:end], c.logprobs[start:end], num_top,
-                             self.engine.decode)
+                             self.token_text)
 
     def _think_stream(self):
         return self.reasoning.text_stream(self.prompt_token_ids[0])
@@ -376,7 +386,7 @@ class _Generation:
             if final is None:  # the role comes first, with the first output (as vLLM)
                 for index in range(self.n):
                     yield self._chunk([p.ChatChunkChoice(
-                        index, p.DeltaMessage(role="assistant", content=""))], usage)
+                        index, p.DeltaMessage(role=self.role, content=""))], usage)
             final = out
             for c in out.outputs:
                 prog = progress[c.index]

@@ -74,7 +74,7 @@ class EngineCoreSystem(EngineSystem):
                 lora_checker=lora_checker(self.config, self.hf_config),
                 priority_scheduling=self.config.scheduling_policy == "priority",
                 pooler=self.config.pooler_config if self.config.is_pooling else None,
-                hidden_size=self.hf_config.hidden_size)
+                hidden_size=self.hf_config.hidden_size, max_logprobs=self.config.max_logprobs)
         except BaseException:
             self.stop()
             raise

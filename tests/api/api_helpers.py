@@ -25,13 +25,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(base_url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
+def wait_healthy(base_url: str, timeout: float, proc: subprocess.Popen | None = None,
+                 verify: bool | str = True) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode}")
         try:
-            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+            if httpx.get(base_url + "/health", timeout=2, verify=verify).status_code == 200:
                 return
         except httpx.TransportError:
             pass
@@ -40,18 +41,20 @@ def wait_healthy(base_url: str, timeout: float, proc: subprocess.Popen | None = 
 
 
 @contextlib.contextmanager
-def serving(model_dir, log_path, *flags: str, env: dict[str, str] | None = None):
-    """(process, base URL) of ``actorlm serve`` on ``model_dir``; the log is printed if the
-    block fails, and the process is killed if it is still running at the end."""
+def serving(model_dir, log_path, *flags: str, env: dict[str, str] | None = None,
+            https_cert: str | None = None):
+    """(process, base URL) of ``actorlm serve`` on ``model_dir`` (``https_cert``: over HTTPS,
+    the server's certificate); the log is printed if the block fails, and the process is
+    killed if it is still running at the end."""
     port = free_port()
     cmd = [sys.executable, "-m", "actorlm.api.cli", "serve", "--model", str(model_dir),
            "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), *flags]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    base_url = f"http://127.0.0.1:{port}"
+    base_url = f"{'https' if https_cert else 'http'}://127.0.0.1:{port}"
     try:
-        wait_healthy(base_url, 120, proc)
+        wait_healthy(base_url, 120, proc, https_cert or True)
         yield proc, base_url
     except BaseException:
         print(log_path.read_text()[-5000:])

@@ -110,8 +110,8 @@ def test_the_search_stops_at_the_context_and_refuses_what_it_cannot_run(make_llm
     out = llm.beam_search([PROMPTS[1]], BeamSearchParams(beam_width=2, max_tokens=50,
                                                          ignore_eos=True))[0]
     assert [len(s.tokens) for s in out.sequences] == [12, 12]  # the context's end
-    with pytest.raises(ValueError, match="beam_width 11: .* at most 20"):
-        BeamSearchParams(beam_width=11, max_tokens=4)
+    with pytest.raises(ValueError, match="beam_width 11: .* at most 20 .--max-logprobs"):
+        llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=11, max_tokens=4))
     for bad in (dict(beam_width=0, max_tokens=4), dict(beam_width=2, max_tokens=0),
                 dict(beam_width=2, max_tokens=4, length_penalty=math.nan),
                 dict(beam_width=2, max_tokens=4, temperature=-1.0)):

@@ -1,10 +1,12 @@
 """Bad input gets a clear error, changes nothing, and the engine keeps serving."""
 
+import math
 import threading
 
 import pytest
 
-from actorlm import SamplingParams
+from actorlm import BeamSearchParams, SamplingParams
+from actorlm.config import EngineConfig
 from actorlm.llm import LLM
 
 OK = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -61,6 +63,33 @@ def test_bad_prompts_are_refused_and_the_engine_keeps_serving(tiny_llama_dir, ma
     assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4]
     # the withdrawn ones ended as aborts
     assert llm.stats()["num_finished"] == 2 + len(cases) + len(params_cases)
+
+
+def test_max_logprobs_caps_what_a_request_may_ask_for(tiny_llama_dir, make_llm):
+    """vLLM's max_logprobs: 20 by default (above), any cap the engine is given, and -1 for the
+    whole vocabulary; a beam search's 2 x beam_width candidates a step count against it."""
+    good = {"prompt_token_ids": [5, 6, 7]}
+    llm = make_llm(str(tiny_llama_dir), max_logprobs=30)
+    out = llm.generate([good], SamplingParams(max_tokens=2, temperature=0.0, logprobs=30,
+                                              prompt_logprobs=30), use_tqdm=False)[0]
+    assert [len(position) for position in out.outputs[0].logprobs] == [30, 30]  # (greedy)
+    # the top 30, and the prompt's own token where it is not among them
+    assert all(len(position) in (30, 31) for position in out.prompt_logprobs[1:])
+    with pytest.raises(ValueError, match="logprobs: at most 30 are supported .--max-logprobs., "
+                                         "got 31"):
+        llm.generate([good], SamplingParams(max_tokens=2, logprobs=31), use_tqdm=False)
+    assert len(llm.beam_search([[5, 6]], BeamSearchParams(beam_width=15, max_tokens=2))[0]
+               .sequences) == 15
+    whole = make_llm(str(tiny_llama_dir), max_logprobs=-1)
+    vocab = whole.engine.hf_config.vocab_size
+    out = whole.generate([good], SamplingParams(max_tokens=1, logprobs=vocab), use_tqdm=False)
+    position = out[0].outputs[0].logprobs[0]
+    assert len(position) == vocab
+    assert math.isclose(sum(math.exp(lp.logprob) for lp in position.values()), 1.0,
+                        rel_tol=1e-4)
+    for bad in (-2, 1.5, True):
+        with pytest.raises(ValueError, match="--max-logprobs must be -1"):
+            EngineConfig(max_logprobs=bad)
 
 
 def test_shutdown_leaves_no_thread_behind(tiny_llama_dir):
