@@ -195,6 +195,12 @@ class CompletionRequest(_SamplingRequest, kw_only=True):
             raise ApiError(400, "echo together with logprobs is not supported when streaming",
                            "echo")
 
+    @property
+    def echo_only(self) -> bool:
+        """vLLM's echo without generation (``echo`` with ``max_tokens`` 0): the answer is the
+        prompt, with its logprobs if asked; the engine computes one token, which is dropped."""
+        return bool(self.echo) and self.max_tokens == 0
+
     def sampling_params(self, *args, **kwargs) -> SamplingParams:
         """As every request's; with ``echo`` and ``logprobs``, the prompt's logprobs too (as
         many alternatives), which the answer puts before the completion's, as vLLM's does."""

@@ -22,6 +22,7 @@ does (it serves ``/v1/embeddings``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -69,7 +70,8 @@ async def create_completion(state, request: Request) -> Response:
                   for ids in prompt_ids]
     constraint = await checked_constraint(req)
     defaults = engine.sampling_defaults
-    params = [req.sampling_params(max_tokens_for(len(ids), req.max_tokens, engine.max_model_len,
+    requested = 1 if req.echo_only else req.max_tokens
+    params = [req.sampling_params(max_tokens_for(len(ids), requested, engine.max_model_len,
                                                  default=defaults.get("max_tokens", None)),
                                   req.logprobs, constraint, defaults) for ids in prompt_ids]
     echo = None
@@ -175,6 +177,7 @@ class _Generation:
         # how logprobs write a token: its text, or as its id (None, ``logprobs``)
         as_ids = p.or_default(req.return_tokens_as_token_ids, options.return_tokens_as_token_ids)
         self.token_text = None if as_ids else engine.decode
+        self.echo_only = isinstance(req, p.CompletionRequest) and req.echo_only
         self.lora = lora  # the adapter every prompt runs with; None: the base model
         self.tools = tools if tools is not None and tools.reads_calls else None
         self.reasoning = reasoning  # chat with --reasoning-parser: split the think out
@@ -216,7 +219,7 @@ class _Generation:
         """(prompt index, output) as they arrive from every prompt's request."""
         if len(self.streams) == 1:
             async for out in self.streams[0]:
-                yield 0, _checked(out)
+                yield 0, self._delivered(_checked(out))
             return
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -239,10 +242,20 @@ class _Generation:
                 elif isinstance(item, Exception):
                     raise item
                 else:
-                    yield i, _checked(item)
+                    yield i, self._delivered(_checked(item))
         finally:
             for task in tasks:
                 task.cancel()
+
+    def _delivered(self, out: RequestOutput) -> RequestOutput:
+        """``out`` as the client gets it: echo without generation (``echo_only``) drops the
+        one token the engine computed, so the answer is the prompt alone."""
+        if not self.echo_only:
+            return out
+        kept = [dataclasses.replace(c, token_ids=[], text="", cumulative_logprob=0.0,
+                                    logprobs=None if c.logprobs is None else [])
+                for c in out.outputs]
+        return dataclasses.replace(out, outputs=kept)
 
     async def finals(self) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(self.streams)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import httpx
+import openai
 import pytest
 from api_helpers import SERVED_NAME
 
@@ -269,6 +270,23 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, server
     assert [max(top, key=top.get) == token for token, top in
             zip(lp.tokens[1:len(ids)], lp.top_logprobs[1:len(ids)])] == greedy
     assert not all(greedy)  # (a random model's prompt: the check can tell)
+
+
+def test_echo_without_generation_is_the_prompt_scored(client, server):
+    """vLLM's echo with ``max_tokens`` 0 (HELM's and older harnesses' scoring request): the
+    prompt alone, its logprobs those of the request that also generates, no completion."""
+    ids = httpx.post(server + "/tokenize", json={"prompt": PROMPTS[1]}).json()["tokens"]
+    scored = _complete(client, PROMPTS[1], max_tokens=0, echo=True, logprobs=2)
+    generating = _complete(client, PROMPTS[1], max_tokens=1, echo=True, logprobs=2).choices[0]
+    choice = scored.choices[0]
+    assert choice.text == PROMPTS[1] and choice.finish_reason == "length"
+    assert choice.logprobs.tokens == generating.logprobs.tokens[:len(ids)]
+    assert choice.logprobs.token_logprobs == generating.logprobs.token_logprobs[:len(ids)]
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(ids)
+    texts, _, _ = _streamed_completion(client, prompt=PROMPTS[1], max_tokens=0, echo=True)
+    assert texts == {0: PROMPTS[1]}
+    with pytest.raises(openai.BadRequestError, match="max_tokens: must be at least 1"):
+        _complete(client, PROMPTS[1], max_tokens=0)  # without echo: nothing to answer
 
 
 def test_prompt_logprobs(server):
