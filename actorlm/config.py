@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from actorlm.generation_config import check_overrides as check_generation_overrides
 from actorlm.generation_config import check_setting as check_generation_config
 from actorlm.json_flags import json_object
 from actorlm.pooling import PoolerConfig, check_runner_flags, parse_pooler_config
@@ -76,6 +77,9 @@ class EngineConfig:
     # the sampling defaults of requests that leave a field out: auto (the model's
     # generation_config.json), vllm (vLLM's own) or a directory holding a generation_config.json
     generation_config: str = "auto"
+    # sampling fields set over those (vLLM's --override-generation-config: JSON text or a dict,
+    # under the generation config's names), e.g. {"temperature": 0.5, "max_new_tokens": 256}
+    override_generation_config: dict | None = None
     # deepseek_r1 | qwen3: chat answers' <think>...</think> goes to reasoning_content, and a
     # grammar constrains only what follows it; None: no reasoning parser
     reasoning_parser: str | None = None
@@ -164,6 +168,9 @@ class EngineConfig:
         check_runner_flags(self.runner, self.convert, self.task)
         object.__setattr__(self, "pooler_config", parse_pooler_config(self.pooler_config))
         object.__setattr__(self, "hf_overrides", _hf_overrides(self.hf_overrides))
+        if self.override_generation_config is not None:
+            object.__setattr__(self, "override_generation_config", check_generation_overrides(
+                json_object(self.override_generation_config, "--override-generation-config")))
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least "
                              f"--max-loras ({self.max_loras})")

@@ -7,11 +7,14 @@ vLLM, only what the file sets apart from transformers' ``GenerationConfig`` defa
 ``top_k``, ``min_p``, ``repetition_penalty``, and ``max_new_tokens`` as the default
 ``max_tokens``. They replace SamplingParams' defaults for every request that leaves the field
 out; a request's own value always wins. A model directory without the file falls back to its
-``config.json`` (``GenerationConfig.from_model_config``), as vLLM does.
+``config.json`` (``GenerationConfig.from_model_config``), as vLLM does. vLLM's
+``--override-generation-config`` (JSON, the file's names) sets sampling fields over what was
+read (over nothing, with ``vllm``); a field it cannot set is refused by name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from dataclasses import dataclass, field
 
@@ -25,6 +28,7 @@ SAMPLING_FIELDS = {"repetition_penalty": "repetition_penalty", "temperature": "t
 _INT_FIELDS = ("top_k", "max_new_tokens")
 SETTINGS = ("auto", "vllm")  # or a directory
 _HINT = "fix the file, or pass --generation-config vllm to ignore it"
+OVERRIDE_FLAG = "--override-generation-config"
 
 
 @dataclass(frozen=True)
@@ -44,12 +48,13 @@ class SamplingDefaults:
 
     def describe(self) -> str:
         """One line for the start-up log."""
-        if self.setting == "vllm":
+        if self.setting == "vllm" and not self.values:
             return "sampling defaults: vLLM's (--generation-config vllm)"
         if self.values:
             shown = ", ".join(f"{k}={v}" for k, v in self.values.items())
+            hint = "" if self.setting == "vllm" else "; --generation-config vllm ignores the file"
             return (f"sampling defaults: {shown} from {self.source} (a request's own fields "
-                    f"win; --generation-config vllm ignores the file)")
+                    f"win{hint})")
         if self.source is None:
             return "sampling defaults: vLLM's (the model has no generation config)"
         return f"sampling defaults: vLLM's ({self.source} sets no sampling field)"
@@ -67,9 +72,32 @@ def check_setting(setting) -> None:
                          f"holding a {FILE_NAME}")
 
 
-def load_sampling_defaults(setting: str, model_dir=None, hf_config=None) -> SamplingDefaults:
+def check_overrides(overrides: dict | None) -> dict | None:
+    """``--override-generation-config``'s fields, each one a sampling default can take; a
+    ValueError naming the first that is not."""
+    for name, value in (overrides or {}).items():
+        if name not in SAMPLING_FIELDS:
+            raise ValueError(f"{OVERRIDE_FLAG}: {name!r} is not a sampling field it can set "
+                             f"(one of {', '.join(SAMPLING_FIELDS)})")
+        _checked(OVERRIDE_FLAG, name, SAMPLING_FIELDS[name], value, "fix the flag")
+    return overrides or None
+
+
+def load_sampling_defaults(setting: str, model_dir=None, hf_config=None,
+                           overrides: dict | None = None) -> SamplingDefaults:
     """The defaults ``setting`` asks for, read from ``model_dir`` (auto) or from the directory
-    ``setting`` names; a ValueError naming the file and the field for one that makes no sense."""
+    ``setting`` names, then ``overrides`` (``--override-generation-config``) set over them; a
+    ValueError naming the file and the field for one that makes no sense."""
+    read = _read_sampling_defaults(setting, model_dir, hf_config)
+    if not check_overrides(overrides):
+        return read
+    source = OVERRIDE_FLAG if read.source is None or not read.values else \
+        f"{read.source} and {OVERRIDE_FLAG}"
+    return dataclasses.replace(read, values={**read.values, **{
+        SAMPLING_FIELDS[name]: value for name, value in overrides.items()}}, source=source)
+
+
+def _read_sampling_defaults(setting: str, model_dir, hf_config) -> SamplingDefaults:
     check_setting(setting)
     if setting == "vllm":
         return SamplingDefaults(setting=setting)
@@ -100,8 +128,7 @@ def load_sampling_defaults(setting: str, model_dir=None, hf_config=None) -> Samp
     return SamplingDefaults(values, str(path), setting)
 
 
-def _checked(path: pathlib.Path, name: str, ours: str, value):
-    hint = _HINT
+def _checked(path, name: str, ours: str, value, hint: str = _HINT):
     kinds = (int,) if name in _INT_FIELDS else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
         kind = "an integer" if name in _INT_FIELDS else "a number"

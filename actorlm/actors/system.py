@@ -88,8 +88,9 @@ class EngineSystem:
         self.eos_token_ids = parts.eos_token_ids  # the tokens that end a sequence
         # both checked before any actor starts: a bad file or a model that cannot think in the
         # parser's tags fails here, with nothing left running
-        self.sampling_defaults = load_sampling_defaults(self.config.generation_config,
-                                                        self.model_path, self.hf_config)
+        self.sampling_defaults = load_sampling_defaults(
+            self.config.generation_config, self.model_path, self.hf_config,
+            self.config.override_generation_config)
         self.reasoning = None
         if self.config.reasoning_parser is not None:
             self.reasoning = ThinkTokens.for_tokenizer(

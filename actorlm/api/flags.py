@@ -15,6 +15,8 @@ _HELP = {
     "generation_config": "sampling defaults for the fields a request leaves out: auto (the "
                          "model's generation_config.json), vllm (vLLM's own), or a directory "
                          "holding a generation_config.json (default: auto)",
+    "override_generation_config": "JSON of sampling fields set over those, under the "
+                                  "generation config's names (e.g. '{\"temperature\": 0.5}')",
     "reasoning_parser": f"split chat answers' <think>...</think> into reasoning_content, and "
                         f"constrain only what follows it: {', '.join(REASONING_PARSERS)}",
 }

@@ -61,8 +61,9 @@ class EngineCoreSystem(EngineSystem):
                                        self.hf_config.vocab_size)
             self.tokenizer = PerThreadTokenizer(tokenizer)
             self.eos_token_ids = eos_token_ids(self.model_path, tokenizer)
-            self.sampling_defaults = load_sampling_defaults(self.config.generation_config,
-                                                            self.model_path, self.hf_config)
+            self.sampling_defaults = load_sampling_defaults(
+                self.config.generation_config, self.model_path, self.hf_config,
+                self.config.override_generation_config)
             self.reasoning = None if self.config.reasoning_parser is None else \
                 ThinkTokens.for_tokenizer(reasoning_parser(self.config.reasoning_parser),
                                           tokenizer, self.model_path.name)

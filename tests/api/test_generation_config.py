@@ -206,3 +206,24 @@ def test_only_what_differs_from_transformers_defaults_counts(tmp_path):
     assert defaults.sampling_params().min_p == 0.05
     assert "min_p=0.05" in defaults.describe()
     assert load_sampling_defaults("vllm", tmp_path).values == {}
+
+
+def test_override_generation_config_sets_fields_over_the_file(greedy_model_dir, tiny_llama_dir):
+    """vLLM's --override-generation-config: merged over what auto read, alone under vllm;
+    a field it cannot set, or a value that makes no sense, is refused naming the flag."""
+    with LLM(str(greedy_model_dir), dtype="float32", num_kv_blocks=64,
+             override_generation_config='{"temperature": 0.7, "max_new_tokens": 9}') as llm:
+        defaults = llm.get_default_sampling_params()
+        assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.7, 1, 9)
+        [out] = llm.generate(PROMPT, use_tqdm=False)
+        assert len(out.outputs[0].token_ids) <= 9
+        assert "and --override-generation-config" in llm.engine.sampling_defaults.describe()
+    overridden = load_sampling_defaults("vllm", tiny_llama_dir, overrides={"top_p": 0.5})
+    assert overridden.values == {"top_p": 0.5}
+    assert overridden.describe() == ("sampling defaults: top_p=0.5 from "
+                                     "--override-generation-config (a request's own fields win)")
+    for bad, message in [({"do_sample": False}, "'do_sample' is not a sampling field"),
+                         ({"temperature": -1}, "temperature must be in"),
+                         ({"top_k": "x"}, "top_k must be an integer"), ([], "a JSON object")]:
+        with pytest.raises(ValueError, match=f"--override-generation-config.*{message}"):
+            EngineConfig(override_generation_config=bad)
