@@ -11,7 +11,8 @@ is that client's 400.
 
 A request with vLLM's chat fields says how its conversation ends (``template_call``): with the
 generation prompt (the assistant's turn opened), or, ``continue_final_message``, with its last
-message left open for the model to carry on (the two exclude each other, as in vLLM).
+message left open for the model to carry on (the two exclude each other, as in vLLM); its
+``reasoning_effort`` is the template's variable of that name, as vLLM passes it.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ def template_call(req, options: ServerOptions, generation_prompt: bool) -> tuple
         raise ApiError(400, error, "continue_final_message")
     if req.continue_final_message:
         kwargs["continue_final_message"] = True
+    if getattr(req, "reasoning_effort", None) is not None:
+        kwargs["reasoning_effort"] = req.reasoning_effort
     return add_generation_prompt, kwargs
 
 

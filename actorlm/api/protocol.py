@@ -12,7 +12,7 @@ request fields accept an explicit ``null`` as "use the default", since many clie
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 from msgspec import Meta, Struct
@@ -30,6 +30,10 @@ MAX_N = 128  # the most choices (n, best_of) one request may ask for
 
 
 # --- requests ------------------------------------------------------------------------------------
+
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]  # OpenAI's
+REASONING_EFFORTS = get_args(ReasoningEffort)
 
 
 class StreamOptions(Struct):
@@ -271,6 +275,8 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     add_special_tokens: bool | None = False  # beyond the template's: refused
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # only with --trust-request-chat-template
+    # OpenAI's; as vLLM, a variable of the chat template (GPT-OSS's, for one, reads it)
+    reasoning_effort: ReasoningEffort | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # without it: "auto" when there are tools
     parallel_tool_calls: bool | None = True  # false: at most one call

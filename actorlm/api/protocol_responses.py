@@ -7,7 +7,8 @@ the function calls an earlier answer made and their outputs; an earlier answer's
 items are left out, as chat templates leave a past think out. Tools are functions; OpenAI's
 built-in tools (web search, file search, code interpreter…) and the fields this server does not
 implement (``background``, ``truncation: auto``, ``include`` beyond logprobs, ``conversation``,
-``prompt``, ``max_tool_calls``, ``reasoning``, ``text.verbosity``) are refused by name.
+``prompt``, ``max_tool_calls``, ``reasoning`` but its effort, ``text.verbosity``) are refused
+by name; ``reasoning.effort`` is the chat template's ``reasoning_effort``, as chat's is.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from actorlm.api.errors import ApiError
-from actorlm.api.protocol import ChatLogprobToken, ChatMessage
+from actorlm.api.protocol import REASONING_EFFORTS, ChatLogprobToken, ChatMessage
 from actorlm.api.protocol_tools import (FunctionCall, FunctionDefinition, FunctionName,
                                         NamedFunction, NamedToolChoice, Tool, ToolCall, ToolChoice)
 from actorlm.api.structured import JsonSchemaFormat, ResponseFormat
@@ -103,7 +104,7 @@ class ResponsesRequest(Struct, kw_only=True):
     background: bool | None = None
     truncation: Literal["auto", "disabled"] | None = None
     max_tool_calls: int | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None  # its effort only (``reasoning_effort``)
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
     # vLLM's extras
@@ -118,18 +119,27 @@ class ResponsesRequest(Struct, kw_only=True):
         """A 400 naming the first field this request turns on that is not implemented."""
         refused = {"background": self.background, "truncation": self.truncation == "auto",
                    "max_tool_calls": self.max_tool_calls is not None,
-                   # the SDKs send ``{"effort": null}`` for "no preference"
-                   "reasoning": any(v is not None for v in (self.reasoning or {}).values()),
+                   # the effort goes to the chat template (``reasoning_effort``); the SDKs
+                   # send nulls for "no preference"
+                   **{f"reasoning.{k}": v is not None for k, v in (self.reasoning or {}).items()
+                      if k != "effort"},
                    "conversation": self.conversation,
                    "prompt": self.prompt,
                    "text.verbosity": self.text is not None and self.text.verbosity}
         for name, on in refused.items():
             if on:
                 raise ApiError(400, f"{name}: not supported by this server", name)
+        if self.reasoning_effort not in (None, *REASONING_EFFORTS):
+            raise ApiError(400, f"reasoning.effort: one of {', '.join(REASONING_EFFORTS)}, got "
+                                f"{self.reasoning_effort!r}", "reasoning.effort")
         for i, item in enumerate(self.include or ()):
             if item != LOGPROBS_INCLUDE:
                 raise ApiError(400, f"include[{i}]: {item!r} is not supported by this server "
                                     f"(only {LOGPROBS_INCLUDE!r})", f"include[{i}]")
+
+    @property
+    def reasoning_effort(self) -> Any:
+        return (self.reasoning or {}).get("effort")
 
     def function_tools(self) -> list[Tool] | None:
         """The tools as the chat path takes them; a built-in tool is a 400 naming it."""

@@ -80,6 +80,7 @@ async def create_response(state, request: Request) -> Response:
         parallel_tool_calls=req.parallel_tool_calls, response_format=req.response_format(),
         top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
         seed=req.seed, priority=req.priority, cache_salt=req.cache_salt, stream=req.stream,
+        reasoning_effort=req.reasoning_effort,
         stream_options=p.StreamOptions(include_usage=True) if req.stream else None)
     try:
         gen = await start_chat(state, request, chat, "Responses API", "resp")

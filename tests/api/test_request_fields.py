@@ -139,6 +139,34 @@ def test_trusted_server_runs_a_request_template(tiny_llama_dir):
         engine.shutdown()
 
 
+def test_reasoning_effort_is_the_chat_templates_variable(tiny_llama_dir):
+    """OpenAI's ``reasoning_effort`` (chat) and ``reasoning.effort`` (Responses) reach the
+    template as vLLM passes them, a variable of that name; a value OpenAI does not define is
+    a 400 naming the field."""
+    template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}{{ reasoning_effort }}"
+    engine = AsyncLLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=64)
+    try:
+        options = ServerOptions(chat_template=template)
+        with running(create_app(engine, options=options, served_model_name=SERVED_NAME)) as base:
+            def rendered(effort: str) -> int:
+                return len(engine.encode(f"<{HI[0]['content']}>{effort}",
+                                         add_special_tokens=False))
+
+            body = {**GREEDY, "messages": HI, "max_tokens": 1}
+            chat = _ok(httpx.post(base + "/v1/chat/completions", timeout=30,
+                                  json={**body, "reasoning_effort": "high"}))
+            assert chat["usage"]["prompt_tokens"] == rendered("high") != rendered("")
+            response = _ok(httpx.post(base + "/v1/responses", timeout=30, json={
+                "input": HI[0]["content"], "max_output_tokens": 1,
+                "reasoning": {"effort": "minimal", "summary": None}}))
+            assert response["usage"]["input_tokens"] == rendered("minimal")
+            bad = httpx.post(base + "/v1/chat/completions", timeout=30,
+                             json={**body, "reasoning_effort": "extreme"})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning_effort"
+    finally:
+        engine.shutdown()
+
+
 def test_the_servers_chat_template_takes_the_models_place(tiny_llama_dir, tmp_path):
     """``--chat-template``: chat, /tokenize and the Responses API render with the server's
     template; a request's own stays refused unless trusted; a missing file or a broken

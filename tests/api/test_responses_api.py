@@ -151,7 +151,8 @@ def test_logprobs_come_with_each_output_token(client):
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type", "'item_reference'"),
     ({"input": [{"type": "function_call", "call_id": "c"}]}, "input[0]", "name"),
     ({"max_output_tokens": 10**6}, "max_output_tokens", "maximum context length is 512"),
-    ({"reasoning": {"effort": "high"}}, "reasoning", "reasoning: not supported"),
+    ({"reasoning": {"summary": "auto"}}, "reasoning.summary", "reasoning.summary: not supported"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort", "one of none, minimal, low"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format",
      "text.format: json_schema.schema is required"),
 ])
