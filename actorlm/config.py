@@ -115,6 +115,11 @@ class EngineConfig:
     # the most logprobs (and prompt_logprobs) a request may ask for at each position, vLLM's
     # max_logprobs; -1: the whole vocabulary
     max_logprobs: int = MAX_LOGPROBS
+    # vLLM's choices a launch line names, of which this engine computes one: the KV cache in
+    # the model's dtype (auto; fp8 ones are refused by name) and the model's Hugging Face
+    # tokenizer files (auto, hf; mistral_common's and the slow ones are refused by name)
+    kv_cache_dtype: str = "auto"
+    tokenizer_mode: str = "auto"
 
     def __post_init__(self):
         dtype = _DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower())
@@ -131,6 +136,12 @@ class EngineConfig:
                                       or value <= 0):  # True is an int to Python
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is not implemented: the "
+                             f"KV cache is stored in the model's dtype (auto)")
+        if self.tokenizer_mode not in ("auto", "hf"):
+            raise ValueError(f"--tokenizer-mode {self.tokenizer_mode!r} is not implemented: the "
+                             f"model's Hugging Face tokenizer files are read (auto, hf)")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or \
                 self.max_logprobs < -1:
             raise ValueError(f"--max-logprobs must be -1 (the whole vocabulary) or at least 0, "

@@ -53,3 +53,14 @@ def test_an_executor_backend_must_be_one_of_the_three(value):
         EngineConfig(distributed_executor_backend=value)
     with pytest.raises(ValueError, match="uni runs one rank"):
         EngineConfig(tensor_parallel_size=2, distributed_executor_backend="uni")
+
+
+@pytest.mark.parametrize("fields, said", [
+    ({"kv_cache_dtype": "fp8"}, "--kv-cache-dtype 'fp8' is not implemented"),
+    ({"kv_cache_dtype": "fp8_e5m2"}, "--kv-cache-dtype 'fp8_e5m2' is not implemented"),
+    ({"tokenizer_mode": "mistral"}, "--tokenizer-mode 'mistral' is not implemented"),
+    ({"tokenizer_mode": "slow"}, "--tokenizer-mode 'slow' is not implemented")])
+def test_a_vllm_choice_this_engine_does_not_compute_is_refused_by_name(fields, said):
+    with pytest.raises(ValueError, match=said):
+        EngineConfig(**fields)
+    assert EngineConfig(kv_cache_dtype="auto", tokenizer_mode="hf").tokenizer_mode == "hf"
