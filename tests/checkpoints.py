@@ -336,9 +336,12 @@ def tiny_moe_dirs(tmp_path_factory, tiny_tokenizer_dir):
     its middle layer dense by ``mlp_only_layers``), Qwen2-MoE (top 2 as the softmax gives them;
     a gated shared expert; layers 1 and 3 routed by ``decoder_sparse_step``, 0 and 2 dense and
     sliding), Mixtral (top 2 renormalised), OLMoE (q/k norms over whole projections, one KV
-    head, q/k/v clipped), and ``qwen3_moe_stacked``: the Qwen3-MoE weights saved with its
-    experts stacked, as transformers holds them (``save_original_format=False``)."""
-    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    head, q/k/v clipped), Granite MoE (Granite's four multipliers, its experts stacked in the
+    checkpoint as Granite's releases store them), and ``qwen3_moe_stacked``,
+    ``granitemoe_stacked``: the same weights saved as transformers holds them
+    (``save_original_format=False``: the experts stacked under its own names)."""
+    from transformers import (GraniteMoeConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig,
+                              Qwen3MoeConfig)
 
     common = _common(tiny_tokenizer_dir)
     experts = dict(num_experts_per_tok=2, router_aux_loss_coef=0.0)
@@ -358,13 +361,19 @@ def tiny_moe_dirs(tmp_path_factory, tiny_tokenizer_dir):
         "olmoe": OlmoeConfig(**{**{k: v for k, v in common.items() if k != "head_dim"},
                                 "intermediate_size": 32, "num_key_value_heads": 1}, **experts,
                              num_experts=8, clip_qkv=4.0, tie_word_embeddings=False),
+        "granitemoe": GraniteMoeConfig(**{**common, "intermediate_size": 32}, **experts,
+                                       num_local_experts=8, embedding_multiplier=12.0,
+                                       attention_multiplier=0.2, residual_multiplier=0.22,
+                                       logits_scaling=8.0, tie_word_embeddings=True),
     }
     dirs = {name: _save_tiny(tmp_path_factory, tiny_tokenizer_dir, f"tiny_{name}", config,
                              seed=20 + i)
             for i, (name, config) in enumerate(configs.items())}
-    dirs["qwen3_moe_stacked"] = _save_tiny(tmp_path_factory, tiny_tokenizer_dir,
-                                           "tiny_qwen3_moe_stacked", configs["qwen3_moe"],
-                                           seed=20, save_original_format=False)
+    for name in ("qwen3_moe", "granitemoe"):
+        dirs[f"{name}_stacked"] = _save_tiny(tmp_path_factory, tiny_tokenizer_dir,
+                                             f"tiny_{name}_stacked", configs[name],
+                                             seed=20 + list(configs).index(name),
+                                             save_original_format=False)
     return dirs
 
 

@@ -95,6 +95,7 @@ _RENAMES = {"starcoder2": {".mlp.c_fc.": ".mlp.fc_in.", ".mlp.c_proj.": ".mlp.do
 # a query/key norm the family's config may turn on, not implemented (a LayerNorm per head)
 _QK_LAYER_NORMS = {"phi": "qk_layernorm", "cohere": "use_qk_norm"}
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
+_GRANITE = ("granite", "granitemoe")  # Granite's four multipliers
 _FOUR_NORMS = ("gemma2", "gemma3_text")  # Gemma 1 has a Llama's two
 # (Phi-2's gelu_new is the tanh approximation, written out in torch ops)
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
@@ -167,12 +168,12 @@ def check_config(config) -> None:
         for name in ("attn_logit_softcapping", "final_logit_softcapping"):
             if getattr(config, name, None) is not None:
                 raise ValueError(f"{name} is not implemented for {config.model_type}")
-    if config.model_type == "granite":
+    if config.model_type in _GRANITE:
         for name in _GRANITE_MULTIPLIERS:
             value = getattr(config, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value)) or \
                     (name == "logits_scaling" and not value > 0):
-                raise ValueError(f"granite: {name} must be a finite number"
+                raise ValueError(f"{config.model_type}: {name} must be a finite number"
                                  f"{' above 0' if name == 'logits_scaling' else ''}, got "
                                  f"{value!r}")
     if is_moe(config):
@@ -210,7 +211,7 @@ def layer_specs(config) -> list[LayerSpec]:
         else attention_bias
     head_dim = head_dim_of(config)
     scalar = getattr(config, "query_pre_attn_scalar", None) if gemma else None
-    granite, phi = model_type == "granite", model_type == "phi"
+    granite, phi = model_type in _GRANITE, model_type == "phi"
     base = dict(
         hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
@@ -277,7 +278,7 @@ def embedding_scale(config, dtype: torch.dtype, device=None) -> torch.Tensor | f
     as transformers does, Granite's ``embedding_multiplier``; None: nothing."""
     if is_gemma(config):
         return torch.tensor(config.hidden_size**0.5, dtype=dtype, device=device)
-    return config.embedding_multiplier if config.model_type == "granite" else None
+    return config.embedding_multiplier if config.model_type in _GRANITE else None
 
 
 def logits_divisor(config) -> float | None:
@@ -285,7 +286,7 @@ def logits_divisor(config) -> float | None:
     Cohere's ``logit_scale``); None: nothing."""
     if config.model_type in _COHERE and config.logit_scale is not None:
         return 1 / config.logit_scale
-    return config.logits_scaling if config.model_type == "granite" else None
+    return config.logits_scaling if config.model_type in _GRANITE else None
 
 
 def rope_layer_types(config) -> list[str | None]:

@@ -14,6 +14,12 @@
 - OLMoE: every layer routed (experts of ``intermediate_size``), renormalised with
   ``norm_topk_prob``; q and k are normed over their whole projections (all heads at once,
   weights [Hq * D] and [Hkv * D]), not per head, and ``clip_qkv`` clamps q, k and v after.
+- Granite MoE (Granite 3.x's 1B-A400M, 3B-A800M): Granite's layers and multipliers
+  (``families``), every layer routed as Mixtral's (its softmax over the top-k logits is the
+  renormalised top k of the softmax); its checkpoint stacks each layer's experts
+  (``block_sparse_moe.input_linear`` [E, 2I, H], gate rows first, and ``output_linear``
+  [E, H, I]: the stacked layout ``expert_weights`` reads) and names the router
+  ``router.layer``.
 
 Every family routes by the softmax of the router's logits (in fp32) and its top
 ``num_experts_per_tok``. Fields of other MoE families that would change the routing
@@ -29,8 +35,10 @@ import re
 
 from actorlm.models.moe import MoeSpec
 
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")
-_EVERY_LAYER = ("mixtral", "olmoe")  # every layer routed, experts of intermediate_size
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "granitemoe")
+# every layer routed, experts of intermediate_size
+_EVERY_LAYER = ("mixtral", "olmoe", "granitemoe")
+_RENORMALIZED = ("mixtral", "granitemoe")  # the top-k weights, whatever norm_topk_prob says
 # field -> the values that leave the routing as these families compute it
 _OTHER_ROUTING = {
     "routed_scaling_factor": (None, 1, 1.0),
@@ -46,10 +54,23 @@ _OTHER_ROUTING = {
 EXPERTS_SIZE = "experts' intermediate size"  # intermediate_sizes' key for the routed experts
 _MIXTRAL_EXPERT = re.compile(r"\.experts\.(\d+)\.w([123])\.")
 _MIXTRAL_PROJECTIONS = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
+# Granite MoE's checkpoint names (and transformers' own for them) -> the stacked experts' and
+# the router's
+_GRANITE_MOE_NAMES = {".block_sparse_moe.input_linear.weight": ".mlp.experts.gate_up_proj",
+                      ".block_sparse_moe.output_linear.weight": ".mlp.experts.down_proj",
+                      ".block_sparse_moe.router.layer.weight": ".mlp.gate.weight",
+                      ".block_sparse_moe.experts.": ".mlp.experts.",
+                      ".block_sparse_moe.router.weight": ".mlp.gate.weight"}
 
 
 def is_moe(config) -> bool:
     return config.model_type in MOE_MODEL_TYPES
+
+
+def num_experts_of(config) -> int:
+    """The routed experts a layer holds (Granite MoE's config names them local only)."""
+    num = getattr(config, "num_experts", None)
+    return config.num_local_experts if num is None else num
 
 
 def check_moe_config(config) -> None:
@@ -60,7 +81,7 @@ def check_moe_config(config) -> None:
         if value not in defaults:
             raise ValueError(f"{model_type}: {field}={value!r} is not implemented (it changes "
                              f"how tokens are routed, which {model_type} does not)")
-    num_experts, top_k = config.num_experts, config.num_experts_per_tok
+    num_experts, top_k = num_experts_of(config), config.num_experts_per_tok
     if model_type in _EVERY_LAYER and num_experts < 1:
         raise ValueError(f"{model_type}: num_experts={num_experts} must be positive")
     if num_experts > 0 and not 1 <= top_k <= num_experts:  # (none: every layer dense)
@@ -103,13 +124,13 @@ def moe_specs(config) -> list[MoeSpec | None]:
     else:
         dense = set(getattr(config, "mlp_only_layers", None) or ())
         step = getattr(config, "decoder_sparse_step", 1)
-        routed = [layer not in dense and config.num_experts > 0 and (layer + 1) % step == 0
+        routed = [layer not in dense and num_experts_of(config) > 0 and (layer + 1) % step == 0
                   for layer in range(num_layers)]
         size = config.moe_intermediate_size
     spec = MoeSpec(
-        num_experts=config.num_experts, top_k=config.num_experts_per_tok,
+        num_experts=num_experts_of(config), top_k=config.num_experts_per_tok,
         intermediate_size=size,
-        renormalize=model_type == "mixtral" or bool(getattr(config, "norm_topk_prob", False)),
+        renormalize=model_type in _RENORMALIZED or bool(getattr(config, "norm_topk_prob", False)),
         shared_intermediate_size=config.shared_expert_intermediate_size
         if model_type == "qwen2_moe" else None)
     return [spec if is_routed else None for is_routed in routed]
@@ -133,7 +154,11 @@ def intermediate_sizes(config) -> dict[str, int]:
 def checkpoint_name(config, name: str) -> str:
     """A checkpoint tensor's name as the model loads it: Mixtral's MoE block and experts
     under the names the other families use (``mlp``, ``gate_proj``, ``up_proj``,
-    ``down_proj``)."""
+    ``down_proj``), Granite MoE's stacked experts and router under the stacked names."""
+    if config.model_type == "granitemoe":
+        for fragment, ours in _GRANITE_MOE_NAMES.items():
+            name = name.replace(fragment, ours)
+        return name
     if config.model_type != "mixtral":
         return name
     name = name.replace(".block_sparse_moe.", ".mlp.")

@@ -1,7 +1,8 @@
-"""The mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) against transformers
-on the same tiny checkpoints (``checkpoints.tiny_moe_dirs``): logits at every position of a
-40-token prompt and 40 greedy tokens after it, the greedy tokens themselves by vLLM's rule, the
-layers that route, both layouts of the experts in a checkpoint, and the configs refused."""
+"""The mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, Granite MoE) against
+transformers on the same tiny checkpoints (``checkpoints.tiny_moe_dirs``): logits at every
+position of a 40-token prompt and 40 greedy tokens after it, the greedy tokens themselves by
+vLLM's rule, the layers that route, both layouts of the experts in a checkpoint, and the
+configs refused."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from actorlm.models.families import layer_specs
 from actorlm.models.loader import load_hf_config, load_model
 from actorlm.models.moe import SparseMoeBlock
 
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe"]
 PROMPT_LEN, NUM_DECODED = 40, 40
 ATOL = {torch.float32: 2e-4, torch.bfloat16: None}  # bf16: judged by the greedy tokens only
 
@@ -57,7 +58,8 @@ def test_the_layers_transformers_routes_route_here_and_take_the_one_call_where_d
         family, tiny_moe_dirs, hf_models):
     ours = load_model(tiny_moe_dirs[family], torch.float32, "cpu", select_backend("cpu"))
     routed = [isinstance(layer.mlp, SparseMoeBlock) for layer in ours.model.layers]
-    assert routed == [type(layer.mlp).__name__.endswith("SparseMoeBlock")
+    # (a routed block has experts; Granite MoE's is its block_sparse_moe)
+    assert routed == [hasattr(getattr(layer, "mlp", None) or layer.block_sparse_moe, "experts")
                       for layer in hf_models[family, torch.float32].model.layers]
     assert all(isinstance(layer.mlp, MLP) for layer, r in zip(ours.model.layers, routed) if not r)
     # the one-call decode step runs routed experts (where the panel GEMM is built), OLMoE's
@@ -66,12 +68,14 @@ def test_the_layers_transformers_routes_route_here_and_take_the_one_call_where_d
     assert any(routed) and (family not in ("qwen3_moe", "qwen2_moe") or not all(routed))
 
 
-def test_experts_saved_stacked_load_as_the_per_expert_tensors_do(tiny_moe_dirs):
-    """The same weights, the experts written one tensor per expert and projection, or one per
-    projection stacked ([E, 2I, H] gate/up, [E, H, I] down): the same model, to the bit."""
+@pytest.mark.parametrize("family", ["qwen3_moe", "granitemoe"])
+def test_experts_saved_stacked_load_as_the_per_expert_tensors_do(tiny_moe_dirs, family):
+    """The same weights, the experts written as the release does (Qwen3-MoE: one tensor per
+    expert and projection; Granite MoE: stacked, under its own names), or as transformers
+    holds them, stacked ([E, 2I, H] gate/up, [E, H, I] down): the same model, to the bit."""
     backend = select_backend("cpu")
-    per_expert = load_model(tiny_moe_dirs["qwen3_moe"], torch.float32, "cpu", backend)
-    stacked = load_model(tiny_moe_dirs["qwen3_moe_stacked"], torch.float32, "cpu", backend)
+    per_expert = load_model(tiny_moe_dirs[family], torch.float32, "cpu", backend)
+    stacked = load_model(tiny_moe_dirs[f"{family}_stacked"], torch.float32, "cpu", backend)
     for a, b in zip(per_expert.model.layers, stacked.model.layers, strict=True):
         if isinstance(a.mlp, SparseMoeBlock):
             for x, y in zip(_expert_tensors(a.mlp.experts), _expert_tensors(b.mlp.experts)):
