@@ -3,7 +3,8 @@ layer's experts stacked into one 3-D tensor per projection (``ffn_gate_exps``, `
 [E, I, H] and ``ffn_down_exps`` [E, H, I] in torch order), the router ``ffn_gate_inp`` and
 Qwen2-MoE's shared-expert gate ``ffn_gate_inp_shexp`` (squeezed to [H]) kept in F32, as
 llama.cpp keeps them, and every other matrix in one block format. Mixtral's file says
-architecture ``llama`` (its q and k rows permuted), OLMoE's ``olmoe``.
+architecture ``llama`` (its q and k rows permuted), OLMoE's ``olmoe``, Granite MoE's
+``granitemoe`` (q and k permuted, its stacked gate/up split in two, its scales as Granite's).
 
 The checkpoints here (``save_routed``) route every layer, as llama.cpp's MoE graphs do.
 """
@@ -19,12 +20,14 @@ from gguf_files import (K_TYPES, _permute, _write_config, _write_tokenizer,
                         dequantized_checkpoint, random_blocks)
 
 ARCHITECTURES = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama",
-                 "olmoe": "olmoe"}
+                 "olmoe": "olmoe", "granitemoe": "granitemoe"}
+_PERMUTED = ("mixtral", "granitemoe")  # q and k rows permuted, as a Llama's
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-          "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+          "mlp.gate": "ffn_gate_inp", "mlp.router.layer": "ffn_gate_inp",
+          "mlp.output_linear": "ffn_down_exps", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
           "mlp.shared_expert.up_proj": "ffn_up_shexp",
           "mlp.shared_expert.down_proj": "ffn_down_shexp",
           "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
@@ -32,6 +35,8 @@ _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_hea
 _EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 _MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _KEPT_IN_F32 = ("ffn_gate_inp", "ffn_gate_inp_shexp")  # llama.cpp never quantizes the routers
+_SEEDS = {"mixtral": 40, "olmoe": 41, "qwen2_moe": 42, "qwen3_moe": 43, "qwen3_moe_k": 44,
+          "granitemoe": 45}
 
 
 def moe_state(hf_dir: pathlib.Path) -> tuple[dict, dict[str, np.ndarray]]:
@@ -59,7 +64,11 @@ def moe_state(hf_dir: pathlib.Path) -> tuple[dict, dict[str, np.ndarray]]:
             _, _, expert, projection = part.split(".")
             experts.setdefault((layer, projection), {})[int(expert)] = values
             continue
-        if config["model_type"] == "mixtral" and part in ("self_attn.q_proj", "self_attn.k_proj"):
+        if part == "mlp.input_linear":  # Granite MoE's experts stacked: gate rows, then up
+            for projection, half in zip(("gate_proj", "up_proj"), np.split(values, 2, axis=1)):
+                tensors[f"blk.{layer}.{_EXPERTS[projection]}.weight"] = half
+            continue
+        if config["model_type"] in _PERMUTED and part in ("self_attn.q_proj", "self_attn.k_proj"):
             heads = config["num_attention_heads"] if "q_proj" in part else \
                 config["num_key_value_heads"]
             values = _permute(values, heads)
@@ -119,7 +128,8 @@ def dequantized_moe(hf_dir: pathlib.Path, type_name: str):
     oracle of the blocks, for the families whose GGUF files transformers does not read
     (Mixtral, OLMoE)."""
     return dequantized_checkpoint(hf_dir, type_name,
-                                  kept=(".gate.weight", "shared_expert_gate.weight"))
+                                  kept=(".gate.weight", "shared_expert_gate.weight",
+                                        ".router.weight"))
 
 
 def save_routed(tmp_path_factory, tokenizer_dir, family: str) -> pathlib.Path:
@@ -128,7 +138,8 @@ def save_routed(tmp_path_factory, tokenizer_dir, family: str) -> pathlib.Path:
     experts have 64 features, so that 2 tensor-parallel ranks split their down projections on
     32-value blocks; Mixtral's and OLMoE's 32, which 2 ranks can split only as whole experts."""
     from checkpoints import _common, _save_tiny
-    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import (GraniteMoeConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig,
+                              Qwen3MoeConfig)
 
     common = {**_common(tokenizer_dir), "num_hidden_layers": 2}
     experts = dict(num_experts_per_tok=2, router_aux_loss_coef=0.0, tie_word_embeddings=False)
@@ -144,12 +155,16 @@ def save_routed(tmp_path_factory, tokenizer_dir, family: str) -> pathlib.Path:
         "olmoe": lambda: OlmoeConfig(**{**{k: v for k, v in common.items() if k != "head_dim"},
                                         "intermediate_size": 32, "num_key_value_heads": 1},
                                      **experts, num_experts=8, clip_qkv=4.0),
+        "granitemoe": lambda: GraniteMoeConfig(
+            **{**common, "intermediate_size": 32}, **experts, num_local_experts=8,
+            embedding_multiplier=12.0, attention_multiplier=0.2, residual_multiplier=0.22,
+            logits_scaling=8.0),
         "qwen3_moe_k": lambda: Qwen3MoeConfig(
             **{**common, "hidden_size": 256, "head_dim": 64, "initializer_range": 0.1},
             **experts, num_experts=8, moe_intermediate_size=256, norm_topk_prob=True),
     }
     return _save_tiny(tmp_path_factory, tokenizer_dir, f"tiny_routed_{family}",
-                      configs[family](), seed=40 + sorted(configs).index(family))
+                      configs[family](), seed=_SEEDS[family])
 
 
 def transformers_on_gguf(gguf_path: pathlib.Path):

@@ -67,11 +67,11 @@ _OWN_CONFIGS = {"smollm3": gguf_metadata.smollm3_config, "gemma": gguf_metadata.
                 "phi2": gguf_metadata.phi2_config, "command-r": gguf_metadata.command_r_config,
                 "cohere2": gguf_metadata.cohere2_config,
                 "qwen2vl": gguf_metadata.qwen2vl_config, "qwen3vl": gguf_metadata.qwen3vl_config}
-_UNKNOWN_TO_TRANSFORMERS = ("smollm3", "gemma", "granite", "olmo2", "olmoe", "exaone4", "glm4",
-                            "ernie4_5", "seed_oss", "phi2", "command-r", "cohere2", "qwen2vl",
-                            "qwen3vl")
+_UNKNOWN_TO_TRANSFORMERS = ("smollm3", "gemma", "granite", "granitemoe", "olmo2", "olmoe",
+                            "exaone4", "glm4", "ernie4_5", "seed_oss", "phi2", "command-r",
+                            "cohere2", "qwen2vl", "qwen3vl")
 # q and k rows permuted by llama.cpp's converter (a Llama's and its descendants')
-_PERMUTED_QK = ("llama", "mistral", "mixtral", "smollm3", "granite")
+_PERMUTED_QK = ("llama", "mistral", "mixtral", "smollm3", "granite", "granitemoe")
 _GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")  # (norms stored as 1 + weight)
 _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _INDEX = "gguf.json"

@@ -143,12 +143,16 @@ def gemma_config(reader, tensor_names: list[str]):
 def granite_config(reader, tensor_names: list[str]):
     from transformers import GraniteConfig
 
-    return GraniteConfig(
-        **decoder_fields(reader, "granite", tensor_names), **biases(tensor_names),
-        embedding_multiplier=field(reader, "granite.embedding_scale", 1.0),
-        attention_multiplier=field(reader, "granite.attention.scale", 1.0),
-        residual_multiplier=field(reader, "granite.residual_scale", 1.0),
-        logits_scaling=field(reader, "granite.logit_scale", 1.0))
+    return GraniteConfig(**decoder_fields(reader, "granite", tensor_names), **biases(tensor_names),
+                         **granite_multipliers(reader, "granite"))
+
+
+def granite_multipliers(reader, arch: str) -> dict:
+    """A Granite file's four scales, under its config's names (Granite MoE's too)."""
+    return dict(embedding_multiplier=field(reader, f"{arch}.embedding_scale", 1.0),
+                attention_multiplier=field(reader, f"{arch}.attention.scale", 1.0),
+                residual_multiplier=field(reader, f"{arch}.residual_scale", 1.0),
+                logits_scaling=field(reader, f"{arch}.logit_scale", 1.0))
 
 
 def olmo2_config(reader, tensor_names: list[str]):

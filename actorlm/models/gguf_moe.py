@@ -18,6 +18,9 @@ top ``expert_used_count``):
   Llama): a ``MixtralConfig``, the top-k renormalised, q and k permuted as a Llama's.
 - ``olmoe`` (transformers does not read it): an ``OlmoeConfig``, the top-k as the softmax gives
   them, q/k norms over whole projections, ``attention.clamp_kqv`` as ``clip_qkv``.
+- ``granitemoe`` (transformers does not read it): a ``GraniteMoeConfig``, Granite's four
+  multipliers from the file's scales (as a dense Granite's), the top-k renormalised, q and k
+  permuted as a Llama's.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from actorlm.models import gguf_metadata
 from actorlm.models.gguf_metadata import field
 
 # GGUF architecture -> model_type, beside the dense ones (Mixtral's files say "llama")
-ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe"}
+ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe",
+                 "granitemoe": "granitemoe"}
 # GGUF tensor name (after "blk.N.") -> the Hugging Face one (after "model.layers.N."); the
 # stacked experts under a name of their own, split per expert as they are read
 LAYER_NAMES = {
@@ -84,7 +88,7 @@ def each_expert(name: str, stacked: torch.Tensor | QuantizedWeight):
 def moe_config(gguf, reader, tensor_names: list[str]):
     """The transformers config of the MoE file ``gguf`` (``reader`` its parsed metadata,
     ``tensor_names`` its tensors' Hugging Face names); see the module's docstring."""
-    from transformers import AutoConfig, MixtralConfig, OlmoeConfig
+    from transformers import AutoConfig, GraniteMoeConfig, MixtralConfig, OlmoeConfig
 
     arch = field(reader, "general.architecture")
     has_bias = any(name.endswith("q_proj.bias") for name in tensor_names)
@@ -108,6 +112,9 @@ def moe_config(gguf, reader, tensor_names: list[str]):
     if arch == "llama":
         return MixtralConfig(**common, head_dim=head_dim, num_local_experts=experts,
                              sliding_window=None)
+    if arch == "granitemoe":
+        return GraniteMoeConfig(**common, num_local_experts=experts,
+                                **gguf_metadata.granite_multipliers(reader, arch))
     if head_dim * heads != hidden:  # its q norm has one weight per feature of q
         raise ValueError(f"olmoe: attention.key_length {head_dim} times {heads} heads is not "
                          f"the embedding length {hidden}")

@@ -8,8 +8,8 @@ experts in them, each expert's layers on the quantized kernels, and is judged as
 models are (``test_gguf.py``): the mean KL divergence of the next-token distribution over a
 prompt and its greedy continuation against transformers over the same dequantized weights, and
 vLLM's ``check_logprobs_close`` on the greedy tokens. The oracle reads the file itself for
-Qwen3-MoE and Qwen2-MoE (``transformers_on_gguf``); for Mixtral and OLMoE, whose files
-transformers does not read as mixtures of experts, it is the checkpoint with its matrices
+Qwen3-MoE and Qwen2-MoE (``transformers_on_gguf``); for Mixtral, OLMoE and Granite MoE, whose
+files transformers does not read as mixtures of experts, it is the checkpoint with its matrices
 quantized and dequantized by gguf as the file stores them (``dequantized_moe``; checked
 against the file here). The K formats' blocks are random (gguf cannot quantize them), in
 Q6_K: Q4_K's and Q5_K's random blocks have a positive mean that drowns every position's
@@ -45,7 +45,7 @@ from actorlm.models.moe_families import moe_specs
 from actorlm.models.parallel import TensorParallel
 from actorlm.models.parts import load_model_parts
 
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe"]
 READ_BY_TRANSFORMERS = ("qwen3_moe", "qwen2_moe")
 MAX_MEAN_KL_AFTER_A_DIFFERENCE = 0.03  # (see _check_close_where_routed_alike)
 PROMPT_LEN, NUM_DECODED = 20, 12
@@ -178,7 +178,7 @@ def test_a_file_in_blocks_keeps_its_experts_in_them_and_matches_transformers(
     check_logprobs_close([(tokens, tops)], [hf_continuation(theirs, prompt, NUM_DECODED)])
 
 
-@pytest.mark.parametrize("family", ["mixtral", "olmoe"])
+@pytest.mark.parametrize("family", ["mixtral", "olmoe", "granitemoe"])
 def test_the_dequantized_oracle_holds_what_the_file_holds(family, routed_dirs, gguf_files):
     import gguf
 
