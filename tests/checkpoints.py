@@ -248,6 +248,7 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
     MLP in parallel from one LayerNorm, RoPE on half of each head, a bias on the LM head), Cohere
     (attention and MLP in parallel from one LayerNorm without bias, RoPE on interleaved pairs,
     scaled logits), Cohere 2 (Cohere's, three sliding layers with RoPE to one full without),
+    OPT (learned positions, no RoPE, an ungated ReLU MLP, biases everywhere),
     Gemma 3 (five sliding-window layers to one full,
     q/k norms, two RoPE bases), Gemma 2 (sliding and full in turn, soft-capped attention and
     logits), Mistral (every layer sliding), Qwen2 with ``use_sliding_window`` (its upper
@@ -263,7 +264,7 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
     biases, none on o_proj)."""
     from transformers import (Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig,
                               Cohere2Config, CohereConfig, GemmaConfig, Ministral3Config, MinistralConfig,
-                              PhiConfig, Starcoder2Config,
+                              OPTConfig, PhiConfig, Starcoder2Config,
                               Glm4Config, GlmConfig, GraniteConfig, HeliumConfig, MistralConfig,
                               Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, SeedOssConfig,
                               SmolLM3Config)
@@ -324,6 +325,11 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
                                tie_word_embeddings=True),
         "cohere2": Cohere2Config(**{**common, "num_hidden_layers": 4}, sliding_window=WINDOW,
                                  logit_scale=0.5, tie_word_embeddings=True),
+        "opt": OPTConfig(**{k: common[k] for k in (
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")},
+            ffn_dim=common["intermediate_size"], word_embed_proj_dim=common["hidden_size"],
+            init_std=common["initializer_range"], tie_word_embeddings=True),
     }
     return {name: _save_tiny(tmp_path_factory, tiny_tokenizer_dir, f"tiny_{name}", config,
                              seed=10 + i)

@@ -21,7 +21,8 @@ from actorlm.kernels import lora, rejection
 from actorlm.kernels.lora import LoRATable
 from actorlm.kernels.metadata import AttentionMetadata
 
-ACTIVATIONS = ("silu", "gelu_tanh")  # act_and_mul's: SiLU, GeLU's tanh approximation
+# act_and_mul's (and an ungated MLP's): SiLU, GeLU's tanh approximation, ReLU (OPT's)
+ACTIVATIONS = ("silu", "gelu_tanh", "relu")
 
 
 class Norm(NamedTuple):

@@ -81,8 +81,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor,
 def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     check_activation(activation)
     gate, up = gate_up.chunk(2, dim=-1)
-    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
-    return act * up
+    return _ACTIVATIONS[activation](gate) * up
+
+
+# each activation as transformers computes it (in the model dtype)
+_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+                "relu": F.relu}
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:

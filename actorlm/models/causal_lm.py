@@ -20,7 +20,7 @@ from actorlm.models import expert_weights, quantized
 from actorlm.models.decoder import DecoderLayer, norm_of
 from actorlm.models.families import (NO_ROPE, checkpoint_tensors, embedding_scale,
                                      head_dim_of, is_gemma, layer_specs, layer_windows,
-                                     lm_head_bias, long_rope_from, logits_divisor, narrow, norm_names, rope_inv_freq,
+                                     lm_head_bias, long_rope_from, position_offset, logits_divisor, narrow, norm_names, rope_inv_freq,
                                      rope_layer_types)
 from actorlm.models.layers import Embedding, Linear, VocabParallelEmbedding
 from actorlm.models.expert_parallel import check_expert_parallel, split_intermediate_sizes
@@ -48,6 +48,11 @@ class DecoderBody(nn.Module):
                                                        dtype, device)
         else:
             self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
+        # learned position embeddings (OPT's), whole on every rank; None: RoPE's positions
+        self.position_offset = position_offset(config)
+        self.embed_positions = None if self.position_offset is None else Embedding(
+            config.max_position_embeddings + self.position_offset, config.hidden_size, dtype,
+            device)
         self.layers = nn.ModuleList(DecoderLayer(spec, backend, dtype, device, tp, rope, group)
                                     for spec, rope, group in zip(specs, ropes, groups))
         self.norm = norm_of(specs[0], backend, dtype, device)
@@ -136,6 +141,8 @@ class CausalLM(nn.Module):
         x, residual = self.model.embed_tokens(input_ids), None  # [T, hidden]
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        if self.model.embed_positions is not None:  # (no RoPE: rows are positions)
+            x = x + self.model.embed_positions(positions + self.model.position_offset)
         # (the step's LoRA slots, each row's, where it has adapters: the one call takes them)
         lora_slots = None if self.lora_state is None else self.lora_state.mapping.token_slots
         fused = None if self.decode_step is None else \

@@ -160,7 +160,8 @@ class MLP(nn.Module):
 
 
 # an ungated MLP's activation, as transformers computes it (in the model dtype)
-_UNGATED_ACTIVATIONS = {"gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh")}
+_UNGATED_ACTIVATIONS = {"gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+                        "relu": torch.relu}
 
 
 class DecoderLayer(nn.Module):

@@ -46,6 +46,11 @@ its tensors.
   one norm, summed; Phi-2's LM head has a bias, Cohere's logits are scaled (``logit_scale``)
   and its RoPE turns interleaved pairs; Cohere 2's sliding layers (three to each full one)
   alone turn by RoPE, as EXAONE 4's.
+- OPT (vLLM's quick-start model, facebook/opt-125m and its larger siblings): LayerNorm with a
+  bias, an ungated ReLU MLP (``fc1``, ``fc2``), biases everywhere, no RoPE: positions are
+  learned embeddings added to the tokens' (row position + 2, ``position_offset``). The
+  post-norm of OPT-350m (``do_layer_norm_before`` false) and its projections in and out of a
+  narrower embedding (``word_embed_proj_dim``) are refused by name.
 - Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE: routed experts in place of some or all dense MLPs
   (``moe_families.py`` says which and how they route; ``moe.py`` computes them).
 
@@ -63,7 +68,7 @@ from actorlm.kernels import ActivationQuant, QuantizedWeight
 from actorlm.models import quantized
 from actorlm.models.decoder import LayerSpec
 from actorlm.models.moe_families import (MOE_MODEL_TYPES, check_moe_config, checkpoint_name,
-                                         is_moe, moe_specs)
+                                         intermediate_size_of, is_moe, moe_specs)
 from actorlm.models.rope_layout import ROTATED_Q_K, head_order, reordered
 
 # a multimodal checkpoint's model_type -> the model_type its text decoder is read as (None:
@@ -74,7 +79,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2",
                          "smollm3", "granite",
                          "olmo2", "olmo3", "exaone4", "glm", "glm4", "ernie4_5", "helium",
                          "seed_oss", "gemma", "gemma2", "gemma3_text", "starcoder2", "phi",
-                         "cohere", "cohere2", *TEXT_TOWERS, *MOE_MODEL_TYPES)
+                         "cohere", "cohere2", "opt", *TEXT_TOWERS, *MOE_MODEL_TYPES)
 # the RoPE table of the layers without RoPE (SmolLM3's, EXAONE 4's and Cohere 2's global
 # ones): the identity
 NO_ROPE = "no_rope"
@@ -83,22 +88,32 @@ _QK_NORMS = {"qwen3": "head", "gemma3_text": "head", "qwen3_moe": "head", "olmoe
 _OUTPUT_NORMS_ONLY = ("olmo2", "olmo3", "exaone4")  # norms on the branches' outputs only
 _COHERE = ("cohere", "cohere2")
 _INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5", "helium", *_COHERE)  # RoPE on (2i, 2i + 1)
-_LAYER_NORM = ("starcoder2", "phi", *_COHERE)  # LayerNorm, with a bias but in Cohere's
+_LAYER_NORM = ("starcoder2", "phi", "opt", *_COHERE)  # LayerNorm, with a bias but in Cohere's
 _PARALLEL = ("phi", *_COHERE)  # attention and MLP from one norm, in parallel
-_UNGATED_MLP = ("starcoder2", "phi")
+_UNGATED_MLP = ("starcoder2", "phi", "opt")
 _GELU_FAMILIES = ("starcoder2", "phi")  # (besides Gemma's)
+_RELU_FAMILIES = ("opt",)
+# learned position embeddings (no RoPE): the row a position reads is position + offset
+_POSITION_OFFSETS = {"opt": 2}
 # a family's checkpoint names -> the shared decoder's
 _RENAMES = {"starcoder2": {".mlp.c_fc.": ".mlp.fc_in.", ".mlp.c_proj.": ".mlp.down_proj."},
             "phi": {".mlp.fc1.": ".mlp.fc_in.", ".mlp.fc2.": ".mlp.down_proj.",
                     ".self_attn.dense.": ".self_attn.o_proj.",
-                    "model.final_layernorm.": "model.norm."}}
+                    "model.final_layernorm.": "model.norm."},
+            # (the model's last norm before the layers' own final_layer_norm)
+            "opt": {"model.decoder.final_layer_norm.": "model.norm.", "model.decoder.": "model.",
+                    ".self_attn.out_proj.": ".self_attn.o_proj.",
+                    ".self_attn_layer_norm.": ".input_layernorm.",
+                    ".final_layer_norm.": ".post_attention_layernorm.",
+                    ".fc1.": ".mlp.fc_in.", ".fc2.": ".mlp.down_proj."}}
 # a query/key norm the family's config may turn on, not implemented (a LayerNorm per head)
 _QK_LAYER_NORMS = {"phi": "qk_layernorm", "cohere": "use_qk_norm"}
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
 _GRANITE = ("granite", "granitemoe")  # Granite's four multipliers
 _FOUR_NORMS = ("gemma2", "gemma3_text")  # Gemma 1 has a Llama's two
 # (Phi-2's gelu_new is the tanh approximation, written out in torch ops)
-_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+                "relu": "relu"}
 _GRANITE_MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier",
                         "logits_scaling")
 
@@ -149,9 +164,12 @@ def check_config(config) -> None:
         raise ValueError(f"model_type {config.model_type!r} is not supported (use one of "
                          f"{SUPPORTED_MODEL_TYPES})")
     activation = activation_of(config)
-    gelu = is_gemma(config) or config.model_type in _GELU_FAMILIES
-    if activation not in _ACTIVATIONS or gelu != (activation != "silu"):
+    family = "relu" if config.model_type in _RELU_FAMILIES else "gelu_tanh" \
+        if is_gemma(config) or config.model_type in _GELU_FAMILIES else "silu"
+    if _ACTIVATIONS.get(activation) != family:
         raise ValueError(f"{config.model_type}: activation {activation!r} is not implemented")
+    if config.model_type == "opt":
+        _check_opt(config)
     flag = _QK_LAYER_NORMS.get(config.model_type)
     if flag is not None and getattr(config, flag, False):
         raise ValueError(f"{config.model_type}: {flag} (a LayerNorm of each head's q and k) "
@@ -180,8 +198,35 @@ def check_config(config) -> None:
         check_moe_config(config)
 
 
+def _bias(config, name: str) -> bool:
+    """A family's flag for biases on these projections: its own ``name``, or one for every
+    projection (ERNIE's ``use_bias``, OPT's ``enable_bias``)."""
+    for flag in (name, "use_bias", "enable_bias"):
+        if (value := getattr(config, flag, None)) is not None:
+            return bool(value)
+    return False
+
+
+def _check_opt(config) -> None:
+    for name, computed in (("do_layer_norm_before", True), ("_remove_final_layer_norm", False),
+                           ("layer_norm_elementwise_affine", True)):
+        if getattr(config, name, computed) != computed:
+            raise ValueError(f"opt: {name}={getattr(config, name)!r} is not implemented")
+    if getattr(config, "word_embed_proj_dim", config.hidden_size) != config.hidden_size:
+        raise ValueError(f"opt: word_embed_proj_dim={config.word_embed_proj_dim} (embeddings "
+                         f"projected in and out of the hidden size {config.hidden_size}) is "
+                         f"not implemented")
+
+
 def activation_of(config) -> str:
-    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None) \
+        or getattr(config, "activation_function", "silu")
+
+
+def position_offset(config) -> int | None:
+    """Where a model has learned position embeddings (OPT), the row position 0 reads (OPT's
+    first two rows are never read); None: the model has none."""
+    return _POSITION_OFFSETS.get(config.model_type)
 
 
 def layer_windows(config) -> list[int | None]:
@@ -203,8 +248,7 @@ def layer_specs(config) -> list[LayerSpec]:
     gemma, model_type = is_gemma(config), config.model_type
     # (Mixtral's attention has no biases, whatever its config says; ERNIE's use_bias puts one
     # on every projection)
-    attention_bias = bool(getattr(config, "attention_bias", getattr(config, "use_bias", False))) \
-        and model_type != "mixtral"
+    attention_bias = _bias(config, "attention_bias") and model_type != "mixtral"
     qwen2 = model_type in ("qwen2", "qwen2_moe")
     # Qwen2's q/k/v always have a bias, Qwen2-MoE's by qkv_bias; neither has one on o_proj
     qkv_bias = (model_type == "qwen2" or bool(getattr(config, "qkv_bias", True))) if qwen2 \
@@ -215,7 +259,7 @@ def layer_specs(config) -> list[LayerSpec]:
     base = dict(
         hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        head_dim=head_dim, intermediate_size=config.intermediate_size,
+        head_dim=head_dim, intermediate_size=intermediate_size_of(config),
         norm_eps=norm_eps(config), norm_unit_offset=gemma,
         layer_norm=model_type in _LAYER_NORM,
         norm_bias=model_type in _LAYER_NORM and model_type not in _COHERE,
@@ -228,8 +272,7 @@ def layer_specs(config) -> list[LayerSpec]:
         qkv_bias=qkv_bias or phi,  # (Phi-2's projections all have biases)
         o_bias=_o_bias(config, attention_bias) or phi,
         # (the MoE families' MLPs have no biases, whatever their config says)
-        mlp_bias=phi or bool(getattr(config, "mlp_bias", getattr(config, "use_bias", False)))
-        and not is_moe(config),
+        mlp_bias=phi or _bias(config, "mlp_bias") and not is_moe(config),
         attention_scale=config.attention_multiplier if granite else
         None if scalar is None else scalar**-0.5,
         softcap=getattr(config, "attn_logit_softcapping", None) if gemma else None,
@@ -249,10 +292,13 @@ def _o_bias(config, attention_bias: bool) -> bool:
 
 
 def norm_eps(config) -> float:
-    """The norms' epsilon, by whichever name the family's config gives it."""
+    """The norms' epsilon, by whichever name the family's config gives it (OPT's none:
+    torch's LayerNorm default, as transformers builds them)."""
     for name in ("rms_norm_eps", "layer_norm_eps", "norm_epsilon"):
         if (value := getattr(config, name, None)) is not None:
             return value
+    if config.model_type == "opt":
+        return 1e-5
     raise ValueError(f"{config.model_type}: the config names no norm epsilon")
 
 
@@ -298,7 +344,8 @@ def rope_layer_types(config) -> list[str | None]:
     params = getattr(config, "rope_parameters", None) or {}
     layers = config.num_hidden_layers
     types = list(config.layer_types) if "sliding_attention" in params else [None] * layers
-    uses_rope = getattr(config, "no_rope_layers", None) or [1] * layers
+    uses_rope = getattr(config, "no_rope_layers", None) or \
+        [int(position_offset(config) is None)] * layers  # (learned positions: no RoPE)
     if config.model_type in ("exaone4", "cohere2") and getattr(config, "sliding_window", None):
         uses_rope = [kind == "sliding_attention" for kind in config.layer_types]
     if len(uses_rope) < layers:
@@ -411,7 +458,7 @@ def _split_fused(config, tensors, q_size: int, kv_size: int):
             parts = [("q_proj", 0, q_size), ("k_proj", q_size, kv_size),
                      ("v_proj", q_size + kv_size, kv_size)]
         elif ".mlp.gate_up_proj." in name:
-            half = config.intermediate_size
+            half = intermediate_size_of(config)
             parts = [("gate_proj", 0, half), ("up_proj", half, half)]
         else:
             yield name, tensor

@@ -136,13 +136,19 @@ def moe_specs(config) -> list[MoeSpec | None]:
     return [spec if is_routed else None for is_routed in routed]
 
 
+def intermediate_size_of(config) -> int:
+    """The dense MLP's intermediate size (OPT calls it ``ffn_dim``)."""
+    size = getattr(config, "intermediate_size", None)
+    return config.ffn_dim if size is None else size
+
+
 def intermediate_sizes(config) -> dict[str, int]:
     """The intermediate sizes of the model's MLPs, by what a message calls them: the dense
     MLP's (where a layer has one), the routed experts' and the shared expert's."""
     specs = moe_specs(config)
     sizes = {}
     if any(spec is None for spec in specs):
-        sizes["MLP intermediate size"] = config.intermediate_size
+        sizes["MLP intermediate size"] = intermediate_size_of(config)
     routed = next((spec for spec in specs if spec is not None), None)
     if routed is not None:
         sizes[EXPERTS_SIZE] = routed.intermediate_size

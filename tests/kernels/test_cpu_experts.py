@@ -85,7 +85,7 @@ def test_a_tie_goes_to_the_lower_index():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "relu"])
 @pytest.mark.parametrize("num_tokens, num_experts, top_k", [(1, 8, 2), (2, 8, 3), (29, 6, 2),
                                                             (9, 3, 3)])
 # (64, 32): both projections' k a multiple of 32, which bf16 runs on AMX tiles where they are

@@ -183,6 +183,8 @@ def test_zero_rows_launch_nothing(monkeypatch):
 def _act_exact(gate_up, activation):
     """float64 act(gate) * up, unrounded; and z, the exponential's argument (sigmoid(z))."""
     gate, up = gate_up.double().chunk(2, dim=-1)
+    if activation == "relu":  # (exact: no exponential)
+        return gate.clamp(min=0) * up, torch.zeros_like(gate), up
     if activation == "silu":
         z = gate
     else:
@@ -190,7 +192,7 @@ def _act_exact(gate_up, activation):
     return gate * torch.sigmoid(z) * up, z, up
 
 
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "relu"])
 @_sweep("inter")
 def test_act_and_mul_matches_reference(dtype, inter, num_rows, activation):
     gen = torch.Generator().manual_seed(inter * 13 + num_rows)
@@ -227,8 +229,8 @@ def test_act_and_mul_rounds_the_activation_first():
 
 
 def test_unknown_activation_raises():
-    with pytest.raises(ValueError, match="silu.*gelu_tanh"):
-        act_and_mul(torch.zeros(2, 8), "relu")
+    with pytest.raises(ValueError, match="silu.*gelu_tanh.*relu"):
+        act_and_mul(torch.zeros(2, 8), "tanh")
 
 
 @pytest.mark.parametrize("fused", [False, True])

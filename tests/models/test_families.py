@@ -25,7 +25,7 @@ FAMILIES = ["gemma", "gemma3", "gemma2", "mistral", "qwen2_window", "phi3", "smo
             "olmo2", "olmo3", "glm", "glm4", "phi3_partial", "phi3_longrope", "ernie4_5",
             "exaone4", "helium", "seed_oss", "ministral", "ministral3"]
 # LayerNorm, parallel branches, ungated MLPs
-LAYER_NORM_FAMILIES = ["starcoder2", "phi", "cohere", "cohere2"]
+LAYER_NORM_FAMILIES = ["starcoder2", "phi", "cohere", "cohere2", "opt"]
 PROMPT_LEN, NUM_DECODED = 40, 60
 ATOL = {torch.float32: 2e-4, torch.bfloat16: None}  # bf16: judged by the greedy tokens only
 
@@ -171,4 +171,20 @@ def test_a_layer_norm_of_each_heads_q_and_k_is_refused_by_name(tiny_window_dirs,
     check_config(config)
     setattr(config, flag, True)
     with pytest.raises(ValueError, match=f"{family}: {flag} .a LayerNorm of each head's q and k"):
+        check_config(config)
+
+
+@pytest.mark.parametrize("changes, said", [
+    ({"do_layer_norm_before": False}, "do_layer_norm_before=False"),  # OPT-350m's post-norm
+    ({"word_embed_proj_dim": 32}, "word_embed_proj_dim=32"),  # and its narrower embeddings
+    ({"activation_function": "gelu"}, "activation 'gelu'")])
+def test_what_opt_350m_computes_otherwise_is_refused_by_name(tiny_window_dirs, changes, said):
+    from actorlm.models.families import check_config
+    from actorlm.models.loader import load_hf_config
+
+    config = load_hf_config(tiny_window_dirs["opt"])
+    check_config(config)
+    for name, value in changes.items():
+        setattr(config, name, value)
+    with pytest.raises(ValueError, match=f"opt: {said}"):
         check_config(config)

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from actorlm.kernels.backend import check_activation
+from actorlm.kernels.backend import ACTIVATIONS, check_activation
 from actorlm.kernels.triton.norms import round_to
 
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
@@ -25,11 +25,13 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def gated_activation(gate, up, DTYPE: tl.constexpr, GELU_TANH: tl.constexpr):
+def gated_activation(gate, up, DTYPE: tl.constexpr, ACTIVATION: tl.constexpr):
     """act(gate) * up in ``DTYPE`` from fp32 tiles of gate and up (values of ``DTYPE``): the
-    activation rounded to ``DTYPE``, then the product (HF's two ops). Also the routed experts'
-    epilogue (``fused_moe.py``)."""
-    if GELU_TANH:
+    activation (``ACTIVATION``: its index in ``ACTIVATIONS``) rounded to ``DTYPE``, then the
+    product (HF's two ops). Also the routed experts' epilogue (``fused_moe.py``)."""
+    if ACTIVATION == 2:  # ReLU
+        act = tl.maximum(gate, 0.0)
+    elif ACTIVATION == 1:  # GeLU, tanh approximation
         # 0.5 g (1 + tanh(y)) == g * sigmoid(2y): tl has no tanh, and this form does not cancel
         # for negative g (1 + tanh(y) does).
         y = _SQRT_2_OVER_PI * (gate + _GELU_COEFF * gate * gate * gate)
@@ -47,7 +49,7 @@ def _act_and_mul_kernel(
     inter,  # I
     stride_out,
     stride_in,
-    GELU_TANH: tl.constexpr,  # else SiLU
+    ACTIVATION: tl.constexpr,  # its index in ACTIVATIONS
     BLOCK_R: tl.constexpr,
     BLOCK_I: tl.constexpr,
 ):
@@ -58,13 +60,13 @@ def _act_and_mul_kernel(
     gate_ptrs = gate_up_ptr + rows[:, None] * stride_in + cols[None, :]
     gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_ptrs + inter, mask=mask, other=0.0).to(tl.float32)
-    out = gated_activation(gate, up, dtype, GELU_TANH)
+    out = gated_activation(gate, up, dtype, ACTIVATION)
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], out, mask=mask)
 
 
 def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     """act(gate) * up for gate_up [T, 2I] (each row [gate | up], stride(1) == 1); ``activation``
-    is ``silu`` or ``gelu_tanh`` (torch's ``gelu(approximate="tanh")``). Returns [T, I] in
+    is one of ``ACTIVATIONS`` (``gelu_tanh``: torch's ``gelu(approximate="tanh")``). Returns [T, I] in
     gate_up's dtype."""
     check_activation(activation)
     assert gate_up.dim() == 2 and gate_up.dtype in _FLOAT_DTYPES, (gate_up.shape, gate_up.dtype)
@@ -81,7 +83,7 @@ def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     grid = (triton.cdiv(num_rows, block_r), triton.cdiv(inter, block_i))
     _act_and_mul_kernel[grid](
         out, gate_up, num_rows, inter, out.stride(0), gate_up.stride(0),
-        GELU_TANH=activation == "gelu_tanh",
+        ACTIVATION=ACTIVATIONS.index(activation),
         BLOCK_R=block_r,
         BLOCK_I=block_i,
         num_warps=max(1, min(8, block_r * block_i // 512)),

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from actorlm.kernels import moe
-from actorlm.kernels.backend import Experts, check_activation
+from actorlm.kernels.backend import ACTIVATIONS, Experts, check_activation
 from actorlm.kernels.triton.activation import gated_activation
 from actorlm.kernels.triton.moe_align import align_slots
 from actorlm.kernels.triton.norms import round_to
@@ -85,7 +85,7 @@ def _expert_matmul_kernel(
     stride_wn,
     SLOTS_PER_A_ROW: tl.constexpr,  # top_k when a is x (a token's slots share its row), else 1
     GATED: tl.constexpr,  # gate/up and the activation, else down and the routing weight
-    GELU_TANH: tl.constexpr,  # else SiLU
+    ACTIVATION: tl.constexpr,  # its index in ACTIVATIONS
     DOT_IN_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -117,7 +117,7 @@ def _expert_matmul_kernel(
     if GATED:
         # each projection rounded to the dtype, as the gate_up matmul's output is
         out = gated_activation(round_to(acc, dtype).to(tl.float32),
-                               round_to(acc_up, dtype).to(tl.float32), dtype, GELU_TANH)
+                               round_to(acc_up, dtype).to(tl.float32), dtype, ACTIVATION)
     else:
         weight = tl.load(slot_weights_ptr + slots, mask=row_mask, other=0.0)  # [BLOCK_M]
         out = round_to(round_to(acc, dtype).to(tl.float32) * weight[:, None], dtype)
@@ -194,7 +194,7 @@ def _launch_matmul(out, a, weight, slot_weights, blocks, num_slots, top_k_of_a: 
         weight.stride(1),
         SLOTS_PER_A_ROW=top_k_of_a,
         GATED=gated,
-        GELU_TANH=activation == "gelu_tanh",
+        ACTIVATION=ACTIVATIONS.index(activation),
         DOT_IN_FP32=a.dtype == torch.float32 or a.device.type != "cuda",
         BLOCK_M=tile.block_m,
         BLOCK_N=block_n,

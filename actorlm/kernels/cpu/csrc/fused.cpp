@@ -7,6 +7,7 @@
 // fp32 and rounds once), a LayerNorm rounds once; act(gate) is rounded before it multiplies
 // up. Only the order of the
 // fp32 sum of squares differs from torch's, which moves the last bits.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -21,7 +22,8 @@ using actorlm::store;
 using actorlm::to_float;
 
 constexpr int kMaxRopeDim = 512;  // head sizes the RoPE kernel takes
-enum Activation { kSilu = 0, kGeluTanh = 1 };  // the order of kernels.backend.ACTIVATIONS
+// the order of kernels.backend.ACTIVATIONS
+enum Activation { kSilu = 0, kGeluTanh = 1, kRelu = 2 };
 // Values from which a pass is split over the team: a decode step's few rows take a
 // microsecond or two alone, about what waking the team and joining it again cost
 constexpr int64_t kParallelFrom = 8192;
@@ -140,6 +142,10 @@ void act_and_mul(const T* gate_up, T* out, int64_t rows, int dim, int activation
 #pragma omp simd
       for (int d = 0; d < dim; ++d)
         store(rounded(silu(to_float(gate[d])), o) * to_float(up[d]), o + d);
+    } else if (activation == kRelu) {
+#pragma omp simd
+      for (int d = 0; d < dim; ++d)
+        store(std::max(to_float(gate[d]), 0.f) * to_float(up[d]), o + d);
     } else {
 #pragma omp simd
       for (int d = 0; d < dim; ++d)
@@ -158,6 +164,9 @@ void act(const T* x, T* out, int64_t rows, int dim, int activation) {
     if (activation == kSilu) {
 #pragma omp simd
       for (int d = 0; d < dim; ++d) store(silu(to_float(in[d])), o + d);
+    } else if (activation == kRelu) {
+#pragma omp simd
+      for (int d = 0; d < dim; ++d) store(std::max(to_float(in[d]), 0.f), o + d);
     } else {
 #pragma omp simd
       for (int d = 0; d < dim; ++d) store(gelu_tanh(to_float(in[d])), o + d);
