@@ -248,7 +248,8 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
     MLP in parallel from one LayerNorm, RoPE on half of each head, a bias on the LM head), Cohere
     (attention and MLP in parallel from one LayerNorm without bias, RoPE on interleaved pairs,
     scaled logits), Cohere 2 (Cohere's, three sliding layers with RoPE to one full without),
-    OPT (learned positions, no RoPE, an ungated ReLU MLP, biases everywhere),
+    OPT (learned positions, no RoPE, an ungated ReLU MLP, biases everywhere), GPT-2 (OPT's
+    layout with GeLU, its Conv1D weights stored transposed, q/k/v fused),
     Gemma 3 (five sliding-window layers to one full,
     q/k norms, two RoPE bases), Gemma 2 (sliding and full in turn, soft-capped attention and
     logits), Mistral (every layer sliding), Qwen2 with ``use_sliding_window`` (its upper
@@ -264,7 +265,7 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
     biases, none on o_proj)."""
     from transformers import (Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig,
                               Cohere2Config, CohereConfig, GemmaConfig, Ministral3Config, MinistralConfig,
-                              OPTConfig, PhiConfig, Starcoder2Config,
+                              GPT2Config, OPTConfig, PhiConfig, Starcoder2Config,
                               Glm4Config, GlmConfig, GraniteConfig, HeliumConfig, MistralConfig,
                               Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, SeedOssConfig,
                               SmolLM3Config)
@@ -330,6 +331,10 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
             "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")},
             ffn_dim=common["intermediate_size"], word_embed_proj_dim=common["hidden_size"],
             init_std=common["initializer_range"], tie_word_embeddings=True),
+        "gpt2": GPT2Config(**{k: common[k] for k in (
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
+            "initializer_range")}, n_inner=common["intermediate_size"]),
     }
     return {name: _save_tiny(tmp_path_factory, tiny_tokenizer_dir, f"tiny_{name}", config,
                              seed=10 + i)

@@ -51,6 +51,10 @@ its tensors.
   learned embeddings added to the tokens' (row position + 2, ``position_offset``). The
   post-norm of OPT-350m (``do_layer_norm_before`` false) and its projections in and out of a
   narrower embedding (``word_embed_proj_dim``) are refused by name.
+- GPT-2 (and DistilGPT2): OPT's layout with GeLU (tanh) and learned positions from row 0; its
+  checkpoint's Conv1D weights are stored [in, out] (transposed as they load), q/k/v fused
+  (``c_attn``), and its first checkpoints leave out the ``transformer.`` prefix and keep the
+  causal masks as tensors (dropped).
 - Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE: routed experts in place of some or all dense MLPs
   (``moe_families.py`` says which and how they route; ``moe.py`` computes them).
 
@@ -79,7 +83,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2",
                          "smollm3", "granite",
                          "olmo2", "olmo3", "exaone4", "glm", "glm4", "ernie4_5", "helium",
                          "seed_oss", "gemma", "gemma2", "gemma3_text", "starcoder2", "phi",
-                         "cohere", "cohere2", "opt", *TEXT_TOWERS, *MOE_MODEL_TYPES)
+                         "cohere", "cohere2", "opt", "gpt2", *TEXT_TOWERS, *MOE_MODEL_TYPES)
 # the RoPE table of the layers without RoPE (SmolLM3's, EXAONE 4's and Cohere 2's global
 # ones): the identity
 NO_ROPE = "no_rope"
@@ -88,13 +92,18 @@ _QK_NORMS = {"qwen3": "head", "gemma3_text": "head", "qwen3_moe": "head", "olmoe
 _OUTPUT_NORMS_ONLY = ("olmo2", "olmo3", "exaone4")  # norms on the branches' outputs only
 _COHERE = ("cohere", "cohere2")
 _INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5", "helium", *_COHERE)  # RoPE on (2i, 2i + 1)
-_LAYER_NORM = ("starcoder2", "phi", "opt", *_COHERE)  # LayerNorm, with a bias but in Cohere's
+# LayerNorm, with a bias but in Cohere's
+_LAYER_NORM = ("starcoder2", "phi", "opt", "gpt2", *_COHERE)
 _PARALLEL = ("phi", *_COHERE)  # attention and MLP from one norm, in parallel
-_UNGATED_MLP = ("starcoder2", "phi", "opt")
-_GELU_FAMILIES = ("starcoder2", "phi")  # (besides Gemma's)
+_UNGATED_MLP = ("starcoder2", "phi", "opt", "gpt2")
+_GELU_FAMILIES = ("starcoder2", "phi", "gpt2")  # (besides Gemma's)
 _RELU_FAMILIES = ("opt",)
 # learned position embeddings (no RoPE): the row a position reads is position + offset
-_POSITION_OFFSETS = {"opt": 2}
+_POSITION_OFFSETS = {"opt": 2, "gpt2": 0}
+# GPT-2's Conv1D weights, [in, out]; the causal masks its first checkpoints hold as tensors
+_GPT2_CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight",
+                ".mlp.c_proj.weight")
+_GPT2_MASKS = (".attn.bias", ".attn.masked_bias")
 # a family's checkpoint names -> the shared decoder's
 _RENAMES = {"starcoder2": {".mlp.c_fc.": ".mlp.fc_in.", ".mlp.c_proj.": ".mlp.down_proj."},
             "phi": {".mlp.fc1.": ".mlp.fc_in.", ".mlp.fc2.": ".mlp.down_proj.",
@@ -105,7 +114,14 @@ _RENAMES = {"starcoder2": {".mlp.c_fc.": ".mlp.fc_in.", ".mlp.c_proj.": ".mlp.do
                     ".self_attn.out_proj.": ".self_attn.o_proj.",
                     ".self_attn_layer_norm.": ".input_layernorm.",
                     ".final_layer_norm.": ".post_attention_layernorm.",
-                    ".fc1.": ".mlp.fc_in.", ".fc2.": ".mlp.down_proj."}}
+                    ".fc1.": ".mlp.fc_in.", ".fc2.": ".mlp.down_proj."},
+            "gpt2": {"transformer.wte.": "model.embed_tokens.",
+                     "transformer.wpe.": "model.embed_positions.",
+                     "transformer.ln_f.": "model.norm.", "transformer.h.": "model.layers.",
+                     ".ln_1.": ".input_layernorm.", ".ln_2.": ".post_attention_layernorm.",
+                     ".attn.c_attn.": ".self_attn.qkv_proj.",
+                     ".attn.c_proj.": ".self_attn.o_proj.", ".mlp.c_fc.": ".mlp.fc_in.",
+                     ".mlp.c_proj.": ".mlp.down_proj."}}
 # a query/key norm the family's config may turn on, not implemented (a LayerNorm per head)
 _QK_LAYER_NORMS = {"phi": "qk_layernorm", "cohere": "use_qk_norm"}
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
@@ -170,6 +186,11 @@ def check_config(config) -> None:
         raise ValueError(f"{config.model_type}: activation {activation!r} is not implemented")
     if config.model_type == "opt":
         _check_opt(config)
+    if config.model_type == "gpt2":
+        for name, computed in (("scale_attn_weights", True), ("add_cross_attention", False),
+                               ("scale_attn_by_inverse_layer_idx", False)):
+            if getattr(config, name, computed) != computed:
+                raise ValueError(f"gpt2: {name}={getattr(config, name)!r} is not implemented")
     flag = _QK_LAYER_NORMS.get(config.model_type)
     if flag is not None and getattr(config, flag, False):
         raise ValueError(f"{config.model_type}: {flag} (a LayerNorm of each head's q and k) "
@@ -255,7 +276,8 @@ def layer_specs(config) -> list[LayerSpec]:
         else attention_bias
     head_dim = head_dim_of(config)
     scalar = getattr(config, "query_pre_attn_scalar", None) if gemma else None
-    granite, phi = model_type in _GRANITE, model_type == "phi"
+    # (Phi-2's and GPT-2's projections all have biases, whatever their config says)
+    granite, biased = model_type in _GRANITE, model_type in ("phi", "gpt2")
     base = dict(
         hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
@@ -269,10 +291,9 @@ def layer_specs(config) -> list[LayerSpec]:
         qk_norm=_QK_NORMS.get(model_type),
         clip_qkv=getattr(config, "clip_qkv", None) if model_type == "olmoe" else None,
         activation=_ACTIVATIONS[activation_of(config)],
-        qkv_bias=qkv_bias or phi,  # (Phi-2's projections all have biases)
-        o_bias=_o_bias(config, attention_bias) or phi,
+        qkv_bias=qkv_bias or biased, o_bias=_o_bias(config, attention_bias) or biased,
         # (the MoE families' MLPs have no biases, whatever their config says)
-        mlp_bias=phi or _bias(config, "mlp_bias") and not is_moe(config),
+        mlp_bias=biased or _bias(config, "mlp_bias") and not is_moe(config),
         attention_scale=config.attention_multiplier if granite else
         None if scalar is None else scalar**-0.5,
         softcap=getattr(config, "attn_logit_softcapping", None) if gemma else None,
@@ -294,7 +315,7 @@ def _o_bias(config, attention_bias: bool) -> bool:
 def norm_eps(config) -> float:
     """The norms' epsilon, by whichever name the family's config gives it (OPT's none:
     torch's LayerNorm default, as transformers builds them)."""
-    for name in ("rms_norm_eps", "layer_norm_eps", "norm_epsilon"):
+    for name in ("rms_norm_eps", "layer_norm_eps", "norm_epsilon", "layer_norm_epsilon"):
         if (value := getattr(config, name, None)) is not None:
             return value
     if config.model_type == "opt":
@@ -452,6 +473,10 @@ def _split_fused(config, tensors, q_size: int, kv_size: int):
                 name = ours + name.removeprefix(prefix)
                 break
         name = checkpoint_name(config, name)
+        if config.model_type == "gpt2":
+            name, tensor = _gpt2_tensor(name, tensor)
+            if name is None:
+                continue
         for fragment, ours in _RENAMES.get(config.model_type, {}).items():
             name = name.replace(fragment, ours)
         if ".self_attn.qkv_proj." in name:
@@ -466,6 +491,18 @@ def _split_fused(config, tensors, q_size: int, kv_size: int):
         fused = name.split(".")[-2]
         for part, start, length in parts:
             yield name.replace(f".{fused}.", f".{part}."), narrow(tensor, 0, start, length)
+
+
+def _gpt2_tensor(name: str, tensor):
+    """A GPT-2 checkpoint's tensor under the ``transformer.`` prefix, a Conv1D weight as a
+    Linear's [out, in]; (None, None) for a causal mask."""
+    if name.endswith(_GPT2_MASKS):
+        return None, None
+    if not name.startswith(("transformer.", "lm_head.")):
+        name = "transformer." + name
+    if name.endswith(_GPT2_CONV1D):
+        tensor = narrow(tensor, 0, 0, None).t().contiguous()
+    return name, tensor
 
 
 def narrow(tensor, dim, start, length):

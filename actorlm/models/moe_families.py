@@ -137,9 +137,14 @@ def moe_specs(config) -> list[MoeSpec | None]:
 
 
 def intermediate_size_of(config) -> int:
-    """The dense MLP's intermediate size (OPT calls it ``ffn_dim``)."""
+    """The dense MLP's intermediate size (OPT calls it ``ffn_dim``, GPT-2 ``n_inner``, by
+    default four times the hidden size)."""
     size = getattr(config, "intermediate_size", None)
-    return config.ffn_dim if size is None else size
+    if size is not None:
+        return size
+    if config.model_type == "gpt2":
+        return config.n_inner or 4 * config.hidden_size
+    return config.ffn_dim
 
 
 def intermediate_sizes(config) -> dict[str, int]:

@@ -25,7 +25,7 @@ FAMILIES = ["gemma", "gemma3", "gemma2", "mistral", "qwen2_window", "phi3", "smo
             "olmo2", "olmo3", "glm", "glm4", "phi3_partial", "phi3_longrope", "ernie4_5",
             "exaone4", "helium", "seed_oss", "ministral", "ministral3"]
 # LayerNorm, parallel branches, ungated MLPs
-LAYER_NORM_FAMILIES = ["starcoder2", "phi", "cohere", "cohere2", "opt"]
+LAYER_NORM_FAMILIES = ["starcoder2", "phi", "cohere", "cohere2", "opt", "gpt2"]
 PROMPT_LEN, NUM_DECODED = 40, 60
 ATOL = {torch.float32: 2e-4, torch.bfloat16: None}  # bf16: judged by the greedy tokens only
 
@@ -174,17 +174,41 @@ def test_a_layer_norm_of_each_heads_q_and_k_is_refused_by_name(tiny_window_dirs,
         check_config(config)
 
 
-@pytest.mark.parametrize("changes, said", [
-    ({"do_layer_norm_before": False}, "do_layer_norm_before=False"),  # OPT-350m's post-norm
-    ({"word_embed_proj_dim": 32}, "word_embed_proj_dim=32"),  # and its narrower embeddings
-    ({"activation_function": "gelu"}, "activation 'gelu'")])
-def test_what_opt_350m_computes_otherwise_is_refused_by_name(tiny_window_dirs, changes, said):
+@pytest.mark.parametrize("family, changes, said", [
+    ("opt", {"do_layer_norm_before": False}, "do_layer_norm_before=False"),  # OPT-350m's
+    ("opt", {"word_embed_proj_dim": 32}, "word_embed_proj_dim=32"),  # post-norm, embeddings
+    ("opt", {"activation_function": "gelu"}, "activation 'gelu'"),
+    ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True"),
+    ("gpt2", {"add_cross_attention": True}, "add_cross_attention=True")])
+def test_what_these_families_compute_otherwise_is_refused_by_name(tiny_window_dirs, family,
+                                                                  changes, said):
     from actorlm.models.families import check_config
     from actorlm.models.loader import load_hf_config
 
-    config = load_hf_config(tiny_window_dirs["opt"])
+    config = load_hf_config(tiny_window_dirs[family])
     check_config(config)
     for name, value in changes.items():
         setattr(config, name, value)
-    with pytest.raises(ValueError, match=f"opt: {said}"):
+    with pytest.raises(ValueError, match=f"{family}: {said}"):
         check_config(config)
+
+
+def test_gpt2s_first_checkpoints_load_as_its_later_ones(tiny_window_dirs, tmp_path):
+    """openai-community/gpt2's file names its tensors without ``transformer.`` and holds each
+    layer's causal mask (``attn.bias``, ``attn.masked_bias``): the same model, to the bit."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source = tiny_window_dirs["gpt2"]
+    shutil.copytree(source, tmp_path, dirs_exist_ok=True)
+    state = load_file(source / "model.safetensors")
+    old = {name.removeprefix("transformer."): tensor for name, tensor in state.items()}
+    for layer in range(2):
+        old[f"h.{layer}.attn.bias"] = torch.tril(torch.ones(1, 1, 512, 512))
+        old[f"h.{layer}.attn.masked_bias"] = torch.tensor(-1e4)
+    save_file(old, tmp_path / "model.safetensors")
+    prompt = random_prompt(100, PROMPT_LEN)
+    logits = [greedy_with_logits(load_model(path, torch.float32, "cpu", select_backend("cpu")),
+                                 prompt, 4, block_size=4)[0] for path in (source, tmp_path)]
+    assert torch.equal(*logits)
