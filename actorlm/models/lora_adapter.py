@@ -41,12 +41,18 @@ _PARTS = {
     "o_proj": (("o_proj", lambda s: s.hidden_size),),
     "gate_up_proj": (("gate_proj", lambda s: s.intermediate_size),
                      ("up_proj", lambda s: s.intermediate_size)),
+    "fc_in": (("fc_in", lambda s: s.intermediate_size),),  # an ungated MLP's
     "down_proj": (("down_proj", lambda s: s.hidden_size),),
 }
 _INPUTS = {"qkv_proj": lambda s: s.hidden_size, "o_proj": lambda s: s.num_heads * s.head_dim,
-           "gate_up_proj": lambda s: s.hidden_size, "down_proj": lambda s: s.intermediate_size}
+           "gate_up_proj": lambda s: s.hidden_size, "fc_in": lambda s: s.hidden_size,
+           "down_proj": lambda s: s.intermediate_size}
+# the families' own names of these projections: OPT's attention output and MLP (fc1, fc2,
+# directly under the layer), Phi-2's (dense, fc1, fc2), StarCoder2's MLP (c_fc, c_proj)
+_ALIASES = {"out_proj": "o_proj", "dense": "o_proj", "fc1": "fc_in", "c_fc": "fc_in",
+            "fc2": "down_proj", "c_proj": "down_proj"}
 _LAYER_OF = {hf: layer for layer, parts in _PARTS.items() for hf, _ in parts}
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn\.|mlp\.)?(\w+)\.lora_([AB])\.weight$")
 
 
 class LoRAAdapterError(ValueError):
@@ -87,30 +93,37 @@ def load_lora_adapter(name: str, path: str | Path, specs: list[LayerSpec],
     config = _read_config(path)
     tensors = _read_weights(path)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    names: dict[str, str] = {}  # our part's name -> the adapter's (PEFT's alpha_pattern's)
     for key, tensor in tensors.items():
         match = _KEY.search(key)
         if match is None:
             raise LoRAAdapterError(f"{path / WEIGHTS_FILE}: {key!r} is no LoRA weight of a "
                                    f"decoder layer's projection (only "
                                    f"{', '.join(_LAYER_OF)} take adapters here)")
-        layer, module, side = int(match[1]), match[2], match[3]
+        layer, module, side = int(match[1]), _ALIASES.get(match[2], match[2]), match[3]
         if module not in _LAYER_OF:
-            raise LoRAAdapterError(f"{path / WEIGHTS_FILE}: {key!r}: module {module!r} takes "
-                                   f"no adapter here (only {', '.join(_LAYER_OF)})")
+            raise LoRAAdapterError(f"{path / WEIGHTS_FILE}: {key!r}: module {match[2]!r} "
+                                   f"takes no adapter here (only {', '.join(_LAYER_OF)} and "
+                                   f"the families' names of them: {', '.join(_ALIASES)})")
         if layer >= len(specs):
             raise LoRAAdapterError(f"{path / WEIGHTS_FILE}: {key!r}: the base model has "
                                    f"{len(specs)} layers")
         pairs.setdefault((layer, module), {})[side] = tensor.float()
+        names[module] = match[2]
     if not pairs:
         raise LoRAAdapterError(f"{path / WEIGHTS_FILE} holds no LoRA weights")
     modules = {}
     for (layer, merged), parts in _merged_parts(pairs).items():
         spec = specs[layer]
-        if spec.moe is not None and merged in ("gate_up_proj", "down_proj"):
+        if spec.moe is not None and merged in ("gate_up_proj", "fc_in", "down_proj"):
             raise LoRAAdapterError(f"{path}: layer {layer}'s MLP is a mixture of experts, "
                                    f"which takes no adapter here")
+        if merged in ("gate_up_proj", "fc_in") and (merged == "fc_in") == spec.gated_mlp:
+            raise LoRAAdapterError(f"{path}: layer {layer}: the base model's MLP is "
+                                   f"{'gated' if spec.gated_mlp else 'ungated'}, which has no "
+                                   f"{', '.join(names[m] for m in parts)}")
         modules[(layer, merged)] = _merge(path, config, layer, merged, parts, spec,
-                                          max_lora_rank)
+                                          max_lora_rank, names)
     return LoRAAdapter(name, path, modules)
 
 
@@ -170,7 +183,7 @@ def _merged_parts(pairs) -> dict[tuple[int, str], dict[str, dict[str, torch.Tens
 
 
 def _merge(path: Path, config: dict, layer: int, merged: str, parts, spec: LayerSpec,
-           max_lora_rank: int) -> LoRAModule:
+           max_lora_rank: int, names: dict[str, str]) -> LoRAModule:
     """The parts' adapters as one of the merged layer (see the module's docstring)."""
     in_features = _INPUTS[merged](spec)
     a_blocks, b_blocks, rows, row, part_ranks = [], [], 0, {}, []
@@ -182,7 +195,7 @@ def _merge(path: Path, config: dict, layer: int, merged: str, parts, spec: Layer
         if sides is None:
             part_ranks.append(0)
             continue
-        where = f"{path / WEIGHTS_FILE}: layer {layer} {module}"
+        where = f"{path / WEIGHTS_FILE}: layer {layer} {names[module]}"
         if set(sides) != {"A", "B"}:
             raise LoRAAdapterError(f"{where}: lora_A and lora_B come in pairs; only "
                                    f"lora_{''.join(sides)} is there")
@@ -199,7 +212,7 @@ def _merge(path: Path, config: dict, layer: int, merged: str, parts, spec: Layer
         a_blocks.append(a)
         part_ranks.append(rank)
         block = "self_attn" if merged in ("qkv_proj", "o_proj") else "mlp"
-        scale = _scale(config, f"model.layers.{layer}.{block}.{module}", rank)
+        scale = _scale(config, f"model.layers.{layer}.{block}.{names[module]}", rank)
         if module in ("q_proj", "k_proj"):  # its rows as the base model's (rope_layout)
             b = reordered(b, spec.rope_order, spec.head_dim)
         b_blocks.append((row[module], b * scale))

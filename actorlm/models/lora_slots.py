@@ -2,7 +2,7 @@
 that sit in them, and the step's token-to-slot mapping.
 
 Each adapted layer (every decoder layer's ``qkv_proj``, ``o_proj`` and, in a dense MLP,
-``gate_up_proj`` and ``down_proj``) holds a ``kernels.lora.LoRATable``: ``a`` [max_loras, rank,
+``gate_up_proj`` or an ungated one's ``fc_in``, and ``down_proj``) holds a ``kernels.lora.LoRATable``: ``a`` [max_loras, rank,
 in] and ``b`` [max_loras, rank, out] (B transposed), zero where a slot's adapter is smaller or
 absent, with rank ``max_lora_rank`` times the parts it merges (q, k, v: three), each part's
 share of the rank at its own output rows. All of them read one ``LoRAState``, whose
@@ -31,7 +31,7 @@ from actorlm.models.families import layer_specs
 from actorlm.models.lora_adapter import LoRAAdapter, load_lora_adapter
 from actorlm.models.parallel import first_kv_head
 
-_ADAPTED = {"self_attn": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "down_proj")}
+_ADAPTED = {"self_attn": ("qkv_proj", "o_proj"), "mlp": ("gate_up_proj", "fc_in", "down_proj")}
 
 
 class LoRAState:
@@ -115,6 +115,8 @@ def adapted_layers(model, specs):
                     half = linear.out_features // 2
                     parts = (half, half)
                     part_rows = (tp.rank * half, spec.intermediate_size + tp.rank * half)
+                elif name == "fc_in":  # column-parallel, one part
+                    parts, part_rows = (linear.out_features,), (tp.rank * linear.out_features,)
                 else:  # row-parallel: all of the outputs, this rank's inputs
                     parts, part_rows = (linear.out_features,), (0,)
                 in_cols = (tp.rank * linear.in_features, linear.in_features) \

@@ -101,20 +101,30 @@ def test_a_mixed_batch_gives_each_request_its_adapters_output(make_llm, tiny_lla
     assert_idle_and_nothing_leaked(llm)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "granite", "glm4"])
+# the families' own names of their projections, where they are not Llama's
+UNGATED_TARGETS = {"opt": ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"],
+                   "phi": ["q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2"],
+                   "starcoder2": ["q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"]}
+
+
+@pytest.mark.parametrize("family", ["qwen2", "granite", "glm4", *UNGATED_TARGETS])
 def test_a_mixed_batch_of_another_family_gives_each_request_its_adapters_output(
         make_llm, tiny_qwen2_dir, tiny_window_dirs, tmp_path_factory, family):
     """Qwen2 (q, k and v with biases, an untied LM head): the deltas join the biased
     projections as PEFT's do. Granite: the deltas of o_proj and down_proj are scaled with
     their projections' outputs by the residual multiplier, as in PEFT's model. GLM-4: the
     deltas' rows of q and k reordered as the base model's are (RoPE on half of each head, in
-    interleaved pairs)."""
+    interleaved pairs). OPT, Phi-2 and StarCoder2: adapters of their ungated MLPs and of their
+    projections under their own names (PEFT's classic OPT adapter: q/k/v, out_proj, fc1,
+    fc2)."""
     from lora_adapters import make_adapter
 
     model_dir = tiny_qwen2_dir if family == "qwen2" else tiny_window_dirs[family]
+    targets = {"target_modules": UNGATED_TARGETS[family]} if family in UNGATED_TARGETS else {}
     adapters = {}
-    for seed, (name, config) in enumerate({"alpha": dict(r=4),
-                                           "beta": dict(r=8, use_rslora=True)}.items()):
+    for seed, (name, config) in enumerate({"alpha": dict(r=4, **targets),
+                                           "beta": dict(r=8, use_rslora=True,
+                                                        **targets)}.items()):
         adapters[name] = tmp_path_factory.mktemp(f"{family}_lora_{name}")
         make_adapter(model_dir, adapters[name], seed=30 + seed, **config)
     oracle = {name: peft_greedy(model_dir, None if lora is None else lora.lora_path, PROMPTS)
