@@ -48,11 +48,16 @@ _INPUTS = {"qkv_proj": lambda s: s.hidden_size, "o_proj": lambda s: s.num_heads 
            "gate_up_proj": lambda s: s.hidden_size, "fc_in": lambda s: s.hidden_size,
            "down_proj": lambda s: s.intermediate_size}
 # the families' own names of these projections: OPT's attention output and MLP (fc1, fc2,
-# directly under the layer), Phi-2's (dense, fc1, fc2), StarCoder2's MLP (c_fc, c_proj)
+# directly under the layer), Phi-2's (dense, fc1, fc2), StarCoder2's and GPT-2's MLP (c_fc,
+# c_proj; GPT-2's attention output is c_proj too), and GPT-2's q/k/v fused (c_attn: one A
+# for the three, B's rows q, k, v)
 _ALIASES = {"out_proj": "o_proj", "dense": "o_proj", "fc1": "fc_in", "c_fc": "fc_in",
             "fc2": "down_proj", "c_proj": "down_proj"}
+_ATTENTION_ALIASES = {**_ALIASES, "c_proj": "o_proj"}
+_FUSED_QKV = "c_attn"
 _LAYER_OF = {hf: layer for layer, parts in _PARTS.items() for hf, _ in parts}
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn\.|mlp\.)?(\w+)\.lora_([AB])\.weight$")
+_KEY = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.(?:(self_attn|attn|mlp)\.)?(\w+)"
+                  r"\.lora_([AB])\.weight$")
 
 
 class LoRAAdapterError(ValueError):
@@ -100,18 +105,25 @@ def load_lora_adapter(name: str, path: str | Path, specs: list[LayerSpec],
             raise LoRAAdapterError(f"{path / WEIGHTS_FILE}: {key!r} is no LoRA weight of a "
                                    f"decoder layer's projection (only "
                                    f"{', '.join(_LAYER_OF)} take adapters here)")
-        layer, module, side = int(match[1]), _ALIASES.get(match[2], match[2]), match[3]
-        if module not in _LAYER_OF:
-            raise LoRAAdapterError(f"{path / WEIGHTS_FILE}: {key!r}: module {match[2]!r} "
+        layer, block, name, side = int(match[1]), match[2], match[3], match[4]
+        aliases = _ATTENTION_ALIASES if block in ("self_attn", "attn") else _ALIASES
+        module = aliases.get(name, name)
+        if module not in _LAYER_OF and module != _FUSED_QKV:
+            raise LoRAAdapterError(f"{path / WEIGHTS_FILE}: {key!r}: module {name!r} "
                                    f"takes no adapter here (only {', '.join(_LAYER_OF)} and "
-                                   f"the families' names of them: {', '.join(_ALIASES)})")
+                                   f"the families' names of them: {', '.join(_ALIASES)}, "
+                                   f"{_FUSED_QKV})")
         if layer >= len(specs):
             raise LoRAAdapterError(f"{path / WEIGHTS_FILE}: {key!r}: the base model has "
                                    f"{len(specs)} layers")
         pairs.setdefault((layer, module), {})[side] = tensor.float()
-        names[module] = match[2]
+        names[module] = name
     if not pairs:
         raise LoRAAdapterError(f"{path / WEIGHTS_FILE} holds no LoRA weights")
+    for layer, module in [key for key in pairs if key[1] == _FUSED_QKV]:
+        for part, sides in _split_fused_qkv(pairs.pop((layer, module)), specs[layer]).items():
+            pairs[(layer, part)] = sides
+            names[part] = _FUSED_QKV
     modules = {}
     for (layer, merged), parts in _merged_parts(pairs).items():
         spec = specs[layer]
@@ -125,6 +137,20 @@ def load_lora_adapter(name: str, path: str | Path, specs: list[LayerSpec],
         modules[(layer, merged)] = _merge(path, config, layer, merged, parts, spec,
                                           max_lora_rank, names)
     return LoRAAdapter(name, path, modules)
+
+
+def _split_fused_qkv(sides: dict[str, torch.Tensor], spec: LayerSpec) -> dict:
+    """GPT-2's c_attn adapter as q's, k's and v's: each takes the one A and its rows of B
+    (x A^T B^T's rows are those parts' outputs); B of another size is left whole, for the
+    shape check to name."""
+    if set(sides) != {"A", "B"}:
+        return {"q_proj": sides}  # (the pair check names what is missing)
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    b = sides["B"]
+    if b.shape[0] != q + 2 * kv:
+        return {"q_proj": sides}
+    return {part: {"A": sides["A"], "B": rows}
+            for part, rows in zip(("q_proj", "k_proj", "v_proj"), b.split((q, kv, kv)))}
 
 
 def _read_config(path: Path) -> dict:
@@ -141,10 +167,10 @@ def _read_config(path: Path) -> dict:
     if config.get("peft_type", "LORA") != "LORA":
         raise LoRAAdapterError(f"{path / CONFIG_FILE}: peft_type {config['peft_type']!r} is "
                                f"not LoRA")
-    refused = {"use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out (GPT-2's Conv1D layers)"}
-    for key, what in refused.items():
-        if config.get(key):
-            raise LoRAAdapterError(f"{path / CONFIG_FILE}: {what} is not implemented")
+    # (fan_in_fan_out: PEFT's mark of a Conv1D base layer, GPT-2's, whose stored weight is
+    # transposed; the adapter's A and B are a Linear's either way)
+    if config.get("use_dora"):
+        raise LoRAAdapterError(f"{path / CONFIG_FILE}: DoRA is not implemented")
     if config.get("bias", "none") != "none":
         raise LoRAAdapterError(f"{path / CONFIG_FILE}: bias {config['bias']!r} (trained "
                                f"biases) is not implemented; only 'none'")

@@ -104,7 +104,9 @@ def test_a_mixed_batch_gives_each_request_its_adapters_output(make_llm, tiny_lla
 # the families' own names of their projections, where they are not Llama's
 UNGATED_TARGETS = {"opt": ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"],
                    "phi": ["q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2"],
-                   "starcoder2": ["q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"]}
+                   "starcoder2": ["q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"],
+                   # (c_proj: the attention's output and the MLP's)
+                   "gpt2": ["c_attn", "c_proj", "c_fc"]}
 
 
 @pytest.mark.parametrize("family", ["qwen2", "granite", "glm4", *UNGATED_TARGETS])
@@ -114,9 +116,9 @@ def test_a_mixed_batch_of_another_family_gives_each_request_its_adapters_output(
     projections as PEFT's do. Granite: the deltas of o_proj and down_proj are scaled with
     their projections' outputs by the residual multiplier, as in PEFT's model. GLM-4: the
     deltas' rows of q and k reordered as the base model's are (RoPE on half of each head, in
-    interleaved pairs). OPT, Phi-2 and StarCoder2: adapters of their ungated MLPs and of their
-    projections under their own names (PEFT's classic OPT adapter: q/k/v, out_proj, fc1,
-    fc2)."""
+    interleaved pairs). OPT, Phi-2, StarCoder2 and GPT-2: adapters of their ungated MLPs and
+    of their projections under their own names (PEFT's classic OPT adapter: q/k/v, out_proj,
+    fc1, fc2; GPT-2's on its Conv1D layers, q/k/v fused in c_attn)."""
     from lora_adapters import make_adapter
 
     model_dir = tiny_qwen2_dir if family == "qwen2" else tiny_window_dirs[family]
