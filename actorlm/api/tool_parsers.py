@@ -8,6 +8,9 @@
 - ``llama3_json`` (Llama 3.1/3.2): ``{"name": ..., "parameters": {...}}``, optionally after
   ``<|python_tag|>``, several separated by ``;``. vLLM looks only at an answer that begins with
   the call; here text may come first, as with Hermes.
+- ``pythonic`` (Llama 3.2's and Llama 4's other format, ToolACE): a Python list of calls with
+  literal keyword arguments, ``[get_weather(city="Paris"), get_time()]``, read by Python's own
+  parser (``ast``: nothing is evaluated but literals), the list ending the answer.
 
 A parser finds where a call begins (``find_start``, which also reports a marker cut off at the
 end of streamed text, so that it is not sent as content) and reads the calls (``parse``). Text
@@ -17,6 +20,7 @@ as a whole: a model that writes half a call has not called anything.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 
@@ -102,8 +106,35 @@ class Llama3JsonToolParser(ToolParser):
         return (text[:start], calls) if calls else (text, [])
 
 
+class PythonicToolParser(ToolParser):
+    name = "pythonic"
+    _CALL = re.compile(r"\[\s*[A-Za-z_]\w*\s*\(")
+    # what the start of a call looks like while it is still arriving: `[`, `[get_wea`, `[f `
+    _CALL_PREFIX = re.compile(r"\[\s*(?:[A-Za-z_]\w*\s*)?")
+
+    def find_start(self, text: str) -> tuple[int, bool] | None:
+        call = self._CALL.search(text)
+        if call is not None:
+            return call.start(), True
+        bracket = text.rfind("[")
+        if bracket >= 0 and self._CALL_PREFIX.fullmatch(text, bracket):
+            return bracket, False
+        return None
+
+    def parse(self, text: str) -> tuple[str, list[Call]]:
+        found = self.find_start(text)
+        if found is None or not found[1]:
+            return text, []
+        try:
+            calls = _python_calls(ast.parse(text[found[0]:].strip(), mode="eval").body)
+        except (SyntaxError, ValueError, TypeError):  # not Python, not literals, not JSON
+            return text, []
+        return (text[:found[0]], calls) if calls else (text, [])
+
+
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser,
-                                                            Llama3JsonToolParser)}
+                                                            Llama3JsonToolParser,
+                                                            PythonicToolParser)}
 
 
 def _cut_marker(text: str, marker: str) -> int | None:
@@ -129,6 +160,20 @@ def _call(obj, *argument_keys: str) -> Call | None:
     if not isinstance(arguments, dict):
         return None
     return obj["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+def _python_calls(node: ast.expr) -> list[Call]:
+    """The calls of a list of ``name(keyword=literal, ...)``; none if it is anything else."""
+    if not isinstance(node, ast.List):
+        return []
+    calls = []
+    for call in node.elts:
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)) or call.args \
+                or any(k.arg is None for k in call.keywords):  # (positional, **kwargs)
+            return []
+        arguments = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+        calls.append((call.func.id, json.dumps(arguments, ensure_ascii=False)))
+    return calls
 
 
 def _skip(text: str, at: int, chars: str) -> int:

@@ -1,5 +1,6 @@
-"""Tool calls read out of text: the Hermes and Llama 3 JSON parsers, and the streams that turn
-a choice's text into content and call deltas (pieces fed one by one add up to the whole)."""
+"""Tool calls read out of text: the Hermes, Llama 3 JSON and pythonic parsers, and the streams
+that turn a choice's text into content and call deltas (pieces fed one by one add up to the
+whole)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 import pytest
 
 from actorlm.api.options import ServerOptions
-from actorlm.api.tool_parsers import HermesToolParser, Llama3JsonToolParser
+from actorlm.api.tool_parsers import HermesToolParser, Llama3JsonToolParser, PythonicToolParser
 from actorlm.api.tool_stream import (NamedCallStream, ParsedCallStream, RequiredCallStream,
                                      collect)
 
@@ -17,6 +18,8 @@ HERMES_TWO = ('Let me look that up.\n<tool_call>\n{"name": "get_weather", "argum
               '"arguments": {}}\n</tool_call>')
 LLAMA_TWO = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
              '{"name": "get_time", "parameters": {"tz": "utc"}}')
+PYTHONIC_TWO = ('[get_weather(city="San Francisco", days=[1, 2], metric=True, unit=None), '
+                'get_time()]')
 
 
 def _calls(parsed):
@@ -59,8 +62,29 @@ def test_llama3_json_leaves_other_text_alone():
         assert parser.parse(text) == (text, [])
 
 
+def test_pythonic_reads_a_list_of_calls_with_literal_arguments():
+    parser = PythonicToolParser()
+    assert _calls(parser.parse(PYTHONIC_TWO)) == ("", [
+        ("get_weather", {"city": "San Francisco", "days": [1, 2], "metric": True, "unit": None}),
+        ("get_time", {})])
+    assert _calls(parser.parse("Checking.\n[f(x='a]b', y=(1, 2))]")) == (
+        "Checking.\n", [("f", {"x": "a]b", "y": [1, 2]})])
+
+
+def test_pythonic_leaves_other_text_alone():
+    """Anything but literals (a name, an expression, a call inside), positional arguments,
+    text after the list, half a list: no call, all of it content; nothing is evaluated."""
+    parser = PythonicToolParser()
+    for text in ("see [1] and [2]", "[f(x=open('/etc/passwd'))]", "[f(x=y)]", "[f(1)]",
+                 "[f(**kw)]", "[f(x=1)] and then", "[f(x=1), g(", "[f(x={1, 2})]",
+                 "[os.system(x='ls')]", "plain"):
+        assert parser.parse(text) == (text, [])
+    assert parser.find_start("a [get_wea") == (2, False)  # a call may be starting
+
+
 @pytest.mark.parametrize("parser,text", [(HermesToolParser(), HERMES_TWO),
-                                         (Llama3JsonToolParser(), "Sure. " + LLAMA_TWO)])
+                                         (Llama3JsonToolParser(), "Sure. " + LLAMA_TWO),
+                                         (PythonicToolParser(), "Sure. " + PYTHONIC_TWO)])
 def test_parsed_stream_holds_back_only_the_call(parser, text):
     whole = collect(ParsedCallStream(parser), text)
     stream = ParsedCallStream(parser)
