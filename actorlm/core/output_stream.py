@@ -79,12 +79,18 @@ class OutputStream:
         if delta.prompt_logprobs and index == 0 and self.prompt_logprobs is not None:
             self.prompt_logprobs += [self._logprob_dict(p) for p in delta.prompt_logprobs]
         new_logprobs = delta.new_logprobs or [None] * len(delta.new_token_ids)
-        for token_id, position in zip(delta.new_token_ids, new_logprobs):
+        # vLLM's rule: the token that stopped the engine (EOS, a stop token id, the one that
+        # ended a grammar) is the answer's last token but not part of its text, unless
+        # include_stop_str_in_output (it shows with skip_special_tokens false, or when a stop
+        # token id is a word's)
+        stop_token = len(delta.new_token_ids) if delta.finish_reason == "stop" and \
+            not self.params.include_stop_str_in_output else 0
+        for j, (token_id, position) in enumerate(zip(delta.new_token_ids, new_logprobs), 1):
             seq.token_ids.append(token_id)
             if position is not None and seq.logprobs is not None:
                 seq.logprobs.append(self._logprob_dict(position))
                 seq.cumulative_logprob += position.logprobs[0]
-            if not self._incremental:
+            if not self._incremental or j == stop_token:
                 continue
             new_text = seq.detokenizer.add(token_id)
             seq.text += new_text
@@ -100,7 +106,8 @@ class OutputStream:
             if self.error is None:
                 self.error, self.error_field = delta.error, delta.error_field
             if not self._incremental:
-                seq.text = seq.detokenizer.decode_all(seq.token_ids)
+                seq.text = seq.detokenizer.decode_all(
+                    seq.token_ids[:-1] if stop_token else seq.token_ids)
         return None
 
     def fail(self, error: str) -> list[str]:

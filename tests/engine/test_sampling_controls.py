@@ -212,6 +212,27 @@ def test_stop_string_finishes_the_request_and_frees_its_blocks(llm):
     assert len(out.token_ids) < 16
 
 
+@pytest.mark.parametrize("incrementally", [False, True], ids=["at_the_end", "token_by_token"])
+def test_the_token_that_stops_the_engine_is_no_part_of_the_text(llm, incrementally):
+    """vLLM's rule: a stop token id's (or EOS's) token ends the answer's token ids, not its
+    text, unless include_stop_str_in_output; with skip_special_tokens false too. (A stop
+    string, which never matches here, makes the text come token by token.)"""
+    p = prompts()[:1]
+    plain = run(llm, p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    words = plain.outputs[0].token_ids
+    stop_at = next(i for i, t in enumerate(words) if llm.engine.tokenizer.decode([t]).strip())
+    token = words[stop_at]
+    streamed = {"stop": ["\x00never"]} if incrementally else {}
+    for include in (False, True):
+        out = run(llm, p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                         stop_token_ids=[token], skip_special_tokens=False,
+                                         include_stop_str_in_output=include,
+                                         **streamed))[0].outputs[0]
+        assert out.token_ids == words[:stop_at + 1] and out.stop_reason == token
+        kept = words[:stop_at + 1] if include else words[:stop_at]
+        assert out.text == llm.engine.tokenizer.decode(kept)
+
+
 def test_a_top_k_past_the_vocabulary_keeps_every_token(llm):
     """vLLM takes any top_k; one past 32 bits (what the sampling kernels hold) must mean what
     one past the vocabulary means, every token kept, not fail the step (a fuzzed request's)."""
