@@ -176,8 +176,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                              "calls are read out of the model's text with --tool-call-parser")
     parser.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
                         help="the format the model writes tool calls in: hermes (Qwen2.5, "
-                             "Qwen3, Hermes), llama3_json (Llama 3.1/3.2) or pythonic (Llama "
-                             "3.2, Llama 4)")
+                             "Qwen3, Hermes), llama3_json (Llama 3.1/3.2), mistral (Mistral, "
+                             "Ministral, Mistral Small) or pythonic (Llama 3.2, Llama 4)")
     parser.add_argument("--response-role", default=defaults.response_role, metavar="ROLE",
                         help="the role chat answers carry when the request adds the generation "
                              "prompt (default: assistant)")

@@ -118,7 +118,7 @@ async def start_chat(state, request: Request, req: p.ChatCompletionRequest, api:
     if (top := req.num_logprobs) is not None and top > engine.max_logprobs:
         raise p.ApiError(400, f"top_logprobs: at most {engine.max_logprobs} are supported "
                               f"(--max-logprobs), got {top}", "top_logprobs")
-    params = req.sampling_params(max_tokens, top, constraint, defaults)
+    params = tools.sampling_params(req.sampling_params(max_tokens, top, constraint, defaults))
     beams = req.beam_search(params, constraint is not None, engine.config.max_logprobs)
     # vLLM's: the answer's role is the server's, unless it continues the last message
     role = state.options.response_role if add_generation_prompt else req.messages[-1].role

@@ -15,13 +15,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import msgspec
+
 from actorlm.api.errors import ApiError
 from actorlm.api.options import ServerOptions
 from actorlm.api.protocol_tools import NamedToolChoice, Tool
 from actorlm.api.structured import check_constraint
 from actorlm.api.tool_parsers import PARSERS, ToolParser
 from actorlm.api.tool_stream import NamedCallStream, ParsedCallStream, RequiredCallStream
-from actorlm.sampling_params import StructuredOutputsParams
+from actorlm.sampling_params import SamplingParams, StructuredOutputsParams
 
 # a function without parameters is called with an empty object, as vLLM does
 NO_PARAMETERS = {"type": "object", "properties": {}}
@@ -47,6 +49,13 @@ class ToolUse:
         if self.mode == "required":
             return StructuredOutputsParams(json=required_schema(self.tools, self.parallel))
         return None
+
+    def sampling_params(self, params: SamplingParams) -> SamplingParams:
+        """``params`` as the calls need them: special tokens kept in the text where the
+        parser's markers are special tokens (Mistral's ``[TOOL_CALLS]``), as vLLM does."""
+        if self.mode == "auto" and self.parser.keeps_special_tokens:
+            return msgspec.structs.replace(params, skip_special_tokens=False)
+        return params
 
     def new_stream(self):
         """A fresh stream for one choice's output (``tool_stream``)."""

@@ -8,6 +8,11 @@
 - ``llama3_json`` (Llama 3.1/3.2): ``{"name": ..., "parameters": {...}}``, optionally after
   ``<|python_tag|>``, several separated by ``;``. vLLM looks only at an answer that begins with
   the call; here text may come first, as with Hermes.
+- ``mistral`` (Mistral 7B v0.3, Mistral NeMo, Ministral, Mistral Small): ``[TOOL_CALLS]`` and
+  then, as the v3 tokenizers' models write them, a JSON list of ``{"name", "arguments"}``, or,
+  as the v11 ones' (Mistral Small 3.2, Magistral, Devstral), each call as
+  ``[TOOL_CALLS]name[ARGS]{...}`` (a ``[CALL_ID]`` after the name is read past). The markers
+  are special tokens, which the request then keeps in its text (``keeps_special_tokens``).
 - ``pythonic`` (Llama 3.2's and Llama 4's other format, ToolACE): a Python list of calls with
   literal keyword arguments, ``[get_weather(city="Paris"), get_time()]``, read by Python's own
   parser (``ast``: nothing is evaluated but literals), the list ending the answer.
@@ -29,6 +34,7 @@ Call = tuple[str, str]  # (function name, arguments as JSON text)
 
 class ToolParser:
     name = ""
+    keeps_special_tokens = False  # its markers are special tokens: the text must keep them
 
     def find_start(self, text: str) -> tuple[int, bool] | None:
         """(where a call begins, whether its marker is complete), or None: no call so far. An
@@ -106,6 +112,41 @@ class Llama3JsonToolParser(ToolParser):
         return (text[:start], calls) if calls else (text, [])
 
 
+class MistralToolParser(ToolParser):
+    name = "mistral"
+    keeps_special_tokens = True
+    START, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+
+    def find_start(self, text: str) -> tuple[int, bool] | None:
+        at = text.find(self.START)
+        if at >= 0:
+            return at, True
+        cut = _cut_marker(text, self.START)
+        return None if cut is None else (cut, False)
+
+    def parse(self, text: str) -> tuple[str, list[Call]]:
+        start = text.find(self.START)
+        if start < 0:
+            return text, []
+        body = text[start:]
+        calls = self._named_calls(body) if self.ARGS in body else \
+            _json_calls(_json_object(body[len(self.START):].strip()))
+        return (text[:start], calls) if calls else (text, [])
+
+    def _named_calls(self, body: str) -> list[Call]:
+        """``[TOOL_CALLS]name[ARGS]{...}`` each; none if any piece is not one."""
+        calls = []
+        for piece in body.split(self.START)[1:]:
+            head, marked, arguments = piece.partition(self.ARGS)
+            name = head.partition(self.CALL_ID)[0].strip()
+            call = _call({"name": name, "arguments": _json_object(arguments.strip())},
+                         "arguments") if marked and name else None
+            if call is None:
+                return []
+            calls.append(call)
+        return calls
+
+
 class PythonicToolParser(ToolParser):
     name = "pythonic"
     _CALL = re.compile(r"\[\s*[A-Za-z_]\w*\s*\(")
@@ -134,6 +175,7 @@ class PythonicToolParser(ToolParser):
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser,
                                                             Llama3JsonToolParser,
+                                                            MistralToolParser,
                                                             PythonicToolParser)}
 
 
@@ -160,6 +202,14 @@ def _call(obj, *argument_keys: str) -> Call | None:
     if not isinstance(arguments, dict):
         return None
     return obj["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+def _json_calls(items) -> list[Call]:
+    """The calls of a JSON list of ``{"name", "arguments"}``; none if it is anything else."""
+    if not isinstance(items, list):
+        return []
+    calls = [_call(item, "arguments") for item in items]
+    return [] if None in calls else calls
 
 
 def _python_calls(node: ast.expr) -> list[Call]:

@@ -1,6 +1,6 @@
-"""Tool calls read out of text: the Hermes, Llama 3 JSON and pythonic parsers, and the streams
-that turn a choice's text into content and call deltas (pieces fed one by one add up to the
-whole)."""
+"""Tool calls read out of text: the Hermes, Llama 3 JSON, Mistral and pythonic parsers, and the
+streams that turn a choice's text into content and call deltas (pieces fed one by one add up to
+the whole)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ import json
 
 import pytest
 
+from actorlm import SamplingParams
 from actorlm.api.options import ServerOptions
-from actorlm.api.tool_parsers import HermesToolParser, Llama3JsonToolParser, PythonicToolParser
+from actorlm.api.tool_choice import ToolUse
+from actorlm.api.tool_parsers import (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
+                                      PythonicToolParser)
 from actorlm.api.tool_stream import (NamedCallStream, ParsedCallStream, RequiredCallStream,
                                      collect)
 
@@ -18,6 +21,10 @@ HERMES_TWO = ('Let me look that up.\n<tool_call>\n{"name": "get_weather", "argum
               '"arguments": {}}\n</tool_call>')
 LLAMA_TWO = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
              '{"name": "get_time", "parameters": {"tz": "utc"}}')
+MISTRAL_V3_TWO = ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                  '{"name": "get_time", "arguments": {}}]')
+MISTRAL_V11_TWO = ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+                   '[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{}')
 PYTHONIC_TWO = ('[get_weather(city="San Francisco", days=[1, 2], metric=True, unit=None), '
                 'get_time()]')
 
@@ -62,6 +69,27 @@ def test_llama3_json_leaves_other_text_alone():
         assert parser.parse(text) == (text, [])
 
 
+@pytest.mark.parametrize("text", [MISTRAL_V3_TWO, MISTRAL_V11_TWO], ids=["v3", "v11"])
+def test_mistral_reads_both_of_its_formats(text):
+    parser = MistralToolParser()
+    assert _calls(parser.parse("Let me check. " + text)) == (
+        "Let me check. ", [("get_weather", {"city": "Paris"}), ("get_time", {})])
+
+
+def test_mistral_leaves_other_text_alone_and_keeps_its_markers():
+    parser = MistralToolParser()
+    for text in ("[TOOL_CALLS] [{\"name\": \"f\", \"argu", "[TOOL_CALLS] []",
+                 "[TOOL_CALLS]f[ARGS]{\"x\": ", "[TOOL_CALLS][ARGS]{}", "[TOOL_CALLS] not json",
+                 "plain [TOOL words"):
+        assert parser.parse(text) == (text, [])
+    assert parser.find_start("sure [TOOL_CA") == (5, False)
+    # its markers are special tokens: a request it reads keeps them in its text
+    auto = ToolUse("auto", parser=parser)
+    assert auto.sampling_params(SamplingParams()).skip_special_tokens is False
+    assert ToolUse("auto", parser=HermesToolParser()).sampling_params(
+        SamplingParams()).skip_special_tokens is True
+
+
 def test_pythonic_reads_a_list_of_calls_with_literal_arguments():
     parser = PythonicToolParser()
     assert _calls(parser.parse(PYTHONIC_TWO)) == ("", [
@@ -84,7 +112,9 @@ def test_pythonic_leaves_other_text_alone():
 
 @pytest.mark.parametrize("parser,text", [(HermesToolParser(), HERMES_TWO),
                                          (Llama3JsonToolParser(), "Sure. " + LLAMA_TWO),
-                                         (PythonicToolParser(), "Sure. " + PYTHONIC_TWO)])
+                                         (PythonicToolParser(), "Sure. " + PYTHONIC_TWO),
+                                         (MistralToolParser(), "Sure. " + MISTRAL_V3_TWO),
+                                         (MistralToolParser(), "Sure. " + MISTRAL_V11_TWO)])
 def test_parsed_stream_holds_back_only_the_call(parser, text):
     whole = collect(ParsedCallStream(parser), text)
     stream = ParsedCallStream(parser)
@@ -146,6 +176,6 @@ def test_named_stream_is_the_arguments():
 def test_auto_tool_choice_flags_are_checked():
     with pytest.raises(ValueError, match="--tool-call-parser"):
         ServerOptions(enable_auto_tool_choice=True)
-    with pytest.raises(ValueError, match="unknown parser 'mistral'"):
-        ServerOptions(enable_auto_tool_choice=True, tool_call_parser="mistral")
+    with pytest.raises(ValueError, match="unknown parser 'granite'"):
+        ServerOptions(enable_auto_tool_choice=True, tool_call_parser="granite")
     assert ServerOptions(enable_auto_tool_choice=True, tool_call_parser="hermes")
