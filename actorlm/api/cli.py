@@ -71,8 +71,9 @@ def _add_serve(commands) -> None:
     add_engine_flags(srv)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--served-model-name", default=None,
-                     help="the model name clients use (default: the model directory's name)")
+    srv.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                     help="the model name(s) clients use; answers carry the first (default: "
+                          "the model directory's name)")
     srv.add_argument("--max-num-waiting", type=int, default=None,
                      help="answer 503 while this many requests already wait (default: no limit)")
     srv.add_argument("--log-stats-interval", type=float, default=10.0,

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 def serve(model: str | None, engine_flags: dict, *, host: str = "127.0.0.1", port: int = 8000,
-          served_model_name: str | None = None, max_num_waiting: int | None = None,
+          served_model_name: str | list[str] | None = None, max_num_waiting: int | None = None,
           log_stats_interval: float | None = 10.0, uvicorn_log_level: str = "info",
           trace_file: str | None = None,
           shutdown_timeout: float = 5.0, options: ServerOptions | None = None,

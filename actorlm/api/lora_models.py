@@ -92,10 +92,10 @@ class LoRAModels:
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()  # one load or unload at a time
 
-    def resolve(self, model: str | None, base_model_name: str) -> LoRARequest | None:
-        """The adapter ``model`` names; None for the base model (or no name); a 404 for a
-        name nobody serves (OpenAI's error, vLLM's words)."""
-        if model is None or model == base_model_name:
+    def resolve(self, model: str | None, base_model_names: tuple[str, ...]) -> LoRARequest | None:
+        """The adapter ``model`` names; None for the base model (by any of its names, or no
+        name); a 404 for a name nobody serves (OpenAI's error, vLLM's words)."""
+        if model is None or model in base_model_names:
             return None
         lora = self.loaded.get(model)
         if lora is None:
@@ -107,23 +107,24 @@ class LoRAModels:
         return [ModelCard(name, "model", created, "actorlm", lora.lora_path, None,
                           base_model_name) for name, lora in self.loaded.items()]
 
-    def load_static(self, modules: list[LoRAModulePath], served_name: str) -> None:
+    def load_static(self, modules: list[LoRAModulePath], served_names: tuple[str, ...]) -> None:
         """``--lora-modules``, before the server takes requests (blocking: it reads each
         directory); the first that cannot be served is a ValueError naming it and why."""
         for module in modules:
-            if module.base_model_name not in (None, served_name):
+            if module.base_model_name not in (None, *served_names):
                 raise ValueError(f"--lora-modules: adapter {module.name!r} names "
                                  f"base_model_name {module.base_model_name!r}, but this server "
-                                 f"serves {served_name!r}")
+                                 f"serves {served_names[0]!r}")
             try:
-                self._add(self._checked(module.name, module.path, served_name))
+                self._add(self._checked(module.name, module.path, served_names))
             except ApiError as exc:
                 raise ValueError(f"--lora-modules: {exc.message}") from None
 
-    async def load(self, name: str, path: str, served_name: str, inplace: bool = False) -> None:
+    async def load(self, name: str, path: str, served_names: tuple[str, ...],
+                   inplace: bool = False) -> None:
         """Read the adapter at ``path`` (on a thread) and serve it as ``name``."""
         async with self._lock:
-            self._add(await asyncio.to_thread(self._checked, name, path, served_name, inplace))
+            self._add(await asyncio.to_thread(self._checked, name, path, served_names, inplace))
 
     async def unload(self, name: str) -> None:
         """Stop serving ``name``. As vLLM's, only the name goes: requests already admitted with
@@ -138,7 +139,7 @@ class LoRAModels:
             del self.loaded[name]
             log.info("Removed LoRA adapter: name '%s'", name)
 
-    def _checked(self, name: str, path: str, served_name: str,
+    def _checked(self, name: str, path: str, served_names: tuple[str, ...],
                  inplace: bool = False) -> LoRARequest:
         """The adapter at ``path`` as ``name``, read and checked (blocking). Raises ApiError:
         400 for a request without both, a name taken (unless ``inplace``) or an adapter that
@@ -151,7 +152,7 @@ class LoRAModels:
             raise ApiError(400, f"The lora adapter '{name}' has already been loaded. If you "
                                 f"want to load the adapter in place, set 'load_inplace' to "
                                 f"True.", "lora_name", error_type="InvalidUserInput")
-        if name == served_name:  # its requests would run the base model
+        if name in served_names:  # its requests would run the base model
             raise ApiError(400, f"The lora adapter name '{name}' is the served base model's",
                            "lora_name", error_type="InvalidUserInput")
         if self.checker is None:

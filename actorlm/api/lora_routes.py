@@ -26,7 +26,8 @@ class UnloadLoRAAdapterRequest(Struct, kw_only=True):
 async def load_lora_adapter(state, request: Request) -> Response:
     state.ready_engine()
     req = state.decoder.decode(await request.body(), LoadLoRAAdapterRequest)
-    await state.lora.load(req.lora_name, req.lora_path, state.model_name, req.load_inplace)
+    await state.lora.load(req.lora_name, req.lora_path, state.base_model_names,
+                          req.load_inplace)
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
 

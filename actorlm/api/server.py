@@ -22,7 +22,7 @@ import logging
 import pathlib
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -66,7 +66,8 @@ class ServerState:
     """The app's engine (built in the background when given a factory), name, LoRA adapters,
     metrics, options and request decoder."""
 
-    def __init__(self, engine: AsyncLLM | Callable[[], AsyncLLM], served_model_name: str | None,
+    def __init__(self, engine: AsyncLLM | Callable[[], AsyncLLM],
+                 served_model_name: str | Sequence[str] | None,
                  log_stats_interval: float | None, on_load_error: Callable[[str], None] | None,
                  options: ServerOptions, lora_modules: list[LoRAModulePath] = (),
                  runtime_lora: bool = False, cancel_load: threading.Event | None = None):
@@ -80,7 +81,11 @@ class ServerState:
         self.max_token_chars = 0  # the longest text one token stands for; set when ready
         self.factory = None if isinstance(engine, AsyncLLM) else engine
         self.engine: AsyncLLM | None = engine if isinstance(engine, AsyncLLM) else None
-        self.served_model_name = served_model_name
+        # the names requests may give the base model by (vLLM's --served-model-name takes
+        # several); answers carry the first. None: the model directory's name
+        self.served_names = (served_model_name,) if isinstance(served_model_name, str) else \
+            tuple(served_model_name or ())
+        self.served_model_name = self.served_names[0] if self.served_names else None
         self.metrics: ServerMetrics | None = None
         self.log_stats_interval = log_stats_interval
         self.on_load_error = on_load_error
@@ -91,6 +96,10 @@ class ServerState:
     @property
     def model_name(self) -> str:
         return self.served_model_name or default_model_name(self.engine)
+
+    @property
+    def base_model_names(self) -> tuple[str, ...]:
+        return self.served_names or (self.model_name,)
 
     def ready_engine(self) -> AsyncLLM:
         if self.engine is None:
@@ -105,7 +114,7 @@ class ServerState:
     def resolve_model(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names; None for the base model; a 404 for a
         model nobody serves."""
-        return self.lora.resolve(model, self.model_name)
+        return self.lora.resolve(model, self.base_model_names)
 
     def check_model(self, model: str | None) -> None:
         self.resolve_model(model)  # (the base model's tokenizer serves its adapters too)
@@ -158,7 +167,7 @@ class ServerState:
         self.lora.checker = lora_checker(engine.config, engine.engine.hf_config)
         if self.lora_modules:
             self.lora.load_static(self.lora_modules,
-                                  self.served_model_name or default_model_name(engine))
+                                  self.served_names or (default_model_name(engine),))
 
     def _engine_ready(self) -> None:
         self.metrics = ServerMetrics(self.model_name, lambda: self.engine)
@@ -205,10 +214,10 @@ async def version(request: Request) -> Response:
 async def models(request: Request) -> Response:
     state = _state(request)
     engine = state.ready_engine()
-    card = p.ModelCard(state.model_name, "model", state.created, "actorlm", str(engine.model_path),
-                       engine.max_model_len)
+    cards = [p.ModelCard(name, "model", state.created, "actorlm", str(engine.model_path),
+                         engine.max_model_len) for name in state.base_model_names]
     adapters = state.lora.cards(state.model_name, state.created)
-    return json_response(p.ModelList("list", [card, *adapters]))
+    return json_response(p.ModelList("list", [*cards, *adapters]))
 
 
 async def metrics(request: Request) -> Response:
@@ -297,7 +306,8 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     return error_response(p.ApiError(exc.status_code, str(exc.detail), headers=exc.headers))
 
 
-def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str | None = None,
+def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], *,
+               served_model_name: str | Sequence[str] | None = None,
                log_stats_interval: float | None = 10.0,
                on_load_error: Callable[[str], None] | None = None,
                options: ServerOptions | None = None,

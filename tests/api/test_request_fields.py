@@ -197,3 +197,22 @@ def test_the_servers_chat_template_takes_the_models_place(tiny_llama_dir, tmp_pa
             assert own.status_code == 400 and own.json()["error"]["param"] == "chat_template"
     finally:
         engine.shutdown()
+
+
+def test_the_base_model_answers_to_each_of_its_served_names(tiny_llama_dir):
+    """vLLM's --served-model-name with several names: /v1/models lists each, a request may
+    name any, and answers carry the first; any other name is a 404."""
+    engine = AsyncLLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=64)
+    try:
+        with running(create_app(engine, served_model_name=["main", "alias"])) as base:
+            listed = _ok(httpx.get(base + "/v1/models", timeout=30))["data"]
+            assert [card["id"] for card in listed] == ["main", "alias"]
+            body = {**GREEDY, "messages": HI}
+            answer = _ok(httpx.post(base + "/v1/chat/completions", timeout=30,
+                                    json={**body, "model": "alias"}))
+            assert answer["model"] == "main"
+            other = httpx.post(base + "/v1/chat/completions", timeout=30,
+                               json={**body, "model": "other"})
+            assert other.status_code == 404 and other.json()["error"]["param"] == "model"
+    finally:
+        engine.shutdown()
