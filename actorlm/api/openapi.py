@@ -59,6 +59,10 @@ OPERATIONS = [
     ("post", "/detokenize", "Text of token ids", p.DetokenizeRequest, p.DetokenizeResponse),
     ("post", "/reset_prefix_cache", "Forget every cached prompt prefix", None, {}),
     ("get", "/health", "200 while the engine serves, 503 otherwise", None, {}),
+    ("get", "/ping", "SageMaker's health check: /health", None, {}),
+    ("post", "/ping", "SageMaker's health check: /health", None, {}),
+    ("post", "/invocations", "SageMaker's: a chat (messages), completions (prompt) or "
+     "embeddings (input) request, answered as that API answers it", None, {}),
     ("get", "/version", "The actorlm version", None,
      {"application/json": {"schema": {"type": "object", "required": ["version"],
                                       "properties": {"version": {"type": "string"}}}}}),

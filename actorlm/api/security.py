@@ -20,7 +20,7 @@ from actorlm.api import protocol as p
 from actorlm.api.options import ServerOptions
 from actorlm.api.responses import error_response
 
-OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/openapi.json"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/openapi.json"})
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 

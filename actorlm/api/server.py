@@ -4,7 +4,8 @@ Routes: ``/v1/completions`` and ``/v1/chat/completions`` (see ``serving``) for a
 generates, ``/v1/embeddings`` and ``/pooling`` (``embeddings``), ``/classify``, ``/score``
 and ``/rerank`` (``scoring``; vLLM's, with their ``/v1``/``/v2`` aliases) for a pooling one,
 ``/v1/models``, ``/health``, ``/metrics``, ``/version``, ``/tokenize``, ``/detokenize``,
-``/reset_prefix_cache``, ``/openapi.json``, the trace, and with
+``/reset_prefix_cache``, ``/openapi.json``, the trace, SageMaker's ``/ping`` and
+``/invocations`` (a chat, completions or embeddings body, told apart by its fields), and with
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
 (``lora_routes``; a request's ``model`` names the base model or an adapter, ``lora_models``).
 Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``. Before a route
@@ -31,6 +32,8 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
+
+import msgspec
 
 import actorlm
 from actorlm.api import protocol as p
@@ -207,6 +210,24 @@ async def health(request: Request) -> Response:
     return Response(status_code=200)
 
 
+# SageMaker's: /invocations takes a body of any of these APIs, told apart by the field each
+# needs (vLLM's order: chat, completions, embeddings); /ping is /health
+_INVOCATIONS = (("messages", serving.create_chat_completion),
+                ("prompt", serving.create_completion), ("input", create_embedding))
+
+
+async def invocations(state: ServerState, request: Request) -> Response:
+    try:
+        fields = msgspec.json.decode(await request.body(), type=dict[str, msgspec.Raw])
+    except msgspec.DecodeError:
+        fields = {}  # (the API it goes to would say why; with none, the 400 below does)
+    for field, create in _INVOCATIONS:
+        if field in fields:
+            return await create(state, request)
+    raise p.ApiError(400, "/invocations: the body is none of a chat request (messages), a "
+                          "completions request (prompt) or an embeddings request (input)")
+
+
 async def version(request: Request) -> Response:
     return json_response({"version": actorlm.__version__})
 
@@ -333,6 +354,8 @@ def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], *,
 
     routes = [
         Route("/health", _endpoint(health), methods=["GET"]),
+        Route("/ping", _endpoint(health), methods=["GET", "POST"]),
+        Route("/invocations", _endpoint(_generation(invocations)), methods=["POST"]),
         Route("/version", _endpoint(version), methods=["GET"]),
         Route("/metrics", _endpoint(metrics), methods=["GET"]),
         Route("/v1/models", _endpoint(models), methods=["GET"]),

@@ -216,3 +216,18 @@ def test_the_base_model_answers_to_each_of_its_served_names(tiny_llama_dir):
             assert other.status_code == 404 and other.json()["error"]["param"] == "model"
     finally:
         engine.shutdown()
+
+
+def test_sagemakers_routes_answer_as_the_api_each_body_belongs_to(server):
+    """/invocations: a chat body is answered as chat, a prompt as completions, anything else
+    is a 400 saying what it takes; /ping is /health, by GET or POST."""
+    chat = _ok(httpx.post(server + "/invocations", timeout=30, json={**GREEDY, "messages": HI}))
+    assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["content"]
+    text = _ok(httpx.post(server + "/invocations", timeout=30,
+                          json={**GREEDY, "prompt": "Once upon a time"}))
+    assert text["object"] == "text_completion"
+    for body in ({"foo": 1}, [1, 2]):
+        neither = httpx.post(server + "/invocations", timeout=30, json=body)
+        assert neither.status_code == 400 and "messages" in neither.json()["error"]["message"]
+    assert httpx.get(server + "/ping", timeout=30).status_code == 200
+    assert httpx.post(server + "/ping", timeout=30).status_code == 200

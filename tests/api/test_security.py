@@ -15,7 +15,8 @@ CMPL = {"model": SERVED_NAME, "prompt": "Once upon a time", "max_tokens": 2}
 CHAT = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 PROTECTED = [("POST", "/v1/completions", CMPL), ("POST", "/v1/chat/completions", CHAT),
              ("GET", "/v1/models", None), ("POST", "/tokenize", {"prompt": "Hi"}),
-             ("POST", "/detokenize", {"tokens": [5, 6]}), ("GET", "/trace.json", None)]
+             ("POST", "/detokenize", {"tokens": [5, 6]}), ("GET", "/trace.json", None),
+             ("POST", "/invocations", CHAT)]
 WRONG = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
          {"Authorization": f"Basic {API_KEY}"}, {"Authorization": f"Bearer {API_KEY}x"},
          {"Authorization": f"Bearer {API_KEY[:-1]}"}, {"Authorization": "Bearer"}]
@@ -40,7 +41,7 @@ def test_routes_need_a_key(guarded, method, path, body):
         assert response.status_code == 200, response.text
 
 
-@pytest.mark.parametrize("path", ["/health", "/version", "/metrics", "/openapi.json"])
+@pytest.mark.parametrize("path", ["/health", "/ping", "/version", "/metrics", "/openapi.json"])
 def test_open_routes_need_no_key(guarded, path):
     assert httpx.get(guarded + path, timeout=30).status_code == 200
 
