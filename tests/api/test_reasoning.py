@@ -232,7 +232,8 @@ def _generation(stream: bool) -> _Generation:
     req = p.ChatCompletionRequest(messages=[p.ChatMessage("user", "hi")], stream=stream)
     tools = ToolUse("auto", parser=PARSERS["hermes"]())
     think = ThinkTokens(REASONING_PARSERS["qwen3"], THINK_START, THINK_END)
-    gen = _Generation(types.SimpleNamespace(), "m", "chatcmpl", request, req, tools, think)
+    gen = _Generation(types.SimpleNamespace(decode=None), "m", "chatcmpl", request, req,
+                      ServerOptions(), tools, think)
     gen.prompt_token_ids = [[1, THINK_START]]  # the template opened the think
     return gen
 
