@@ -43,6 +43,9 @@ OPERATIONS = [
     ("get", "/v1/responses/{response_id}", "A stored response", None, ResponseObject),
     ("delete", "/v1/responses/{response_id}", "Forget a stored response", None,
      DeletedResponse),
+    ("get", "/v1/responses/{response_id}/input_items", "A stored response's input items, a "
+     "page at a time (query: limit, order, after)", None,
+     {"application/json": {"schema": {"type": "object"}}}),
     ("post", "/v1/embeddings", "Embeddings (a pooling model's)", EmbeddingRequest,
      EmbeddingResponse),
     ("post", "/classify", "Class probabilities and the likeliest label (a classifier's)",

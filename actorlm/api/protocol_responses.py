@@ -13,6 +13,7 @@ by name; ``reasoning.effort`` is the chat template's ``reasoning_effort``, as ch
 
 from __future__ import annotations
 
+import uuid
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -209,6 +210,53 @@ def input_messages(request: ResponsesRequest) -> list[ChatMessage]:
             messages.append(ChatMessage("tool", _text(item.output, f"input[{i}].output"),
                                         tool_call_id=item.call_id))
     return messages
+
+
+# the prefix of an input item's id, by its type (OpenAI's)
+_ITEM_IDS = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+             "reasoning": "rs"}
+
+
+def input_items(request: ResponsesRequest) -> list[dict]:
+    """The request's input as ``input_items`` lists it back: a text as one user message of
+    ``input_text``, every item with an id (its own, or a new one) and a message's text
+    content as a part."""
+    raw = [{"type": "message", "role": "user", "content": request.input}] \
+        if isinstance(request.input, str) else request.input
+    items = []
+    for item in raw:
+        item = {"type": "message", **item}
+        item.setdefault("id", f"{_ITEM_IDS.get(item['type'], 'item')}_{uuid.uuid4().hex}")
+        if item["type"] == "message":
+            item.setdefault("status", "completed")
+            if isinstance(item.get("content"), str):
+                kind = "output_text" if item.get("role") == "assistant" else "input_text"
+                item["content"] = [{"type": kind, "text": item["content"]}]
+        items.append(item)
+    return items
+
+
+class ItemPage(Struct, kw_only=True):
+    """``input_items``' query: ``limit`` items (1 to 100) ``after`` an item's id, in
+    ``order``."""
+
+    limit: int = 20
+    order: Literal["asc", "desc"] = "desc"
+    after: str | None = None
+
+    @classmethod
+    def of(cls, query) -> ItemPage:
+        try:
+            page = cls(limit=int(query.get("limit", 20)), order=query.get("order", "desc"),
+                       after=query.get("after"))
+        except ValueError:
+            raise ApiError(400, f"limit: an integer from 1 to 100, got {query.get('limit')!r}",
+                           "limit") from None
+        if not 1 <= page.limit <= 100:
+            raise ApiError(400, f"limit: an integer from 1 to 100, got {page.limit}", "limit")
+        if page.order not in ("asc", "desc"):
+            raise ApiError(400, f"order: asc or desc, got {page.order!r}", "order")
+        return page
 
 
 def _text(content: str | list[_Part], field: str) -> str:

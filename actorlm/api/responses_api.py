@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import time
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, NamedTuple
 
 import msgspec
 from starlette.requests import Request
@@ -38,22 +38,27 @@ _FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "response_format":
                 "messages": "input"}
 
 
+class Stored(NamedTuple):
+    response: r.ResponseObject
+    conversation: list[p.ChatMessage]  # without its instructions, its answer last
+    input_items: list[dict]  # the request's input, as ``input_items`` lists it back
+
+
 class ResponseStore:
-    """The stored responses, each with its conversation (without its instructions), the
-    least recently used dropped beyond ``capacity`` (used on the event loop only)."""
+    """The stored responses, the least recently used dropped beyond ``capacity`` (used on the
+    event loop only)."""
 
     def __init__(self, capacity: int = MAX_STORED_RESPONSES):
         self.capacity = capacity
-        self._items: collections.OrderedDict[str, tuple[r.ResponseObject, list]] = \
-            collections.OrderedDict()
+        self._items: collections.OrderedDict[str, Stored] = collections.OrderedDict()
 
-    def put(self, response: r.ResponseObject, conversation: list[p.ChatMessage]) -> None:
-        self._items[response.id] = (response, conversation)
+    def put(self, stored: Stored) -> None:
+        self._items[stored.response.id] = stored
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)
 
-    def get(self, response_id: str, field: str | None = None):
-        """(response, conversation); a 404 naming ``field`` when it is not stored."""
+    def get(self, response_id: str, field: str | None = None) -> Stored:
+        """The stored response; a 404 naming ``field`` when it is not stored."""
         if response_id not in self._items:
             raise p.ApiError(404, f"Response with id {response_id!r} not found.", field)
         self._items.move_to_end(response_id)
@@ -68,7 +73,7 @@ async def create_response(state, request: Request) -> Response:
     req = state.decoder.decode(await request.body(), r.ResponsesRequest)
     req.check_supported()
     history = [] if req.previous_response_id is None else \
-        list(state.responses.get(req.previous_response_id, "previous_response_id")[1])
+        list(state.responses.get(req.previous_response_id, "previous_response_id").conversation)
     conversation = history + r.input_messages(req)
     instructions = [] if req.instructions is None else [p.ChatMessage("system", req.instructions)]
     chat = p.ChatCompletionRequest(
@@ -93,7 +98,26 @@ async def create_response(state, request: Request) -> Response:
 
 
 async def retrieve_response(state, request: Request) -> Response:
-    return json_response(state.responses.get(request.path_params["response_id"])[0])
+    return json_response(state.responses.get(request.path_params["response_id"]).response)
+
+
+async def list_input_items(state, request: Request) -> Response:
+    """A stored response's input items, a page at a time (OpenAI's ``limit``, ``order``
+    and ``after``; newest first by default)."""
+    items = state.responses.get(request.path_params["response_id"]).input_items
+    page = r.ItemPage.of(request.query_params)
+    ordered = items[::-1] if page.order == "desc" else items
+    start = 0
+    if page.after is not None:
+        start = next((i + 1 for i, item in enumerate(ordered) if item["id"] == page.after), -1)
+        if start < 0:
+            raise p.ApiError(400, f"after: no input item {page.after!r} in this response",
+                             "after")
+    data = ordered[start:start + page.limit]
+    return json_response({"object": "list", "data": data,
+                          "first_id": data[0]["id"] if data else None,
+                          "last_id": data[-1]["id"] if data else None,
+                          "has_more": start + page.limit < len(ordered)})
 
 
 async def delete_response(state, request: Request) -> Response:
@@ -158,7 +182,8 @@ class _Answer:
             usage.completion_tokens, r.OutputTokensDetails(self._reasoning_tokens(final)),
             usage.total_tokens)
         if response.store:
-            self.state.responses.put(response, self.conversation + [self._said()])
+            self.state.responses.put(Stored(response, self.conversation + [self._said()],
+                                            r.input_items(self.req)))
         return response
 
     def _reasoning_tokens(self, final: RequestOutput) -> int:

@@ -91,6 +91,30 @@ def test_a_stored_response_continues_its_conversation_and_can_be_deleted(client)
         client.responses.retrieve(unstored.id)
 
 
+def test_a_stored_responses_input_items_come_back_a_page_at_a_time(client, server):
+    """OpenAI's ``input_items``: the request's items with ids (a text is one user message of
+    input_text), newest first unless ``order`` asc, ``limit`` at a time ``after`` an id."""
+    texts = ["One.", "Two.", "Three."]
+    response = _respond(client, input=[{"role": "user", "content": t} for t in texts])
+    newest = client.responses.input_items.list(response.id)
+    assert [item.content[0].text for item in newest.data] == texts[::-1]
+    assert all(item.type == "message" and item.role == "user" and item.id.startswith("msg_")
+               and item.content[0].type == "input_text" for item in newest.data)
+    first = client.responses.input_items.list(response.id, order="asc", limit=2)
+    assert [item.content[0].text for item in first.data] == texts[:2] and first.has_more
+    rest = client.responses.input_items.list(response.id, order="asc", after=first.data[-1].id)
+    assert [item.content[0].text for item in rest.data] == texts[2:] and not rest.has_more
+    text = _respond(client)
+    [only] = client.responses.input_items.list(text.id).data
+    assert (only.role, only.content[0].text) == ("user", QUESTION)
+    for query, param in (("limit=0", "limit"), ("order=sideways", "order"),
+                         ("after=msg_nope", "after")):
+        answer = httpx.get(f"{server}/v1/responses/{text.id}/input_items?{query}", timeout=30)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == param
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_unknown")
+
+
 def test_a_named_function_is_called_and_its_output_answered(client):
     tools = [{"type": "function", "name": "get_weather", "description": "Weather",
               "parameters": WEATHER}]
