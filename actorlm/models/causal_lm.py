@@ -20,7 +20,8 @@ from actorlm.models import expert_weights, quantized
 from actorlm.models.decoder import DecoderLayer, norm_of
 from actorlm.models.families import (NO_ROPE, checkpoint_tensors, embedding_scale,
                                      head_dim_of, is_gemma, layer_specs, layer_windows,
-                                     lm_head_bias, long_rope_from, position_offset, logits_divisor, narrow, norm_names, rope_inv_freq,
+                                     lm_head_bias, logits_divisor, long_rope_from, narrow,
+                                     norm_names, position_offset, rope_inv_freq,
                                      rope_layer_types)
 from actorlm.models.layers import Embedding, Linear, VocabParallelEmbedding
 from actorlm.models.expert_parallel import check_expert_parallel, split_intermediate_sizes

@@ -2,10 +2,11 @@
 that sit in them, and the step's token-to-slot mapping.
 
 Each adapted layer (every decoder layer's ``qkv_proj``, ``o_proj`` and, in a dense MLP,
-``gate_up_proj`` or an ungated one's ``fc_in``, and ``down_proj``) holds a ``kernels.lora.LoRATable``: ``a`` [max_loras, rank,
-in] and ``b`` [max_loras, rank, out] (B transposed), zero where a slot's adapter is smaller or
-absent, with rank ``max_lora_rank`` times the parts it merges (q, k, v: three), each part's
-share of the rank at its own output rows. All of them read one ``LoRAState``, whose
+``gate_up_proj`` or an ungated one's ``fc_in``, and ``down_proj``) holds a
+``kernels.lora.LoRATable``: ``a`` [max_loras, rank, in] and ``b`` [max_loras, rank, out]
+(B transposed), zero where a slot's adapter is smaller or absent, with rank ``max_lora_rank``
+times the parts it merges (q, k, v: three), each part's share of the rank at its own output
+rows. All of them read one ``LoRAState``, whose
 ``mapping`` the runner sets before each forward: a layer adds its slots' deltas to the rows of
 their tokens through the backend's door (``KernelBackend.add_lora``), and with no adapter in
 the step it adds nothing and costs nothing. The tables also go into the layers' plans, so a

@@ -66,8 +66,8 @@ def _act_and_mul_kernel(
 
 def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     """act(gate) * up for gate_up [T, 2I] (each row [gate | up], stride(1) == 1); ``activation``
-    is one of ``ACTIVATIONS`` (``gelu_tanh``: torch's ``gelu(approximate="tanh")``). Returns [T, I] in
-    gate_up's dtype."""
+    is one of ``ACTIVATIONS`` (``gelu_tanh``: torch's ``gelu(approximate="tanh")``). Returns
+    [T, I] in gate_up's dtype."""
     check_activation(activation)
     assert gate_up.dim() == 2 and gate_up.dtype in _FLOAT_DTYPES, (gate_up.shape, gate_up.dtype)
     assert gate_up.stride(1) == 1, f"gate_up: rows must be contiguous, strides {gate_up.stride()}"
