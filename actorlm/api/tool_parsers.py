@@ -46,10 +46,10 @@ class ToolParser:
         raise NotImplementedError
 
 
-class HermesToolParser(ToolParser):
-    name = "hermes"
-    START, END = "<tool_call>", "</tool_call>"
-    _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+class _MarkedToolParser(ToolParser):
+    """A format whose calls begin at a marker of their own (``START``)."""
+
+    START = ""
 
     def find_start(self, text: str) -> tuple[int, bool] | None:
         at = text.find(self.START)
@@ -57,6 +57,12 @@ class HermesToolParser(ToolParser):
             return at, True
         cut = _cut_marker(text, self.START)
         return None if cut is None else (cut, False)
+
+
+class HermesToolParser(_MarkedToolParser):
+    name = "hermes"
+    START, END = "<tool_call>", "</tool_call>"
+    _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
     def parse(self, text: str) -> tuple[str, list[Call]]:
         start = text.find(self.START)
@@ -112,17 +118,10 @@ class Llama3JsonToolParser(ToolParser):
         return (text[:start], calls) if calls else (text, [])
 
 
-class MistralToolParser(ToolParser):
+class MistralToolParser(_MarkedToolParser):
     name = "mistral"
     keeps_special_tokens = True
     START, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
-
-    def find_start(self, text: str) -> tuple[int, bool] | None:
-        at = text.find(self.START)
-        if at >= 0:
-            return at, True
-        cut = _cut_marker(text, self.START)
-        return None if cut is None else (cut, False)
 
     def parse(self, text: str) -> tuple[str, list[Call]]:
         start = text.find(self.START)
