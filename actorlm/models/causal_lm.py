@@ -18,11 +18,11 @@ from actorlm.kernels import ActivationQuant, AttentionMetadata, KernelBackend, Q
 from actorlm.kv_groups import kv_cache_groups, layer_slots
 from actorlm.models import expert_weights, quantized
 from actorlm.models.decoder import DecoderLayer, norm_of
-from actorlm.models.families import (NO_ROPE, checkpoint_tensors, embedding_scale,
-                                     head_dim_of, is_gemma, layer_specs, layer_windows,
-                                     lm_head_bias, logits_divisor, long_rope_from, narrow,
-                                     norm_names, position_offset, rope_inv_freq,
-                                     rope_layer_types)
+from actorlm.models.checkpoint_names import checkpoint_tensors, narrow
+from actorlm.models.families import (NO_ROPE, embedding_scale, head_dim_of, is_gemma,
+                                     layer_specs, layer_windows, lm_head_bias, logits_divisor,
+                                     long_rope_from, norm_names, position_offset,
+                                     rope_inv_freq, rope_layer_types)
 from actorlm.models.layers import Embedding, Linear, VocabParallelEmbedding
 from actorlm.models.expert_parallel import check_expert_parallel, split_intermediate_sizes
 from actorlm.models.moe import MoeTimer, RoutedExperts, SparseMoeBlock

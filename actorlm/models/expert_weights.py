@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 
 from actorlm.kernels import QuantizedWeight
-from actorlm.models.families import narrow
+from actorlm.models.checkpoint_names import narrow
 from actorlm.models.parallel import TensorParallel
 
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")

@@ -3,8 +3,8 @@
 Every family here runs on the one model of ``causal_lm.py`` (``DecoderLayer``s over the paged KV
 cache); what differs is said here once: each layer's ``LayerSpec`` (norms, activation, q/k
 norms, biases, attention scale, window, soft-capping), the RoPE tables and which layer rotates
-by which, the embedding's scale, the final logits' soft-capping, and how the checkpoint names
-its tensors.
+by which, the embedding's scale, the final logits' soft-capping; how the checkpoint names its
+tensors is ``checkpoint_names.py``'s.
 
 - Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3: pre-norm, SiLU, RMSNorm by ``weight``.
 - Ministral (8B): a Mistral whose ``layer_types`` say which layers slide. Ministral 3: a Mistral
@@ -68,12 +68,10 @@ import math
 
 import torch
 
-from actorlm.kernels import ActivationQuant, QuantizedWeight
-from actorlm.models import quantized
 from actorlm.models.decoder import LayerSpec
-from actorlm.models.moe_families import (MOE_MODEL_TYPES, check_moe_config, checkpoint_name,
+from actorlm.models.moe_families import (MOE_MODEL_TYPES, check_moe_config,
                                          intermediate_size_of, is_moe, moe_specs)
-from actorlm.models.rope_layout import ROTATED_Q_K, head_order, reordered
+from actorlm.models.rope_layout import head_order
 
 # a multimodal checkpoint's model_type -> the model_type its text decoder is read as (None:
 # the text config's own)
@@ -100,28 +98,6 @@ _GELU_FAMILIES = ("starcoder2", "phi", "gpt2")  # (besides Gemma's)
 _RELU_FAMILIES = ("opt",)
 # learned position embeddings (no RoPE): the row a position reads is position + offset
 _POSITION_OFFSETS = {"opt": 2, "gpt2": 0}
-# GPT-2's Conv1D weights, [in, out]; the causal masks its first checkpoints hold as tensors
-_GPT2_CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight",
-                ".mlp.c_proj.weight")
-_GPT2_MASKS = (".attn.bias", ".attn.masked_bias")
-# a family's checkpoint names -> the shared decoder's
-_RENAMES = {"starcoder2": {".mlp.c_fc.": ".mlp.fc_in.", ".mlp.c_proj.": ".mlp.down_proj."},
-            "phi": {".mlp.fc1.": ".mlp.fc_in.", ".mlp.fc2.": ".mlp.down_proj.",
-                    ".self_attn.dense.": ".self_attn.o_proj.",
-                    "model.final_layernorm.": "model.norm."},
-            # (the model's last norm before the layers' own final_layer_norm)
-            "opt": {"model.decoder.final_layer_norm.": "model.norm.", "model.decoder.": "model.",
-                    ".self_attn.out_proj.": ".self_attn.o_proj.",
-                    ".self_attn_layer_norm.": ".input_layernorm.",
-                    ".final_layer_norm.": ".post_attention_layernorm.",
-                    ".fc1.": ".mlp.fc_in.", ".fc2.": ".mlp.down_proj."},
-            "gpt2": {"transformer.wte.": "model.embed_tokens.",
-                     "transformer.wpe.": "model.embed_positions.",
-                     "transformer.ln_f.": "model.norm.", "transformer.h.": "model.layers.",
-                     ".ln_1.": ".input_layernorm.", ".ln_2.": ".post_attention_layernorm.",
-                     ".attn.c_attn.": ".self_attn.qkv_proj.",
-                     ".attn.c_proj.": ".self_attn.o_proj.", ".mlp.c_fc.": ".mlp.fc_in.",
-                     ".mlp.c_proj.": ".mlp.down_proj."}}
 # a query/key norm the family's config may turn on, not implemented (a LayerNorm per head)
 _QK_LAYER_NORMS = {"phi": "qk_layernorm", "cohere": "use_qk_norm"}
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
@@ -143,13 +119,7 @@ _OUTPUT_NORMS = {".input_layernorm.": ".attn_norm.",
 # GLM-4's four: its "post-attention" norm is the one before the MLP, as a Llama's
 _GLM4_NORMS = {**_LLAMA_NORMS, ".post_self_attn_layernorm.": ".attn_out_norm.",
                ".post_mlp_layernorm.": ".mlp_out_norm."}
-# a gemma3 (text and vision) checkpoint's text tower -> a text model's names; both layouts
-# transformers has written
-_TEXT_TOWER = {"model.language_model.": "model.", "language_model.model.": "model.",
-               "language_model.lm_head.": "lm_head."}
-_VISION = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
-           "multi_modal_projector.", "model.visual.", "visual.", "model.image_newline",
-           "image_newline")
+
 
 
 def text_config(config, has_lm_head: bool = False):
@@ -445,76 +415,3 @@ def rope_inv_freq(config, layer_type: str | None = None, device=None,
         raise ValueError(f"rope type {rope_type!r} is not implemented")
     kwargs = {} if layer_type is None else {"layer_type": layer_type}
     return ROPE_INIT_FUNCTIONS[rope_type](config, device, **kwargs)
-
-
-def checkpoint_tensors(config, tensors):
-    """The checkpoint's (name, tensor) pairs as the model loads them: a text tower's names as
-    a text model's (its vision tower left out), Phi-3's (and GLM's) fused q/k/v and gate/up
-    split into the projections they fuse (so that they merge and shard as every family's
-    do), Mixtral's experts under the other MoE families' names, and q and k in the order the
-    kernels rotate them (``rope_layout``)."""
-    q_size = config.num_attention_heads * head_dim_of(config)
-    kv_size = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * \
-        head_dim_of(config)
-    order = rope_head_order(config)
-    for name, tensor in _split_fused(config, tensors, q_size, kv_size):
-        if order is not None and name.endswith(ROTATED_Q_K):
-            tensor = reordered(narrow(tensor, 0, 0, None), order, head_dim_of(config))
-        yield name, tensor
-
-
-def _split_fused(config, tensors, q_size: int, kv_size: int):
-    """The pairs under a text model's names, fused projections split."""
-    for name, tensor in tensors:
-        if name.startswith(_VISION):
-            continue
-        for prefix, ours in _TEXT_TOWER.items():
-            if name.startswith(prefix):
-                name = ours + name.removeprefix(prefix)
-                break
-        name = checkpoint_name(config, name)
-        if config.model_type == "gpt2":
-            name, tensor = _gpt2_tensor(name, tensor)
-            if name is None:
-                continue
-        for fragment, ours in _RENAMES.get(config.model_type, {}).items():
-            name = name.replace(fragment, ours)
-        if ".self_attn.qkv_proj." in name:
-            parts = [("q_proj", 0, q_size), ("k_proj", q_size, kv_size),
-                     ("v_proj", q_size + kv_size, kv_size)]
-        elif ".mlp.gate_up_proj." in name:
-            half = intermediate_size_of(config)
-            parts = [("gate_proj", 0, half), ("up_proj", half, half)]
-        else:
-            yield name, tensor
-            continue
-        fused = name.split(".")[-2]
-        for part, start, length in parts:
-            yield name.replace(f".{fused}.", f".{part}."), narrow(tensor, 0, start, length)
-
-
-def _gpt2_tensor(name: str, tensor):
-    """A GPT-2 checkpoint's tensor under the ``transformer.`` prefix, a Conv1D weight as a
-    Linear's [out, in]; (None, None) for a causal mask."""
-    if name.endswith(_GPT2_MASKS):
-        return None, None
-    if not name.startswith(("transformer.", "lm_head.")):
-        name = "transformer." + name
-    if name.endswith(_GPT2_CONV1D):
-        tensor = narrow(tensor, 0, 0, None).t().contiguous()
-    return name, tensor
-
-
-def narrow(tensor, dim, start, length):
-    """``start:start + length`` along ``dim`` (everything when ``length`` is None) of a tensor,
-    a weight in blocks, or read from a safetensors slice; an FP8 checkpoint's quantization
-    of a fused layer's input, which its parts share, whole."""
-    if isinstance(tensor, ActivationQuant):
-        return tensor
-    if isinstance(tensor, QuantizedWeight):
-        return tensor if length is None else quantized.narrow(tensor, dim, start, length)
-    if isinstance(tensor, torch.Tensor):
-        return tensor if length is None else tensor.narrow(dim, start, length)
-    if length is None:
-        return tensor[:]
-    return tensor[(slice(None),) * dim + (slice(start, start + length),)]
