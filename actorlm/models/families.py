@@ -98,6 +98,12 @@ _GELU_FAMILIES = ("starcoder2", "phi", "gpt2")  # (besides Gemma's)
 _RELU_FAMILIES = ("opt",)
 # learned position embeddings (no RoPE): the row a position reads is position + offset
 _POSITION_OFFSETS = {"opt": 2, "gpt2": 0}
+# a family's config fields whose other values change the math and are not computed here
+# (OPT-350m's post-norm; GPT-2's scaling by layer, its cross-attention) -> the value computed
+_COMPUTED_ONLY = {"opt": {"do_layer_norm_before": True, "_remove_final_layer_norm": False,
+                          "layer_norm_elementwise_affine": True},
+                  "gpt2": {"scale_attn_weights": True, "add_cross_attention": False,
+                           "scale_attn_by_inverse_layer_idx": False}}
 # a query/key norm the family's config may turn on, not implemented (a LayerNorm per head)
 _QK_LAYER_NORMS = {"phi": "qk_layernorm", "cohere": "use_qk_norm"}
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
@@ -154,13 +160,14 @@ def check_config(config) -> None:
         if is_gemma(config) or config.model_type in _GELU_FAMILIES else "silu"
     if _ACTIVATIONS.get(activation) != family:
         raise ValueError(f"{config.model_type}: activation {activation!r} is not implemented")
-    if config.model_type == "opt":
-        _check_opt(config)
-    if config.model_type == "gpt2":
-        for name, computed in (("scale_attn_weights", True), ("add_cross_attention", False),
-                               ("scale_attn_by_inverse_layer_idx", False)):
-            if getattr(config, name, computed) != computed:
-                raise ValueError(f"gpt2: {name}={getattr(config, name)!r} is not implemented")
+    for name, computed in _COMPUTED_ONLY.get(config.model_type, {}).items():
+        if getattr(config, name, computed) != computed:
+            raise ValueError(f"{config.model_type}: {name}={getattr(config, name)!r} is not "
+                             f"implemented")
+    if getattr(config, "word_embed_proj_dim", config.hidden_size) != config.hidden_size:
+        raise ValueError(f"{config.model_type}: word_embed_proj_dim="
+                         f"{config.word_embed_proj_dim} (embeddings projected in and out of "
+                         f"the hidden size {config.hidden_size}) is not implemented")
     flag = _QK_LAYER_NORMS.get(config.model_type)
     if flag is not None and getattr(config, flag, False):
         raise ValueError(f"{config.model_type}: {flag} (a LayerNorm of each head's q and k) "
@@ -196,17 +203,6 @@ def _bias(config, name: str) -> bool:
         if (value := getattr(config, flag, None)) is not None:
             return bool(value)
     return False
-
-
-def _check_opt(config) -> None:
-    for name, computed in (("do_layer_norm_before", True), ("_remove_final_layer_norm", False),
-                           ("layer_norm_elementwise_affine", True)):
-        if getattr(config, name, computed) != computed:
-            raise ValueError(f"opt: {name}={getattr(config, name)!r} is not implemented")
-    if getattr(config, "word_embed_proj_dim", config.hidden_size) != config.hidden_size:
-        raise ValueError(f"opt: word_embed_proj_dim={config.word_embed_proj_dim} (embeddings "
-                         f"projected in and out of the hidden size {config.hidden_size}) is "
-                         f"not implemented")
 
 
 def activation_of(config) -> str:
