@@ -22,6 +22,9 @@ NOTHING_TO_DO = {
                            "tokenizer and weights are read",
     "--enforce-eager": "no CUDA graphs are captured here",
     "--disable-log-requests": "requests are not logged one by one (the trace has them)",
+    "--enable-request-id-headers": "every answer carries X-Request-Id (the client's, or one "
+                                   "made here)",
+    "--enable-server-load-tracking": "/load always counts the requests in progress",
     "--enable-prompt-tokens-details": "usage.prompt_tokens_details.cached_tokens (the prompt "
                                       "tokens the prefix cache served) is always reported, as "
                                       "OpenAI's API reports it",

@@ -66,7 +66,8 @@ def serve(model: str | None, engine_flags: dict, *, host: str = "127.0.0.1", por
     protocol = functools.partial(GuardedH11Protocol, client_timeout=options.client_timeout)
     config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
                             http=protocol, access_log=options.access_log,
-                            ssl_keyfile=options.ssl_keyfile, ssl_certfile=options.ssl_certfile)
+                            ssl_keyfile=options.ssl_keyfile, ssl_certfile=options.ssl_certfile,
+                            root_path=options.root_path)
     server = _GracefulServer(config, lambda: app.state.actorlm.engine, shutdown_timeout)
     try:
         server.run()

@@ -66,6 +66,10 @@ OPERATIONS = [
     ("post", "/ping", "SageMaker's health check: /health", None, {}),
     ("post", "/invocations", "SageMaker's: a chat (messages), completions (prompt) or "
      "embeddings (input) request, answered as that API answers it", None, {}),
+    ("get", "/load", "Requests the server is working on (vLLM's server_load): generation, "
+     "pooling and scoring requests from their arrival to their answer's last byte", None,
+     {"application/json": {"schema": {"type": "object", "required": ["server_load"],
+                                      "properties": {"server_load": {"type": "integer"}}}}}),
     ("get", "/version", "The actorlm version", None,
      {"application/json": {"schema": {"type": "object", "required": ["version"],
                                       "properties": {"version": {"type": "string"}}}}}),
@@ -85,7 +89,9 @@ LORA_OPERATIONS = [
 ]
 
 
-def openapi_document(requires_api_key: bool, runtime_lora: bool = False) -> dict:
+def openapi_document(requires_api_key: bool, runtime_lora: bool = False,
+                     root_path: str = "") -> dict:
+    """``root_path``: the prefix a proxy serves the routes under (the document's server)."""
     operations = OPERATIONS + (LORA_OPERATIONS if runtime_lora else [])
     types = [t for op in operations for t in (op[3], op[4]) if isinstance(t, type)]
     refs, schemas = msgspec.json.schema_components([*types, ErrorResponse],
@@ -120,7 +126,11 @@ def openapi_document(requires_api_key: bool, runtime_lora: bool = False) -> dict
     components: dict = {"schemas": schemas}
     if requires_api_key:
         components["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
-    return {"openapi": "3.1.0",
-            "info": {"title": "actorlm", "version": actorlm.__version__,
-                     "description": "An OpenAI-compatible server (vLLM's extensions included)"},
-            "paths": paths, "components": components}
+    document = {"openapi": "3.1.0",
+                "info": {"title": "actorlm", "version": actorlm.__version__,
+                         "description": "An OpenAI-compatible server (vLLM's extensions "
+                                        "included)"},
+                "paths": paths, "components": components}
+    if root_path:
+        document["servers"] = [{"url": root_path}]
+    return document

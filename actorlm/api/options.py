@@ -42,6 +42,11 @@ class ServerOptions:
     ssl_keyfile: str | None = None  # HTTPS, with this key and the certificate below
     ssl_certfile: str | None = None
     access_log: bool = True  # uvicorn's line per request
+    # the prefix a proxy serves the routes under, stripping it (vLLM's --root-path)
+    root_path: str = ""
+    # every stream ends with a usage chunk, as if it asked (stream_options.include_usage)
+    force_include_usage: bool = False
+    openapi: bool = True  # /openapi.json served (vLLM's --disable-fastapi-docs turns it off)
 
     def __post_init__(self):
         for key in self.api_keys:
@@ -67,6 +72,10 @@ class ServerOptions:
                            ("--ssl-certfile", self.ssl_certfile)):
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"{flag}: no such file: {path}")
+        if self.root_path and (not self.root_path.startswith("/") or
+                               self.root_path.endswith("/")):
+            raise ValueError(f"--root-path: a path such as /api (a leading slash, no trailing "
+                             f"one), got {self.root_path!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (which format "
                              "the model writes its calls in)")
@@ -102,7 +111,10 @@ class ServerOptions:
                    host=args.host, response_role=args.response_role,
                    return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                    ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-                   access_log=not args.disable_uvicorn_access_log)
+                   access_log=not args.disable_uvicorn_access_log,
+                   root_path=args.root_path,
+                   force_include_usage=args.enable_force_include_usage,
+                   openapi=not args.disable_fastapi_docs)
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -190,3 +202,11 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                         help="serve HTTPS with this certificate (and --ssl-keyfile)")
     parser.add_argument("--disable-uvicorn-access-log", action="store_true",
                         help="no log line per HTTP request")
+    parser.add_argument("--root-path", default="", metavar="PATH",
+                        help="the prefix a proxy serves the routes under and strips before "
+                             "forwarding (the OpenAPI document names it as its server)")
+    parser.add_argument("--enable-force-include-usage", action="store_true",
+                        help="end every stream with a usage chunk, as if it had asked "
+                             "(stream_options.include_usage)")
+    parser.add_argument("--disable-fastapi-docs", action="store_true",
+                        help="do not serve /openapi.json (vLLM's name for the flag)")

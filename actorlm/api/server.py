@@ -140,6 +140,10 @@ async def reset_prefix_cache(request: Request) -> Response:
     return Response(status_code=200)
 
 
+async def load(request: Request) -> Response:
+    return json_response({"server_load": _state(request).server_load})
+
+
 async def openapi(request: Request) -> Response:
     return json_response(_state(request).openapi)
 
@@ -179,6 +183,35 @@ def _generation(fn):
     return handler
 
 
+def _counted(fn):
+    """``_generation`` for a route that runs the model: counted in /load's ``server_load``
+    from its arrival to its answer's last byte (a stream's end, or its client hanging up)."""
+    async def handler(request: Request) -> Response:
+        state = _state(request)
+        state.server_load += 1
+        try:
+            response = await fn(state, request)
+        except BaseException:
+            state.server_load -= 1
+            raise
+        return _Sent(response, state)
+    handler.__name__ = fn.__name__
+    return handler
+
+
+class _Sent:
+    """An answer that, once sent (or abandoned), takes its request off the server's load."""
+
+    def __init__(self, response: Response, state: ServerState):
+        self.response, self.state = response, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await self.response(scope, receive, send)
+        finally:
+            self.state.server_load -= 1
+
+
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     return error_response(p.ApiError(exc.status_code, str(exc.detail), headers=exc.headers))
 
@@ -211,8 +244,9 @@ def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], *,
     routes = [
         Route("/health", _endpoint(health), methods=["GET"]),
         Route("/ping", _endpoint(health), methods=["GET", "POST"]),
-        Route("/invocations", _endpoint(_generation(invocations)), methods=["POST"]),
+        Route("/invocations", _endpoint(_counted(invocations)), methods=["POST"]),
         Route("/version", _endpoint(version), methods=["GET"]),
+        Route("/load", _endpoint(load), methods=["GET"]),
         Route("/metrics", _endpoint(metrics), methods=["GET"]),
         Route("/v1/models", _endpoint(models), methods=["GET"]),
         Route("/tokenize", _endpoint(tokenize), methods=["POST"]),
@@ -220,26 +254,27 @@ def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], *,
         Route("/reset_prefix_cache", _endpoint(reset_prefix_cache), methods=["POST"]),
         Route("/trace", _endpoint(trace_page), methods=["GET"]),
         Route("/trace.json", _endpoint(trace_json), methods=["GET"]),
-        Route("/openapi.json", _endpoint(openapi), methods=["GET"]),
-        Route("/v1/completions", _endpoint(_generation(serving.create_completion)),
+        Route("/v1/completions", _endpoint(_counted(serving.create_completion)),
               methods=["POST"]),
-        Route("/v1/chat/completions", _endpoint(_generation(serving.create_chat_completion)),
+        Route("/v1/chat/completions", _endpoint(_counted(serving.create_chat_completion)),
               methods=["POST"]),
-        Route("/v1/responses", _endpoint(_generation(create_response)), methods=["POST"]),
+        Route("/v1/responses", _endpoint(_counted(create_response)), methods=["POST"]),
         Route("/v1/responses/{response_id}", _endpoint(_generation(retrieve_response)),
               methods=["GET"]),
         Route("/v1/responses/{response_id}", _endpoint(_generation(delete_response)),
               methods=["DELETE"]),
         Route("/v1/responses/{response_id}/input_items",
               _endpoint(_generation(list_input_items)), methods=["GET"]),
-        Route("/v1/embeddings", _endpoint(_generation(create_embedding)), methods=["POST"]),
-        Route("/classify", _endpoint(_generation(create_classification)), methods=["POST"]),
-        Route("/pooling", _endpoint(_generation(create_pooling)), methods=["POST"]),
-        *[Route(path, _endpoint(_generation(create_score)), methods=["POST"])
+        Route("/v1/embeddings", _endpoint(_counted(create_embedding)), methods=["POST"]),
+        Route("/classify", _endpoint(_counted(create_classification)), methods=["POST"]),
+        Route("/pooling", _endpoint(_counted(create_pooling)), methods=["POST"]),
+        *[Route(path, _endpoint(_counted(create_score)), methods=["POST"])
           for path in SCORE_PATHS],
-        *[Route(path, _endpoint(_generation(create_rerank)), methods=["POST"])
+        *[Route(path, _endpoint(_counted(create_rerank)), methods=["POST"])
           for path in RERANK_PATHS],
     ]
+    if options.openapi:
+        routes.append(Route("/openapi.json", _endpoint(openapi), methods=["GET"]))
     if runtime_lora:
         log.warning("LoRA dynamic loading & unloading is enabled in the API server "
                     "(%s). This should ONLY be used for local development!",

@@ -42,7 +42,9 @@ class ServerState:
         self.lora_modules = list(lora_modules)  # loaded once the engine is, before serving
         self.decoder = RequestDecoder()
         self.responses = ResponseStore()  # the Responses API's stored answers
-        self.openapi = openapi_document(bool(options.api_keys), runtime_lora)
+        self.openapi = openapi_document(bool(options.api_keys), runtime_lora,
+                                        options.root_path)
+        self.server_load = 0  # requests from their arrival to their answer's last byte
         self.max_token_chars = 0  # the longest text one token stands for; set when ready
         self.factory = None if isinstance(engine, AsyncLLM) else engine
         self.engine: AsyncLLM | None = engine if isinstance(engine, AsyncLLM) else None

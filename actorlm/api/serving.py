@@ -190,6 +190,9 @@ class _Generation:
             self.engine_id += f"-{uuid.uuid4().hex[:8]}"
         self.created = int(time.time())
         self.n = p.or_default(req.n, 1)
+        # a stream's closing usage chunk: asked for, or forced by the operator
+        self.include_usage = req.include_usage or (options.force_include_usage and
+                                                   bool(req.stream))
         self.streams: list[RequestStream] = []
         self.final: RequestOutput | None = None  # the last output a stream of chunks read
 
@@ -331,7 +334,7 @@ class _Generation:
                     yield event(p.CompletionStreamResponse(
                         self.request_id, "text_completion", self.created, self.model_name,
                         [choice], usage))
-            if self.req.include_usage:
+            if self.include_usage:
                 yield event(p.CompletionStreamResponse(
                     self.request_id, "text_completion", self.created, self.model_name, [],
                     self.usage(finals)))
@@ -437,7 +440,7 @@ class _Generation:
                     c.index, delta, self._chat_logprobs(c, start, end),
                     finish if done else None, c.stop_reason if done else None)], usage)
         self.final = final
-        if self.req.include_usage:
+        if self.include_usage:
             yield self._chunk([], self.usage([final]))
 
 
