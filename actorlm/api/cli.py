@@ -21,7 +21,8 @@ NOTHING_TO_DO = {
     "--trust-remote-code": "no code from a model's repository runs here, only its config, "
                            "tokenizer and weights are read",
     "--enforce-eager": "no CUDA graphs are captured here",
-    "--disable-log-requests": "requests are not logged one by one (the trace has them)",
+    "--disable-log-requests": "requests are logged one by one only with "
+                              "--enable-log-requests (the trace has them)",
     "--enable-request-id-headers": "every answer carries X-Request-Id (the client's, or one "
                                    "made here)",
     "--enable-server-load-tracking": "/load always counts the requests in progress",

@@ -47,6 +47,9 @@ class ServerOptions:
     # every stream ends with a usage chunk, as if it asked (stream_options.include_usage)
     force_include_usage: bool = False
     openapi: bool = True  # /openapi.json served (vLLM's --disable-fastapi-docs turns it off)
+    log_requests: bool = False  # a line per request (request_log), and per answer
+    log_outputs: bool = False
+    max_log_len: int | None = None  # the characters or ids of a prompt or answer logged
 
     def __post_init__(self):
         for key in self.api_keys:
@@ -76,6 +79,8 @@ class ServerOptions:
                                self.root_path.endswith("/")):
             raise ValueError(f"--root-path: a path such as /api (a leading slash, no trailing "
                              f"one), got {self.root_path!r}")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"--max-log-len must be at least 0, got {self.max_log_len}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (which format "
                              "the model writes its calls in)")
@@ -114,7 +119,9 @@ class ServerOptions:
                    access_log=not args.disable_uvicorn_access_log,
                    root_path=args.root_path,
                    force_include_usage=args.enable_force_include_usage,
-                   openapi=not args.disable_fastapi_docs)
+                   openapi=not args.disable_fastapi_docs,
+                   log_requests=args.enable_log_requests, log_outputs=args.enable_log_outputs,
+                   max_log_len=args.max_log_len)
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -210,3 +217,10 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                              "(stream_options.include_usage)")
     parser.add_argument("--disable-fastapi-docs", action="store_true",
                         help="do not serve /openapi.json (vLLM's name for the flag)")
+    parser.add_argument("--enable-log-requests", action="store_true",
+                        help="log each completions or chat request's prompt, token ids and "
+                             "sampling parameters")
+    parser.add_argument("--enable-log-outputs", action="store_true",
+                        help="log each finished answer's text, token ids and finish reason")
+    parser.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                        help="log at most N characters or token ids of each (default: all)")

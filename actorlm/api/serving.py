@@ -36,6 +36,7 @@ from actorlm.api.chat_template import apply_chat_template, template_call
 from actorlm.api.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from actorlm.api.prompt_limits import (check_text_length, check_token_ids, max_tokens_for,
                                        truncated)
+from actorlm.api.request_log import RequestLog
 from actorlm.api.responses import DONE, EventStream, error_event, event, json_response
 from actorlm.api.structured import checked_constraint
 from actorlm.api.tool_choice import ToolUse, decoding_constraint, tool_use
@@ -195,6 +196,8 @@ class _Generation:
                                                    bool(req.stream))
         self.streams: list[RequestStream] = []
         self.final: RequestOutput | None = None  # the last output a stream of chunks read
+        self.request_log = RequestLog(options.log_requests, options.log_outputs,
+                                      options.max_log_len, engine.decode)
 
     async def start(self, prompt_ids: list[list[int]], params: list,
                     beams: BeamSearchParams | None = None) -> None:
@@ -205,6 +208,7 @@ class _Generation:
                 rid = self.engine_id if len(prompt_ids) == 1 else f"{self.engine_id}-{i}"
                 prompt = ids if self.req.cache_salt is None else \
                     {"prompt_token_ids": ids, "cache_salt": self.req.cache_salt}
+                self.request_log.received(rid, ids, sp if beams is None else beams, self.lora)
                 self.streams.append(
                     await self.engine.add_request(rid, prompt, sp, self.lora, self.req.priority)
                     if beams is None else
@@ -222,7 +226,7 @@ class _Generation:
         """(prompt index, output) as they arrive from every prompt's request."""
         if len(self.streams) == 1:
             async for out in self.streams[0]:
-                yield 0, self._delivered(_checked(out))
+                yield 0, self._answer(out)
             return
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -245,10 +249,16 @@ class _Generation:
                 elif isinstance(item, Exception):
                     raise item
                 else:
-                    yield i, self._delivered(_checked(item))
+                    yield i, self._answer(item)
         finally:
             for task in tasks:
                 task.cancel()
+
+    def _answer(self, out: RequestOutput) -> RequestOutput:
+        """An engine output checked, as the client gets it, logged where asked."""
+        out = self._delivered(_checked(out))
+        self.request_log.answered(out)
+        return out
 
     def _delivered(self, out: RequestOutput) -> RequestOutput:
         """``out`` as the client gets it: echo without generation (``echo_only``) drops the

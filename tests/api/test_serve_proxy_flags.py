@@ -1,8 +1,9 @@
 """vLLM's serve flags for a server behind a proxy or a load balancer, on one server:
 --root-path (the prefix the proxy strips), --enable-force-include-usage (every stream ends with
 its usage), --disable-fastapi-docs (no /openapi.json), /load's count of the requests in
-progress (--enable-server-load-tracking), and --enable-request-id-headers, which asks for what
-the server always does. The official openai client reads the streams."""
+progress (--enable-server-load-tracking), --enable-log-requests / --enable-log-outputs /
+--max-log-len, and --enable-request-id-headers, which asks for what the server always does.
+The official openai client reads the streams."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from api_helpers import SERVED_NAME, openai_client, serving
 from actorlm.api.openapi import openapi_document
 from actorlm.api.options import ServerOptions
 
+MAX_LOG_LEN = 6
+
 
 @pytest.fixture(scope="module")
 def proxied(tiny_llama_long_dir, tmp_path_factory):
@@ -24,7 +27,9 @@ def proxied(tiny_llama_long_dir, tmp_path_factory):
     with serving(tiny_llama_long_dir, log_path, "--served-model-name", SERVED_NAME,
                  "--root-path", "/llm", "--enable-force-include-usage",
                  "--disable-fastapi-docs", "--enable-request-id-headers",
-                 "--enable-server-load-tracking", "--num-kv-blocks", "1024") as (proc, base):
+                 "--enable-server-load-tracking", "--enable-log-requests",
+                 "--enable-log-outputs", "--max-log-len", str(MAX_LOG_LEN),
+                 "--num-kv-blocks", "1024") as (proc, base):
         yield base, log_path
         proc.terminate()
         proc.wait(timeout=20)
@@ -59,6 +64,8 @@ def test_the_document_names_the_prefix_as_its_server():
     for bad in ("llm", "/llm/"):
         with pytest.raises(ValueError, match="--root-path"):
             ServerOptions(root_path=bad)
+    with pytest.raises(ValueError, match="--max-log-len"):
+        ServerOptions(max_log_len=-1)
 
 
 def test_every_stream_ends_with_its_usage_unasked(proxied):
@@ -91,3 +98,20 @@ def test_load_counts_a_request_until_its_last_byte_or_its_client_leaves(proxied)
     assert httpx.post(base + "/v1/completions", json={"model": SERVED_NAME, "prompt": "Hi",
                                                        "max_tokens": -1}).status_code == 400
     assert _load(base) == 0
+
+
+def test_each_request_and_answer_is_logged_clipped(proxied):
+    base, log_path = proxied
+    prompt = list(range(100, 120))
+    answer = httpx.post(base + "/v1/completions", headers={"X-Request-Id": "logged-1"},
+                        json={"model": SERVED_NAME, "prompt": prompt, "max_tokens": 9,
+                              "temperature": 0.0, "ignore_eos": True}, timeout=60).json()
+    lines = log_path.read_text().splitlines()
+    received = next(line for line in lines if "Received request cmpl-logged-1" in line)
+    assert f"prompt_token_ids: {prompt[:MAX_LOG_LEN]}," in received
+    assert "max_tokens=9" in received and "lora_request: None" in received
+    generated = next(line for line in lines if "Generated response cmpl-logged-1" in line)
+    assert "finish_reason: length" in generated
+    assert f"output: {answer['choices'][0]['text'][:MAX_LOG_LEN]!r}," in generated
+    ids = generated.split("output_token_ids: ")[1].split("]")[0]
+    assert len(ids.split(",")) == MAX_LOG_LEN
