@@ -120,6 +120,10 @@ class EngineConfig:
     # tokenizer files (auto, hf; mistral_common's and the slow ones are refused by name)
     kv_cache_dtype: str = "auto"
     tokenizer_mode: str = "auto"
+    # a Hub repository id as the model: the revision (branch, tag, commit) of it, and the
+    # Hugging Face cache it is read from (vLLM's --revision, --download-dir); never fetched
+    revision: str | None = None
+    download_dir: str | None = None
 
     def __post_init__(self):
         dtype = _DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower())

@@ -17,6 +17,10 @@ _HELP = {
                          "holding a generation_config.json (default: auto)",
     "override_generation_config": "JSON of sampling fields set over those, under the "
                                   "generation config's names (e.g. '{\"temperature\": 0.5}')",
+    "revision": "with a Hub repository id as the model: its branch, tag or commit in the "
+                "local Hugging Face cache (models are never downloaded)",
+    "download_dir": "with a Hub repository id as the model: the Hugging Face cache holding it "
+                    "(default: $HF_HUB_CACHE)",
     "reasoning_parser": f"split chat answers' <think>...</think> into reasoning_content, and "
                         f"constrain only what follows it: {', '.join(REASONING_PARSERS)}",
 }

@@ -150,7 +150,9 @@ def default_model_name(engine: AsyncLLM | None) -> str:
     if engine is None:
         return "unknown"
     if engine.config.model:
-        path = pathlib.Path(engine.config.model)
+        path = pathlib.Path(engine.config.model).expanduser()
+        if not path.exists():  # a Hub repository id: served under it, as vLLM serves it
+            return engine.config.model
         return path.stem if path.suffix == ".gguf" else path.name
     return gguf_file.model_name(engine.model_path)  # the embedded default: its GGUF's stem
 

