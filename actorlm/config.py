@@ -28,6 +28,7 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 DATA_PARALLEL_BACKENDS = ("mp", "ray")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # (core/waiting_queue.py)
+LOAD_FORMATS = ("auto", "safetensors", "gguf")
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,9 @@ class EngineConfig:
     # tokenizer files (auto, hf; mistral_common's and the slow ones are refused by name)
     kv_cache_dtype: str = "auto"
     tokenizer_mode: str = "auto"
+    # vLLM's --load-format: what the weights are read from; a directory's safetensors and a
+    # GGUF file are what this engine reads (auto: whichever the model is)
+    load_format: str = "auto"
     # a Hub repository id as the model: the revision (branch, tag, commit) of it, and the
     # Hugging Face cache it is read from (vLLM's --revision, --download-dir); never fetched
     revision: str | None = None
@@ -146,6 +150,7 @@ class EngineConfig:
         if self.tokenizer_mode not in ("auto", "hf"):
             raise ValueError(f"--tokenizer-mode {self.tokenizer_mode!r} is not implemented: the "
                              f"model's Hugging Face tokenizer files are read (auto, hf)")
+        self._check_load_format()
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or \
                 self.max_logprobs < -1:
             raise ValueError(f"--max-logprobs must be -1 (the whole vocabulary) or at least 0, "
@@ -189,6 +194,16 @@ class EngineConfig:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least "
                              f"--max-loras ({self.max_loras})")
+
+    def _check_load_format(self) -> None:
+        gguf = self.model is None or str(self.model).endswith(".gguf")  # (None: the default's)
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"--load-format {self.load_format!r} is not implemented: weights "
+                             f"are read from a directory's safetensors files or a GGUF file "
+                             f"({', '.join(LOAD_FORMATS)})")
+        if self.load_format != "auto" and (self.load_format == "gguf") != gguf:
+            what = "a GGUF file" if gguf else "not a GGUF file"
+            raise ValueError(f"--load-format {self.load_format}: the model is {what}")
 
     @classmethod
     def from_flags(cls, model: str | None = None, **flags) -> EngineConfig:

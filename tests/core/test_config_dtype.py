@@ -59,8 +59,15 @@ def test_an_executor_backend_must_be_one_of_the_three(value):
     ({"kv_cache_dtype": "fp8"}, "--kv-cache-dtype 'fp8' is not implemented"),
     ({"kv_cache_dtype": "fp8_e5m2"}, "--kv-cache-dtype 'fp8_e5m2' is not implemented"),
     ({"tokenizer_mode": "mistral"}, "--tokenizer-mode 'mistral' is not implemented"),
-    ({"tokenizer_mode": "slow"}, "--tokenizer-mode 'slow' is not implemented")])
+    ({"tokenizer_mode": "slow"}, "--tokenizer-mode 'slow' is not implemented"),
+    ({"load_format": "dummy"}, "--load-format 'dummy' is not implemented"),
+    ({"load_format": "pt", "model": "/m"}, "--load-format 'pt' is not implemented"),
+    ({"load_format": "gguf", "model": "/m"}, "--load-format gguf: the model is not a GGUF"),
+    ({"load_format": "safetensors", "model": "/m.gguf"}, "the model is a GGUF file"),
+    ({"load_format": "safetensors"}, "the model is a GGUF file")])
 def test_a_vllm_choice_this_engine_does_not_compute_is_refused_by_name(fields, said):
     with pytest.raises(ValueError, match=said):
         EngineConfig(**fields)
     assert EngineConfig(kv_cache_dtype="auto", tokenizer_mode="hf").tokenizer_mode == "hf"
+    assert EngineConfig(model="/m", load_format="safetensors").load_format == "safetensors"
+    assert EngineConfig(load_format="gguf").load_format == "gguf"
