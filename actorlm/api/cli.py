@@ -30,6 +30,17 @@ NOTHING_TO_DO = {
                                       "tokens the prefix cache served) is always reported, as "
                                       "OpenAI's API reports it",
 }
+# vLLM serve flags with a value: (type, the value this server runs, why); the value is
+# accepted (noted in the log), any other stops the start naming the flag
+ONE_VALUE = {
+    "--swap-space": (float, None, "preempted requests are recomputed, as in vLLM V1: nothing "
+                                  "is swapped"),
+    "--max-seq-len-to-capture": (int, None, "no CUDA graphs are captured here"),
+    "--pipeline-parallel-size": (int, 1, "pipeline parallelism is not implemented (the layers "
+                                         "split by --tensor-parallel-size)"),
+    "--cpu-offload-gb": (float, 0.0, "weights are not offloaded (on a CPU they are there "
+                                     "already)"),
+}
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +99,10 @@ def _add_serve(commands) -> None:
                      help="the HTTP server's own log level")
     for flag, why in NOTHING_TO_DO.items():
         srv.add_argument(flag, action="store_true", help=f"accepted for vLLM's scripts: {why}")
+    for flag, (kind, value, why) in ONE_VALUE.items():
+        only = "" if value is None else f" as {value:g}"
+        srv.add_argument(flag, type=kind, default=None,
+                         help=f"accepted for vLLM's scripts{only}: {why}")
     srv.add_argument("--trace-file", default=None,
                      help="also write the engine trace there as JSON lines (see /trace)")
     srv.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",
@@ -130,6 +145,12 @@ def _serve(args) -> int:
     for flag, why in NOTHING_TO_DO.items():
         if getattr(args, flag[2:].replace("-", "_")):
             log.info("%s: nothing to do (%s)", flag, why)
+    for flag, (_, value, why) in ONE_VALUE.items():
+        given = getattr(args, flag[2:].replace("-", "_"))
+        if given is not None and value is not None and given != value:
+            raise ValueError(f"{flag} {given:g}: {why}")
+        if given is not None:
+            log.info("%s %g: nothing to do (%s)", flag, given, why)
     status = serve(model, engine_flags(args), host=args.host, port=args.port,
                    served_model_name=args.served_model_name,
                    max_num_waiting=args.max_num_waiting,

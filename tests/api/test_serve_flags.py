@@ -1,7 +1,8 @@
 """vLLM's serve flags a deployment script passes, on one server: HTTPS (--ssl-keyfile,
 --ssl-certfile), --max-logprobs, --return-tokens-as-token-ids, --response-role, and the flags
-that ask for what this server already does (--enable-prompt-tokens-details) or leave out a
-log line (--disable-uvicorn-access-log); driven by the official openai client over TLS."""
+that ask for what this server already does (--enable-prompt-tokens-details, --swap-space,
+--pipeline-parallel-size 1) or leave out a log line (--disable-uvicorn-access-log); driven by
+the official openai client over TLS. A value the server does not run stops the start."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import httpx
 import pytest
 from api_helpers import SERVED_NAME, serving
 
+from actorlm.api.cli import main
 from actorlm.api.options import ServerOptions
 
 MAX_LOGPROBS = 30
@@ -29,7 +31,8 @@ def tls_server(tiny_llama_dir, tmp_path_factory):
                  "--ssl-keyfile", str(key), "--ssl-certfile", str(cert),
                  "--max-logprobs", str(MAX_LOGPROBS), "--return-tokens-as-token-ids",
                  "--response-role", "bot", "--enable-prompt-tokens-details",
-                 "--disable-uvicorn-access-log", "--num-kv-blocks", "256",
+                 "--disable-uvicorn-access-log", "--swap-space", "4",
+                 "--pipeline-parallel-size", "1", "--num-kv-blocks", "256",
                  https_cert=str(cert)) as (proc, base):
         yield base, str(cert), log_path
         proc.terminate()
@@ -63,6 +66,8 @@ def test_https_serves_and_plain_http_is_refused(tls_server, tls_client):
     log = log_path.read_text()
     assert '"GET /v1/models HTTP/1.1" 200' not in log
     assert "--enable-prompt-tokens-details: nothing to do" in log
+    assert "--swap-space 4: nothing to do" in log
+    assert "--pipeline-parallel-size 1: nothing to do" in log
 
 
 def test_logprobs_up_to_the_servers_cap_and_tokens_as_their_ids(tls_client):
@@ -106,3 +111,11 @@ def test_the_answer_carries_the_servers_role_unless_it_continues_a_message(tls_c
 def test_bad_values_stop_the_start_naming_the_flag(fields, said):
     with pytest.raises(ValueError, match=said):
         ServerOptions(**fields)
+
+
+@pytest.mark.parametrize("flag, value, said", [
+    ("--pipeline-parallel-size", "2", "pipeline parallelism is not implemented"),
+    ("--cpu-offload-gb", "4", "weights are not offloaded")])
+def test_a_vllm_value_this_server_does_not_run_stops_the_start(flag, value, said, capsys):
+    assert main(["serve", flag, value]) == 2
+    assert f"{flag} {value}: {said}" in capsys.readouterr().err
