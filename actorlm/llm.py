@@ -279,6 +279,11 @@ class LLM:
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt=True) -> list[int]:
         return self.engine.apply_chat_template(conversation, add_generation_prompt)
 
+    def get_tokenizer(self):
+        """The Hugging Face tokenizer the engine encodes, renders chats and decodes with (this
+        thread's copy of it), as vLLM's ``LLM.get_tokenizer``."""
+        return self.tokenizer.for_this_thread
+
     def get_default_sampling_params(self) -> SamplingParams:
         """The model's sampling defaults (its generation_config.json, per ``generation_config``)
         on top of SamplingParams' own, as vLLM's ``LLM.get_default_sampling_params``."""

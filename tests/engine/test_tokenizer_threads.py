@@ -6,7 +6,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from actorlm.sampling_params import SamplingParams
 from actorlm.tokenizer import PerThreadTokenizer
@@ -58,6 +58,9 @@ def test_a_tokenizer_of_its_own_renders_and_reads_for_the_model(tiny_llama_dir, 
     conversation = [{"role": "user", "content": "Once upon a time"}]
     assert llm.apply_chat_template(conversation) == \
         tokenizer.encode("<<Once upon a time>>", add_special_tokens=False)
+    own = llm.get_tokenizer()  # (vLLM scripts render their prompts with it)
+    assert isinstance(own, PreTrainedTokenizerBase) and own.chat_template == tokenizer.chat_template
+    assert own.apply_chat_template(conversation, tokenize=False) == "<<Once upon a time>>"
     params = SamplingParams(max_tokens=4, temperature=0.0)
     [out] = llm.generate(["Once upon a time"], params)
     assert out.outputs[0].text == tokenizer.decode(out.outputs[0].token_ids,
