@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from actorlm.actors.supervisor import EngineDeadError
 from actorlm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from actorlm.actors.system import EngineSystem
+from actorlm.chat_content import check_content_format
 from actorlm.config import EngineConfig
 from actorlm.engine_core import start_engine
 from actorlm.lora_request import LoRARequest
@@ -259,10 +260,14 @@ class LLM:
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             chat_template_content_format: str = "auto") -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template
         (vLLM's arguments: ``continue_final_message`` leaves the last message open for the model
-        to carry on, instead of opening the assistant's turn)."""
+        to carry on, instead of opening the assistant's turn; ``chat_template_content_format``:
+        the messages' content as a string or a list of parts, ``auto`` as the template reads
+        it, see ``chat_content``)."""
+        check_content_format(chat_template_content_format, "chat_template_content_format")
         if not messages:
             raise ValueError("messages: the conversation is empty")
         if error := open_and_closed(add_generation_prompt, continue_final_message):
@@ -273,7 +278,8 @@ class LLM:
                   **({"tools": tools} if tools else {})}
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": self.engine.apply_chat_template(
-            c, add_generation_prompt, **kwargs)} for c in conversations]
+            c, add_generation_prompt, chat_template_content_format, **kwargs)}
+            for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt=True) -> list[int]:

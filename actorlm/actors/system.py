@@ -24,6 +24,7 @@ from actorlm.core.block_pool import BlockPool, max_blocks_per_sequence
 from actorlm.core.structured_output import GrammarCompiler
 from actorlm.actors.scheduler import SchedulerActor
 from actorlm.actors.supervisor import Supervisor
+from actorlm.chat_content import with_content_format
 from actorlm.config import EngineConfig
 from actorlm.core.scheduler import Scheduler, SchedulerConfig
 from actorlm.fsm.machine import Listener
@@ -194,11 +195,15 @@ class EngineSystem:
         return self.executor_stats().worker_pids
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
-                            **template_kwargs) -> list[int]:
-        """The conversation rendered through the model's chat template, as token ids."""
+                            content_format: str = "auto", **template_kwargs) -> list[int]:
+        """The conversation rendered through the model's chat template (or the one
+        ``template_kwargs`` names), as token ids; ``content_format``: the messages' content as
+        the template reads it (``chat_content``)."""
         if not conversation:
             raise ValueError("messages: the conversation is empty")
-        if getattr(self.tokenizer, "chat_template", None) is None:
+        template = template_kwargs.get("chat_template") or \
+            getattr(self.tokenizer, "chat_template", None)
+        if template is None:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         for index, message in enumerate(conversation):
             parts = message.get("content") if isinstance(message, dict) else None
@@ -207,6 +212,7 @@ class EngineSystem:
                 if kind != "text":  # (a multimodal checkpoint runs its text decoder alone)
                     raise ValueError(f"messages[{index}].content: only text parts are "
                                      f"supported, got {kind!r}")
+        conversation = with_content_format(conversation, content_format, template)
         ids = self.tokenizer.apply_chat_template(conversation, tokenize=True,
                                                  add_generation_prompt=add_generation_prompt,
                                                  **template_kwargs)

@@ -30,6 +30,7 @@ RESERVED_KWARGS = frozenset(
     set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
     - {"self", "kwargs"}
     | {"messages", "conversation", "chat_template", "add_generation_prompt", "tokenize",
+       "content_format",
        "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
        "mask_token", "additional_special_tokens", "raise_exception", "strftime_now"})
 
@@ -72,6 +73,7 @@ def template_call(req, options: ServerOptions, generation_prompt: bool) -> tuple
         kwargs["continue_final_message"] = True
     if getattr(req, "reasoning_effort", None) is not None:
         kwargs["reasoning_effort"] = req.reasoning_effort
+    kwargs["content_format"] = options.chat_template_content_format
     return add_generation_prompt, kwargs
 
 

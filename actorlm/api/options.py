@@ -14,6 +14,7 @@ import os
 import pathlib
 
 from actorlm.api.tool_parsers import PARSERS
+from actorlm.chat_content import CONTENT_FORMATS, check_content_format
 
 API_KEY_ENV_VARS = ("ACTORLM_API_KEY", "VLLM_API_KEY")
 LOCAL_HOST_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -50,6 +51,8 @@ class ServerOptions:
     log_requests: bool = False  # a line per request (request_log), and per answer
     log_outputs: bool = False
     max_log_len: int | None = None  # the characters or ids of a prompt or answer logged
+    # a message's content as the chat template reads it (chat_content: auto, string, openai)
+    chat_template_content_format: str = "auto"
 
     def __post_init__(self):
         for key in self.api_keys:
@@ -79,6 +82,7 @@ class ServerOptions:
                                self.root_path.endswith("/")):
             raise ValueError(f"--root-path: a path such as /api (a leading slash, no trailing "
                              f"one), got {self.root_path!r}")
+        check_content_format(self.chat_template_content_format, "--chat-template-content-format")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"--max-log-len must be at least 0, got {self.max_log_len}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -121,7 +125,8 @@ class ServerOptions:
                    force_include_usage=args.enable_force_include_usage,
                    openapi=not args.disable_fastapi_docs,
                    log_requests=args.enable_log_requests, log_outputs=args.enable_log_outputs,
-                   max_log_len=args.max_log_len)
+                   max_log_len=args.max_log_len,
+                   chat_template_content_format=args.chat_template_content_format)
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -190,6 +195,11 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-template", default=None, metavar="TEMPLATE",
                         help="the chat template for chat requests in place of the model's: a "
                              "file holding a Jinja template, or the template itself")
+    parser.add_argument("--chat-template-content-format", choices=CONTENT_FORMATS,
+                        default=defaults.chat_template_content_format,
+                        help="hand the template each message's content as a string (text parts "
+                             "joined by newlines) or as OpenAI's list of parts; auto: the form "
+                             "the template reads (a list where it loops over the content)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="serve tool_choice 'auto' (the default when a request has tools): "
                              "calls are read out of the model's text with --tool-call-parser")

@@ -229,15 +229,13 @@ class ChatMessage(Struct):
     def as_dict(self, index: int) -> dict:
         """The message as a chat template reads it (HF's conventions)."""
         content = self.content
-        if isinstance(content, list):
-            texts = []
+        if isinstance(content, list):  # (in the template's form when rendered: chat_content)
             for part in content:
                 if part.type != "text" or part.text is None:
                     field = f"messages[{index}].content"
                     raise ApiError(400, f"{field}: only text parts are supported, "
                                         f"got {part.type!r}", field)
-                texts.append(part.text)
-            content = "\n".join(texts)
+            content = [{"type": "text", "text": part.text} for part in content]
         out = {"role": self.role, "content": content if content is not None else ""}
         if self.name is not None:
             out["name"] = self.name
@@ -316,7 +314,12 @@ def conversation(messages: list[ChatMessage]) -> list[dict]:
 def num_chars(messages: list[ChatMessage], conversation: list[dict]) -> int:
     """The characters of a conversation's texts: contents and call arguments."""
     arguments = sum(len(c.function.arguments) for m in messages for c in m.tool_calls or ())
-    return sum(len(m["content"]) for m in conversation) + arguments
+    return sum(_num_chars(m["content"]) for m in conversation) + arguments
+
+
+def _num_chars(content: str | list[dict]) -> int:
+    return sum(len(part["text"]) for part in content) if isinstance(content, list) else \
+        len(content)
 
 
 class TokenizeRequest(Struct, kw_only=True):

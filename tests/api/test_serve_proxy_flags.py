@@ -2,8 +2,8 @@
 --root-path (the prefix the proxy strips), --enable-force-include-usage (every stream ends with
 its usage), --disable-fastapi-docs (no /openapi.json), /load's count of the requests in
 progress (--enable-server-load-tracking), --enable-log-requests / --enable-log-outputs /
---max-log-len, and --enable-request-id-headers, which asks for what the server always does.
-The official openai client reads the streams."""
+--max-log-len, --chat-template-content-format, and --enable-request-id-headers, which asks for
+what the server always does. The official openai client reads the streams."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ def proxied(tiny_llama_long_dir, tmp_path_factory):
                  "--disable-fastapi-docs", "--enable-request-id-headers",
                  "--enable-server-load-tracking", "--enable-log-requests",
                  "--enable-log-outputs", "--max-log-len", str(MAX_LOG_LEN),
+                 "--chat-template-content-format", "openai", "--trust-request-chat-template",
                  "--num-kv-blocks", "1024") as (proc, base):
         yield base, log_path
         proc.terminate()
@@ -115,3 +116,17 @@ def test_each_request_and_answer_is_logged_clipped(proxied):
     assert f"output: {answer['choices'][0]['text'][:MAX_LOG_LEN]!r}," in generated
     ids = generated.split("output_token_ids: ")[1].split("]")[0]
     assert len(ids.split(",")) == MAX_LOG_LEN
+
+
+def test_the_operator_chooses_the_form_the_template_gets_the_content_in(proxied):
+    """openai: every content as a list of parts, a string as one part (auto would give this
+    template, which loops over nothing, the strings)."""
+    base, _ = proxied
+    template = "{% for m in messages %}{{ m['content'] | length }};{% endfor %}"
+    messages = [{"role": "user", "content": "abc"},
+                {"role": "user", "content": [{"type": "text", "text": "d"},
+                                             {"type": "text", "text": "ef"}]}]
+    ids = httpx.post(base + "/tokenize", json={"model": SERVED_NAME, "messages": messages,
+                                               "chat_template": template}).json()["tokens"]
+    text = httpx.post(base + "/detokenize", json={"model": SERVED_NAME, "tokens": ids}).json()
+    assert text["prompt"] == "1;2;"
