@@ -348,11 +348,12 @@ def tiny_moe_dirs(tmp_path_factory, tiny_tokenizer_dir):
     a gated shared expert; layers 1 and 3 routed by ``decoder_sparse_step``, 0 and 2 dense and
     sliding), Mixtral (top 2 renormalised), OLMoE (q/k norms over whole projections, one KV
     head, q/k/v clipped), Granite MoE (Granite's four multipliers, its experts stacked in the
-    checkpoint as Granite's releases store them), and ``qwen3_moe_stacked``,
+    checkpoint as Granite's releases store them), its shared variant (an unscaled shared MLP
+    beside the experts), and ``qwen3_moe_stacked``,
     ``granitemoe_stacked``: the same weights saved as transformers holds them
     (``save_original_format=False``: the experts stacked under its own names)."""
-    from transformers import (GraniteMoeConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig,
-                              Qwen3MoeConfig)
+    from transformers import (GraniteMoeConfig, GraniteMoeSharedConfig, MixtralConfig,
+                              OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig)
 
     common = _common(tiny_tokenizer_dir)
     experts = dict(num_experts_per_tok=2, router_aux_loss_coef=0.0)
@@ -376,6 +377,10 @@ def tiny_moe_dirs(tmp_path_factory, tiny_tokenizer_dir):
                                        num_local_experts=8, embedding_multiplier=12.0,
                                        attention_multiplier=0.2, residual_multiplier=0.22,
                                        logits_scaling=8.0, tie_word_embeddings=True),
+        "granitemoeshared": GraniteMoeSharedConfig(
+            **{**common, "intermediate_size": 32}, **experts, num_local_experts=8,
+            shared_intermediate_size=48, embedding_multiplier=12.0, attention_multiplier=0.2,
+            residual_multiplier=0.22, logits_scaling=8.0, tie_word_embeddings=True),
     }
     dirs = {name: _save_tiny(tmp_path_factory, tiny_tokenizer_dir, f"tiny_{name}", config,
                              seed=20 + i)

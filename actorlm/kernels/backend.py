@@ -108,7 +108,8 @@ class MoePlan(NamedTuple):
         out += sigmoid(shared_gate(h)) * down(act_and_mul(gate_up(h)))   (a shared expert)
 
     ``router`` and the shared expert's linear layers are what ``prepare_linear`` returned,
-    ``experts`` what ``prepare_experts`` returned; no shared expert: the three are None."""
+    ``experts`` what ``prepare_experts`` returned; no shared expert: the three are None; one
+    without a gate (Granite's): ``shared_gate`` None, the sum unscaled."""
 
     router: Callable
     experts: object

@@ -13,7 +13,7 @@ import torch
 from actorlm.kernels import ActivationQuant, QuantizedWeight
 from actorlm.models import quantized
 from actorlm.models.families import head_dim_of, rope_head_order
-from actorlm.models.moe_families import checkpoint_name, intermediate_size_of
+from actorlm.models.moe_families import checkpoint_name, intermediate_size_of, shared_expert_size
 from actorlm.models.rope_layout import ROTATED_Q_K, reordered
 
 # GPT-2's Conv1D weights, [in, out]; the causal masks its first checkpoints hold as tensors
@@ -82,8 +82,9 @@ def _split_fused(config, tensors, q_size: int, kv_size: int):
         if ".self_attn.qkv_proj." in name:
             parts = [("q_proj", 0, q_size), ("k_proj", q_size, kv_size),
                      ("v_proj", q_size + kv_size, kv_size)]
-        elif ".mlp.gate_up_proj." in name:
-            half = intermediate_size_of(config)
+        elif ".mlp.gate_up_proj." in name or ".mlp.shared_expert.gate_up_proj." in name:
+            half = shared_expert_size(config) if ".shared_expert." in name else \
+                intermediate_size_of(config)
             parts = [("gate_proj", 0, half), ("up_proj", half, half)]
         else:
             yield name, tensor

@@ -256,8 +256,9 @@ def _joined(norm: RMSNorm | LayerNorm | None, x, residual):
 
 def _moe_plan(block: SparseMoeBlock) -> MoePlan:
     shared = block.shared_expert
+    gate = block.shared_expert_gate
     parts = (None, None, None) if shared is None else (
         shared.gate_up_proj.prepared, shared.down_proj.prepared,
-        block.shared_expert_gate.prepared)
+        None if gate is None else gate.prepared)
     return MoePlan(block.gate.prepared, block.experts.stacked, block.spec.top_k,
                    block.spec.renormalize, *parts)

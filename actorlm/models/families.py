@@ -107,7 +107,7 @@ _COMPUTED_ONLY = {"opt": {"do_layer_norm_before": True, "_remove_final_layer_nor
 # a query/key norm the family's config may turn on, not implemented (a LayerNorm per head)
 _QK_LAYER_NORMS = {"phi": "qk_layernorm", "cohere": "use_qk_norm"}
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
-_GRANITE = ("granite", "granitemoe")  # Granite's four multipliers
+_GRANITE = ("granite", "granitemoe", "granitemoeshared")  # Granite's four multipliers
 _FOUR_NORMS = ("gemma2", "gemma3_text")  # Gemma 1 has a Llama's two
 # (Phi-2's gelu_new is the tanh approximation, written out in torch ops)
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",

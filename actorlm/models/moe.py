@@ -4,7 +4,7 @@ Qwen2-MoE, OLMoE; ``moe_families.py`` says which layers and how they route).
 A router (a linear layer, [E, H]) scores every expert for each token; the backend's
 ``fused_moe`` sends each token to its ``top_k`` experts and sums their outputs, weighted by the
 router's softmax. Qwen2-MoE adds a shared expert, a dense MLP every token takes, scaled by
-``sigmoid(shared_expert_gate(x))``.
+``sigmoid(shared_expert_gate(x))``; Granite MoE's shared variant adds one unscaled.
 
 The experts' weights are held stacked, one tensor per projection — gate/up [E, 2I, H] (each
 expert's rows [gate | up]) and down [E, H, I] — as transformers holds them in memory; a
@@ -48,7 +48,8 @@ class MoeSpec:
     top_k: int
     intermediate_size: int  # each expert's
     renormalize: bool  # the top-k weights divided by their sum (Mixtral; norm_topk_prob)
-    shared_intermediate_size: int | None = None  # Qwen2-MoE's shared expert
+    shared_intermediate_size: int | None = None  # a shared expert's (Qwen2-MoE's, Granite's)
+    shared_gated: bool = True  # scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE) or not
 
 
 class MoeTimer:
@@ -149,8 +150,9 @@ class RoutedExperts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Router, routed experts and (Qwen2-MoE) a gated shared expert: ``shared_expert`` is a
-    dense MLP that does not all-reduce its output, since the block reduces once for both."""
+    """Router, routed experts and (Qwen2-MoE, Granite) a shared expert, gated where the spec
+    says: ``shared_expert`` is a dense MLP that does not all-reduce its output, since the
+    block reduces once for both."""
 
     def __init__(self, spec: MoeSpec, hidden_size: int, activation: str,
                  backend: KernelBackend, dtype, device, tp: TensorParallel,
@@ -160,7 +162,7 @@ class SparseMoeBlock(nn.Module):
         self.gate = Linear(hidden_size, spec.num_experts, False, dtype, device)  # every rank: all
         self.experts = RoutedExperts(spec, hidden_size, activation, dtype, device, tp)
         self.shared_expert = shared_expert
-        self.shared_expert_gate = None if shared_expert is None else \
+        self.shared_expert_gate = None if shared_expert is None or not spec.shared_gated else \
             Linear(hidden_size, 1, False, dtype, device)
         self.timer: MoeTimer | None = None  # the model's, where it times its forwards
 
@@ -174,8 +176,11 @@ class SparseMoeBlock(nn.Module):
         out = self.backend.fused_moe(x, router_logits, self.experts.stacked, self.spec.top_k,
                                      self.spec.renormalize)
         if self.shared_expert is not None:
-            # the gate [T, 1] is the same on every rank, so it may scale the partial sums
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                # the gate [T, 1] is the same on every rank, so it may scale the partial sums
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         if timer is not None:  # (the all-reduce is neither router nor experts)
             timer.add(t_routed - t_start, time.perf_counter() - t_routed)
         return all_reduce(self.tp, out)

@@ -19,7 +19,9 @@
   renormalised top k of the softmax); its checkpoint stacks each layer's experts
   (``block_sparse_moe.input_linear`` [E, 2I, H], gate rows first, and ``output_linear``
   [E, H, I]: the stacked layout ``expert_weights`` reads) and names the router
-  ``router.layer``.
+  ``router.layer``. Its shared variant (``granitemoeshared``) adds a dense MLP of
+  ``shared_intermediate_size`` every token takes, unscaled (``shared_mlp.input_linear``
+  [2 I, H], gate rows first, and ``output_linear``); 0 means none.
 
 Every family routes by the softmax of the router's logits (in fp32) and its top
 ``num_experts_per_tok``. Fields of other MoE families that would change the routing
@@ -35,10 +37,11 @@ import re
 
 from actorlm.models.moe import MoeSpec
 
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "granitemoe")
+_GRANITE_MOE = ("granitemoe", "granitemoeshared")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", *_GRANITE_MOE)
 # every layer routed, experts of intermediate_size
-_EVERY_LAYER = ("mixtral", "olmoe", "granitemoe")
-_RENORMALIZED = ("mixtral", "granitemoe")  # the top-k weights, whatever norm_topk_prob says
+_EVERY_LAYER = ("mixtral", "olmoe", *_GRANITE_MOE)
+_RENORMALIZED = ("mixtral", *_GRANITE_MOE)  # the top-k weights, whatever norm_topk_prob says
 # field -> the values that leave the routing as these families compute it
 _OTHER_ROUTING = {
     "routed_scaling_factor": (None, 1, 1.0),
@@ -60,7 +63,9 @@ _GRANITE_MOE_NAMES = {".block_sparse_moe.input_linear.weight": ".mlp.experts.gat
                       ".block_sparse_moe.output_linear.weight": ".mlp.experts.down_proj",
                       ".block_sparse_moe.router.layer.weight": ".mlp.gate.weight",
                       ".block_sparse_moe.experts.": ".mlp.experts.",
-                      ".block_sparse_moe.router.weight": ".mlp.gate.weight"}
+                      ".block_sparse_moe.router.weight": ".mlp.gate.weight",
+                      ".shared_mlp.input_linear.": ".mlp.shared_expert.gate_up_proj.",
+                      ".shared_mlp.output_linear.": ".mlp.shared_expert.down_proj."}
 
 
 def is_moe(config) -> bool:
@@ -95,6 +100,10 @@ def check_moe_config(config) -> None:
     if model_type == "qwen2_moe" and not (isinstance(shared, int) and shared > 0):
         raise ValueError(f"qwen2_moe: shared_expert_intermediate_size={shared!r} must be "
                          f"positive")
+    shared = getattr(config, "shared_intermediate_size", 0)
+    if model_type == "granitemoeshared" and not (isinstance(shared, int) and shared >= 0):
+        raise ValueError(f"granitemoeshared: shared_intermediate_size={shared!r} must be 0 "
+                         f"(none) or positive")
     if model_type == "olmoe":
         head_dim = getattr(config, "head_dim", None) or \
             config.hidden_size // config.num_attention_heads
@@ -131,9 +140,24 @@ def moe_specs(config) -> list[MoeSpec | None]:
         num_experts=num_experts_of(config), top_k=config.num_experts_per_tok,
         intermediate_size=size,
         renormalize=model_type in _RENORMALIZED or bool(getattr(config, "norm_topk_prob", False)),
-        shared_intermediate_size=config.shared_expert_intermediate_size
-        if model_type == "qwen2_moe" else None)
+        **_shared_expert(config))
     return [spec if is_routed else None for is_routed in routed]
+
+
+def _shared_expert(config) -> dict:
+    """MoeSpec's fields for the family's shared expert (none: its defaults)."""
+    if config.model_type == "qwen2_moe":
+        return {"shared_intermediate_size": config.shared_expert_intermediate_size}
+    if config.model_type == "granitemoeshared" and config.shared_intermediate_size:
+        return {"shared_intermediate_size": config.shared_intermediate_size,
+                "shared_gated": False}
+    return {}
+
+
+def shared_expert_size(config) -> int | None:
+    """The intermediate size of the layers' shared expert, or None without one."""
+    return next((spec.shared_intermediate_size for spec in moe_specs(config)
+                 if spec is not None), None)
 
 
 def intermediate_size_of(config) -> int:
@@ -166,7 +190,7 @@ def checkpoint_name(config, name: str) -> str:
     """A checkpoint tensor's name as the model loads it: Mixtral's MoE block and experts
     under the names the other families use (``mlp``, ``gate_proj``, ``up_proj``,
     ``down_proj``), Granite MoE's stacked experts and router under the stacked names."""
-    if config.model_type == "granitemoe":
+    if config.model_type in _GRANITE_MOE:
         for fragment, ours in _GRANITE_MOE_NAMES.items():
             name = name.replace(fragment, ours)
         return name

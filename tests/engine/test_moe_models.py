@@ -9,7 +9,7 @@ from engine_helpers import TOP, check_logprobs_close, engine_greedy, hf_greedy
 
 from actorlm import SamplingParams
 
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "granitemoeshared"]
 SHARED = [7 + (j * 11) % 290 for j in range(30)]
 FOLLOW_UPS = [SHARED + [40 + i, 90 + i, 140 + i] for i in range(3)]
 PRESSED = [[9 + (i * 17 + j * 5) % 280 for j in range(20 + 4 * i)] for i in range(6)]

@@ -1,8 +1,8 @@
-"""The mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, Granite MoE) against
-transformers on the same tiny checkpoints (``checkpoints.tiny_moe_dirs``): logits at every
-position of a 40-token prompt and 40 greedy tokens after it, the greedy tokens themselves by
-vLLM's rule, the layers that route, both layouts of the experts in a checkpoint, and the
-configs refused."""
+"""The mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, Granite MoE and its
+shared variant) against transformers on the same tiny checkpoints
+(``checkpoints.tiny_moe_dirs``): logits at every position of a 40-token prompt and 40 greedy
+tokens after it, the greedy tokens themselves by vLLM's rule, the layers that route, both
+layouts of the experts in a checkpoint, and the configs refused."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from actorlm.models.families import layer_specs
 from actorlm.models.loader import load_hf_config, load_model
 from actorlm.models.moe import SparseMoeBlock
 
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "granitemoeshared"]
 PROMPT_LEN, NUM_DECODED = 40, 40
 ATOL = {torch.float32: 2e-4, torch.bfloat16: None}  # bf16: judged by the greedy tokens only
 
@@ -109,6 +109,8 @@ def _config(tiny_moe_dirs, tmp_path, family, **changes):
     ("olmoe", {"head_dim": 8}, "olmoe: head_dim=8 times 4 heads must be hidden_size=64"),
     ("olmoe", {"clip_qkv": 0.0}, "clip_qkv must be positive"),
     ("olmoe", {"sliding_window": 16}, "olmoe: sliding_window is not implemented"),
+    ("granitemoeshared", {"shared_intermediate_size": -1},
+     "granitemoeshared: shared_intermediate_size=-1 must be 0"),
 ])
 def test_configs_that_change_the_routing_unimplemented_are_refused_by_name(
         family, changes, error, tiny_moe_dirs, tmp_path):

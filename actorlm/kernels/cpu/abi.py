@@ -44,7 +44,8 @@ STRUCTS = {
         ("int64_t", "down_stride"), ("int64_t", "hidden"), ("int64_t", "intermediate"),
         ("int32_t", "num_experts"), ("int32_t", "activation"), ("int32_t", "first_expert")],
     # A mixture-of-experts MLP: router, routed experts, and a shared expert scaled by the
-    # sigmoid of shared_gate (Qwen2-MoE; shared_gate_up.out_features 0: none)
+    # sigmoid of shared_gate (Qwen2-MoE; shared_gate.out_features 0: unscaled, Granite's;
+    # shared_gate_up.out_features 0: none)
     "actorlm_moe": [
         ("actorlm_linear", "router"), ("actorlm_experts", "experts"), ("int32_t", "top_k"),
         ("int32_t", "renormalize"), ("actorlm_linear", "shared_gate_up"),

@@ -232,8 +232,8 @@ def _moe_fits(moe: MoePlan, activation: str, hidden: int, dtype: torch.dtype) ->
     if shared is None:
         return moe.shared_gate_up is moe.shared_down is moe.shared_gate is None
     gate_up, down, gate = shared
-    return _mlp_fits(gate_up, down, hidden) and gate.in_features == hidden and \
-        gate.out_features == 1
+    return _mlp_fits(gate_up, down, hidden) and \
+        (gate is None or (gate.in_features == hidden and gate.out_features == 1))
 
 
 def _caches_fit(layer: DecoderLayerPlan, k: torch.Tensor, v: torch.Tensor, dtype,
@@ -250,14 +250,16 @@ def _linears(layer: DecoderLayerPlan) -> list:
     shared expert's."""
     if layer.moe is None:
         return [layer.qkv, layer.o, layer.gate_up, layer.down]
-    return [layer.qkv, layer.o, layer.moe.router, *(_shared(layer.moe) or ())]
+    return [layer.qkv, layer.o, layer.moe.router,
+            *(linear for linear in _shared(layer.moe) or () if linear is not None)]
 
 
 def _shared(moe: MoePlan) -> tuple | None:
-    """(gate_up, down, gate) of the shared expert, or None without one (or with part of
-    one: not a layer the step takes)."""
-    parts = (moe.shared_gate_up, moe.shared_down, moe.shared_gate)
-    return None if None in parts else parts
+    """(gate_up, down, gate) of the shared expert (gate None: unscaled, Granite's), or None
+    without one (or with part of one: not a layer the step takes)."""
+    if moe.shared_gate_up is None or moe.shared_down is None:
+        return None
+    return moe.shared_gate_up, moe.shared_down, moe.shared_gate
 
 
 def _qk_norms(layer: DecoderLayerPlan) -> tuple[Norm | None, Norm | None]:

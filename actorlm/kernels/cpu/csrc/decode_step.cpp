@@ -187,7 +187,8 @@ struct Scratch {
 
 // x [rows, hidden] through a mixture of experts in place (moe.cpp routes and runs them; the
 // shared expert's sum follows torch's ops: sigmoid(gate) rounded, times the shared expert's
-// output rounded, added to the experts' rounded). The router scores all of its experts, of
+// output rounded, added to the experts' rounded; without a gate, Granite's, the output
+// itself added). The router scores all of its experts, of
 // which m.experts may hold a share (expert parallelism). Its router's and experts' seconds
 // are added to `seconds` where given (three clock reads a layer: tens of nanoseconds).
 template <typename T>
@@ -211,17 +212,20 @@ void moe_mlp(const actorlm_moe& m, int activation, T* x, int64_t rows, int64_t h
     linear(m.shared_gate_up, x, hidden, t.gate_up, rows);
     K::act_and_mul(t.gate_up, t.activation, rows, int(inter), activation);
     linear(m.shared_down, t.activation, inter, shared.data(), rows);
-    linear(m.shared_gate, x, hidden, gate.data(), rows);
+    const bool gated = m.shared_gate.out_features != 0;
+    if (gated) linear(m.shared_gate, x, hidden, gate.data(), rows);
     for (int64_t r = 0; r < rows; ++r) {
-      const T* gate_row = gate.data() + r;
-      const float scale = actorlm::rounded(
-          1.f / (1.f + std::exp(-actorlm::to_float(*gate_row))), gate_row);
       T* o = out.data() + r * hidden;
       T* y = shared.data() + r * hidden;
-      // the product stored before the sum, in two loops: one expression would let -ffast-math
-      // fuse them into an FMA, which torch's two ops do not
-      for (int64_t d = 0; d < hidden; ++d)
-        actorlm::store(scale * actorlm::to_float(y[d]), y + d);
+      if (gated) {
+        const T* gate_row = gate.data() + r;
+        const float scale = actorlm::rounded(
+            1.f / (1.f + std::exp(-actorlm::to_float(*gate_row))), gate_row);
+        // the product stored before the sum, in two loops: one expression would let
+        // -ffast-math fuse them into an FMA, which torch's two ops do not
+        for (int64_t d = 0; d < hidden; ++d)
+          actorlm::store(scale * actorlm::to_float(y[d]), y + d);
+      }
       for (int64_t d = 0; d < hidden; ++d)
         actorlm::store(actorlm::to_float(o[d]) + actorlm::to_float(y[d]), o + d);
     }
