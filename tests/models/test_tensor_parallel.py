@@ -67,10 +67,12 @@ def checkpoints(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_replicated_
                             "exaone4", "helium", "seed_oss", "starcoder2", "phi", "cohere",
                             "cohere2")},
             # every expert's intermediate features split (from per-expert tensors and from
-            # stacked ones), a shared expert's too, a router on every rank; OLMoE's q/k norms
+            # stacked ones), a shared expert's too (gated, and Granite's unscaled), a router on
+            # every rank; OLMoE's q/k norms
             # over all heads, its one KV head on both ranks
             **{name: tiny_moe_dirs[name]
-               for name in ("qwen3_moe", "qwen3_moe_stacked", "qwen2_moe", "mixtral", "olmoe")},
+               for name in ("qwen3_moe", "qwen3_moe_stacked", "qwen2_moe", "mixtral", "olmoe",
+                            "granitemoeshared")},
             # in blocks: o_proj / down_proj split on block boundaries; a tied embedding (looked
             # up as floats per rank); an untied head whose odd vocabulary pads with zero blocks
             **{name: resolve_model(write_gguf(path, files / f"{name}.gguf", type_name))
@@ -98,7 +100,7 @@ def split(checkpoints):
                                   "helium", "seed_oss", "starcoder2", "phi", "cohere",
                                   "cohere2", "qwen3_moe",
                                   "qwen3_moe_stacked", "qwen2_moe", "mixtral", "olmoe",
-                                  "llama_fp8", "qwen2_fp8_block"])
+                                  "granitemoeshared", "llama_fp8", "qwen2_fp8_block"])
 def test_two_ranks_compute_what_one_computes(name, checkpoints, split):
     path = checkpoints[name]
     whole = greedy_steps(TensorParallel(), path)
