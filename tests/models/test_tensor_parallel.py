@@ -68,8 +68,7 @@ def checkpoints(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_replicated_
                             "cohere2")},
             # every expert's intermediate features split (from per-expert tensors and from
             # stacked ones), a shared expert's too (gated, and Granite's unscaled), a router on
-            # every rank; OLMoE's q/k norms
-            # over all heads, its one KV head on both ranks
+            # every rank; OLMoE's q/k norms over all heads, its one KV head on both ranks
             **{name: tiny_moe_dirs[name]
                for name in ("qwen3_moe", "qwen3_moe_stacked", "qwen2_moe", "mixtral", "olmoe",
                             "granitemoeshared")},
