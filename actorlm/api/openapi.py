@@ -43,6 +43,8 @@ OPERATIONS = [
     ("get", "/v1/responses/{response_id}", "A stored response", None, ResponseObject),
     ("delete", "/v1/responses/{response_id}", "Forget a stored response", None,
      DeletedResponse),
+    ("post", "/v1/responses/{response_id}/cancel", "Stop a background response still running",
+     None, ResponseObject),
     ("get", "/v1/responses/{response_id}/input_items", "A stored response's input items, a "
      "page at a time (query: limit, order, after)", None,
      {"application/json": {"schema": {"type": "object"}}}),

@@ -6,8 +6,8 @@ A request's input is a text (one user message) or a list of items: messages (tex
 the function calls an earlier answer made and their outputs; an earlier answer's reasoning
 items are left out, as chat templates leave a past think out. Tools are functions; OpenAI's
 built-in tools (web search, file search, code interpreter…) and the fields this server does not
-implement (``background``, ``truncation: auto``, ``include`` beyond logprobs, ``conversation``,
-``prompt``, ``max_tool_calls``, ``reasoning`` but its effort, ``text.verbosity``) are refused
+implement (``truncation: auto``, ``include`` beyond logprobs, ``conversation``, ``prompt``,
+``max_tool_calls``, ``background`` with ``stream`` or without ``store``, ``reasoning`` but its effort, ``text.verbosity``) are refused
 by name; ``reasoning.effort`` is the chat template's ``reasoning_effort``, as chat's is.
 """
 
@@ -118,7 +118,13 @@ class ResponsesRequest(Struct, kw_only=True):
 
     def check_supported(self) -> None:
         """A 400 naming the first field this request turns on that is not implemented."""
-        refused = {"background": self.background, "truncation": self.truncation == "auto",
+        if self.background and self.stream:
+            raise ApiError(400, "background: a background response is not streamed here "
+                                "(retrieve it by id)", "background")
+        if self.background and self.store is False:
+            raise ApiError(400, "background: a background response must be stored "
+                                "(store: true)", "background")
+        refused = {"truncation": self.truncation == "auto",
                    "max_tool_calls": self.max_tool_calls is not None,
                    # the effort goes to the chat template (``reasoning_effort``); the SDKs
                    # send nulls for "no preference"
@@ -340,7 +346,7 @@ class ResponseObject(Struct, kw_only=True):
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
     error: dict[str, Any] | None = None
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None

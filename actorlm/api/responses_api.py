@@ -1,4 +1,5 @@
-"""OpenAI's Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``.
+"""OpenAI's Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``,
+``POST /v1/responses/{id}/cancel``.
 
 A response runs on the chat path (``serving.start_chat``): its input items become the
 conversation (after the one ``previous_response_id`` names, without that one's instructions,
@@ -10,11 +11,15 @@ Responses events: each item added, its deltas, each item done, and ``response.co
 
 Answers are kept (``store``, true by default, as OpenAI's) in a bounded table in memory, the
 least recently used forgotten first: ``previous_response_id`` continues their conversations,
-and ``GET`` returns them; an unknown or forgotten id is a 404.
+and ``GET`` returns them; an unknown or forgotten id is a 404. A ``background`` response is
+answered at once, ``queued``, and stored while it runs (``in_progress``, then as a whole
+response ends); ``cancel`` stops one still running (``cancelled``, its request aborted), and
+refuses any other.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import time
 import uuid
@@ -51,6 +56,11 @@ class ResponseStore:
     def __init__(self, capacity: int = MAX_STORED_RESPONSES):
         self.capacity = capacity
         self._items: collections.OrderedDict[str, Stored] = collections.OrderedDict()
+        self.running: dict[str, _Answer] = {}  # the background responses still running
+
+    def cancel_running(self) -> None:
+        for answer in list(self.running.values()):
+            answer.cancel()
 
     def put(self, stored: Stored) -> None:
         self._items[stored.response.id] = stored
@@ -92,9 +102,23 @@ async def create_response(state, request: Request) -> Response:
     except p.ApiError as exc:
         raise _in_responses_terms(exc) from None
     answer = _Answer(state, req, gen, conversation)
+    if req.background:
+        return json_response(answer.in_background())
     if req.stream:
         return EventStream(answer.events(), gen.abort)
     return await gen.respond(request, answer.whole)
+
+
+async def cancel_response(state, request: Request) -> Response:
+    response_id = request.path_params["response_id"]
+    stored = state.responses.get(response_id)
+    answer = state.responses.running.get(response_id)
+    if answer is None:
+        what = "only a background response can be cancelled" if not stored.response.background \
+            else f"this response is already {stored.response.status}"
+        raise p.ApiError(400, f"Cannot cancel response {response_id!r}: {what}.")
+    answer.cancel()
+    return json_response(answer.response)
 
 
 async def retrieve_response(state, request: Request) -> Response:
@@ -152,6 +176,36 @@ class _Answer:
             top_p=req.top_p, tool_choice=req.tool_choice or "auto", tools=req.tools or [],
             text={"format": msgspec.to_builtins(text_format or r.TextFormat(type="text"))},
             store=req.store is not False, metadata=req.metadata, user=req.user)
+
+    # --- in the background ---------------------------------------------------------------
+
+    def in_background(self) -> r.ResponseObject:
+        """The response queued and stored at once; it runs on, to be retrieved or cancelled."""
+        response = self.response
+        response.status, response.background = "queued", True
+        self.state.responses.put(Stored(response, self.conversation, r.input_items(self.req)))
+        self.state.responses.running[response.id] = self
+        self.task = asyncio.create_task(self._run())
+        return response
+
+    async def _run(self) -> None:
+        self.response.status = "in_progress"
+        try:
+            self.whole(await self.gen.finals())
+        except asyncio.CancelledError:
+            pass  # (cancel said so)
+        except Exception as exc:
+            error = as_api_error(exc)
+            self.response.status = "failed"
+            self.response.error = {"code": error.response().error.type, "message": error.message}
+        finally:
+            self.state.responses.running.pop(self.response.id, None)
+
+    def cancel(self) -> None:
+        self.gen.abort()
+        self.task.cancel()
+        self.response.status = "cancelled"
+        self.state.responses.running.pop(self.response.id, None)
 
     # --- whole -------------------------------------------------------------------------------
 

@@ -42,8 +42,8 @@ from actorlm.api.lora_routes import load_lora_adapter, unload_lora_adapter
 from actorlm.api.options import ServerOptions
 from actorlm.api.prompt_limits import check_token_ids
 from actorlm.api.responses import as_api_error, error_response, json_response
-from actorlm.api.responses_api import (create_response, delete_response, list_input_items,
-                                       retrieve_response)
+from actorlm.api.responses_api import (cancel_response, create_response, delete_response,
+                                       list_input_items, retrieve_response)
 from actorlm.api.scoring import (RERANK_PATHS, SCORE_PATHS, create_classification, create_rerank,
                                  create_score)
 from actorlm.api.security import RequestGuard
@@ -263,6 +263,8 @@ def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], *,
               methods=["GET"]),
         Route("/v1/responses/{response_id}", _endpoint(_generation(delete_response)),
               methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/cancel", _endpoint(_generation(cancel_response)),
+              methods=["POST"]),
         Route("/v1/responses/{response_id}/input_items",
               _endpoint(_generation(list_input_items)), methods=["GET"]),
         Route("/v1/embeddings", _endpoint(_counted(create_embedding)), methods=["POST"]),

@@ -99,6 +99,7 @@ class ServerState:
             self.cancel_load.set()  # (a load still running ends now, not when it would finish)
         for task in self._tasks:
             task.cancel()
+        self.responses.cancel_running()
         if self.engine is not None and self.factory is not None:
             await asyncio.to_thread(self.engine.shutdown)
 

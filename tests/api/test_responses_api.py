@@ -165,7 +165,6 @@ def test_logprobs_come_with_each_output_token(client):
 
 
 @pytest.mark.parametrize("fields, param, said", [
-    ({"background": True}, "background", "background: not supported"),
     ({"truncation": "auto"}, "truncation", "truncation: not supported"),
     ({"include": ["reasoning.encrypted_content"]}, "include[0]", "reasoning.encrypted_content"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type", "'web_search' is not supported"),
