@@ -308,7 +308,8 @@ def positions_served(hf_config) -> tuple[int, str]:
     max_position_embeddings, or its original_max_position_embeddings where what it computes
     beyond them is not implemented: Llama 4's attention temperature (Ministral 3: the queries
     of later positions scaled by 1 + beta log(1 + floor(position / original)), which is 1
-    within)."""
+    within), and dynamic NTK scaling (transformers turns every position by a base that grows
+    with the sequence once it is longer: a KV cache would hold keys turned by older ones)."""
     rope = getattr(hf_config, "rope_parameters", None) or \
         getattr(hf_config, "rope_scaling", None) or {}
     original = rope.get("original_max_position_embeddings") or \
@@ -318,4 +319,9 @@ def positions_served(hf_config) -> tuple[int, str]:
                           f"model takes Llama 4's attention temperature "
                           f"(llama_4_scaling_beta), not implemented")
     limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if rope.get("rope_type", rope.get("type")) == "dynamic":
+        limit = min(limit, original or limit)
+        return limit, (f"original context ({limit} positions): beyond it dynamic NTK RoPE "
+                       f"scaling turns the positions by a base that grows with the sequence, "
+                       f"not implemented")
     return limit, f"max_position_embeddings ({limit})"

@@ -398,8 +398,8 @@ def rope_inv_freq(config, layer_type: str | None = None, device=None,
     if layer_type is not None:
         params = params[layer_type]
     rope_type = _rope_type(params)
-    if rope_type == "dynamic":  # frequencies that follow the running sequence length
-        raise ValueError(f"rope type {rope_type!r} is not implemented")
+    # (dynamic NTK: within the context it is served for, config.positions_served, the
+    # frequencies transformers starts from, those of its unscaled base)
     if long:  # transformers' choice for a sequence one longer than the original context
         return ROPE_INIT_FUNCTIONS[rope_type](config, device, seq_len=long_rope_from(config) + 1)
     if rope_type == "default" and "default" not in ROPE_INIT_FUNCTIONS:

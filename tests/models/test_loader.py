@@ -126,8 +126,6 @@ def test_a_mistral_snapshot_loads_its_indexed_shards_and_ignores_consolidated(ti
     ("phi3", {"partial_rotary_factor": 0.3125}, "RoPE on 5 of a head's 16 features"),
     ("phi3", {"partial_rotary_factor": 1.5}, "RoPE on 24 of a head's 16 features"),
     ("phi3", {"partial_rotary_factor": -0.5}, "RoPE on -8 of a head's 16 features"),
-    ("mistral", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0,
-                                     "rope_theta": 10000.0}}, "rope type 'dynamic'"),
     ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ("mistral", {"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
     ("mistral", {"hidden_act": "gelu"}, "activation 'gelu'"),
