@@ -206,7 +206,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
                         help="the format the model writes tool calls in: hermes (Qwen2.5, "
                              "Qwen3, Hermes), llama3_json (Llama 3.1/3.2), mistral (Mistral, "
-                             "Ministral, Mistral Small) or pythonic (Llama 3.2, Llama 4)")
+                             "Ministral, Mistral Small), pythonic (Llama 3.2, Llama 4), "
+                             "granite (Granite 3.x) or phi4_mini_json (Phi-4-mini)")
     parser.add_argument("--response-role", default=defaults.response_role, metavar="ROLE",
                         help="the role chat answers carry when the request adds the generation "
                              "prompt (default: assistant)")

@@ -16,6 +16,9 @@
 - ``pythonic`` (Llama 3.2's and Llama 4's other format, ToolACE): a Python list of calls with
   literal keyword arguments, ``[get_weather(city="Paris"), get_time()]``, read by Python's own
   parser (``ast``: nothing is evaluated but literals), the list ending the answer.
+- ``granite`` (Granite 3.x): a JSON list of ``{"name", "arguments"}`` after ``<|tool_call|>``
+  (3.0's special token, kept in the text) or ``<tool_call>`` (3.1 and later).
+- ``phi4_mini_json`` (Phi-4-mini): ``functools[{"name": ..., "arguments": {...}}, ...]``.
 
 A parser finds where a call begins (``find_start``, which also reports a marker cut off at the
 end of streamed text, so that it is not sent as content) and reads the calls (``parse``). Text
@@ -47,21 +50,22 @@ class ToolParser:
 
 
 class _MarkedToolParser(ToolParser):
-    """A format whose calls begin at a marker of their own (``START``)."""
+    """A format whose calls begin at a marker of their own (the first of ``STARTS``)."""
 
-    START = ""
+    STARTS: tuple[str, ...] = ()
 
     def find_start(self, text: str) -> tuple[int, bool] | None:
-        at = text.find(self.START)
-        if at >= 0:
-            return at, True
-        cut = _cut_marker(text, self.START)
-        return None if cut is None else (cut, False)
+        found = [at for at in map(text.find, self.STARTS) if at >= 0]
+        if found:
+            return min(found), True
+        cuts = [cut for cut in (_cut_marker(text, s) for s in self.STARTS) if cut is not None]
+        return (min(cuts), False) if cuts else None
 
 
 class HermesToolParser(_MarkedToolParser):
     name = "hermes"
     START, END = "<tool_call>", "</tool_call>"
+    STARTS = (START,)
     _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
     def parse(self, text: str) -> tuple[str, list[Call]]:
@@ -122,6 +126,7 @@ class MistralToolParser(_MarkedToolParser):
     name = "mistral"
     keeps_special_tokens = True
     START, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+    STARTS = (START,)
 
     def parse(self, text: str) -> tuple[str, list[Call]]:
         start = text.find(self.START)
@@ -144,6 +149,31 @@ class MistralToolParser(_MarkedToolParser):
                 return []
             calls.append(call)
         return calls
+
+
+class _JsonListToolParser(_MarkedToolParser):
+    """A JSON list of ``{"name", "arguments"}`` (or one such object) after its marker."""
+
+    def parse(self, text: str) -> tuple[str, list[Call]]:
+        found = self.find_start(text)
+        if found is None or not found[1]:
+            return text, []
+        start = found[0]
+        marker = next(s for s in self.STARTS if text.startswith(s, start))
+        items = _json_object(text[start + len(marker):].strip())
+        calls = _json_calls([items] if isinstance(items, dict) else items)
+        return (text[:start], calls) if calls else (text, [])
+
+
+class GraniteToolParser(_JsonListToolParser):
+    name = "granite"
+    keeps_special_tokens = True
+    STARTS = ("<|tool_call|>", "<tool_call>")
+
+
+class Phi4MiniJsonToolParser(_JsonListToolParser):
+    name = "phi4_mini_json"
+    STARTS = ("functools",)
 
 
 class PythonicToolParser(ToolParser):
@@ -175,7 +205,9 @@ class PythonicToolParser(ToolParser):
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser,
                                                             Llama3JsonToolParser,
                                                             MistralToolParser,
-                                                            PythonicToolParser)}
+                                                            PythonicToolParser,
+                                                            GraniteToolParser,
+                                                            Phi4MiniJsonToolParser)}
 
 
 def _cut_marker(text: str, marker: str) -> int | None:

@@ -1,4 +1,5 @@
-"""Tool calls read out of text: the Hermes, Llama 3 JSON, Mistral and pythonic parsers, and the
+"""Tool calls read out of text: the Hermes, Llama 3 JSON, Mistral, pythonic, Granite and
+Phi-4-mini parsers, and the
 streams that turn a choice's text into content and call deltas (pieces fed one by one add up to
 the whole)."""
 
@@ -11,7 +12,8 @@ import pytest
 from actorlm import SamplingParams
 from actorlm.api.options import ServerOptions
 from actorlm.api.tool_choice import ToolUse
-from actorlm.api.tool_parsers import (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
+from actorlm.api.tool_parsers import (GraniteToolParser, HermesToolParser, Llama3JsonToolParser,
+                                      MistralToolParser, Phi4MiniJsonToolParser,
                                       PythonicToolParser)
 from actorlm.api.tool_stream import (NamedCallStream, ParsedCallStream, RequiredCallStream,
                                      collect)
@@ -27,6 +29,9 @@ MISTRAL_V11_TWO = ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
                    '[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{}')
 PYTHONIC_TWO = ('[get_weather(city="San Francisco", days=[1, 2], metric=True, unit=None), '
                 'get_time()]')
+TWO_CALLS_JSON = ('[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                  '{"name": "get_time", "arguments": {}}]')
+TWO_CALLS = [("get_weather", {"city": "Paris"}), ("get_time", {})]
 
 
 def _calls(parsed):
@@ -110,11 +115,30 @@ def test_pythonic_leaves_other_text_alone():
     assert parser.find_start("a [get_wea") == (2, False)  # a call may be starting
 
 
+@pytest.mark.parametrize("parser, marker, before", [
+    (GraniteToolParser(), "<|tool_call|>", ""),  # Granite 3.0: its special token, kept
+    (GraniteToolParser(), "<tool_call>", "Checking.\n"),  # 3.1 and later
+    (Phi4MiniJsonToolParser(), "functools", "")])
+def test_granite_and_phi4_mini_read_a_json_list_after_their_marker(parser, marker, before):
+    two = before + marker + TWO_CALLS_JSON
+    assert _calls(parser.parse(two)) == (before, TWO_CALLS)
+    one = before + marker + '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    assert _calls(parser.parse(one)) == (before, TWO_CALLS[:1])  # (not in a list)
+    # half a call, a marker alone, or no call, is content
+    for other in (two[:-12], before + marker, "no call here"):
+        assert parser.parse(other) == (other, [])
+    assert parser.keeps_special_tokens == isinstance(parser, GraniteToolParser)
+
+
 @pytest.mark.parametrize("parser,text", [(HermesToolParser(), HERMES_TWO),
                                          (Llama3JsonToolParser(), "Sure. " + LLAMA_TWO),
                                          (PythonicToolParser(), "Sure. " + PYTHONIC_TWO),
                                          (MistralToolParser(), "Sure. " + MISTRAL_V3_TWO),
-                                         (MistralToolParser(), "Sure. " + MISTRAL_V11_TWO)])
+                                         (MistralToolParser(), "Sure. " + MISTRAL_V11_TWO),
+                                         (GraniteToolParser(),
+                                          "Sure. <|tool_call|>" + TWO_CALLS_JSON),
+                                         (Phi4MiniJsonToolParser(),
+                                          "Sure. functools" + TWO_CALLS_JSON)])
 def test_parsed_stream_holds_back_only_the_call(parser, text):
     whole = collect(ParsedCallStream(parser), text)
     stream = ParsedCallStream(parser)
@@ -176,6 +200,6 @@ def test_named_stream_is_the_arguments():
 def test_auto_tool_choice_flags_are_checked():
     with pytest.raises(ValueError, match="--tool-call-parser"):
         ServerOptions(enable_auto_tool_choice=True)
-    with pytest.raises(ValueError, match="unknown parser 'granite'"):
-        ServerOptions(enable_auto_tool_choice=True, tool_call_parser="granite")
+    with pytest.raises(ValueError, match="unknown parser 'jamba'"):
+        ServerOptions(enable_auto_tool_choice=True, tool_call_parser="jamba")
     assert ServerOptions(enable_auto_tool_choice=True, tool_call_parser="hermes")
