@@ -103,6 +103,9 @@ def _add_serve(commands) -> None:
         only = "" if value is None else f" as {value:g}"
         srv.add_argument(flag, type=kind, default=None,
                          help=f"accepted for vLLM's scripts{only}: {why}")
+    srv.add_argument("--guided-decoding-backend", choices=("auto", "xgrammar"), default=None,
+                     help="accepted for vLLM's scripts: structured outputs run on xgrammar "
+                          "(other backends are refused)")
     srv.add_argument("--trace-file", default=None,
                      help="also write the engine trace there as JSON lines (see /trace)")
     srv.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",
@@ -151,6 +154,9 @@ def _serve(args) -> int:
             raise ValueError(f"{flag} {given:g}: {why}")
         if given is not None:
             log.info("%s %g: nothing to do (%s)", flag, given, why)
+    if args.guided_decoding_backend is not None:
+        log.info("--guided-decoding-backend %s: nothing to do (structured outputs run on "
+                 "xgrammar)", args.guided_decoding_backend)
     status = serve(model, engine_flags(args), host=args.host, port=args.port,
                    served_model_name=args.served_model_name,
                    max_num_waiting=args.max_num_waiting,

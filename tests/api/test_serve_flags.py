@@ -32,7 +32,8 @@ def tls_server(tiny_llama_dir, tmp_path_factory):
                  "--max-logprobs", str(MAX_LOGPROBS), "--return-tokens-as-token-ids",
                  "--response-role", "bot", "--enable-prompt-tokens-details",
                  "--disable-uvicorn-access-log", "--swap-space", "4",
-                 "--pipeline-parallel-size", "1", "--num-kv-blocks", "256",
+                 "--pipeline-parallel-size", "1", "--guided-decoding-backend", "xgrammar",
+                 "--num-kv-blocks", "256",
                  https_cert=str(cert)) as (proc, base):
         yield base, str(cert), log_path
         proc.terminate()
@@ -68,6 +69,7 @@ def test_https_serves_and_plain_http_is_refused(tls_server, tls_client):
     assert "--enable-prompt-tokens-details: nothing to do" in log
     assert "--swap-space 4: nothing to do" in log
     assert "--pipeline-parallel-size 1: nothing to do" in log
+    assert "--guided-decoding-backend xgrammar: nothing to do" in log
 
 
 def test_logprobs_up_to_the_servers_cap_and_tokens_as_their_ids(tls_client):
@@ -119,3 +121,10 @@ def test_bad_values_stop_the_start_naming_the_flag(fields, said):
 def test_a_vllm_value_this_server_does_not_run_stops_the_start(flag, value, said, capsys):
     assert main(["serve", flag, value]) == 2
     assert f"{flag} {value}: {said}" in capsys.readouterr().err
+
+
+def test_another_structured_outputs_backend_stops_the_start(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["serve", "--guided-decoding-backend", "outlines"])
+    assert stop.value.code == 2
+    assert "--guided-decoding-backend: invalid choice: 'outlines'" in capsys.readouterr().err
