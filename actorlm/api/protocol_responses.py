@@ -7,8 +7,9 @@ the function calls an earlier answer made and their outputs; an earlier answer's
 items are left out, as chat templates leave a past think out. Tools are functions; OpenAI's
 built-in tools (web search, file search, code interpreter…) and the fields this server does not
 implement (``truncation: auto``, ``include`` beyond logprobs, ``conversation``, ``prompt``,
-``max_tool_calls``, ``background`` with ``stream`` or without ``store``, ``reasoning`` but its effort, ``text.verbosity``) are refused
-by name; ``reasoning.effort`` is the chat template's ``reasoning_effort``, as chat's is.
+``max_tool_calls``, ``background`` with ``stream`` or without ``store``, ``reasoning`` but its
+effort, ``text.verbosity``) are refused by name; ``reasoning.effort`` is the chat template's
+``reasoning_effort``, as chat's is.
 """
 
 from __future__ import annotations
