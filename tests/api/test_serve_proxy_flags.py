@@ -92,7 +92,8 @@ def test_load_counts_a_request_until_its_last_byte_or_its_client_leaves(proxied)
     body = {"model": SERVED_NAME, "prompt": "Hello", "max_tokens": 8000, "ignore_eos": True,
             "stream": True, "temperature": 0.0}
     with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
-        next(response.iter_bytes())  # the stream runs
+        chunks = response.iter_bytes()  # (kept: a dropped iterator closes the connection)
+        next(chunks)  # the stream runs
         assert _load(base) == 1
     _until_load(base, 0)  # hung up: the server stopped counting it
     # a refused request is not left counted either
