@@ -19,6 +19,9 @@
 - ``granite`` (Granite 3.x): a JSON list of ``{"name", "arguments"}`` after ``<|tool_call|>``
   (3.0's special token, kept in the text) or ``<tool_call>`` (3.1 and later).
 - ``phi4_mini_json`` (Phi-4-mini): ``functools[{"name": ..., "arguments": {...}}, ...]``.
+- ``qwen3_coder`` (Qwen3-Coder): ``<tool_call><function=name><parameter=key>value</parameter>
+  ...</function></tool_call>``, each argument as bare text, which the tool's schema types (an
+  ``integer`` parameter's ``3`` is the number 3, a ``string`` one's stays text), as vLLM does.
 
 A parser finds where a call begins (``find_start``, which also reports a marker cut off at the
 end of streamed text, so that it is not sent as content) and reads the calls (``parse``). Text
@@ -32,12 +35,19 @@ import ast
 import json
 import re
 
+from actorlm.api.protocol_tools import Tool
+
 Call = tuple[str, str]  # (function name, arguments as JSON text)
 
 
 class ToolParser:
     name = ""
     keeps_special_tokens = False  # its markers are special tokens: the text must keep them
+
+    def __init__(self, tools: tuple[Tool, ...] = ()):
+        # each tool's parameter schemas, for a format whose arguments are untyped text
+        self.parameters = {t.function.name: (t.function.parameters or {}).get("properties", {})
+                           for t in tools}
 
     def find_start(self, text: str) -> tuple[int, bool] | None:
         """(where a call begins, whether its marker is complete), or None: no call so far. An
@@ -176,6 +186,35 @@ class Phi4MiniJsonToolParser(_JsonListToolParser):
     STARTS = ("functools",)
 
 
+class Qwen3CoderToolParser(_MarkedToolParser):
+    name = "qwen3_coder"
+    STARTS = ("<tool_call>", "<function=")
+    # (a function's closing tag is required: without it the answer was cut off mid-call)
+    _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
+    # a parameter ends at its closing tag, or where the next one or the function's end begins
+    _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)",
+                            re.DOTALL)
+    # what may stand between the calls
+    _BETWEEN = re.compile(r"(?:\s|</?tool_call>)*")
+
+    def parse(self, text: str) -> tuple[str, list[Call]]:
+        found = self.find_start(text)
+        if found is None or not found[1]:
+            return text, []
+        start = at = found[0]
+        calls = []
+        while (function := self._FUNCTION.match(text, self._BETWEEN.match(text, at).end())):
+            name = function[1].strip()
+            schemas = self.parameters.get(name, {})
+            pairs = ((key.strip(), value) for key, value in self._PARAMETER.findall(function[2]))
+            arguments = {key: _typed(value, schemas.get(key)) for key, value in pairs}
+            calls.append((name, json.dumps(arguments, ensure_ascii=False)))
+            at = function.end()
+        if not calls or self._BETWEEN.match(text, at).end() != len(text):
+            return text, []
+        return text[:start], calls
+
+
 class PythonicToolParser(ToolParser):
     name = "pythonic"
     _CALL = re.compile(r"\[\s*[A-Za-z_]\w*\s*\(")
@@ -207,7 +246,8 @@ PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser,
                                                             MistralToolParser,
                                                             PythonicToolParser,
                                                             GraniteToolParser,
-                                                            Phi4MiniJsonToolParser)}
+                                                            Phi4MiniJsonToolParser,
+                                                            Qwen3CoderToolParser)}
 
 
 def _cut_marker(text: str, marker: str) -> int | None:
@@ -255,6 +295,36 @@ def _python_calls(node: ast.expr) -> list[Call]:
         arguments = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
         calls.append((call.func.id, json.dumps(arguments, ensure_ascii=False)))
     return calls
+
+
+def _typed(text: str, schema: dict | None):
+    """An argument written as bare text, as its schema types it: a string parameter's text (one
+    newline either side is the format's), a number, a boolean, JSON or a Python literal for the
+    rest, ``null`` as None; text that is not what its type says stays text."""
+    text = text.removeprefix("\n").removesuffix("\n")
+    types = (schema or {}).get("type", "string")
+    types = set(types) if isinstance(types, list) else {types}
+    if text.strip().lower() == "null" and "string" not in types:
+        return None
+    if "string" in types:
+        return text
+    value = text.strip()
+    if types & {"integer", "number"}:
+        try:
+            number = json.loads(value)
+        except ValueError:
+            return text
+        return number if isinstance(number, (int, float)) and not isinstance(number, bool) \
+            else text
+    if "boolean" in types:
+        return {"true": True, "false": False}.get(value.lower(), text)
+    try:
+        return json.loads(value)
+    except ValueError:
+        try:
+            return ast.literal_eval(value)
+        except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+            return text
 
 
 def _skip(text: str, at: int, chars: str) -> int:

@@ -1,5 +1,5 @@
-"""Tool calls read out of text: the Hermes, Llama 3 JSON, Mistral, pythonic, Granite and
-Phi-4-mini parsers, and the
+"""Tool calls read out of text: the Hermes, Llama 3 JSON, Mistral, pythonic, Granite,
+Phi-4-mini and Qwen3-Coder parsers, and the
 streams that turn a choice's text into content and call deltas (pieces fed one by one add up to
 the whole)."""
 
@@ -11,10 +11,11 @@ import pytest
 
 from actorlm import SamplingParams
 from actorlm.api.options import ServerOptions
-from actorlm.api.tool_choice import ToolUse
+from actorlm.api.protocol_tools import FunctionDefinition, Tool
+from actorlm.api.tool_choice import ToolUse, tool_use
 from actorlm.api.tool_parsers import (GraniteToolParser, HermesToolParser, Llama3JsonToolParser,
                                       MistralToolParser, Phi4MiniJsonToolParser,
-                                      PythonicToolParser)
+                                      PythonicToolParser, Qwen3CoderToolParser)
 from actorlm.api.tool_stream import (NamedCallStream, ParsedCallStream, RequiredCallStream,
                                      collect)
 
@@ -32,6 +33,9 @@ PYTHONIC_TWO = ('[get_weather(city="San Francisco", days=[1, 2], metric=True, un
 TWO_CALLS_JSON = ('[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
                   '{"name": "get_time", "arguments": {}}]')
 TWO_CALLS = [("get_weather", {"city": "Paris"}), ("get_time", {})]
+QWEN3_CODER_TWO = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                   "</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n"
+                   "</tool_call>")
 
 
 def _calls(parsed):
@@ -130,6 +134,48 @@ def test_granite_and_phi4_mini_read_a_json_list_after_their_marker(parser, marke
     assert parser.keeps_special_tokens == isinstance(parser, GraniteToolParser)
 
 
+def _qwen3_coder_parameters(*pairs: tuple[str, str]) -> str:
+    return "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in pairs)
+
+
+def test_qwen3_coder_types_each_argument_by_the_requests_tools():
+    properties = {"city": {"type": "string"}, "code": {"type": "string"},
+                  "days": {"type": "integer"}, "scale": {"type": ["number", "null"]},
+                  "metric": {"type": "boolean"}, "hours": {"type": "array"},
+                  "where": {"type": "object"}, "fallback": {"type": "integer"}}
+    tools = [Tool(function=FunctionDefinition(name="get_weather", parameters={
+        "type": "object", "properties": properties}))]
+    use = tool_use(tools, "auto", None, ServerOptions(enable_auto_tool_choice=True,
+                                                      tool_call_parser="qwen3_coder"))
+    body = _qwen3_coder_parameters(
+        ("city", "New York"), ("code", "007"), ("days", "3"), ("scale", "0.5"),
+        ("metric", "True"), ("hours", "[6, 18]"), ("where", "{'lat': 1.5}"),
+        ("fallback", "three"), ("unknown", " 12 "))
+    text = ("Let me check.\n<tool_call>\n<function=get_weather>\n" + body +
+            "</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n"
+            "<parameter=tz>\nutc\n</function>\n</tool_call>")
+    content, calls = collect(use.new_stream(), text)
+    assert content == "Let me check.\n"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "New York", "code": "007", "days": 3, "scale": 0.5,
+                         "metric": True, "hours": [6, 18], "where": {"lat": 1.5},
+                         "fallback": "three",  # not what its type says: left as it was
+                         "unknown": " 12 "}),  # no schema: text, one newline either side off
+        ("get_time", {"tz": "utc"})]  # (a parameter may end where the function does)
+    null = _qwen3_coder_parameters(("scale", "null"), ("city", "null"))
+    assert json.loads(use.parser.parse(f"<function=get_weather>\n{null}</function>")[1][0][1]) \
+        == {"scale": None, "city": "null"}  # a string parameter's "null" is text
+
+
+def test_qwen3_coder_leaves_a_cut_off_call_and_other_text_alone():
+    parser = Qwen3CoderToolParser()
+    assert _calls(parser.parse(QWEN3_CODER_TWO)) == ("", TWO_CALLS)
+    for text in (QWEN3_CODER_TWO[:60],  # cut off inside the first call
+                 QWEN3_CODER_TWO[:-30],  # inside the second
+                 QWEN3_CODER_TWO + " and then", "<function=f>", "no call here"):
+        assert parser.parse(text) == (text, [])
+
+
 @pytest.mark.parametrize("parser,text", [(HermesToolParser(), HERMES_TWO),
                                          (Llama3JsonToolParser(), "Sure. " + LLAMA_TWO),
                                          (PythonicToolParser(), "Sure. " + PYTHONIC_TWO),
@@ -138,7 +184,8 @@ def test_granite_and_phi4_mini_read_a_json_list_after_their_marker(parser, marke
                                          (GraniteToolParser(),
                                           "Sure. <|tool_call|>" + TWO_CALLS_JSON),
                                          (Phi4MiniJsonToolParser(),
-                                          "Sure. functools" + TWO_CALLS_JSON)])
+                                          "Sure. functools" + TWO_CALLS_JSON),
+                                         (Qwen3CoderToolParser(), "Sure. " + QWEN3_CODER_TWO)])
 def test_parsed_stream_holds_back_only_the_call(parser, text):
     whole = collect(ParsedCallStream(parser), text)
     stream = ParsedCallStream(parser)
