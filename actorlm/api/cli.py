@@ -8,6 +8,7 @@ import gc
 import logging
 import sys
 
+from actorlm.api.config_file import apply_config_file
 from actorlm.api.flags import add_engine_flags, engine_flags
 from actorlm.api.lora_models import lora_module
 from actorlm.api.options import ServerOptions, add_server_flags
@@ -46,9 +47,13 @@ log = logging.getLogger(__name__)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if getattr(args, "config", None):  # the file's settings under the command line's
+            apply_config_file(args.command_parser, args.config)
+            args = parser.parse_args(argv)
         return args.run(args) or 0
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -117,7 +122,10 @@ def _add_serve(commands) -> None:
                           "vLLM's JSON {\"name\": ..., \"path\": ..., \"base_model_name\": "
                           "...}; a request picks one with its model field")
     add_server_flags(srv)
-    srv.set_defaults(run=_serve)
+    srv.add_argument("--config", default=None, metavar="FILE",
+                     help="a YAML file of flag names and values (vLLM's): they apply where the "
+                          "command line does not set the flag")
+    srv.set_defaults(run=_serve, command_parser=srv)
 
 
 def _generate(args) -> int:

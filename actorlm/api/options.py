@@ -14,6 +14,7 @@ import os
 import pathlib
 
 from actorlm.api.tool_parsers import PARSERS
+from actorlm.api.user_middleware import user_middleware
 from actorlm.chat_content import CONTENT_FORMATS, check_content_format
 
 API_KEY_ENV_VARS = ("ACTORLM_API_KEY", "VLLM_API_KEY")
@@ -53,6 +54,7 @@ class ServerOptions:
     max_log_len: int | None = None  # the characters or ids of a prompt or answer logged
     # a message's content as the chat template reads it (chat_content: auto, string, openai)
     chat_template_content_format: str = "auto"
+    middleware: tuple[str, ...] = ()  # the operator's own, by import path (user_middleware)
 
     def __post_init__(self):
         for key in self.api_keys:
@@ -85,6 +87,8 @@ class ServerOptions:
         check_content_format(self.chat_template_content_format, "--chat-template-content-format")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"--max-log-len must be at least 0, got {self.max_log_len}")
+        for path in self.middleware:
+            user_middleware(path)
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (which format "
                              "the model writes its calls in)")
@@ -126,7 +130,8 @@ class ServerOptions:
                    openapi=not args.disable_fastapi_docs,
                    log_requests=args.enable_log_requests, log_outputs=args.enable_log_outputs,
                    max_log_len=args.max_log_len,
-                   chat_template_content_format=args.chat_template_content_format)
+                   chat_template_content_format=args.chat_template_content_format,
+                   middleware=tuple(args.middleware or ()))
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -207,7 +212,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                         help="the format the model writes tool calls in: hermes (Qwen2.5, "
                              "Qwen3, Hermes), llama3_json (Llama 3.1/3.2), mistral (Mistral, "
                              "Ministral, Mistral Small), pythonic (Llama 3.2, Llama 4), "
-                             "granite (Granite 3.x) or phi4_mini_json (Phi-4-mini)")
+                             "granite (Granite 3.x), phi4_mini_json (Phi-4-mini) or "
+                             "qwen3_coder (Qwen3-Coder)")
     parser.add_argument("--response-role", default=defaults.response_role, metavar="ROLE",
                         help="the role chat answers carry when the request adds the generation "
                              "prompt (default: assistant)")
@@ -235,3 +241,6 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                         help="log each finished answer's text, token ids and finish reason")
     parser.add_argument("--max-log-len", type=int, default=None, metavar="N",
                         help="log at most N characters or token ids of each (default: all)")
+    parser.add_argument("--middleware", action="append", metavar="MODULE.NAME",
+                        help="wrap the server in this ASGI middleware class or async "
+                             "(request, call_next) function; repeatable, the first outermost")

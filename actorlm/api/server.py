@@ -48,6 +48,7 @@ from actorlm.api.scoring import (RERANK_PATHS, SCORE_PATHS, create_classificatio
                                  create_score)
 from actorlm.api.security import RequestGuard
 from actorlm.api.server_state import ServerState
+from actorlm.api.user_middleware import user_middleware
 from actorlm.async_llm import AsyncLLM
 from actorlm.trace import render_html
 
@@ -287,13 +288,15 @@ def create_app(engine: AsyncLLM | Callable[[], AsyncLLM], *,
             Route("/v1/unload_lora_adapter", _endpoint(_generation(unload_lora_adapter)),
                   methods=["POST"]),
         ]
-    # CORS outermost: a preflight carries no API key, and a refusal must reach the page
+    # CORS outside the guard: a preflight carries no API key, and a refusal must reach the
+    # page; the operator's own middleware outside both, as vLLM adds it
     middleware = [Middleware(RequestGuard, options=options)]
     if options.allowed_origins:
         middleware.insert(0, Middleware(
             CORSMiddleware, allow_origins=list(options.allowed_origins),
             allow_methods=list(options.allowed_methods),
             allow_headers=list(options.allowed_headers), expose_headers=["X-Request-Id"]))
+    middleware[:0] = [user_middleware(path) for path in options.middleware]
     app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={HTTPException: _http_error})
     app.state.actorlm = state
