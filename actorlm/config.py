@@ -96,6 +96,9 @@ class EngineConfig:
     # the order requests are served in: fcfs (arrival) or priority (each request's priority,
     # smaller first, then arrival; a request's priority must be 0 under fcfs), vLLM's two
     scheduling_policy: str = "fcfs"
+    # the most prompt tokens one request prefills in a step (vLLM's; 0: up to the step's token
+    # budget), so that one long prompt leaves room in each step for the others' prefills
+    long_prefill_token_threshold: int = 0
     # what the model is run for (vLLM's names): generate, or pooling (embeddings: each
     # request's prompt pooled into one vector, ``actorlm.pooling``); auto: pooling for a
     # checkpoint without an LM head. convert="embed" and the older task="embed" ask for
@@ -185,6 +188,13 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"--scheduling-policy must be one of "
                              f"{', '.join(SCHEDULING_POLICIES)}; got {self.scheduling_policy!r}")
+        if isinstance(self.long_prefill_token_threshold, bool) or not isinstance(
+                self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ValueError(f"--long-prefill-token-threshold must be 0 (off) or a positive "
+                             f"integer, got {self.long_prefill_token_threshold!r}")
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ValueError("--long-prefill-token-threshold splits prompts across steps, "
+                             "which needs chunked prefill (--enable-chunked-prefill)")
         check_runner_flags(self.runner, self.convert, self.task)
         object.__setattr__(self, "pooler_config", parse_pooler_config(self.pooler_config))
         object.__setattr__(self, "hf_overrides", _hf_overrides(self.hf_overrides))

@@ -119,7 +119,8 @@ class EngineSystem:
             enable_prefix_caching=config.enable_prefix_caching,
             speculative=config.speculative_config is not None,
             max_loras=config.max_loras if config.enable_lora else 0,
-            scheduling_policy=config.scheduling_policy, long_rope_from=parts.long_rope_from),
+            scheduling_policy=config.scheduling_policy, long_rope_from=parts.long_rope_from,
+            long_prefill_token_threshold=config.long_prefill_token_threshold),
             listeners=[*listeners, trace.on_transition] if trace else listeners)
         self.trace = trace
         if trace is not None:

@@ -21,6 +21,9 @@ _HELP = {
                 "local Hugging Face cache (models are never downloaded)",
     "download_dir": "with a Hub repository id as the model: the Hugging Face cache holding it "
                     "(default: $HF_HUB_CACHE)",
+    "long_prefill_token_threshold": "the most prompt tokens one request prefills in a step, so "
+                                    "that a long prompt leaves room for the others' (default: "
+                                    "0, no limit but the step's token budget)",
     "reasoning_parser": f"split chat answers' <think>...</think> into reasoning_content, and "
                         f"constrain only what follows it: {', '.join(REASONING_PARSERS)}",
 }

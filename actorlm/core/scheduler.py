@@ -69,6 +69,7 @@ class SchedulerConfig:
     speculative: bool = False  # the runner proposes drafts (``--speculative-config``)
     max_loras: int = 0  # distinct LoRA adapters in one step (``--max-loras``); 0: LoRA off
     scheduling_policy: str = "fcfs"  # or "priority" (``core/waiting_queue.py``)
+    long_prefill_token_threshold: int = 0  # a request's tokens in one step at most; 0: no cap
     long_rope_from: int | None = None  # (``ModelParts``')
 
 
@@ -185,8 +186,8 @@ class Scheduler:
             plan.on_trial = suspect.request_id
         else:
             for request in self.running:  # (drafts count against the budget: they compute)
-                num_tokens = min(request.num_tokens_with_spec - request.num_computed_tokens,
-                                 budget)
+                num_tokens = min(self._capped(request.num_tokens_with_spec -
+                                              request.num_computed_tokens), budget)
                 plan.running.append(request)
                 plan.running_tokens.append(num_tokens)
                 budget -= num_tokens
@@ -324,11 +325,17 @@ class Scheduler:
 
     def _propose(self, plan: StepPlan, request: Request, budget: int) -> int:
         """Offer a waiting request to the allocator; returns the tokens it may compute."""
-        num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+        num_tokens = min(self._capped(request.num_tokens - request.num_computed_tokens), budget)
         if self.config.enable_prefix_caching:
             self._hash_full_blocks(request)
         plan.candidates.append((request, num_tokens))
         return num_tokens
+
+    def _capped(self, num_tokens: int) -> int:
+        """A request's tokens owed, cut to ``long_prefill_token_threshold`` (vLLM's rule: a
+        long prefill takes that many a step, leaving the budget's rest to the others)."""
+        threshold = self.config.long_prefill_token_threshold
+        return threshold if 0 < threshold < num_tokens else num_tokens
 
     def _admit(self, request: Request, admitted: Admitted) -> None:
         self.waiting.remove(request)

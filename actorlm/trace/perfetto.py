@@ -62,7 +62,8 @@ def write_perfetto(records: list[Record], path) -> None:
 def _config_items(config):
     for name in ("model", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
                  "block_size", "num_kv_blocks", "enable_chunked_prefill", "num_dropped",
-                 "kv_cache_windows", "num_speculative_tokens", "max_loras", "scheduling_policy"):
+                 "kv_cache_windows", "num_speculative_tokens", "max_loras", "scheduling_policy",
+                 "long_prefill_token_threshold"):
         yield name, getattr(config, name)
 
 

@@ -168,7 +168,8 @@ class TraceRecorder:
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
             max_loras=max_loras,
             scheduling_policy=getattr(config, "scheduling_policy", "fcfs"),
-            long_rope_from=long_rope_from)
+            long_rope_from=long_rope_from,
+            long_prefill_token_threshold=getattr(config, "long_prefill_token_threshold", 0))
         if self._forwarded is not None:
             self._forwarded.append(self.config)
         if self._file is not None:

@@ -55,6 +55,7 @@ class TraceConfig(_Record, tag="config"):
     max_loras: int = 0  # distinct LoRA adapters a step holds at most; 0: LoRA off
     scheduling_policy: str = "fcfs"  # or "priority": the order of the queues
     long_rope_from: int | None = None  # a LongRoPE model's original context (block hash keys)
+    long_prefill_token_threshold: int = 0  # a request's tokens in one step at most; 0: no cap
 
 
 class Arrival(_Record, tag="arrival"):

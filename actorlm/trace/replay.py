@@ -73,7 +73,9 @@ class SyncEngine:
                                      config.enable_chunked_prefill, frozenset(config.eos_token_ids),
                                      config.enable_prefix_caching, max_loras=config.max_loras,
                                      scheduling_policy=config.scheduling_policy,
-                                     long_rope_from=config.long_rope_from)
+                                     long_rope_from=config.long_rope_from,
+                                     long_prefill_token_threshold=(
+                                         config.long_prefill_token_threshold))
         self.recorder = recorder
         windows = list(kv_cache_windows or [None])  # one per KV-cache group
         listeners = [recorder.on_transition] if recorder is not None else []
@@ -84,7 +86,7 @@ class SyncEngine:
                 name: getattr(config, name) for name in (
                     "max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
                     "enable_chunked_prefill", "enable_prefix_caching", "max_loras",
-                    "scheduling_policy")}),
+                    "scheduling_policy", "long_prefill_token_threshold")}),
                 config.eos_token_ids, "replay", windows, config.long_rope_from)
             recorder.attach(self.scheduler)
         self.pool = BlockPool(num_kv_blocks, config.block_size, config.enable_prefix_caching,

@@ -19,9 +19,10 @@ def fake_token(token_ids: list[int]) -> int:
 
 class Driver:
     def __init__(self, num_blocks=64, block_size=4, budget=32, max_seqs=8, max_model_len=64,
-                 chunked=True, eos=2, caching=True, policy="fcfs"):
+                 chunked=True, eos=2, caching=True, policy="fcfs", long_prefill=0):
         cfg = SchedulerConfig(budget, max_seqs, max_model_len, block_size, chunked,
-                              frozenset({eos}), caching, scheduling_policy=policy)
+                              frozenset({eos}), caching, scheduling_policy=policy,
+                              long_prefill_token_threshold=long_prefill)
         self.scheduler = Scheduler(cfg)
         self._arrivals = itertools.count()
         self.pool = BlockPool(num_blocks, block_size, caching)
@@ -91,6 +92,23 @@ def test_chunked_prefill_splits_a_long_prompt_and_keeps_decoding_others():
         assert by_id["short"] == 1  # the decode is served first, every step
         chunks.append(by_id["long"])
     assert chunks == [15, 15, 15, 5]
+
+
+def test_a_long_prefill_takes_its_threshold_a_step_and_the_rest_starts_beside_it():
+    def run(threshold):
+        d = Driver(budget=48, max_model_len=128, num_blocks=64, long_prefill=threshold)
+        d.add("long", prompt_len=100, max_tokens=4, ignore_eos=True)
+        d.add("short", prompt_len=10, max_tokens=4, ignore_eos=True)
+        d.run()
+        return d, [dict(zip([r.request_id for r in plan.requests], plan.num_scheduled_tokens))
+                   for plan in d.plans]
+
+    capped, steps = run(32)
+    assert steps[:4] == [{"long": 32, "short": 10}, {"long": 32, "short": 1},
+                         {"long": 32, "short": 1}, {"long": 4, "short": 1}]
+    uncapped, steps = run(0)  # the budget alone: the short prompt waits two steps behind it
+    assert steps[:3] == [{"long": 48}, {"long": 48}, {"long": 4, "short": 10}]
+    assert capped.outputs == uncapped.outputs  # the same tokens, in fewer or more steps
 
 
 def test_preemption_by_recompute_gives_the_same_tokens():

@@ -75,6 +75,22 @@ def test_chunked_prefill(arch, cases, make_llm):
     check_logprobs_close(generate(llm, prompts), expected)
 
 
+def test_a_long_prefill_threshold_splits_prompts_and_changes_no_answer(cases, make_llm,
+                                                                        tmp_path):
+    from actorlm.trace import StepSummary, read_jsonl
+
+    path, prompts, expected = cases["llama"]
+    llm = make_llm(str(path), long_prefill_token_threshold=5, block_size=4,
+                   trace_file=str(tmp_path / "trace.jsonl"))
+    check_logprobs_close(generate(llm, prompts), expected)
+    records = read_jsonl(tmp_path / "trace.jsonl")
+    assert records[0].long_prefill_token_threshold == 5  # (a replay schedules alike)
+    steps = [r for r in records if isinstance(r, StepSummary)]
+    assert max(n for step in steps for n in step.num_scheduled_tokens) == 5
+    with pytest.raises(ValueError, match="--long-prefill-token-threshold splits prompts"):
+        make_llm(str(path), long_prefill_token_threshold=5, enable_chunked_prefill=False)
+
+
 def test_the_closeness_rule_refuses_a_difference_outside_the_top_5():
     top = [{1, 2, 3, 4, 5}] * 3
     assert check_logprobs_close([([1, 2, 3], top)], [([1, 2, 3], top)]) == 1
