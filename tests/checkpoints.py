@@ -249,7 +249,9 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
     (attention and MLP in parallel from one LayerNorm without bias, RoPE on interleaved pairs,
     scaled logits), Cohere 2 (Cohere's, three sliding layers with RoPE to one full without),
     OPT (learned positions, no RoPE, an ungated ReLU MLP, biases everywhere), GPT-2 (OPT's
-    layout with GeLU, its Conv1D weights stored transposed, q/k/v fused),
+    layout with GeLU, its Conv1D weights stored transposed, q/k/v fused), StableLM (LayerNorms
+    with biases, a gated SiLU MLP, RoPE on a quarter of each head, q/k/v biases; and with its
+    branches in parallel from one norm),
     Gemma 3 (five sliding-window layers to one full,
     q/k norms, two RoPE bases), Gemma 2 (sliding and full in turn, soft-capped attention and
     logits), Mistral (every layer sliding), Qwen2 with ``use_sliding_window`` (its upper
@@ -268,7 +270,7 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
                               GPT2Config, OPTConfig, PhiConfig, Starcoder2Config,
                               Glm4Config, GlmConfig, GraniteConfig, HeliumConfig, MistralConfig,
                               Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, SeedOssConfig,
-                              SmolLM3Config)
+                              SmolLM3Config, StableLmConfig)
 
     common = _common(tiny_tokenizer_dir)
     olmo = {k: v for k, v in common.items() if k != "head_dim"}  # (hidden / heads, always)
@@ -331,6 +333,9 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
             "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")},
             ffn_dim=common["intermediate_size"], word_embed_proj_dim=common["hidden_size"],
             init_std=common["initializer_range"], tie_word_embeddings=True),
+        "stablelm": StableLmConfig(**common, use_qkv_bias=True, tie_word_embeddings=False),
+        "stablelm_parallel": StableLmConfig(**common, use_parallel_residual=True,
+                                            tie_word_embeddings=False),
         "gpt2": GPT2Config(**{k: common[k] for k in (
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",

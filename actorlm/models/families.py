@@ -46,6 +46,10 @@ tensors is ``checkpoint_names.py``'s.
   one norm, summed; Phi-2's LM head has a bias, Cohere's logits are scaled (``logit_scale``)
   and its RoPE turns interleaved pairs; Cohere 2's sliding layers (three to each full one)
   alone turn by RoPE, as EXAONE 4's.
+- StableLM (StableLM 2, StableLM-3B-4E1T, StableCode): a Llama with LayerNorms (with biases),
+  RoPE on a quarter of each head, q/k/v biases by ``use_qkv_bias``, and with
+  ``use_parallel_residual`` attention and MLP in parallel from one norm, as Phi-2's; StableLM
+  2 12B's per-head q/k LayerNorms are refused by name.
 - OPT (vLLM's quick-start model, facebook/opt-125m and its larger siblings): LayerNorm with a
   bias, an ungated ReLU MLP (``fc1``, ``fc2``), biases everywhere, no RoPE: positions are
   learned embeddings added to the tokens' (row position + 2, ``position_offset``). The
@@ -81,7 +85,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2",
                          "smollm3", "granite",
                          "olmo2", "olmo3", "exaone4", "glm", "glm4", "ernie4_5", "helium",
                          "seed_oss", "gemma", "gemma2", "gemma3_text", "starcoder2", "phi",
-                         "cohere", "cohere2", "opt", "gpt2", *TEXT_TOWERS, *MOE_MODEL_TYPES)
+                         "cohere", "cohere2", "opt", "gpt2", "stablelm", *TEXT_TOWERS,
+                         *MOE_MODEL_TYPES)
 # the RoPE table of the layers without RoPE (SmolLM3's, EXAONE 4's and Cohere 2's global
 # ones): the identity
 NO_ROPE = "no_rope"
@@ -91,8 +96,9 @@ _OUTPUT_NORMS_ONLY = ("olmo2", "olmo3", "exaone4")  # norms on the branches' out
 _COHERE = ("cohere", "cohere2")
 _INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5", "helium", *_COHERE)  # RoPE on (2i, 2i + 1)
 # LayerNorm, with a bias but in Cohere's
-_LAYER_NORM = ("starcoder2", "phi", "opt", "gpt2", *_COHERE)
-_PARALLEL = ("phi", *_COHERE)  # attention and MLP from one norm, in parallel
+_LAYER_NORM = ("starcoder2", "phi", "opt", "gpt2", "stablelm", *_COHERE)
+# attention and MLP from one norm, in parallel (StableLM's by its use_parallel_residual)
+_PARALLEL = ("phi", *_COHERE)
 _UNGATED_MLP = ("starcoder2", "phi", "opt", "gpt2")
 _GELU_FAMILIES = ("starcoder2", "phi", "gpt2")  # (besides Gemma's)
 _RELU_FAMILIES = ("opt",)
@@ -105,7 +111,7 @@ _COMPUTED_ONLY = {"opt": {"do_layer_norm_before": True, "_remove_final_layer_nor
                   "gpt2": {"scale_attn_weights": True, "add_cross_attention": False,
                            "scale_attn_by_inverse_layer_idx": False}}
 # a query/key norm the family's config may turn on, not implemented (a LayerNorm per head)
-_QK_LAYER_NORMS = {"phi": "qk_layernorm", "cohere": "use_qk_norm"}
+_QK_LAYER_NORMS = {"phi": "qk_layernorm", "cohere": "use_qk_norm", "stablelm": "qk_layernorm"}
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
 _GRANITE = ("granite", "granitemoe", "granitemoeshared")  # Granite's four multipliers
 _FOUR_NORMS = ("gemma2", "gemma3_text")  # Gemma 1 has a Llama's two
@@ -239,7 +245,7 @@ def layer_specs(config) -> list[LayerSpec]:
     qwen2 = model_type in ("qwen2", "qwen2_moe")
     # Qwen2's q/k/v always have a bias, Qwen2-MoE's by qkv_bias; neither has one on o_proj
     qkv_bias = (model_type == "qwen2" or bool(getattr(config, "qkv_bias", True))) if qwen2 \
-        else attention_bias
+        else bool(config.use_qkv_bias) if model_type == "stablelm" else attention_bias
     head_dim = head_dim_of(config)
     scalar = getattr(config, "query_pre_attn_scalar", None) if gemma else None
     # (Phi-2's and GPT-2's projections all have biases, whatever their config says)
@@ -251,7 +257,9 @@ def layer_specs(config) -> list[LayerSpec]:
         norm_eps=norm_eps(config), norm_unit_offset=gemma,
         layer_norm=model_type in _LAYER_NORM,
         norm_bias=model_type in _LAYER_NORM and model_type not in _COHERE,
-        parallel=model_type in _PARALLEL, gated_mlp=model_type not in _UNGATED_MLP,
+        parallel=model_type in _PARALLEL or model_type == "stablelm" and
+        bool(config.use_parallel_residual),
+        gated_mlp=model_type not in _UNGATED_MLP,
         output_norms=model_type in (*_FOUR_NORMS, *_OUTPUT_NORMS_ONLY, "glm4"),
         input_norms=model_type not in _OUTPUT_NORMS_ONLY,
         qk_norm=_QK_NORMS.get(model_type),

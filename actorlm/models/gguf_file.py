@@ -54,7 +54,7 @@ ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": 
                  "olmo2": "olmo2", "phi3": "phi3", "exaone4": "exaone4", "glm4": "glm4",
                  "ernie4_5": "ernie4_5", "seed_oss": "seed_oss", "starcoder2": "starcoder2",
                  "phi2": "phi", "command-r": "cohere", "cohere2": "cohere2",
-                 "qwen2vl": "qwen2", "qwen3vl": "qwen3", **gguf_moe.ARCHITECTURES}
+                 "stablelm": "stablelm", "qwen2vl": "qwen2", "qwen3vl": "qwen3", **gguf_moe.ARCHITECTURES}
 # the architectures transformers cannot read a config of (gguf_metadata builds theirs)
 _OWN_CONFIGS = {"smollm3": gguf_metadata.smollm3_config, "gemma": gguf_metadata.gemma_config,
                 "granite": gguf_metadata.granite_config, "olmo2": gguf_metadata.olmo2_config,
@@ -66,6 +66,8 @@ _OWN_CONFIGS = {"smollm3": gguf_metadata.smollm3_config, "gemma": gguf_metadata.
                 "starcoder2": gguf_metadata.starcoder2_config,
                 "phi2": gguf_metadata.phi2_config, "command-r": gguf_metadata.command_r_config,
                 "cohere2": gguf_metadata.cohere2_config,
+                # (transformers reads a StableLM file, but not its rotated share or branches)
+                "stablelm": gguf_metadata.stablelm_config,
                 "qwen2vl": gguf_metadata.qwen2vl_config, "qwen3vl": gguf_metadata.qwen3vl_config}
 _UNKNOWN_TO_TRANSFORMERS = ("smollm3", "gemma", "granite", "granitemoe", "olmo2", "olmoe",
                             "exaone4", "glm4", "ernie4_5", "seed_oss", "phi2", "command-r",

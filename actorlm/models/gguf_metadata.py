@@ -6,7 +6,7 @@ sizes every decoder has (``decoder_fields``), and what an architecture adds
 (``gguf_moe`` for the mixtures of experts, ``smollm3_config``, ``granite_config``,
 ``olmo2_config``, ``phi3_config``, ``exaone4_config``, ``glm4_config``, ``ernie4_5_config``,
 ``seed_oss_config``, the LayerNorm families: ``starcoder2_config``, ``phi2_config``,
-``command_r_config``, ``cohere2_config``, and the multimodal files' text decoders:
+``command_r_config``, ``cohere2_config``, ``stablelm_config``, and the multimodal files' text decoders:
 ``qwen2vl_config``, ``qwen3vl_config``).
 
 - ``smollm3``: a Llama (q and k rows permuted as a Llama's) that leaves RoPE out of every
@@ -46,6 +46,12 @@ sizes every decoder has (``decoder_fields``), and what an architecture adds
   (``attn_qkv``) in the files converted from its first checkpoint; Cohere's files keep the
   ``logit_scale`` the logits are multiplied by, and Command R7B's the window of its sliding
   layers (three to every full one, as llama.cpp's loader fixes it).
+- ``stablelm``: LayerNorms with biases and a gated MLP, RoPE on ``rope.dimension_count`` of
+  each head's features (halves, not permuted); the tensors tell the rest, as llama.cpp's graph
+  reads them: q/k/v biases, no ``ffn_norm`` (the branches in parallel from one norm,
+  ``use_parallel_residual``), per-head q/k norms (StableLM 2 12B's: refused by the family).
+  transformers reads these files, but takes neither the rotated share nor the branches from
+  them.
 - ``qwen2vl`` (Qwen2-VL, Qwen2.5-VL) and ``qwen3vl`` (Qwen3-VL): the text decoder of a
   multimodal file (its vision tower is a file apart, the mmproj), read as Qwen2 / Qwen3. Text
   tokens take one position in all of the multimodal RoPE's sections, which makes it the text
@@ -284,6 +290,17 @@ def phi2_config(reader, tensor_names: list[str]):
     fields = _layer_norm_fields(reader, "phi2", tensor_names, "layer_norm_eps")
     fields["rope_parameters"]["partial_rotary_factor"] = _rotated_share(reader, "phi2")
     return PhiConfig(**fields)
+
+
+def stablelm_config(reader, tensor_names: list[str]):
+    from transformers import StableLmConfig
+
+    fields = _layer_norm_fields(reader, "stablelm", tensor_names, "layer_norm_eps")
+    fields["rope_parameters"]["partial_rotary_factor"] = _rotated_share(reader, "stablelm")
+    return StableLmConfig(**fields, use_qkv_bias=_has(tensor_names, "q_proj.bias"),
+                          use_parallel_residual=not _has(tensor_names,
+                                                         "post_attention_layernorm.weight"),
+                          qk_layernorm=_has(tensor_names, "q_norm.weight"))
 
 
 def command_r_config(reader, tensor_names: list[str]):

@@ -2,7 +2,8 @@
 SmolLM3 without RoPE in a layer, Granite's multipliers, OLMo 2's and 3's output norms, GLM's
 RoPE on half of each head in interleaved pairs, Phi-3's on three quarters and LongRoPE's short
 factors, ERNIE 4.5's and Helium's interleaved pairs, EXAONE 4's global NoPE, Seed-OSS's biases,
-Gemma's, Ministral's and Ministral 3's)
+Gemma's, Ministral's and Ministral 3's, StableLM's LayerNorms with a gated MLP, sequential and
+in parallel)
 against transformers on the same tiny checkpoints: logits at every position of a 40-token
 prompt and 60 greedy tokens after it, far past the window of 16, and the greedy tokens
 themselves by vLLM's rule."""
@@ -25,7 +26,8 @@ FAMILIES = ["gemma", "gemma3", "gemma2", "mistral", "qwen2_window", "phi3", "smo
             "olmo2", "olmo3", "glm", "glm4", "phi3_partial", "phi3_longrope", "ernie4_5",
             "exaone4", "helium", "seed_oss", "ministral", "ministral3"]
 # LayerNorm, parallel branches, ungated MLPs
-LAYER_NORM_FAMILIES = ["starcoder2", "phi", "cohere", "cohere2", "opt", "gpt2"]
+LAYER_NORM_FAMILIES = ["starcoder2", "phi", "cohere", "cohere2", "opt", "gpt2", "stablelm",
+                       "stablelm_parallel"]
 PROMPT_LEN, NUM_DECODED = 40, 60
 ATOL = {torch.float32: 2e-4, torch.bfloat16: None}  # bf16: judged by the greedy tokens only
 
@@ -160,9 +162,10 @@ def test_longrope_past_its_original_context_matches_transformers(tiny_window_dir
                               theirs.model.rotary_emb.long_inv_freq)
 
 
-@pytest.mark.parametrize("family, flag", [("cohere", "use_qk_norm"), ("phi", "qk_layernorm")])
+@pytest.mark.parametrize("family, flag", [("cohere", "use_qk_norm"), ("phi", "qk_layernorm"),
+                                          ("stablelm", "qk_layernorm")])
 def test_a_layer_norm_of_each_heads_q_and_k_is_refused_by_name(tiny_window_dirs, family, flag):
-    """Command R+'s and some Phi-2 fine-tunes' LayerNorm of each head's q and k changes the
+    """Command R+'s, StableLM 2 12B's and some Phi-2 fine-tunes' LayerNorm of each head's q and k changes the
     math and is not implemented: loading refuses, naming the config's flag."""
     from actorlm.models.families import check_config
     from actorlm.models.loader import load_hf_config
