@@ -81,13 +81,16 @@ def _save_tiny(tmp_path_factory, tokenizer_dir, name, config, seed, **save_flags
 
 def perturbed(model):
     """``model`` with its biases and norm weights drawn at random: transformers initialises
-    them to 0 and 1, where a mis-mapped bias or norm would not show in the logits."""
+    them to 0 and 1, where a mis-mapped bias or norm would not show in the logits. Nemotron's
+    norm weights are centred on 0, as its checkpoints hold them (its LayerNorm1P adds the 1;
+    transformers' 1 would double every normed activation)."""
+    centre = 1.0 if model.config.model_type == "nemotron" else 0.0
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("bias"):
                 param.normal_(0.0, 0.1)
             elif "norm" in name:
-                param.add_(torch.randn_like(param) * 0.1)
+                param.add_(torch.randn_like(param) * 0.1 - centre)
     return model
 
 
@@ -251,7 +254,9 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
     OPT (learned positions, no RoPE, an ungated ReLU MLP, biases everywhere), GPT-2 (OPT's
     layout with GeLU, its Conv1D weights stored transposed, q/k/v fused), StableLM (LayerNorms
     with biases, a gated SiLU MLP, RoPE on a quarter of each head, q/k/v biases; and with its
-    branches in parallel from one norm),
+    branches in parallel from one norm), Nemotron (LayerNorms whose weights count from 1, an
+    ungated MLP of ReLU squared, RoPE on half of each head, biases), Arcee (a Llama with that
+    MLP),
     Gemma 3 (five sliding-window layers to one full,
     q/k norms, two RoPE bases), Gemma 2 (sliding and full in turn, soft-capped attention and
     logits), Mistral (every layer sliding), Qwen2 with ``use_sliding_window`` (its upper
@@ -270,7 +275,7 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
                               GPT2Config, OPTConfig, PhiConfig, Starcoder2Config,
                               Glm4Config, GlmConfig, GraniteConfig, HeliumConfig, MistralConfig,
                               Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, SeedOssConfig,
-                              SmolLM3Config, StableLmConfig)
+                              SmolLM3Config, StableLmConfig, NemotronConfig, ArceeConfig)
 
     common = _common(tiny_tokenizer_dir)
     olmo = {k: v for k, v in common.items() if k != "head_dim"}  # (hidden / heads, always)
@@ -336,6 +341,9 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
         "stablelm": StableLmConfig(**common, use_qkv_bias=True, tie_word_embeddings=False),
         "stablelm_parallel": StableLmConfig(**common, use_parallel_residual=True,
                                             tie_word_embeddings=False),
+        "nemotron": NemotronConfig(**common, attention_bias=True, mlp_bias=True,
+                                   tie_word_embeddings=False),
+        "arcee": ArceeConfig(**common, tie_word_embeddings=False),
         "gpt2": GPT2Config(**{k: common[k] for k in (
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",

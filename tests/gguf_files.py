@@ -41,7 +41,7 @@ _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_hea
 _ARCHITECTURES = {"olmo3": "olmo2", "phi": "phi2", "cohere": "command-r"}
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 PERMUTED = ("llama", "smollm3", "granite")  # q and k rows permuted by llama.cpp's converter
-GEMMA = ("gemma", "gemma2", "gemma3")  # norms stored as 1 + weight
+GEMMA = ("gemma", "gemma2", "gemma3", "nemotron")  # norms stored as 1 + weight
 # a Granite config's multipliers -> the metadata keys llama.cpp's converter writes them under
 _GRANITE_SCALES = {"embedding_multiplier": "add_embedding_scale",
                    "attention_multiplier": "add_attention_scale",
@@ -85,7 +85,7 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
                eot_token_id: int | None = None, pooling_type=None,
                fuse_qkv: bool = False, architecture: str | None = None) -> pathlib.Path:
     """The checkpoint ``hf_dir`` (Llama, SmolLM3, Granite, OLMo 2, Phi-3, EXAONE 4, GLM-4,
-    ERNIE 4.5, Seed-OSS, Gemma, Qwen2, Qwen3, StarCoder2, Phi-2, Cohere, Cohere 2 or StableLM) as a GGUF
+    ERNIE 4.5, Seed-OSS, Gemma, Qwen2, Qwen3, StarCoder2, Phi-2, Cohere, Cohere 2, StableLM, Nemotron or Arcee) as a GGUF
     file whose matrices are all ``type_name`` blocks (norms and biases F32), with an
     end-of-turn token where given, an embedding model's ``gguf.PoolingType`` where given (as
     llama.cpp's converter writes a sentence-transformers model's), q/k/v fused into one tensor
@@ -191,7 +191,8 @@ def _write_config(writer, config: dict) -> None:
     if "rms_norm_eps" in config:
         writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     else:  # a LayerNorm family's
-        writer.add_layer_norm_eps(config.get("layer_norm_eps") or config["norm_epsilon"])
+        writer.add_layer_norm_eps(config.get("layer_norm_eps") or config.get("norm_eps") or
+                                  config["norm_epsilon"])
     writer.add_vocab_size(config["vocab_size"])
     for multiplier, add in _GRANITE_SCALES.items():
         if multiplier in config:

@@ -22,7 +22,7 @@ from actorlm.kernels.lora import LoRATable
 from actorlm.kernels.metadata import AttentionMetadata
 
 # act_and_mul's (and an ungated MLP's): SiLU, GeLU's tanh approximation, ReLU (OPT's)
-ACTIVATIONS = ("silu", "gelu_tanh", "relu")
+ACTIVATIONS = ("silu", "gelu_tanh", "relu", "relu2")  # (relu2: relu(x) squared)
 
 
 class Norm(NamedTuple):

@@ -2,7 +2,7 @@
 tower's names as a text model's (its vision tower left out), each family's names as the
 decoder's (``_RENAMES``), Phi-3's, GLM's and GPT-2's fused q/k/v and gate/up split into the
 projections they fuse (so that they merge and shard as every family's do), GPT-2's Conv1D
-weights transposed, Mixtral's and Granite MoE's experts under the other MoE families' names,
+weights transposed, Nemotron's norm weights counted from 1, Mixtral's and Granite MoE's experts under the other MoE families' names,
 and q and k in the order the kernels rotate them (``rope_layout``); ``narrow`` reads a part of
 any tensor a checkpoint holds."""
 
@@ -31,6 +31,8 @@ _RENAMES = {"starcoder2": {".mlp.c_fc.": ".mlp.fc_in.", ".mlp.c_proj.": ".mlp.do
                     ".self_attn_layer_norm.": ".input_layernorm.",
                     ".final_layer_norm.": ".post_attention_layernorm.",
                     ".fc1.": ".mlp.fc_in.", ".fc2.": ".mlp.down_proj."},
+            "nemotron": {".mlp.up_proj.": ".mlp.fc_in."},
+            "arcee": {".mlp.up_proj.": ".mlp.fc_in."},
             "gpt2": {"transformer.wte.": "model.embed_tokens.",
                      "transformer.wpe.": "model.embed_positions.",
                      "transformer.ln_f.": "model.norm.", "transformer.h.": "model.layers.",
@@ -79,6 +81,10 @@ def _split_fused(config, tensors, q_size: int, kv_size: int):
                 continue
         for fragment, ours in _RENAMES.get(config.model_type, {}).items():
             name = name.replace(fragment, ours)
+        if config.model_type == "nemotron" and name.endswith("norm.weight"):
+            # LayerNorm1P's weight + 1, in fp32: the model's dtype then rounds it once, as
+            # transformers' add in that dtype does
+            tensor = narrow(tensor, 0, 0, None).float() + 1
         if ".self_attn.qkv_proj." in name:
             parts = [("q_proj", 0, q_size), ("k_proj", q_size, kv_size),
                      ("v_proj", q_size + kv_size, kv_size)]

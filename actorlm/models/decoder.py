@@ -161,7 +161,7 @@ class MLP(nn.Module):
 
 # an ungated MLP's activation, as transformers computes it (in the model dtype)
 _UNGATED_ACTIVATIONS = {"gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
-                        "relu": torch.relu}
+                        "relu": torch.relu, "relu2": lambda x: torch.square(torch.relu(x))}
 
 
 class DecoderLayer(nn.Module):

@@ -50,6 +50,9 @@ tensors is ``checkpoint_names.py``'s.
   RoPE on a quarter of each head, q/k/v biases by ``use_qkv_bias``, and with
   ``use_parallel_residual`` attention and MLP in parallel from one norm, as Phi-2's; StableLM
   2 12B's per-head q/k LayerNorms are refused by name.
+- Nemotron (Minitron, Nemotron-Mini): LayerNorms with biases whose weights count from 1
+  (``LayerNorm1P``: the 1 is added as the checkpoint loads), an ungated MLP of ReLU squared
+  (``up_proj``, ``down_proj``), RoPE on half of each head. Arcee (AFM): a Llama with that MLP.
 - OPT (vLLM's quick-start model, facebook/opt-125m and its larger siblings): LayerNorm with a
   bias, an ungated ReLU MLP (``fc1``, ``fc2``), biases everywhere, no RoPE: positions are
   learned embeddings added to the tokens' (row position + 2, ``position_offset``). The
@@ -85,8 +88,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2",
                          "smollm3", "granite",
                          "olmo2", "olmo3", "exaone4", "glm", "glm4", "ernie4_5", "helium",
                          "seed_oss", "gemma", "gemma2", "gemma3_text", "starcoder2", "phi",
-                         "cohere", "cohere2", "opt", "gpt2", "stablelm", *TEXT_TOWERS,
-                         *MOE_MODEL_TYPES)
+                         "cohere", "cohere2", "opt", "gpt2", "stablelm", "nemotron", "arcee",
+                         *TEXT_TOWERS, *MOE_MODEL_TYPES)
 # the RoPE table of the layers without RoPE (SmolLM3's, EXAONE 4's and Cohere 2's global
 # ones): the identity
 NO_ROPE = "no_rope"
@@ -96,12 +99,13 @@ _OUTPUT_NORMS_ONLY = ("olmo2", "olmo3", "exaone4")  # norms on the branches' out
 _COHERE = ("cohere", "cohere2")
 _INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5", "helium", *_COHERE)  # RoPE on (2i, 2i + 1)
 # LayerNorm, with a bias but in Cohere's
-_LAYER_NORM = ("starcoder2", "phi", "opt", "gpt2", "stablelm", *_COHERE)
+_LAYER_NORM = ("starcoder2", "phi", "opt", "gpt2", "stablelm", "nemotron", *_COHERE)
 # attention and MLP from one norm, in parallel (StableLM's by its use_parallel_residual)
 _PARALLEL = ("phi", *_COHERE)
-_UNGATED_MLP = ("starcoder2", "phi", "opt", "gpt2")
+_UNGATED_MLP = ("starcoder2", "phi", "opt", "gpt2", "nemotron", "arcee")
 _GELU_FAMILIES = ("starcoder2", "phi", "gpt2")  # (besides Gemma's)
 _RELU_FAMILIES = ("opt",)
+_RELU2_FAMILIES = ("nemotron", "arcee")  # relu(x) squared
 # learned position embeddings (no RoPE): the row a position reads is position + offset
 _POSITION_OFFSETS = {"opt": 2, "gpt2": 0}
 # a family's config fields whose other values change the math and are not computed here
@@ -117,7 +121,7 @@ _GRANITE = ("granite", "granitemoe", "granitemoeshared")  # Granite's four multi
 _FOUR_NORMS = ("gemma2", "gemma3_text")  # Gemma 1 has a Llama's two
 # (Phi-2's gelu_new is the tanh approximation, written out in torch ops)
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
-                "relu": "relu"}
+                "relu": "relu", "relu2": "relu2"}
 _GRANITE_MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier",
                         "logits_scaling")
 
@@ -162,7 +166,8 @@ def check_config(config) -> None:
         raise ValueError(f"model_type {config.model_type!r} is not supported (use one of "
                          f"{SUPPORTED_MODEL_TYPES})")
     activation = activation_of(config)
-    family = "relu" if config.model_type in _RELU_FAMILIES else "gelu_tanh" \
+    family = "relu" if config.model_type in _RELU_FAMILIES else "relu2" \
+        if config.model_type in _RELU2_FAMILIES else "gelu_tanh" \
         if is_gemma(config) or config.model_type in _GELU_FAMILIES else "silu"
     if _ACTIVATIONS.get(activation) != family:
         raise ValueError(f"{config.model_type}: activation {activation!r} is not implemented")
@@ -289,7 +294,8 @@ def _o_bias(config, attention_bias: bool) -> bool:
 def norm_eps(config) -> float:
     """The norms' epsilon, by whichever name the family's config gives it (OPT's none:
     torch's LayerNorm default, as transformers builds them)."""
-    for name in ("rms_norm_eps", "layer_norm_eps", "norm_epsilon", "layer_norm_epsilon"):
+    for name in ("rms_norm_eps", "layer_norm_eps", "norm_epsilon", "layer_norm_epsilon",
+                 "norm_eps"):
         if (value := getattr(config, name, None)) is not None:
             return value
     if config.model_type == "opt":

@@ -6,7 +6,8 @@ sizes every decoder has (``decoder_fields``), and what an architecture adds
 (``gguf_moe`` for the mixtures of experts, ``smollm3_config``, ``granite_config``,
 ``olmo2_config``, ``phi3_config``, ``exaone4_config``, ``glm4_config``, ``ernie4_5_config``,
 ``seed_oss_config``, the LayerNorm families: ``starcoder2_config``, ``phi2_config``,
-``command_r_config``, ``cohere2_config``, ``stablelm_config``, and the multimodal files' text decoders:
+``command_r_config``, ``cohere2_config``, ``stablelm_config``, ``nemotron_config``,
+``arcee_config``, and the multimodal files' text decoders:
 ``qwen2vl_config``, ``qwen3vl_config``).
 
 - ``smollm3``: a Llama (q and k rows permuted as a Llama's) that leaves RoPE out of every
@@ -52,6 +53,10 @@ sizes every decoder has (``decoder_fields``), and what an architecture adds
   ``use_parallel_residual``), per-head q/k norms (StableLM 2 12B's: refused by the family).
   transformers reads these files, but takes neither the rotated share nor the branches from
   them.
+- ``nemotron``: LayerNorms (``attention.layer_norm_epsilon``) whose weights the converter
+  stored as 1 + weight (read back as the checkpoint's), an ungated MLP (``ffn_up``), RoPE on
+  ``rope.dimension_count`` of each head's features; ``arcee``: a Llama (q and k not permuted)
+  with that MLP. Their biases the tensors tell.
 - ``qwen2vl`` (Qwen2-VL, Qwen2.5-VL) and ``qwen3vl`` (Qwen3-VL): the text decoder of a
   multimodal file (its vision tower is a file apart, the mmproj), read as Qwen2 / Qwen3. Text
   tokens take one position in all of the multimodal RoPE's sections, which makes it the text
@@ -301,6 +306,25 @@ def stablelm_config(reader, tensor_names: list[str]):
                           use_parallel_residual=not _has(tensor_names,
                                                          "post_attention_layernorm.weight"),
                           qk_layernorm=_has(tensor_names, "q_norm.weight"))
+
+
+def nemotron_config(reader, tensor_names: list[str]):
+    from transformers import NemotronConfig
+
+    fields = _layer_norm_fields(reader, "nemotron", tensor_names, "norm_eps")
+    fields["rope_parameters"]["partial_rotary_factor"] = _rotated_share(reader, "nemotron")
+    return NemotronConfig(**fields, head_dim=head_dim(reader, "nemotron"),
+                          attention_bias=_has(tensor_names, "q_proj.bias"),
+                          mlp_bias=_has(tensor_names, "down_proj.bias"))
+
+
+def arcee_config(reader, tensor_names: list[str]):
+    from transformers import ArceeConfig
+
+    return ArceeConfig(**decoder_fields(reader, "arcee", tensor_names),
+                       head_dim=head_dim(reader, "arcee"),
+                       attention_bias=_has(tensor_names, "q_proj.bias"),
+                       mlp_bias=_has(tensor_names, "down_proj.bias"))
 
 
 def command_r_config(reader, tensor_names: list[str]):

@@ -103,7 +103,7 @@ def test_head_rms_norm_declines_norms_it_cannot_run_alike():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "relu"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "relu", "relu2"])
 @pytest.mark.parametrize("rows, dim", [(1, 1536), (5, 80), (64, 1536)])
 def test_act_and_mul_is_the_oracle_within_its_rounding(dtype, activation, rows, dim):
     gen = torch.Generator().manual_seed(rows * dim)

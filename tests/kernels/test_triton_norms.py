@@ -183,8 +183,9 @@ def test_zero_rows_launch_nothing(monkeypatch):
 def _act_exact(gate_up, activation):
     """float64 act(gate) * up, unrounded; and z, the exponential's argument (sigmoid(z))."""
     gate, up = gate_up.double().chunk(2, dim=-1)
-    if activation == "relu":  # (exact: no exponential)
-        return gate.clamp(min=0) * up, torch.zeros_like(gate), up
+    if activation in ("relu", "relu2"):  # (no exponential; relu2's square rounds once)
+        return gate.clamp(min=0).pow(2 if activation == "relu2" else 1) * up, \
+            torch.zeros_like(gate), up
     if activation == "silu":
         z = gate
     else:
@@ -192,7 +193,7 @@ def _act_exact(gate_up, activation):
     return gate * torch.sigmoid(z) * up, z, up
 
 
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "relu"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "relu", "relu2"])
 @_sweep("inter")
 def test_act_and_mul_matches_reference(dtype, inter, num_rows, activation):
     gen = torch.Generator().manual_seed(inter * 13 + num_rows)

@@ -29,7 +29,9 @@ def gated_activation(gate, up, DTYPE: tl.constexpr, ACTIVATION: tl.constexpr):
     """act(gate) * up in ``DTYPE`` from fp32 tiles of gate and up (values of ``DTYPE``): the
     activation (``ACTIVATION``: its index in ``ACTIVATIONS``) rounded to ``DTYPE``, then the
     product (HF's two ops). Also the routed experts' epilogue (``fused_moe.py``)."""
-    if ACTIVATION == 2:  # ReLU
+    if ACTIVATION == 3:  # ReLU squared
+        act = tl.maximum(gate, 0.0) * tl.maximum(gate, 0.0)
+    elif ACTIVATION == 2:  # ReLU
         act = tl.maximum(gate, 0.0)
     elif ACTIVATION == 1:  # GeLU, tanh approximation
         # 0.5 g (1 + tanh(y)) == g * sigmoid(2y): tl has no tanh, and this form does not cancel

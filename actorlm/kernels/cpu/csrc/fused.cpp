@@ -23,7 +23,7 @@ using actorlm::to_float;
 
 constexpr int kMaxRopeDim = 512;  // head sizes the RoPE kernel takes
 // the order of kernels.backend.ACTIVATIONS
-enum Activation { kSilu = 0, kGeluTanh = 1, kRelu = 2 };
+enum Activation { kSilu = 0, kGeluTanh = 1, kRelu = 2, kRelu2 = 3 };  // kernels.ACTIVATIONS
 // Values from which a pass is split over the team: a decode step's few rows take a
 // microsecond or two alone, about what waking the team and joining it again cost
 constexpr int64_t kParallelFrom = 8192;
@@ -124,6 +124,12 @@ void head_rms_norm(T* qkv, int64_t row_stride, int64_t rows, int num_heads, int 
 
 inline float silu(float g) { return g / (1.f + expf(-g)); }
 
+// torch's square(relu(g)): Nemotron's and Arcee's
+inline float relu2(float g) {
+  const float r = std::max(g, 0.f);
+  return r * r;
+}
+
 // torch's gelu(approximate="tanh")
 inline float gelu_tanh(float g) {
   constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
@@ -146,6 +152,10 @@ void act_and_mul(const T* gate_up, T* out, int64_t rows, int dim, int activation
 #pragma omp simd
       for (int d = 0; d < dim; ++d)
         store(std::max(to_float(gate[d]), 0.f) * to_float(up[d]), o + d);
+    } else if (activation == kRelu2) {
+#pragma omp simd
+      for (int d = 0; d < dim; ++d)
+        store(rounded(relu2(to_float(gate[d])), o) * to_float(up[d]), o + d);
     } else {
 #pragma omp simd
       for (int d = 0; d < dim; ++d)
@@ -167,6 +177,9 @@ void act(const T* x, T* out, int64_t rows, int dim, int activation) {
     } else if (activation == kRelu) {
 #pragma omp simd
       for (int d = 0; d < dim; ++d) store(std::max(to_float(in[d]), 0.f), o + d);
+    } else if (activation == kRelu2) {
+#pragma omp simd
+      for (int d = 0; d < dim; ++d) store(relu2(to_float(in[d])), o + d);
     } else {
 #pragma omp simd
       for (int d = 0; d < dim; ++d) store(gelu_tanh(to_float(in[d])), o + d);
