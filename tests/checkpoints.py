@@ -256,7 +256,8 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
     with biases, a gated SiLU MLP, RoPE on a quarter of each head, q/k/v biases; and with its
     branches in parallel from one norm), Nemotron (LayerNorms whose weights count from 1, an
     ungated MLP of ReLU squared, RoPE on half of each head, biases), Arcee (a Llama with that
-    MLP),
+    MLP), GPT-NeoX (q/k/v fused per head, exact GeLU, its branches in parallel each through
+    its own norm; and in sequence),
     Gemma 3 (five sliding-window layers to one full,
     q/k norms, two RoPE bases), Gemma 2 (sliding and full in turn, soft-capped attention and
     logits), Mistral (every layer sliding), Qwen2 with ``use_sliding_window`` (its upper
@@ -275,7 +276,8 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
                               GPT2Config, OPTConfig, PhiConfig, Starcoder2Config,
                               Glm4Config, GlmConfig, GraniteConfig, HeliumConfig, MistralConfig,
                               Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, SeedOssConfig,
-                              SmolLM3Config, StableLmConfig, NemotronConfig, ArceeConfig)
+                              SmolLM3Config, StableLmConfig, NemotronConfig, ArceeConfig,
+                              GPTNeoXConfig)
 
     common = _common(tiny_tokenizer_dir)
     olmo = {k: v for k, v in common.items() if k != "head_dim"}  # (hidden / heads, always)
@@ -344,6 +346,13 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
         "nemotron": NemotronConfig(**common, attention_bias=True, mlp_bias=True,
                                    tie_word_embeddings=False),
         "arcee": ArceeConfig(**common, tie_word_embeddings=False),
+        "gpt_neox": GPTNeoXConfig(**{k: v for k, v in common.items()
+                                     if k not in ("head_dim", "num_key_value_heads")},
+                                  tie_word_embeddings=False),
+        "gpt_neox_sequential": GPTNeoXConfig(**{k: v for k, v in common.items()
+                                                if k not in ("head_dim", "num_key_value_heads")},
+                                             use_parallel_residual=False,
+                                             tie_word_embeddings=False),
         "gpt2": GPT2Config(**{k: common[k] for k in (
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",

@@ -22,7 +22,8 @@ from actorlm.kernels.lora import LoRATable
 from actorlm.kernels.metadata import AttentionMetadata
 
 # act_and_mul's (and an ungated MLP's): SiLU, GeLU's tanh approximation, ReLU (OPT's)
-ACTIVATIONS = ("silu", "gelu_tanh", "relu", "relu2")  # (relu2: relu(x) squared)
+# (relu2: relu(x) squared; gelu: the exact one, by erf)
+ACTIVATIONS = ("silu", "gelu_tanh", "relu", "relu2", "gelu")
 
 
 class Norm(NamedTuple):
@@ -135,8 +136,9 @@ class DecoderLayerPlan(NamedTuple):
         out = mlp_out_norm(m) or m            (the next layer adds it to the stream; times
                                                ``residual_scale``, if any)
 
-    A ``parallel`` layer (Phi-2, Cohere) has no mlp_norm: out = a + m, m of h as a is. Norms
-    are RMS norms or LayerNorms (``Norm.layer``).
+    A ``parallel`` layer sums the branches, out = a + m, m of h as a is (Phi-2, Cohere: no
+    mlp_norm) or of mlp_norm(stream), the same stream (GPT-NeoX). Norms are RMS norms or
+    LayerNorms (``Norm.layer``).
 
     With ``moe`` (a ``MoePlan``) the experts take the dense MLP's place, and ``gate_up`` and
     ``down`` are None. The linear layers are what ``KernelBackend.prepare_linear`` returned; ``rope`` picks which
@@ -164,8 +166,8 @@ class DecoderLayerPlan(NamedTuple):
     # LoRA adapters' slots of (qkv, o, gate_up, down), each a ``LoRATable`` or None: a step's
     # rows with a slot get its delta on each (``add_lora``); None: no LoRA
     lora: tuple[LoRATable | None, ...] | None = None
-    # attention and MLP both read attn_norm's output, and the layer's output is their sum
-    # (Phi-2, Cohere; mlp_norm None)
+    # attention and MLP both read the stream, and the layer's output is their sum: the MLP
+    # through attn_norm's output (Phi-2, Cohere; mlp_norm None) or its own (GPT-NeoX)
     parallel: bool = False
     gated: bool = True  # False: gate_up is one projection, act(it) alone (StarCoder2, Phi-2)
 

@@ -86,7 +86,7 @@ def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
 
 # each activation as transformers computes it (in the model dtype)
 _ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-                "relu": F.relu, "relu2": lambda x: torch.square(F.relu(x))}
+                "relu": F.relu, "relu2": lambda x: torch.square(F.relu(x)), "gelu": F.gelu}
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:

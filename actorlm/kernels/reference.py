@@ -39,7 +39,8 @@ def add_rms_norm_ref(x, residual, weight, eps, unit_offset=False):
 
 def act_and_mul_ref(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     """gate_up [T, 2I] (each row [gate | up]) -> act(gate) * up [T, I]; ``activation`` is
-    ``silu``, ``gelu_tanh`` (GeLU's tanh approximation), ``relu`` or ``relu2`` (relu squared)."""
+    ``silu``, ``gelu_tanh`` (GeLU's tanh approximation), ``relu``, ``relu2`` (relu squared) or
+    ``gelu`` (exact, by erf)."""
     check_activation(activation)
     gate, up = gate_up.double().chunk(2, dim=-1)
     if activation == "silu":
@@ -48,6 +49,8 @@ def act_and_mul_ref(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
         act = gate.clamp(min=0)
     elif activation == "relu2":
         act = gate.clamp(min=0).square()
+    elif activation == "gelu":
+        act = 0.5 * gate * (1.0 + torch.erf(gate / math.sqrt(2.0)))
     else:
         act = 0.5 * gate * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) *
                                              (gate + 0.044715 * gate.pow(3))))

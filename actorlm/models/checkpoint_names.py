@@ -2,7 +2,8 @@
 tower's names as a text model's (its vision tower left out), each family's names as the
 decoder's (``_RENAMES``), Phi-3's, GLM's and GPT-2's fused q/k/v and gate/up split into the
 projections they fuse (so that they merge and shard as every family's do), GPT-2's Conv1D
-weights transposed, Nemotron's norm weights counted from 1, Mixtral's and Granite MoE's experts under the other MoE families' names,
+weights transposed, GPT-NeoX's per-head q/k/v regrouped, Nemotron's norm weights counted
+from 1, Mixtral's and Granite MoE's experts under the other MoE families' names,
 and q and k in the order the kernels rotate them (``rope_layout``); ``narrow`` reads a part of
 any tensor a checkpoint holds."""
 
@@ -20,6 +21,9 @@ from actorlm.models.rope_layout import ROTATED_Q_K, reordered
 _GPT2_CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight",
                 ".mlp.c_proj.weight")
 _GPT2_MASKS = (".attn.bias", ".attn.masked_bias")
+# buffers GPT-NeoX's first checkpoints (Pythia's) hold: its causal masks, RoPE's frequencies
+_GPT_NEOX_BUFFERS = (".attention.bias", ".attention.masked_bias",
+                     ".attention.rotary_emb.inv_freq")
 # a family's checkpoint names -> the shared decoder's
 _RENAMES = {"starcoder2": {".mlp.c_fc.": ".mlp.fc_in.", ".mlp.c_proj.": ".mlp.down_proj."},
             "phi": {".mlp.fc1.": ".mlp.fc_in.", ".mlp.fc2.": ".mlp.down_proj.",
@@ -32,6 +36,13 @@ _RENAMES = {"starcoder2": {".mlp.c_fc.": ".mlp.fc_in.", ".mlp.c_proj.": ".mlp.do
                     ".final_layer_norm.": ".post_attention_layernorm.",
                     ".fc1.": ".mlp.fc_in.", ".fc2.": ".mlp.down_proj."},
             "nemotron": {".mlp.up_proj.": ".mlp.fc_in."},
+            "gpt_neox": {"gpt_neox.embed_in.": "model.embed_tokens.",
+                         "gpt_neox.final_layer_norm.": "model.norm.",
+                         "gpt_neox.layers.": "model.layers.", "embed_out.": "lm_head.",
+                         ".attention.query_key_value.": ".self_attn.qkv_proj.",
+                         ".attention.dense.": ".self_attn.o_proj.",
+                         ".mlp.dense_h_to_4h.": ".mlp.fc_in.",
+                         ".mlp.dense_4h_to_h.": ".mlp.down_proj."},
             "arcee": {".mlp.up_proj.": ".mlp.fc_in."},
             "gpt2": {"transformer.wte.": "model.embed_tokens.",
                      "transformer.wpe.": "model.embed_positions.",
@@ -79,6 +90,11 @@ def _split_fused(config, tensors, q_size: int, kv_size: int):
             name, tensor = _gpt2_tensor(name, tensor)
             if name is None:
                 continue
+        if config.model_type == "gpt_neox":
+            if name.endswith(_GPT_NEOX_BUFFERS):
+                continue
+            if ".attention.query_key_value." in name:
+                tensor = _per_head_qkv_regrouped(tensor, config.num_attention_heads)
         for fragment, ours in _RENAMES.get(config.model_type, {}).items():
             name = name.replace(fragment, ours)
         if config.model_type == "nemotron" and name.endswith("norm.weight"):
@@ -98,6 +114,16 @@ def _split_fused(config, tensors, q_size: int, kv_size: int):
         fused = name.split(".")[-2]
         for part, start, length in parts:
             yield name.replace(f".{fused}.", f".{part}."), narrow(tensor, 0, start, length)
+
+
+def _per_head_qkv_regrouped(tensor, num_heads: int) -> torch.Tensor:
+    """GPT-NeoX's fused q/k/v rows, each head's q, k and v together, as every head's q, then
+    every head's k, then v (the order the split below reads)."""
+    tensor = narrow(tensor, 0, 0, None)
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError("GPT-NeoX's query_key_value in blocks is not implemented")
+    return tensor.reshape(num_heads, 3, -1, *tensor.shape[1:]).transpose(0, 1) \
+        .reshape(tensor.shape)
 
 
 def _gpt2_tensor(name: str, tensor):

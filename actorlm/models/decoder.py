@@ -60,7 +60,8 @@ class LayerSpec:
     # LayerNorm (the mean taken out; a bias with ``norm_bias``) in place of RMSNorm
     layer_norm: bool = False
     norm_bias: bool = False
-    parallel: bool = False  # attention and MLP both from the one norm's output, summed
+    parallel: bool = False  # attention and MLP both from the stream, summed
+    parallel_mlp_norm: bool = False  # in parallel, the MLP through a norm of its own (GPT-NeoX)
     gated_mlp: bool = True  # act(gate) * up; False: act(up) alone (fc_in)
 
     def __post_init__(self):
@@ -161,7 +162,8 @@ class MLP(nn.Module):
 
 # an ungated MLP's activation, as transformers computes it (in the model dtype)
 _UNGATED_ACTIVATIONS = {"gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
-                        "relu": torch.relu, "relu2": lambda x: torch.square(torch.relu(x))}
+                        "relu": torch.relu, "relu2": lambda x: torch.square(torch.relu(x)),
+                        "gelu": torch.nn.functional.gelu}
 
 
 class DecoderLayer(nn.Module):
@@ -180,8 +182,9 @@ class DecoderLayer(nn.Module):
             return norm_of(spec, backend, dtype, device)
 
         self.attn_norm = self.mlp_norm = self.attn_out_norm = self.mlp_out_norm = None
-        if spec.input_norms:  # (in parallel, both branches read the attention's)
-            self.attn_norm, self.mlp_norm = norm(), None if spec.parallel else norm()
+        if spec.input_norms:  # (in parallel, the MLP reads the attention's, or its own)
+            own = not spec.parallel or spec.parallel_mlp_norm
+            self.attn_norm, self.mlp_norm = norm(), norm() if own else None
         if spec.output_norms:
             self.attn_out_norm, self.mlp_out_norm = norm(), norm()
         self.self_attn = Attention(spec, backend, dtype, device, tp)
@@ -199,9 +202,11 @@ class DecoderLayer(nn.Module):
         first layer, whose x is the embeddings. ``ropes`` and ``metas``: the step's RoPE
         tables and its attention metadata per KV-cache group."""
         x, residual = _joined(self.attn_norm, x, residual)
-        if self.parallel:  # Phi-2's, Cohere's: both branches of the one norm, summed
+        if self.parallel:  # both branches of the stream, summed: the MLP through the
+            # attention's norm (Phi-2, Cohere) or its own (GPT-NeoX)
             attended = self.self_attn(x, *ropes[self.rope], kv_cache, metas[self.kv_group])
-            return attended + self.mlp(x), residual
+            return attended + self.mlp(x if self.mlp_norm is None else self.mlp_norm(residual)), \
+                residual
         x = self.self_attn(x, *ropes[self.rope], kv_cache, metas[self.kv_group])
         if self.attn_out_norm is not None:
             x = self.attn_out_norm(x)

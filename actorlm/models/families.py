@@ -53,6 +53,11 @@ tensors is ``checkpoint_names.py``'s.
 - Nemotron (Minitron, Nemotron-Mini): LayerNorms with biases whose weights count from 1
   (``LayerNorm1P``: the 1 is added as the checkpoint loads), an ungated MLP of ReLU squared
   (``up_proj``, ``down_proj``), RoPE on half of each head. Arcee (AFM): a Llama with that MLP.
+- GPT-NeoX (Pythia, Dolly v2, RedPajama-INCITE, GPT-NeoX-20B): LayerNorms with biases, an
+  ungated MLP of exact (erf) GeLU with biases, RoPE on a quarter of each head; q/k/v fused per
+  head in the checkpoint (``query_key_value``: each head's q, k and v rows together); with
+  ``use_parallel_residual`` the attention and the MLP read the same stream, each through its
+  own norm, and are summed.
 - OPT (vLLM's quick-start model, facebook/opt-125m and its larger siblings): LayerNorm with a
   bias, an ungated ReLU MLP (``fc1``, ``fc2``), biases everywhere, no RoPE: positions are
   learned embeddings added to the tokens' (row position + 2, ``position_offset``). The
@@ -89,7 +94,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2",
                          "olmo2", "olmo3", "exaone4", "glm", "glm4", "ernie4_5", "helium",
                          "seed_oss", "gemma", "gemma2", "gemma3_text", "starcoder2", "phi",
                          "cohere", "cohere2", "opt", "gpt2", "stablelm", "nemotron", "arcee",
-                         *TEXT_TOWERS, *MOE_MODEL_TYPES)
+                         "gpt_neox", *TEXT_TOWERS, *MOE_MODEL_TYPES)
 # the RoPE table of the layers without RoPE (SmolLM3's, EXAONE 4's and Cohere 2's global
 # ones): the identity
 NO_ROPE = "no_rope"
@@ -99,13 +104,17 @@ _OUTPUT_NORMS_ONLY = ("olmo2", "olmo3", "exaone4")  # norms on the branches' out
 _COHERE = ("cohere", "cohere2")
 _INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5", "helium", *_COHERE)  # RoPE on (2i, 2i + 1)
 # LayerNorm, with a bias but in Cohere's
-_LAYER_NORM = ("starcoder2", "phi", "opt", "gpt2", "stablelm", "nemotron", *_COHERE)
-# attention and MLP from one norm, in parallel (StableLM's by its use_parallel_residual)
+_LAYER_NORM = ("starcoder2", "phi", "opt", "gpt2", "stablelm", "nemotron", "gpt_neox",
+               *_COHERE)
+# attention and MLP from one norm, in parallel (StableLM's and GPT-NeoX's by their
+# use_parallel_residual, GPT-NeoX's MLP through a norm of its own)
 _PARALLEL = ("phi", *_COHERE)
-_UNGATED_MLP = ("starcoder2", "phi", "opt", "gpt2", "nemotron", "arcee")
+_PARALLEL_BY_CONFIG = ("stablelm", "gpt_neox")
+_UNGATED_MLP = ("starcoder2", "phi", "opt", "gpt2", "nemotron", "arcee", "gpt_neox")
 _GELU_FAMILIES = ("starcoder2", "phi", "gpt2")  # (besides Gemma's)
 _RELU_FAMILIES = ("opt",)
 _RELU2_FAMILIES = ("nemotron", "arcee")  # relu(x) squared
+_EXACT_GELU_FAMILIES = ("gpt_neox",)  # GeLU by erf
 # learned position embeddings (no RoPE): the row a position reads is position + offset
 _POSITION_OFFSETS = {"opt": 2, "gpt2": 0}
 # a family's config fields whose other values change the math and are not computed here
@@ -121,7 +130,7 @@ _GRANITE = ("granite", "granitemoe", "granitemoeshared")  # Granite's four multi
 _FOUR_NORMS = ("gemma2", "gemma3_text")  # Gemma 1 has a Llama's two
 # (Phi-2's gelu_new is the tanh approximation, written out in torch ops)
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
-                "relu": "relu", "relu2": "relu2"}
+                "relu": "relu", "relu2": "relu2", "gelu": "gelu"}
 _GRANITE_MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier",
                         "logits_scaling")
 
@@ -167,7 +176,8 @@ def check_config(config) -> None:
                          f"{SUPPORTED_MODEL_TYPES})")
     activation = activation_of(config)
     family = "relu" if config.model_type in _RELU_FAMILIES else "relu2" \
-        if config.model_type in _RELU2_FAMILIES else "gelu_tanh" \
+        if config.model_type in _RELU2_FAMILIES else "gelu" \
+        if config.model_type in _EXACT_GELU_FAMILIES else "gelu_tanh" \
         if is_gemma(config) or config.model_type in _GELU_FAMILIES else "silu"
     if _ACTIVATIONS.get(activation) != family:
         raise ValueError(f"{config.model_type}: activation {activation!r} is not implemented")
@@ -262,8 +272,9 @@ def layer_specs(config) -> list[LayerSpec]:
         norm_eps=norm_eps(config), norm_unit_offset=gemma,
         layer_norm=model_type in _LAYER_NORM,
         norm_bias=model_type in _LAYER_NORM and model_type not in _COHERE,
-        parallel=model_type in _PARALLEL or model_type == "stablelm" and
+        parallel=model_type in _PARALLEL or model_type in _PARALLEL_BY_CONFIG and
         bool(config.use_parallel_residual),
+        parallel_mlp_norm=model_type == "gpt_neox",
         gated_mlp=model_type not in _UNGATED_MLP,
         output_norms=model_type in (*_FOUR_NORMS, *_OUTPUT_NORMS_ONLY, "glm4"),
         input_norms=model_type not in _OUTPUT_NORMS_ONLY,
@@ -272,7 +283,8 @@ def layer_specs(config) -> list[LayerSpec]:
         activation=_ACTIVATIONS[activation_of(config)],
         qkv_bias=qkv_bias or biased, o_bias=_o_bias(config, attention_bias) or biased,
         # (the MoE families' MLPs have no biases, whatever their config says)
-        mlp_bias=biased or _bias(config, "mlp_bias") and not is_moe(config),
+        mlp_bias=biased or model_type == "gpt_neox" or
+        _bias(config, "mlp_bias") and not is_moe(config),
         attention_scale=config.attention_multiplier if granite else
         None if scalar is None else scalar**-0.5,
         softcap=getattr(config, "attn_logit_softcapping", None) if gemma else None,

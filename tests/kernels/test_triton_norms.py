@@ -186,6 +186,8 @@ def _act_exact(gate_up, activation):
     if activation in ("relu", "relu2"):  # (no exponential; relu2's square rounds once)
         return gate.clamp(min=0).pow(2 if activation == "relu2" else 1) * up, \
             torch.zeros_like(gate), up
+    if activation == "gelu":  # (no exponential: its erf is gelu_tanh's special case below)
+        return 0.5 * gate * (1 + torch.erf(gate / math.sqrt(2.0))) * up, torch.zeros_like(gate), up
     if activation == "silu":
         z = gate
     else:
@@ -193,7 +195,7 @@ def _act_exact(gate_up, activation):
     return gate * torch.sigmoid(z) * up, z, up
 
 
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "relu", "relu2"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "relu", "relu2", "gelu"])
 @_sweep("inter")
 def test_act_and_mul_matches_reference(dtype, inter, num_rows, activation):
     gen = torch.Generator().manual_seed(inter * 13 + num_rows)
@@ -215,6 +217,11 @@ def test_act_and_mul_matches_reference(dtype, inter, num_rows, activation):
         # and the add leave 2 u64 of absolute error in (1 + tanh), times 0.5 |g up|.
         gate = gate_up.double()[:, :inter]
         bound = bound + (gate * up).abs() * unit_roundoff(torch.float64)
+    if activation == "gelu":
+        # 1 + erf(g / sqrt 2) cancels in fp32 for negative g, where fp32 erf is up to ~10
+        # ulps off: that absolute error, times 0.5 |g up|
+        gate = gate_up.double()[:, :inter]
+        bound = bound + 8 * (gate * up).abs() * U32
     assert_within(out, act_and_mul_ref(gate_up, activation), bound,
                   f"{activation} {dtype} I={inter} T={num_rows}")
 

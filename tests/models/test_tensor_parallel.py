@@ -61,12 +61,13 @@ def checkpoints(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_replicated_
             # for RoPE on part of each head (GLM-4's interleaved, Phi-4-mini's); LayerNorm,
             # ungated MLPs and parallel branches on the Python path (StarCoder2's, Phi-2's
             # with its LM head's bias split by the vocabulary, Cohere's; StableLM's q/k/v
-            # biases beside RoPE on a quarter of each head; Nemotron's ReLU squared)
+            # biases beside RoPE on a quarter of each head; Nemotron's ReLU squared;
+            # GPT-NeoX's q/k/v regrouped from its heads before the split)
             **{name: tiny_window_dirs[name]
                for name in ("gemma3", "gemma2", "mistral", "qwen2_window", "phi3", "smollm3",
                             "granite", "olmo2", "olmo3", "glm4", "phi3_partial", "ernie4_5",
                             "exaone4", "helium", "seed_oss", "starcoder2", "phi", "cohere",
-                            "cohere2", "stablelm", "nemotron")},
+                            "cohere2", "stablelm", "nemotron", "gpt_neox")},
             # every expert's intermediate features split (from per-expert tensors and from
             # stacked ones), a shared expert's too (gated, and Granite's unscaled), a router on
             # every rank; OLMoE's q/k norms over all heads, its one KV head on both ranks
@@ -98,7 +99,7 @@ def split(checkpoints):
                                   "qwen2_window", "phi3", "smollm3", "granite", "olmo2",
                                   "olmo3", "glm4", "phi3_partial", "ernie4_5", "exaone4",
                                   "helium", "seed_oss", "starcoder2", "phi", "cohere",
-                                  "cohere2", "stablelm", "nemotron", "qwen3_moe",
+                                  "cohere2", "stablelm", "nemotron", "gpt_neox", "qwen3_moe",
                                   "qwen3_moe_stacked", "qwen2_moe", "mixtral", "olmoe",
                                   "granitemoeshared", "llama_fp8", "qwen2_fp8_block"])
 def test_two_ranks_compute_what_one_computes(name, checkpoints, split):

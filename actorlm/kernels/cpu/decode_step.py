@@ -187,7 +187,7 @@ def _runs_here(layer: DecoderLayerPlan, dtype: torch.dtype) -> bool:
             not all(t.dtype == dtype and t.is_contiguous() for n in norms
                     for t in (n.weight, n.bias) if t is not None) or \
             any(n.layer for n in (q_norm, k_norm) if n is not None) or \
-            (layer.parallel and (layer.mlp_norm is not None or layer.moe is not None)):
+            (layer.parallel and layer.moe is not None):
         return False
     qkv, o = linears[:2]
     hidden, q_size, kv_size = qkv.in_features, a.num_heads * a.head_dim, \

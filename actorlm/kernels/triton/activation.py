@@ -17,6 +17,7 @@ from actorlm.kernels.triton.norms import round_to
 
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 _GELU_COEFF = tl.constexpr(0.044715)
+_INVERSE_SQRT_2 = tl.constexpr(0.7071067811865476)
 _MAX_BLOCK_I = 1024
 _TILE_GPU = 4096  # elements of a [BLOCK_R, BLOCK_I] tile
 _TILE_CPU = 65536  # the interpreter's cost is per operation, not per element
@@ -29,7 +30,9 @@ def gated_activation(gate, up, DTYPE: tl.constexpr, ACTIVATION: tl.constexpr):
     """act(gate) * up in ``DTYPE`` from fp32 tiles of gate and up (values of ``DTYPE``): the
     activation (``ACTIVATION``: its index in ``ACTIVATIONS``) rounded to ``DTYPE``, then the
     product (HF's two ops). Also the routed experts' epilogue (``fused_moe.py``)."""
-    if ACTIVATION == 3:  # ReLU squared
+    if ACTIVATION == 4:  # GeLU, exact
+        act = 0.5 * gate * (1.0 + tl.math.erf(gate * _INVERSE_SQRT_2))
+    elif ACTIVATION == 3:  # ReLU squared
         act = tl.maximum(gate, 0.0) * tl.maximum(gate, 0.0)
     elif ACTIVATION == 2:  # ReLU
         act = tl.maximum(gate, 0.0)

@@ -3,7 +3,8 @@
 //
 // It executes the layers' descriptions (actorlm_decoder_layer: which norms sit where, RMS or
 // LayerNorm, and how they scale, q/k norms per head or over whole projections, q/k/v
-// clipping, the activation, a gated or ungated MLP in sequence or in parallel,
+// clipping, the activation, a gated or ungated MLP in sequence or in parallel (through the
+// attention's norm or its own),
 // biases, the attention scale, window and score cap, the RoPE table, the KV-cache group whose
 // slots and block table it reads, routed experts in the dense MLP's place), which a model family
 // gives (kernels.backend.DecoderLayerPlan), and LoRA adapters' deltas on its projections for
@@ -257,7 +258,12 @@ void decode_layers(const actorlm_decoder_layer* layers, int num_layers,
     } else {  // the previous layer's output joins the stream
       join_stream(l.attn_norm, x, residual, rows, hidden);
     }
-    if (l.parallel) t.branch_input.assign(x, x + rows * hidden);  // the MLP's too
+    if (l.parallel && l.mlp_norm.weight) {  // the MLP's input: the stream through its own norm
+      t.branch_input.assign(residual, residual + rows * hidden);
+      norm_in_place(l.mlp_norm, t.branch_input.data(), rows, hidden);
+    } else if (l.parallel) {  // the attention's input
+      t.branch_input.assign(x, x + rows * hidden);
+    }
     linear(l.qkv, x, hidden, t.qkv, rows);
     add_lora(l.qkv_lora, l.qkv, s.lora_slots, x, hidden, t.qkv, qkv_size, rows);
     if (l.q_norm.weight && l.projection_norms) {

@@ -23,7 +23,7 @@ using actorlm::to_float;
 
 constexpr int kMaxRopeDim = 512;  // head sizes the RoPE kernel takes
 // the order of kernels.backend.ACTIVATIONS
-enum Activation { kSilu = 0, kGeluTanh = 1, kRelu = 2, kRelu2 = 3 };  // kernels.ACTIVATIONS
+enum Activation { kSilu = 0, kGeluTanh = 1, kRelu = 2, kRelu2 = 3, kGelu = 4 };  // ACTIVATIONS
 // Values from which a pass is split over the team: a decode step's few rows take a
 // microsecond or two alone, about what waking the team and joining it again cost
 constexpr int64_t kParallelFrom = 8192;
@@ -124,6 +124,12 @@ void head_rms_norm(T* qkv, int64_t row_stride, int64_t rows, int num_heads, int 
 
 inline float silu(float g) { return g / (1.f + expf(-g)); }
 
+// torch's exact gelu, 0.5 g (1 + erf(g / sqrt(2))): GPT-NeoX's
+inline float gelu(float g) {
+  constexpr float kInverseSqrt2 = 0.7071067811865476f;
+  return 0.5f * g * (1.f + erff(g * kInverseSqrt2));
+}
+
 // torch's square(relu(g)): Nemotron's and Arcee's
 inline float relu2(float g) {
   const float r = std::max(g, 0.f);
@@ -156,6 +162,10 @@ void act_and_mul(const T* gate_up, T* out, int64_t rows, int dim, int activation
 #pragma omp simd
       for (int d = 0; d < dim; ++d)
         store(rounded(relu2(to_float(gate[d])), o) * to_float(up[d]), o + d);
+    } else if (activation == kGelu) {
+#pragma omp simd
+      for (int d = 0; d < dim; ++d)
+        store(rounded(gelu(to_float(gate[d])), o) * to_float(up[d]), o + d);
     } else {
 #pragma omp simd
       for (int d = 0; d < dim; ++d)
@@ -180,6 +190,9 @@ void act(const T* x, T* out, int64_t rows, int dim, int activation) {
     } else if (activation == kRelu2) {
 #pragma omp simd
       for (int d = 0; d < dim; ++d) store(relu2(to_float(in[d])), o + d);
+    } else if (activation == kGelu) {
+#pragma omp simd
+      for (int d = 0; d < dim; ++d) store(gelu(to_float(in[d])), o + d);
     } else {
 #pragma omp simd
       for (int d = 0; d < dim; ++d) store(gelu_tanh(to_float(in[d])), o + d);
