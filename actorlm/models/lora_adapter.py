@@ -49,14 +49,16 @@ _INPUTS = {"qkv_proj": lambda s: s.hidden_size, "o_proj": lambda s: s.num_heads 
            "down_proj": lambda s: s.intermediate_size}
 # the families' own names of these projections: OPT's attention output and MLP (fc1, fc2,
 # directly under the layer), Phi-2's (dense, fc1, fc2), StarCoder2's and GPT-2's MLP (c_fc,
-# c_proj; GPT-2's attention output is c_proj too), and GPT-2's q/k/v fused (c_attn: one A
-# for the three, B's rows q, k, v)
+# c_proj; GPT-2's attention output is c_proj too), GPT-NeoX's (dense, dense_h_to_4h,
+# dense_4h_to_h), and q/k/v fused: GPT-2's c_attn (one A for the three, B's rows q, k, v),
+# GPT-NeoX's query_key_value (B's rows each head's q, k and v together)
 _ALIASES = {"out_proj": "o_proj", "dense": "o_proj", "fc1": "fc_in", "c_fc": "fc_in",
-            "fc2": "down_proj", "c_proj": "down_proj"}
+            "fc2": "down_proj", "c_proj": "down_proj", "dense_h_to_4h": "fc_in",
+            "dense_4h_to_h": "down_proj"}
 _ATTENTION_ALIASES = {**_ALIASES, "c_proj": "o_proj"}
-_FUSED_QKV = "c_attn"
+_FUSED_QKV = ("c_attn", "query_key_value")  # (the second per head)
 _LAYER_OF = {hf: layer for layer, parts in _PARTS.items() for hf, _ in parts}
-_KEY = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.(?:(self_attn|attn|mlp)\.)?(\w+)"
+_KEY = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.(?:(self_attn|attn|attention|mlp)\.)?(\w+)"
                   r"\.lora_([AB])\.weight$")
 
 
@@ -106,13 +108,14 @@ def load_lora_adapter(name: str, path: str | Path, specs: list[LayerSpec],
                                    f"decoder layer's projection (only "
                                    f"{', '.join(_LAYER_OF)} take adapters here)")
         layer, block, name, side = int(match[1]), match[2], match[3], match[4]
-        aliases = _ATTENTION_ALIASES if block in ("self_attn", "attn") else _ALIASES
+        aliases = _ATTENTION_ALIASES if block in ("self_attn", "attn", "attention") \
+            else _ALIASES
         module = aliases.get(name, name)
-        if module not in _LAYER_OF and module != _FUSED_QKV:
+        if module not in _LAYER_OF and module not in _FUSED_QKV:
             raise LoRAAdapterError(f"{path / WEIGHTS_FILE}: {key!r}: module {name!r} "
                                    f"takes no adapter here (only {', '.join(_LAYER_OF)} and "
                                    f"the families' names of them: {', '.join(_ALIASES)}, "
-                                   f"{_FUSED_QKV})")
+                                   f"{', '.join(_FUSED_QKV)})")
         if layer >= len(specs):
             raise LoRAAdapterError(f"{path / WEIGHTS_FILE}: {key!r}: the base model has "
                                    f"{len(specs)} layers")
@@ -120,10 +123,11 @@ def load_lora_adapter(name: str, path: str | Path, specs: list[LayerSpec],
         names[module] = name
     if not pairs:
         raise LoRAAdapterError(f"{path / WEIGHTS_FILE} holds no LoRA weights")
-    for layer, module in [key for key in pairs if key[1] == _FUSED_QKV]:
-        for part, sides in _split_fused_qkv(pairs.pop((layer, module)), specs[layer]).items():
+    for layer, module in [key for key in pairs if key[1] in _FUSED_QKV]:
+        for part, sides in _split_fused_qkv(pairs.pop((layer, module)), specs[layer],
+                                            per_head=module == "query_key_value").items():
             pairs[(layer, part)] = sides
-            names[part] = _FUSED_QKV
+            names[part] = module
     modules = {}
     for (layer, merged), parts in _merged_parts(pairs).items():
         spec = specs[layer]
@@ -139,16 +143,20 @@ def load_lora_adapter(name: str, path: str | Path, specs: list[LayerSpec],
     return LoRAAdapter(name, path, modules)
 
 
-def _split_fused_qkv(sides: dict[str, torch.Tensor], spec: LayerSpec) -> dict:
-    """GPT-2's c_attn adapter as q's, k's and v's: each takes the one A and its rows of B
-    (x A^T B^T's rows are those parts' outputs); B of another size is left whole, for the
-    shape check to name."""
+def _split_fused_qkv(sides: dict[str, torch.Tensor], spec: LayerSpec,
+                     per_head: bool = False) -> dict:
+    """A fused q/k/v adapter (GPT-2's c_attn; ``per_head``, GPT-NeoX's query_key_value, whose
+    B rows are each head's q, k and v together) as q's, k's and v's: each takes the one A and
+    its rows of B (x A^T B^T's rows are those parts' outputs); B of another size is left
+    whole, for the shape check to name."""
     if set(sides) != {"A", "B"}:
         return {"q_proj": sides}  # (the pair check names what is missing)
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     b = sides["B"]
-    if b.shape[0] != q + 2 * kv:
+    if b.shape[0] != q + 2 * kv or per_head and q != kv:
         return {"q_proj": sides}
+    if per_head:  # every head's q, then k, then v
+        b = b.reshape(spec.num_heads, 3, spec.head_dim, -1).transpose(0, 1).reshape(b.shape)
     return {part: {"A": sides["A"], "B": rows}
             for part, rows in zip(("q_proj", "k_proj", "v_proj"), b.split((q, kv, kv)))}
 
