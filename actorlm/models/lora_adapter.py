@@ -119,6 +119,8 @@ def load_lora_adapter(name: str, path: str | Path, specs: list[LayerSpec],
         if layer >= len(specs):
             raise LoRAAdapterError(f"{path / WEIGHTS_FILE}: {key!r}: the base model has "
                                    f"{len(specs)} layers")
+        if module == "up_proj" and not specs[layer].gated_mlp:  # (Nemotron's, Arcee's MLP)
+            module = "fc_in"
         pairs.setdefault((layer, module), {})[side] = tensor.float()
         names[module] = name
     if not pairs:
