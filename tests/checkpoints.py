@@ -257,7 +257,7 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
     branches in parallel from one norm), Nemotron (LayerNorms whose weights count from 1, an
     ungated MLP of ReLU squared, RoPE on half of each head, biases), Arcee (a Llama with that
     MLP), GPT-NeoX (q/k/v fused per head, exact GeLU, its branches in parallel each through
-    its own norm; and in sequence),
+    its own norm; and in sequence), Falcon (``_falcons``),
     Gemma 3 (five sliding-window layers to one full,
     q/k norms, two RoPE bases), Gemma 2 (sliding and full in turn, soft-capped attention and
     logits), Mistral (every layer sliding), Qwen2 with ``use_sliding_window`` (its upper
@@ -353,6 +353,7 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
                                                 if k not in ("head_dim", "num_key_value_heads")},
                                              use_parallel_residual=False,
                                              tie_word_embeddings=False),
+        **_falcons(common),
         "gpt2": GPT2Config(**{k: common[k] for k in (
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
@@ -361,6 +362,25 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
     return {name: _save_tiny(tmp_path_factory, tiny_tokenizer_dir, f"tiny_{name}", config,
                              seed=10 + i)
             for i, (name, config) in enumerate(configs.items())}
+
+
+def _falcons(common: dict) -> dict:
+    """Falcon's three layouts: 7B's (one KV head, attention and MLP in parallel from one
+    norm), the new decoder architecture's (KV groups, each branch through its own norm,
+    biases) and the first one's without multi-query (each head's q, k and v together, the
+    branches in sequence)."""
+    from transformers import FalconConfig
+
+    falcon = dict({k: common[k] for k in (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+        "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
+        "initializer_range")}, ffn_hidden_size=common["intermediate_size"])
+    return {"falcon": FalconConfig(**falcon, multi_query=True, parallel_attn=True,
+                                   tie_word_embeddings=True),
+            "falcon_new": FalconConfig(**falcon, new_decoder_architecture=True, num_kv_heads=2,
+                                       bias=True, tie_word_embeddings=False),
+            "falcon_sequential": FalconConfig(**falcon, multi_query=False, parallel_attn=False,
+                                              bias=True, tie_word_embeddings=False)}
 
 
 @pytest.fixture(scope="session")

@@ -2,8 +2,8 @@
 tower's names as a text model's (its vision tower left out), each family's names as the
 decoder's (``_RENAMES``), Phi-3's, GLM's and GPT-2's fused q/k/v and gate/up split into the
 projections they fuse (so that they merge and shard as every family's do), GPT-2's Conv1D
-weights transposed, GPT-NeoX's per-head q/k/v regrouped, Nemotron's norm weights counted
-from 1, Mixtral's and Granite MoE's experts under the other MoE families' names,
+weights transposed, GPT-NeoX's and Falcon's q/k/v regrouped from their heads, Nemotron's norm
+weights counted from 1, Mixtral's and Granite MoE's experts under the other MoE families' names,
 and q and k in the order the kernels rotate them (``rope_layout``); ``narrow`` reads a part of
 any tensor a checkpoint holds."""
 
@@ -36,6 +36,13 @@ _RENAMES = {"starcoder2": {".mlp.c_fc.": ".mlp.fc_in.", ".mlp.c_proj.": ".mlp.do
                     ".final_layer_norm.": ".post_attention_layernorm.",
                     ".fc1.": ".mlp.fc_in.", ".fc2.": ".mlp.down_proj."},
             "nemotron": {".mlp.up_proj.": ".mlp.fc_in."},
+            "falcon": {"transformer.word_embeddings.": "model.embed_tokens.",
+                       "transformer.ln_f.": "model.norm.", "transformer.h.": "model.layers.",
+                       ".self_attention.query_key_value.": ".self_attn.qkv_proj.",
+                       ".self_attention.dense.": ".self_attn.o_proj.",
+                       ".mlp.dense_h_to_4h.": ".mlp.fc_in.",
+                       ".mlp.dense_4h_to_h.": ".mlp.down_proj.",
+                       ".ln_attn.": ".input_layernorm.", ".ln_mlp.": ".post_attention_layernorm."},
             "gpt_neox": {"gpt_neox.embed_in.": "model.embed_tokens.",
                          "gpt_neox.final_layer_norm.": "model.norm.",
                          "gpt_neox.layers.": "model.layers.", "embed_out.": "lm_head.",
@@ -94,7 +101,14 @@ def _split_fused(config, tensors, q_size: int, kv_size: int):
             if name.endswith(_GPT_NEOX_BUFFERS):
                 continue
             if ".attention.query_key_value." in name:
-                tensor = _per_head_qkv_regrouped(tensor, config.num_attention_heads)
+                tensor = _qkv_regrouped(tensor, config.num_attention_heads, 1)
+        if config.model_type == "falcon" and ".query_key_value." in name and \
+                not (config.multi_query and not config.new_decoder_architecture):
+            # (the new architecture's groups: each group's queries, then its key and value;
+            # the old one's without multi-query: each head's q, k and v)
+            groups = config.num_kv_heads if config.new_decoder_architecture else \
+                config.num_attention_heads
+            tensor = _qkv_regrouped(tensor, groups, config.num_attention_heads // groups)
         for fragment, ours in _RENAMES.get(config.model_type, {}).items():
             name = name.replace(fragment, ours)
         if config.model_type == "nemotron" and name.endswith("norm.weight"):
@@ -116,14 +130,17 @@ def _split_fused(config, tensors, q_size: int, kv_size: int):
             yield name.replace(f".{fused}.", f".{part}."), narrow(tensor, 0, start, length)
 
 
-def _per_head_qkv_regrouped(tensor, num_heads: int) -> torch.Tensor:
-    """GPT-NeoX's fused q/k/v rows, each head's q, k and v together, as every head's q, then
-    every head's k, then v (the order the split below reads)."""
+def _qkv_regrouped(tensor, num_groups: int, queries_per_group: int) -> torch.Tensor:
+    """Fused q/k/v rows in groups, each group's ``queries_per_group`` query heads, then its key
+    and value head (GPT-NeoX's and Falcon's: one query a group, or Falcon's new
+    architecture's several), as every query head, then every key head, then every value head
+    (the order the split below reads)."""
     tensor = narrow(tensor, 0, 0, None)
     if not isinstance(tensor, torch.Tensor):
-        raise ValueError("GPT-NeoX's query_key_value in blocks is not implemented")
-    return tensor.reshape(num_heads, 3, -1, *tensor.shape[1:]).transpose(0, 1) \
-        .reshape(tensor.shape)
+        raise ValueError("a fused query_key_value in blocks is not implemented")
+    grouped = tensor.reshape(num_groups, queries_per_group + 2, -1, *tensor.shape[1:])
+    parts = (grouped[:, :queries_per_group], grouped[:, -2:-1], grouped[:, -1:])
+    return torch.cat([part.reshape(-1, *tensor.shape[1:]) for part in parts])
 
 
 def _gpt2_tensor(name: str, tensor):

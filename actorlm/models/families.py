@@ -58,6 +58,11 @@ tensors is ``checkpoint_names.py``'s.
   head in the checkpoint (``query_key_value``: each head's q, k and v rows together); with
   ``use_parallel_residual`` the attention and the MLP read the same stream, each through its
   own norm, and are summed.
+- Falcon (7B, 40B, 180B, Falcon 2 11B): GPT-NeoX's LayerNorms and exact GeLU MLP under its
+  own names, biases by ``bias``, RoPE on whole heads; one KV head (``multi_query``, 7B's) or
+  ``num_kv_heads`` groups (the new decoder architecture's, whose fused q/k/v holds each
+  group's queries, then its key and value), attention and MLP in parallel from one norm, or
+  each from its own (``ln_attn``, ``ln_mlp``). ALiBi (Falcon-RW) is refused by name.
 - OPT (vLLM's quick-start model, facebook/opt-125m and its larger siblings): LayerNorm with a
   bias, an ungated ReLU MLP (``fc1``, ``fc2``), biases everywhere, no RoPE: positions are
   learned embeddings added to the tokens' (row position + 2, ``position_offset``). The
@@ -94,7 +99,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2",
                          "olmo2", "olmo3", "exaone4", "glm", "glm4", "ernie4_5", "helium",
                          "seed_oss", "gemma", "gemma2", "gemma3_text", "starcoder2", "phi",
                          "cohere", "cohere2", "opt", "gpt2", "stablelm", "nemotron", "arcee",
-                         "gpt_neox", *TEXT_TOWERS, *MOE_MODEL_TYPES)
+                         "gpt_neox", "falcon", *TEXT_TOWERS, *MOE_MODEL_TYPES)
 # the RoPE table of the layers without RoPE (SmolLM3's, EXAONE 4's and Cohere 2's global
 # ones): the identity
 NO_ROPE = "no_rope"
@@ -105,16 +110,12 @@ _COHERE = ("cohere", "cohere2")
 _INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5", "helium", *_COHERE)  # RoPE on (2i, 2i + 1)
 # LayerNorm, with a bias but in Cohere's
 _LAYER_NORM = ("starcoder2", "phi", "opt", "gpt2", "stablelm", "nemotron", "gpt_neox",
-               *_COHERE)
+               "falcon", *_COHERE)
 # attention and MLP from one norm, in parallel (StableLM's and GPT-NeoX's by their
 # use_parallel_residual, GPT-NeoX's MLP through a norm of its own)
 _PARALLEL = ("phi", *_COHERE)
 _PARALLEL_BY_CONFIG = ("stablelm", "gpt_neox")
-_UNGATED_MLP = ("starcoder2", "phi", "opt", "gpt2", "nemotron", "arcee", "gpt_neox")
-_GELU_FAMILIES = ("starcoder2", "phi", "gpt2")  # (besides Gemma's)
-_RELU_FAMILIES = ("opt",)
-_RELU2_FAMILIES = ("nemotron", "arcee")  # relu(x) squared
-_EXACT_GELU_FAMILIES = ("gpt_neox",)  # GeLU by erf
+_UNGATED_MLP = ("starcoder2", "phi", "opt", "gpt2", "nemotron", "arcee", "gpt_neox", "falcon")
 # learned position embeddings (no RoPE): the row a position reads is position + offset
 _POSITION_OFFSETS = {"opt": 2, "gpt2": 0}
 # a family's config fields whose other values change the math and are not computed here
@@ -122,7 +123,8 @@ _POSITION_OFFSETS = {"opt": 2, "gpt2": 0}
 _COMPUTED_ONLY = {"opt": {"do_layer_norm_before": True, "_remove_final_layer_norm": False,
                           "layer_norm_elementwise_affine": True},
                   "gpt2": {"scale_attn_weights": True, "add_cross_attention": False,
-                           "scale_attn_by_inverse_layer_idx": False}}
+                           "scale_attn_by_inverse_layer_idx": False},
+                  "falcon": {"alibi": False}}
 # a query/key norm the family's config may turn on, not implemented (a LayerNorm per head)
 _QK_LAYER_NORMS = {"phi": "qk_layernorm", "cohere": "use_qk_norm", "stablelm": "qk_layernorm"}
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
@@ -130,7 +132,14 @@ _GRANITE = ("granite", "granitemoe", "granitemoeshared")  # Granite's four multi
 _FOUR_NORMS = ("gemma2", "gemma3_text")  # Gemma 1 has a Llama's two
 # (Phi-2's gelu_new is the tanh approximation, written out in torch ops)
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
-                "relu": "relu", "relu2": "relu2", "gelu": "gelu"}
+                "gelu_fast": "gelu_tanh", "relu": "relu", "relu2": "relu2", "gelu": "gelu"}
+# the activations a family's configs name (by _ACTIVATIONS' names; the rest: SiLU); any other
+# is refused
+_FAMILY_ACTIVATIONS = {**dict.fromkeys(("starcoder2", "phi", "gpt2", *_GEMMA), ("gelu_tanh",)),
+                       "opt": ("relu",), "nemotron": ("relu2",), "arcee": ("relu2",),
+                       "falcon": ("gelu",),
+                       # (Pythia's exact GeLU, GPT-NeoX-20B's gelu_fast)
+                       "gpt_neox": ("gelu", "gelu_tanh")}
 _GRANITE_MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier",
                         "logits_scaling")
 
@@ -175,11 +184,7 @@ def check_config(config) -> None:
         raise ValueError(f"model_type {config.model_type!r} is not supported (use one of "
                          f"{SUPPORTED_MODEL_TYPES})")
     activation = activation_of(config)
-    family = "relu" if config.model_type in _RELU_FAMILIES else "relu2" \
-        if config.model_type in _RELU2_FAMILIES else "gelu" \
-        if config.model_type in _EXACT_GELU_FAMILIES else "gelu_tanh" \
-        if is_gemma(config) or config.model_type in _GELU_FAMILIES else "silu"
-    if _ACTIVATIONS.get(activation) != family:
+    if _ACTIVATIONS.get(activation) not in _FAMILY_ACTIVATIONS.get(config.model_type, ("silu",)):
         raise ValueError(f"{config.model_type}: activation {activation!r} is not implemented")
     for name, computed in _COMPUTED_ONLY.get(config.model_type, {}).items():
         if getattr(config, name, computed) != computed:
@@ -219,8 +224,9 @@ def check_config(config) -> None:
 
 def _bias(config, name: str) -> bool:
     """A family's flag for biases on these projections: its own ``name``, or one for every
-    projection (ERNIE's ``use_bias``, OPT's ``enable_bias``)."""
-    for flag in (name, "use_bias", "enable_bias"):
+    projection (ERNIE's ``use_bias``, OPT's ``enable_bias``, Falcon's ``bias``)."""
+    every = ("use_bias", "enable_bias", *(("bias",) if config.model_type == "falcon" else ()))
+    for flag in (name, *every):
         if (value := getattr(config, flag, None)) is not None:
             return bool(value)
     return False
@@ -228,7 +234,7 @@ def _bias(config, name: str) -> bool:
 
 def activation_of(config) -> str:
     return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None) \
-        or getattr(config, "activation_function", "silu")
+        or getattr(config, "activation_function", None) or getattr(config, "activation", "silu")
 
 
 def position_offset(config) -> int | None:
@@ -273,8 +279,9 @@ def layer_specs(config) -> list[LayerSpec]:
         layer_norm=model_type in _LAYER_NORM,
         norm_bias=model_type in _LAYER_NORM and model_type not in _COHERE,
         parallel=model_type in _PARALLEL or model_type in _PARALLEL_BY_CONFIG and
-        bool(config.use_parallel_residual),
-        parallel_mlp_norm=model_type == "gpt_neox",
+        bool(config.use_parallel_residual) or model_type == "falcon" and
+        (config.parallel_attn or config.new_decoder_architecture),
+        parallel_mlp_norm=model_type == "gpt_neox" or _falcon_mlp_norm(config),
         gated_mlp=model_type not in _UNGATED_MLP,
         output_norms=model_type in (*_FOUR_NORMS, *_OUTPUT_NORMS_ONLY, "glm4"),
         input_norms=model_type not in _OUTPUT_NORMS_ONLY,
@@ -292,6 +299,13 @@ def layer_specs(config) -> list[LayerSpec]:
         rope_order=rope_head_order(config))
     return [LayerSpec(**base, window=window, moe=moe)
             for window, moe in zip(layer_windows(config), moe_specs(config), strict=True)]
+
+
+def _falcon_mlp_norm(config) -> bool:
+    """Whether a Falcon's MLP reads a norm of its own (``ln_mlp``: the new decoder
+    architecture's, Falcon-40B's and -180B's, unless ``num_ln_in_parallel_attn`` is 1)."""
+    return config.model_type == "falcon" and config.new_decoder_architecture and \
+        (config.num_ln_in_parallel_attn or 2) == 2
 
 
 def _o_bias(config, attention_bias: bool) -> bool:

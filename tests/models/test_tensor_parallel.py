@@ -62,12 +62,14 @@ def checkpoints(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_replicated_
             # ungated MLPs and parallel branches on the Python path (StarCoder2's, Phi-2's
             # with its LM head's bias split by the vocabulary, Cohere's; StableLM's q/k/v
             # biases beside RoPE on a quarter of each head; Nemotron's ReLU squared;
-            # GPT-NeoX's q/k/v regrouped from its heads before the split)
+            # GPT-NeoX's and Falcon's q/k/v regrouped from their heads before the split,
+            # Falcon-7B's one KV head on both ranks)
             **{name: tiny_window_dirs[name]
                for name in ("gemma3", "gemma2", "mistral", "qwen2_window", "phi3", "smollm3",
                             "granite", "olmo2", "olmo3", "glm4", "phi3_partial", "ernie4_5",
                             "exaone4", "helium", "seed_oss", "starcoder2", "phi", "cohere",
-                            "cohere2", "stablelm", "nemotron", "gpt_neox")},
+                            "cohere2", "stablelm", "nemotron", "gpt_neox", "falcon",
+                            "falcon_new")},
             # every expert's intermediate features split (from per-expert tensors and from
             # stacked ones), a shared expert's too (gated, and Granite's unscaled), a router on
             # every rank; OLMoE's q/k norms over all heads, its one KV head on both ranks
@@ -99,7 +101,8 @@ def split(checkpoints):
                                   "qwen2_window", "phi3", "smollm3", "granite", "olmo2",
                                   "olmo3", "glm4", "phi3_partial", "ernie4_5", "exaone4",
                                   "helium", "seed_oss", "starcoder2", "phi", "cohere",
-                                  "cohere2", "stablelm", "nemotron", "gpt_neox", "qwen3_moe",
+                                  "cohere2", "stablelm", "nemotron", "gpt_neox", "falcon",
+                                  "falcon_new", "qwen3_moe",
                                   "qwen3_moe_stacked", "qwen2_moe", "mixtral", "olmoe",
                                   "granitemoeshared", "llama_fp8", "qwen2_fp8_block"])
 def test_two_ranks_compute_what_one_computes(name, checkpoints, split):
