@@ -87,7 +87,8 @@ def tool_use(tools: list[Tool] | None, choice, parallel: bool | None,
     if not (options.enable_auto_tool_choice and options.tool_call_parser):
         raise ApiError(400, '"auto" tool choice requires --enable-auto-tool-choice and '
                             '--tool-call-parser to be set', "tool_choice")
-    return ToolUse("auto", tools, parser=PARSERS[options.tool_call_parser](tools), parallel=parallel)
+    parser = PARSERS[options.tool_call_parser](tools)
+    return ToolUse("auto", tools, parser=parser, parallel=parallel)
 
 
 def required_schema(tools: tuple[Tool, ...], parallel: bool = True) -> dict:

@@ -54,7 +54,8 @@ ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": 
                  "olmo2": "olmo2", "phi3": "phi3", "exaone4": "exaone4", "glm4": "glm4",
                  "ernie4_5": "ernie4_5", "seed_oss": "seed_oss", "starcoder2": "starcoder2",
                  "phi2": "phi", "command-r": "cohere", "cohere2": "cohere2",
-                 "stablelm": "stablelm", "nemotron": "nemotron", "arcee": "arcee", "qwen2vl": "qwen2", "qwen3vl": "qwen3", **gguf_moe.ARCHITECTURES}
+                 "stablelm": "stablelm", "nemotron": "nemotron", "arcee": "arcee",
+                 "qwen2vl": "qwen2", "qwen3vl": "qwen3", **gguf_moe.ARCHITECTURES}
 # the architectures transformers cannot read a config of (gguf_metadata builds theirs)
 _OWN_CONFIGS = {"smollm3": gguf_metadata.smollm3_config, "gemma": gguf_metadata.gemma_config,
                 "granite": gguf_metadata.granite_config, "olmo2": gguf_metadata.olmo2_config,
