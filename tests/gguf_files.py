@@ -89,10 +89,10 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
     Nemotron or Arcee) as a GGUF file whose matrices are all ``type_name`` blocks (norms and
     biases F32), with an end-of-turn token where given, an embedding model's
     ``gguf.PoolingType`` where given (as llama.cpp's converter writes a sentence-transformers
-    model's), q/k/v fused into one tensor
-    where asked (as the files of Phi-2's first checkpoint have them), under ``architecture``
-    where given (a Qwen2 or Qwen3 written as the text decoder of a Qwen2-VL or Qwen3-VL file,
-    with the multimodal RoPE's sections); returns the file."""
+    model's), q/k/v fused into one tensor where asked (as the files of Phi-2's first
+    checkpoint have them), under ``architecture`` where given (a Qwen2 or Qwen3 written as the
+    text decoder of a Qwen2-VL or Qwen3-VL file, with the multimodal RoPE's sections); returns
+    the file."""
     import gguf
     from safetensors.torch import load_file
 
