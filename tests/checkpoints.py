@@ -263,7 +263,8 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
     logits), Mistral (every layer sliding), Qwen2 with ``use_sliding_window`` (its upper
     layers), Phi-3 (q/k/v and gate/up fused in the checkpoint), SmolLM3 (no RoPE in its
     fourth layer, which has the window), Granite (its four multipliers, none of them 1), OLMo 2
-    (norms on the branches' outputs only, q/k norms over whole projections), OLMo 3 (OLMo 2's
+    (norms on the branches' outputs only, q/k norms over whole projections), OLMo (LayerNorms
+    without weights, q/k/v clipped), OLMo 3 (OLMo 2's
     layers, three sliding to one full, each kind with its RoPE base), GLM and GLM-4 (RoPE on
     half of each head in interleaved pairs, q/k/v biases; GLM-4's four norms), Phi-3 with
     RoPE on three quarters of each head (Phi-4-mini's), Phi-3 with LongRoPE (Phi-3.5's: an
@@ -277,7 +278,7 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
                               Glm4Config, GlmConfig, GraniteConfig, HeliumConfig, MistralConfig,
                               Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, SeedOssConfig,
                               SmolLM3Config, StableLmConfig, NemotronConfig, ArceeConfig,
-                              GPTNeoXConfig)
+                              GPTNeoXConfig, OlmoConfig)
 
     common = _common(tiny_tokenizer_dir)
     olmo = {k: v for k, v in common.items() if k != "head_dim"}  # (hidden / heads, always)
@@ -297,6 +298,7 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
         "granite": GraniteConfig(**common, tie_word_embeddings=True, embedding_multiplier=12.0,
                                  attention_multiplier=0.2, residual_multiplier=0.22,
                                  logits_scaling=8.0),
+        "olmo": OlmoConfig(**olmo, clip_qkv=1.5, tie_word_embeddings=False),
         "olmo2": Olmo2Config(**olmo, tie_word_embeddings=False),
         "olmo3": Olmo3Config(**{**olmo, "num_hidden_layers": 4}, sliding_window=WINDOW,
                              rope_parameters={

@@ -60,6 +60,7 @@ class LayerSpec:
     # LayerNorm (the mean taken out; a bias with ``norm_bias``) in place of RMSNorm
     layer_norm: bool = False
     norm_bias: bool = False
+    norm_weight: bool = True  # False: LayerNorms without a learned weight (OLMo's)
     parallel: bool = False  # attention and MLP both from the stream, summed
     parallel_mlp_norm: bool = False  # in parallel, the MLP through a norm of its own (GPT-NeoX)
     gated_mlp: bool = True  # act(gate) * up; False: act(up) alone (fc_in)
@@ -123,7 +124,8 @@ class Attention(nn.Module):
 def norm_of(spec: LayerSpec, backend: KernelBackend, dtype, device) -> RMSNorm | LayerNorm:
     """A norm over the hidden features, of the kind the family's layers have."""
     if spec.layer_norm:
-        return LayerNorm(spec.hidden_size, spec.norm_eps, spec.norm_bias, dtype, device)
+        return LayerNorm(spec.hidden_size, spec.norm_eps, spec.norm_bias, dtype, device,
+                         spec.norm_weight)
     return RMSNorm(spec.hidden_size, spec.norm_eps, spec.norm_unit_offset, backend, dtype,
                    device)
 

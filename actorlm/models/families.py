@@ -15,6 +15,8 @@ tensors is ``checkpoint_names.py``'s.
   fourth by default): they rotate by an identity table (``NO_ROPE``).
 - Granite: a Llama with four multipliers: the embeddings', the attention scores' (in place of
   1/sqrt(head_dim)), each branch's output before it joins the stream, and the logits' divisor.
+- OLMo (1, OLMo-7B-0724): a Llama with LayerNorms that learn no weight nor bias and q, k and
+  v clamped to ``clip_qkv`` after their projections.
 - OLMo 2 and OLMo 3: norms on the attention's and the MLP's outputs only, none on their
   inputs, and OLMoE's q/k norms over whole projections; OLMo 3's sliding-window layers (three
   to each full one) have RoPE parameters of their own.
@@ -99,7 +101,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2",
                          "olmo2", "olmo3", "exaone4", "glm", "glm4", "ernie4_5", "helium",
                          "seed_oss", "gemma", "gemma2", "gemma3_text", "starcoder2", "phi",
                          "cohere", "cohere2", "opt", "gpt2", "stablelm", "nemotron", "arcee",
-                         "gpt_neox", "falcon", *TEXT_TOWERS, *MOE_MODEL_TYPES)
+                         "gpt_neox", "falcon", "olmo", *TEXT_TOWERS, *MOE_MODEL_TYPES)
 # the RoPE table of the layers without RoPE (SmolLM3's, EXAONE 4's and Cohere 2's global
 # ones): the identity
 NO_ROPE = "no_rope"
@@ -110,7 +112,8 @@ _COHERE = ("cohere", "cohere2")
 _INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5", "helium", *_COHERE)  # RoPE on (2i, 2i + 1)
 # LayerNorm, with a bias but in Cohere's
 _LAYER_NORM = ("starcoder2", "phi", "opt", "gpt2", "stablelm", "nemotron", "gpt_neox",
-               "falcon", *_COHERE)
+               "falcon", "olmo", *_COHERE)
+_NO_NORM_BIAS = ("olmo", *_COHERE)  # (OLMo's LayerNorms learn no weight either)
 # attention and MLP from one norm, in parallel (StableLM's and GPT-NeoX's by their
 # use_parallel_residual, GPT-NeoX's MLP through a norm of its own)
 _PARALLEL = ("phi", *_COHERE)
@@ -277,7 +280,8 @@ def layer_specs(config) -> list[LayerSpec]:
         head_dim=head_dim, intermediate_size=intermediate_size_of(config),
         norm_eps=norm_eps(config), norm_unit_offset=gemma,
         layer_norm=model_type in _LAYER_NORM,
-        norm_bias=model_type in _LAYER_NORM and model_type not in _COHERE,
+        norm_bias=model_type in _LAYER_NORM and model_type not in _NO_NORM_BIAS,
+        norm_weight=model_type != "olmo",
         parallel=model_type in _PARALLEL or model_type in _PARALLEL_BY_CONFIG and
         bool(config.use_parallel_residual) or model_type == "falcon" and
         (config.parallel_attn or config.new_decoder_architecture),
@@ -286,7 +290,7 @@ def layer_specs(config) -> list[LayerSpec]:
         output_norms=model_type in (*_FOUR_NORMS, *_OUTPUT_NORMS_ONLY, "glm4"),
         input_norms=model_type not in _OUTPUT_NORMS_ONLY,
         qk_norm=_QK_NORMS.get(model_type),
-        clip_qkv=getattr(config, "clip_qkv", None) if model_type == "olmoe" else None,
+        clip_qkv=getattr(config, "clip_qkv", None) if model_type in ("olmoe", "olmo") else None,
         activation=_ACTIVATIONS[activation_of(config)],
         qkv_bias=qkv_bias or biased, o_bias=_o_bias(config, attention_bias) or biased,
         # (the MoE families' MLPs have no biases, whatever their config says)
@@ -324,7 +328,7 @@ def norm_eps(config) -> float:
                  "norm_eps"):
         if (value := getattr(config, name, None)) is not None:
             return value
-    if config.model_type == "opt":
+    if config.model_type in ("opt", "olmo"):  # (OLMo's, fixed in its LayerNorm)
         return 1e-5
     raise ValueError(f"{config.model_type}: the config names no norm epsilon")
 

@@ -194,10 +194,13 @@ class LayerNorm(nn.Module):
     torch's kernel, which computes in fp32 and rounds once, as transformers' does; its
     ``norm`` describes it to the backend's one-call decode step."""
 
-    def __init__(self, dim, eps, bias: bool, dtype, device):
+    def __init__(self, dim, eps, bias: bool, dtype, device, learned: bool = True):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), False)
+        if learned:
+            self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), False)
+        else:  # (OLMo's: no weight to load; ones, so that every path scales by one)
+            self.register_buffer("weight", torch.ones(dim, dtype=dtype, device=device), False)
         self.bias = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), False) \
             if bias else None
 

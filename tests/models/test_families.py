@@ -4,7 +4,8 @@ RoPE on half of each head in interleaved pairs, Phi-3's on three quarters and Lo
 factors, ERNIE 4.5's and Helium's interleaved pairs, EXAONE 4's global NoPE, Seed-OSS's biases,
 Gemma's, Ministral's and Ministral 3's, StableLM's LayerNorms with a gated MLP, sequential and
 in parallel, Nemotron's and Arcee's ReLU squared, GPT-NeoX's per-head q/k/v and two norms in
-parallel, Falcon's three layouts of q/k/v and branches)
+parallel, Falcon's three layouts of q/k/v and branches, OLMo's LayerNorms without weights and
+its clipped q/k/v)
 against transformers on the same tiny checkpoints: logits at every position of a 40-token
 prompt and 60 greedy tokens after it, far past the window of 16, and the greedy tokens
 themselves by vLLM's rule."""
@@ -29,7 +30,8 @@ FAMILIES = ["gemma", "gemma3", "gemma2", "mistral", "qwen2_window", "phi3", "smo
 # LayerNorm, parallel branches, ungated MLPs
 LAYER_NORM_FAMILIES = ["starcoder2", "phi", "cohere", "cohere2", "opt", "gpt2", "stablelm",
                        "stablelm_parallel", "nemotron", "arcee", "gpt_neox",
-                       "gpt_neox_sequential", "falcon", "falcon_new", "falcon_sequential"]
+                       "gpt_neox_sequential", "falcon", "falcon_new", "falcon_sequential",
+                       "olmo"]
 PROMPT_LEN, NUM_DECODED = 40, 60
 ATOL = {torch.float32: 2e-4, torch.bfloat16: None}  # bf16: judged by the greedy tokens only
 
