@@ -212,8 +212,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                         help="the format the model writes tool calls in: hermes (Qwen2.5, "
                              "Qwen3, Hermes), llama3_json (Llama 3.1/3.2), mistral (Mistral, "
                              "Ministral, Mistral Small), pythonic (Llama 3.2, Llama 4), "
-                             "granite (Granite 3.x), phi4_mini_json (Phi-4-mini) or "
-                             "qwen3_coder (Qwen3-Coder)")
+                             "granite (Granite 3.x), phi4_mini_json (Phi-4-mini), "
+                             "qwen3_coder (Qwen3-Coder) or seed_oss (Seed-OSS)")
     parser.add_argument("--response-role", default=defaults.response_role, metavar="ROLE",
                         help="the role chat answers carry when the request adds the generation "
                              "prompt (default: assistant)")

@@ -22,6 +22,8 @@
 - ``qwen3_coder`` (Qwen3-Coder): ``<tool_call><function=name><parameter=key>value</parameter>
   ...</function></tool_call>``, each argument as bare text, which the tool's schema types (an
   ``integer`` parameter's ``3`` is the number 3, a ``string`` one's stays text), as vLLM does.
+- ``seed_oss`` (Seed-OSS): Qwen3-Coder's calls between ``<seed:tool_call>`` tags (added tokens,
+  kept in the text).
 
 A parser finds where a call begins (``find_start``, which also reports a marker cut off at the
 end of streamed text, so that it is not sent as content) and reads the calls (``parse``). Text
@@ -215,6 +217,13 @@ class Qwen3CoderToolParser(_MarkedToolParser):
         return text[:start], calls
 
 
+class SeedOssToolParser(Qwen3CoderToolParser):
+    name = "seed_oss"
+    keeps_special_tokens = True
+    STARTS = ("<seed:tool_call>", "<function=")
+    _BETWEEN = re.compile(r"(?:\s|</?seed:tool_call>)*")
+
+
 class PythonicToolParser(ToolParser):
     name = "pythonic"
     _CALL = re.compile(r"\[\s*[A-Za-z_]\w*\s*\(")
@@ -247,7 +256,8 @@ PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser,
                                                             PythonicToolParser,
                                                             GraniteToolParser,
                                                             Phi4MiniJsonToolParser,
-                                                            Qwen3CoderToolParser)}
+                                                            Qwen3CoderToolParser,
+                                                            SeedOssToolParser)}
 
 
 def _cut_marker(text: str, marker: str) -> int | None:

@@ -1,5 +1,5 @@
 """Tool calls read out of text: the Hermes, Llama 3 JSON, Mistral, pythonic, Granite,
-Phi-4-mini and Qwen3-Coder parsers, and the
+Phi-4-mini, Qwen3-Coder and Seed-OSS parsers, and the
 streams that turn a choice's text into content and call deltas (pieces fed one by one add up to
 the whole)."""
 
@@ -15,7 +15,8 @@ from actorlm.api.protocol_tools import FunctionDefinition, Tool
 from actorlm.api.tool_choice import ToolUse, tool_use
 from actorlm.api.tool_parsers import (GraniteToolParser, HermesToolParser, Llama3JsonToolParser,
                                       MistralToolParser, Phi4MiniJsonToolParser,
-                                      PythonicToolParser, Qwen3CoderToolParser)
+                                      PythonicToolParser, Qwen3CoderToolParser,
+                                      SeedOssToolParser)
 from actorlm.api.tool_stream import (NamedCallStream, ParsedCallStream, RequiredCallStream,
                                      collect)
 
@@ -167,6 +168,13 @@ def test_qwen3_coder_types_each_argument_by_the_requests_tools():
         == {"scale": None, "city": "null"}  # a string parameter's "null" is text
 
 
+def test_seed_oss_reads_qwen3_coders_calls_between_its_own_tags():
+    seed = QWEN3_CODER_TWO.replace("tool_call>", "seed:tool_call>")
+    assert _calls(SeedOssToolParser().parse("Sure.\n" + seed)) == ("Sure.\n", TWO_CALLS)
+    assert SeedOssToolParser().parse(QWEN3_CODER_TWO) == (QWEN3_CODER_TWO, [])  # not its tags
+    assert SeedOssToolParser.keeps_special_tokens
+
+
 def test_qwen3_coder_leaves_a_cut_off_call_and_other_text_alone():
     parser = Qwen3CoderToolParser()
     assert _calls(parser.parse(QWEN3_CODER_TWO)) == ("", TWO_CALLS)
@@ -185,7 +193,9 @@ def test_qwen3_coder_leaves_a_cut_off_call_and_other_text_alone():
                                           "Sure. <|tool_call|>" + TWO_CALLS_JSON),
                                          (Phi4MiniJsonToolParser(),
                                           "Sure. functools" + TWO_CALLS_JSON),
-                                         (Qwen3CoderToolParser(), "Sure. " + QWEN3_CODER_TWO)])
+                                         (Qwen3CoderToolParser(), "Sure. " + QWEN3_CODER_TWO),
+                                         (SeedOssToolParser(), "Sure. " + QWEN3_CODER_TWO.replace(
+                                             "tool_call>", "seed:tool_call>"))])
 def test_parsed_stream_holds_back_only_the_call(parser, text):
     whole = collect(ParsedCallStream(parser), text)
     stream = ParsedCallStream(parser)
