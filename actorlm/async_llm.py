@@ -48,6 +48,7 @@ from actorlm.beam_search import BeamSearch, BeamSearchParams, BeamSearchStream
 from actorlm.actors.system import EngineSystem
 from actorlm.config import EngineConfig
 from actorlm.engine_core import start_engine
+from actorlm.engine_metrics import with_kv_usage
 from actorlm.llm import PromptType, prompt_input, prompt_salt, salted
 from actorlm.lora_request import LoRARequest
 from actorlm.messages import AbortRequests, SubmitRequest
@@ -479,7 +480,3 @@ def _stop(engine: EngineSystem, trace: TraceRecorder, submitter: ThreadPoolExecu
     engine.stop()
     trace.close()
 
-
-def with_kv_usage(stats: dict) -> dict:
-    total, free = stats["num_total_blocks"], stats["num_free_blocks"]
-    return {**stats, "kv_cache_usage": (total - free) / total if total else 0.0}

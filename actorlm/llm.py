@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import queue
+import time
 import weakref
 from typing import Sequence
 
@@ -18,13 +20,17 @@ from actorlm.actors.system import EngineSystem
 from actorlm.chat_content import check_content_format
 from actorlm.config import EngineConfig
 from actorlm.engine_core import start_engine
+from actorlm.engine_metrics import RequestMetrics, with_kv_usage
 from actorlm.lora_request import LoRARequest
 from actorlm.messages import AbortRequests, SubmitRequest
+from actorlm.metrics_reader import Metric, snapshot
+from actorlm.models.gguf_file import model_name
 from actorlm.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingOutput,
                              PoolingRequestOutput, RequestOutput, ScoringOutput,
                              ScoringRequestOutput)
 from actorlm.pooling import NOTHING_SAMPLED, TASKS, PoolingParams
 from actorlm.prompt_rules import open_and_closed
+from actorlm.request_timing import observe_finished_output
 from actorlm.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
@@ -38,6 +44,8 @@ class LLM:
     complete whenever ``generate`` returns. ``llm.trace`` is the recorder (None when off).
     ``generation_config`` (``auto``, ``vllm`` or a directory) picks the sampling defaults that
     ``generate`` uses when given no ``sampling_params`` (``get_default_sampling_params()``).
+    ``disable_log_stats=False`` keeps vLLM's metrics of the engine and its requests, which
+    ``get_metrics()`` returns (off by default, as in vLLM's ``LLM``).
 
     Like vLLM's, it needs no ``shutdown()``: the engine stops when the object is collected or
     the process ends (``shutdown()`` and ``with LLM(...) as llm:`` stop it sooner). If the
@@ -45,7 +53,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, trace_file: str | None = None,
-                 **engine_flags):
+                 disable_log_stats: bool = True, **engine_flags):
         config = EngineConfig.from_flags(model, **engine_flags)
         self.trace = None
         if trace_file is not None:
@@ -61,6 +69,10 @@ class LLM:
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+        # (reads the engine, not self: a forgotten LLM is still collected)
+        self._metrics = None if disable_log_stats else RequestMetrics(
+            self.config.model or model_name(self.engine.model_path),  # (the embedded: its stem)
+            functools.partial(_read_engine, self.engine, self.config))
         # holds the engine, not self: a forgotten LLM is collected, and its engine stopped
         self._finalizer = weakref.finalize(self, stop_engine, self.engine, self.trace)
 
@@ -210,6 +222,8 @@ class LLM:
                     if isinstance(output, EngineDeadError):
                         raise output
                     by_id[output.request_id] = output
+                    if self._metrics is not None:
+                        observe_finished_output(self._metrics, output, time.monotonic())
                     bar.update(1)
         except BaseException:  # Ctrl-C in a notebook, say: what is left stops running
             self._abort([rid for rid in request_ids if rid not in by_id])
@@ -299,6 +313,16 @@ class LLM:
         """Scheduler and KV pool counters (for tests, metrics and the curious)."""
         return self.engine.stats()
 
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's snapshot of the engine's metrics now (``metrics_reader``'s records: counters,
+        gauges, histograms, vectors, under vLLM's names), for an LLM built with
+        ``disable_log_stats=False``. The latencies are each finished request's (no
+        inter-token latency: offline, a request's output comes once, whole)."""
+        if self._metrics is None:
+            raise ValueError("get_metrics: stat logging is disabled; build the LLM with "
+                             "disable_log_stats=False")
+        return snapshot(self._metrics.registry)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix (vLLM's ``LLM.reset_prefix_cache``)."""
         return self.engine.reset_prefix_cache()
@@ -312,6 +336,16 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _read_engine(engine: EngineSystem, config: EngineConfig):
+    """(config, each replica's stats) for the metrics, or None once the engine is gone."""
+    if engine.supervisor.error is not None:
+        return None
+    try:
+        return config, [with_kv_usage(stats) for stats in engine.replica_stats()]
+    except pykka.ActorDeadError:
+        return None
 
 
 def stop_engine(engine: EngineSystem, trace=None) -> None:

@@ -5,7 +5,7 @@ ScoringRequestOutput; ``DeltaOutputs`` cuts a stream of cumulative outputs into 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -20,6 +20,28 @@ class Logprob:
 
 # per position: token id -> Logprob, the token actually chosen first, then the top-k
 PositionLogprobDict = dict[int, Logprob]
+
+
+@dataclass
+class RequestStateStats:
+    """When a request's tokens came (vLLM's ``RequestStateStats``), on the frontend's monotonic
+    clock: its arrival, its first and its latest generated token, and how many it has."""
+
+    arrival_time: float
+    first_token_ts: float | None = None
+    last_token_ts: float | None = None
+    num_generation_tokens: int = 0
+
+    @property
+    def first_token_latency(self) -> float | None:
+        return None if self.first_token_ts is None else self.first_token_ts - self.arrival_time
+
+    def add_tokens(self, num_tokens: int, now: float) -> None:
+        if num_tokens:
+            if self.first_token_ts is None:
+                self.first_token_ts = now
+            self.last_token_ts = now
+            self.num_generation_tokens += num_tokens
 
 
 @dataclass
@@ -47,7 +69,7 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobDict | None] | None = None
     error: str | None = None  # set when the engine failed this request (finish_reason "error")
     error_field: str | None = None  # the request field at fault, where the client's was
-    metrics: dict = field(default_factory=dict)
+    metrics: RequestStateStats | None = None
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """One request's latencies as its outputs arrive, told to a stats listener (the server's
 metrics, ``api/metrics.py``): time to first token, each inter-token latency, the tokens
-generated, and at its end its reason, its time since arrival and its time per output token."""
+generated, and at its end its reason, its time since arrival and its time per output token;
+or all of it at once from a finished output (``observe_finished_output``, the offline
+``LLM``'s)."""
 
 from __future__ import annotations
 
@@ -34,11 +36,10 @@ class RequestTiming:
                 self.first_token = now
             self.last_token, self.num_tokens = now, num_tokens
         if output.finished:
-            reason = output.outputs[0].finish_reason if output.outputs else None
             tpot = None
             if self.first_token is not None and num_tokens > 1:
                 tpot = (now - self.first_token) / (num_tokens - 1)
-            self._end("error" if output.error else (reason or "abort"), tpot)
+            self._end(finish_reason_of(output), tpot)
         return new
 
     def cut_short(self, reason: str) -> None:
@@ -48,3 +49,27 @@ class RequestTiming:
     def _end(self, reason: str, tpot: float | None) -> None:
         if self.listener is not None:
             self.listener.observe_finished(reason, time.monotonic() - self.arrival, tpot)
+
+
+def finish_reason_of(output: RequestOutput) -> str:
+    """The ``finished_reason`` label a finished output counts under."""
+    reason = output.outputs[0].finish_reason if output.outputs else None
+    return "error" if output.error else (reason or "abort")
+
+
+def observe_finished_output(listener, output, now: float) -> None:
+    """A finished output, received at ``now`` (``time.monotonic``, the frontend's clock): its
+    counts and latencies, from the times its frontend noted (``RequestOutput.metrics``), told
+    to ``listener`` at once. The offline ``LLM``'s way, which sees no output before the last
+    (and so no inter-token latencies). A pooling model's answer counts its prompt alone."""
+    listener.on_request_added(len(output.prompt_token_ids))
+    stats = getattr(output, "metrics", None)
+    if stats is None:
+        return
+    listener.add_generation_tokens(stats.num_generation_tokens)
+    if stats.first_token_latency is not None:
+        listener.observe_first_token(stats.first_token_latency)
+    tpot = None
+    if stats.num_generation_tokens > 1:
+        tpot = (stats.last_token_ts - stats.first_token_ts) / (stats.num_generation_tokens - 1)
+    listener.observe_finished(finish_reason_of(output), now - stats.arrival_time, tpot)

@@ -96,13 +96,14 @@ class FrontendActor(EngineActor):
         self._check_priority(msg.priority)
         seed = self._rng.randrange(SEED_RANGE) if params.seed is None else params.seed % SEED_RANGE
         text = msg.prompt if isinstance(msg.prompt, str) else None
+        arrival_time = self.clock.monotonic()
         stream = OutputStream(msg.request_id, text, token_ids, params, self.tokenizer, msg.sink,
                               msg.stream,
-                              pooling=None if msg.pooling_params is None else self.pooler.task)
+                              pooling=None if msg.pooling_params is None else self.pooler.task,
+                              arrival_time=arrival_time)
         self._streams[msg.request_id] = stream
         for index, engine_id in enumerate(stream.engine_ids):
             self._children[engine_id] = (stream, index)
-        arrival_time = self.clock.monotonic()
         added = AddRequest(msg.request_id, token_ids, params, seed, arrival_time,
                            self._bad_words(params.bad_words), lora_request=msg.lora_request,
                            cache_salt=msg.cache_salt, priority=msg.priority,
@@ -169,12 +170,14 @@ class FrontendActor(EngineActor):
         touched: dict[str, OutputStream] = {}
         stops: list[tuple[str, str]] = []
         to_abort: list[str] = []
+        now = self.clock.monotonic()
         for delta in outputs.deltas:
             entry = self._children.get(delta.request_id)
             if entry is None:
                 continue
             stream, index = entry
             touched[stream.request_id] = stream
+            stream.stats.add_tokens(len(delta.new_token_ids), now)
             try:
                 stop = stream.apply(index, delta)
             except Exception as exc:  # noqa: BLE001 — this request's data: it fails alone

@@ -10,6 +10,7 @@ classifier's ``ClassificationRequestOutput``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,7 +19,7 @@ from actorlm.core.detokenizer import IncrementalDetokenizer, find_stop_string
 from actorlm.messages import PositionLogprobs, RequestDelta, engine_request_ids
 from actorlm.outputs import (ClassificationOutput, ClassificationRequestOutput,
                              CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob,
-                             RequestOutput)
+                             RequestOutput, RequestStateStats)
 from actorlm.sampling_params import SamplingParams
 
 
@@ -37,8 +38,9 @@ class _Sequence:
 class OutputStream:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, tokenizer, sink, stream: bool,
-                 pooling: str | None = None):
+                 pooling: str | None = None, arrival_time: float = 0.0):
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.stats = RequestStateStats(arrival_time)  # the frontend notes when tokens come
         self.pooling = pooling
         self.pooled: bytes | None = None  # an embedding request's vector, once it finished
         self.params, self.tokenizer, self.sink, self.stream = params, tokenizer, sink, stream
@@ -138,9 +140,10 @@ class OutputStream:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions,
                              finished, error=self.error, error_field=self.error_field,
                              num_cached_tokens=self.num_cached_tokens,
-                             # a copy: this list grows with later chunks, the caller's must not
+                             # copies: the list grows with later chunks, the caller's must not
                              prompt_logprobs=None if self.prompt_logprobs is None
-                             else list(self.prompt_logprobs))
+                             else list(self.prompt_logprobs),
+                             metrics=dataclasses.replace(self.stats))
 
     def _logprob_dict(self, position: PositionLogprobs) -> dict[int, Logprob]:
         ranks = [position.rank] + list(range(1, len(position.token_ids)))
