@@ -257,7 +257,8 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
     branches in parallel from one norm), Nemotron (LayerNorms whose weights count from 1, an
     ungated MLP of ReLU squared, RoPE on half of each head, biases), Arcee (a Llama with that
     MLP), GPT-NeoX (q/k/v fused per head, exact GeLU, its branches in parallel each through
-    its own norm; and in sequence), Falcon (``_falcons``),
+    its own norm; and in sequence), Falcon (``_falcons``), GPT-BigCode (GPT-2's layout with one
+    KV head; and without, each head's q, k and v together),
     Gemma 3 (five sliding-window layers to one full,
     q/k norms, two RoPE bases), Gemma 2 (sliding and full in turn, soft-capped attention and
     logits), Mistral (every layer sliding), Qwen2 with ``use_sliding_window`` (its upper
@@ -278,7 +279,7 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
                               Glm4Config, GlmConfig, GraniteConfig, HeliumConfig, MistralConfig,
                               Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, SeedOssConfig,
                               SmolLM3Config, StableLmConfig, NemotronConfig, ArceeConfig,
-                              GPTNeoXConfig, OlmoConfig)
+                              GPTNeoXConfig, OlmoConfig, GPTBigCodeConfig)
 
     common = _common(tiny_tokenizer_dir)
     olmo = {k: v for k, v in common.items() if k != "head_dim"}  # (hidden / heads, always)
@@ -356,6 +357,11 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
                                              use_parallel_residual=False,
                                              tie_word_embeddings=False),
         **_falcons(common),
+        **{name: GPTBigCodeConfig(**{k: common[k] for k in (
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
+            "initializer_range")}, n_inner=common["intermediate_size"], multi_query=mq)
+           for name, mq in (("gpt_bigcode", True), ("gpt_bigcode_mha", False))},
         "gpt2": GPT2Config(**{k: common[k] for k in (
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",

@@ -21,8 +21,8 @@ from actorlm.models.decoder import DecoderLayer, norm_of
 from actorlm.models.checkpoint_names import checkpoint_tensors, narrow
 from actorlm.models.families import (NO_ROPE, embedding_scale, head_dim_of, is_gemma,
                                      layer_specs, layer_windows, lm_head_bias, logits_divisor,
-                                     long_rope_from, norm_names, position_offset,
-                                     rope_inv_freq, rope_layer_types)
+                                     long_rope_from, norm_names, num_kv_heads_of,
+                                     position_offset, rope_inv_freq, rope_layer_types)
 from actorlm.models.layers import Embedding, Linear, VocabParallelEmbedding
 from actorlm.models.expert_parallel import check_expert_parallel, split_intermediate_sizes
 from actorlm.models.moe import MoeTimer, RoutedExperts, SparseMoeBlock
@@ -294,9 +294,8 @@ class CausalLM(nn.Module):
             start, length = rank * attn.q_size, attn.q_size
         elif ".k_proj." in name or ".v_proj." in name:
             # the KV heads this rank's query heads read (a replicated head: the same on several)
-            num_kv_heads = getattr(self.config, "num_key_value_heads", None) or \
-                self.config.num_attention_heads
-            first = first_kv_head(self.tp, self.config.num_attention_heads, num_kv_heads)
+            first = first_kv_head(self.tp, self.config.num_attention_heads,
+                                  num_kv_heads_of(self.config))
             start, length = first * self.head_dim, attn.kv_size
         elif ".gate_proj." in name or ".up_proj." in name or ".fc_in." in name:
             # this rank's half of gate_up, its share of an ungated MLP's fc_in

@@ -2,8 +2,8 @@
 tower's names as a text model's (its vision tower left out), each family's names as the
 decoder's (``_RENAMES``), Phi-3's, GLM's and GPT-2's fused q/k/v and gate/up split into the
 projections they fuse (so that they merge and shard as every family's do), GPT-2's Conv1D
-weights transposed, GPT-NeoX's and Falcon's q/k/v regrouped from their heads, Nemotron's norm
-weights counted from 1, Mixtral's and Granite MoE's experts under the other MoE families' names,
+weights transposed, GPT-NeoX's, Falcon's and GPT-BigCode's q/k/v regrouped from their heads,
+Nemotron's norm weights counted from 1, Mixtral's and Granite MoE's experts under the other MoE families' names,
 and q and k in the order the kernels rotate them (``rope_layout``); ``narrow`` reads a part of
 any tensor a checkpoint holds."""
 
@@ -13,7 +13,7 @@ import torch
 
 from actorlm.kernels import ActivationQuant, QuantizedWeight
 from actorlm.models import quantized
-from actorlm.models.families import head_dim_of, rope_head_order
+from actorlm.models.families import head_dim_of, num_kv_heads_of, rope_head_order
 from actorlm.models.moe_families import checkpoint_name, intermediate_size_of, shared_expert_size
 from actorlm.models.rope_layout import ROTATED_Q_K, reordered
 
@@ -24,6 +24,14 @@ _GPT2_MASKS = (".attn.bias", ".attn.masked_bias")
 # buffers GPT-NeoX's first checkpoints (Pythia's) hold: its causal masks, RoPE's frequencies
 _GPT_NEOX_BUFFERS = (".attention.bias", ".attention.masked_bias",
                      ".attention.rotary_emb.inv_freq")
+# GPT-2's (and GPT-BigCode's) names
+_GPT2_NAMES = {"transformer.wte.": "model.embed_tokens.",
+               "transformer.wpe.": "model.embed_positions.",
+               "transformer.ln_f.": "model.norm.", "transformer.h.": "model.layers.",
+               ".ln_1.": ".input_layernorm.", ".ln_2.": ".post_attention_layernorm.",
+               ".attn.c_attn.": ".self_attn.qkv_proj.",
+               ".attn.c_proj.": ".self_attn.o_proj.", ".mlp.c_fc.": ".mlp.fc_in.",
+               ".mlp.c_proj.": ".mlp.down_proj."}
 # a family's checkpoint names -> the shared decoder's
 _RENAMES = {"starcoder2": {".mlp.c_fc.": ".mlp.fc_in.", ".mlp.c_proj.": ".mlp.down_proj."},
             "phi": {".mlp.fc1.": ".mlp.fc_in.", ".mlp.fc2.": ".mlp.down_proj.",
@@ -51,13 +59,7 @@ _RENAMES = {"starcoder2": {".mlp.c_fc.": ".mlp.fc_in.", ".mlp.c_proj.": ".mlp.do
                          ".mlp.dense_h_to_4h.": ".mlp.fc_in.",
                          ".mlp.dense_4h_to_h.": ".mlp.down_proj."},
             "arcee": {".mlp.up_proj.": ".mlp.fc_in."},
-            "gpt2": {"transformer.wte.": "model.embed_tokens.",
-                     "transformer.wpe.": "model.embed_positions.",
-                     "transformer.ln_f.": "model.norm.", "transformer.h.": "model.layers.",
-                     ".ln_1.": ".input_layernorm.", ".ln_2.": ".post_attention_layernorm.",
-                     ".attn.c_attn.": ".self_attn.qkv_proj.",
-                     ".attn.c_proj.": ".self_attn.o_proj.", ".mlp.c_fc.": ".mlp.fc_in.",
-                     ".mlp.c_proj.": ".mlp.down_proj."}}
+            "gpt2": _GPT2_NAMES, "gpt_bigcode": _GPT2_NAMES}
 # a gemma3 (text and vision) checkpoint's text tower -> a text model's names; both layouts
 # transformers has written
 _TEXT_TOWER = {"model.language_model.": "model.", "language_model.model.": "model.",
@@ -74,8 +76,7 @@ def checkpoint_tensors(config, tensors):
     do), Mixtral's experts under the other MoE families' names, and q and k in the order the
     kernels rotate them (``rope_layout``)."""
     q_size = config.num_attention_heads * head_dim_of(config)
-    kv_size = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * \
-        head_dim_of(config)
+    kv_size = num_kv_heads_of(config) * head_dim_of(config)
     order = rope_head_order(config)
     for name, tensor in _split_fused(config, tensors, q_size, kv_size):
         if order is not None and name.endswith(ROTATED_Q_K):
@@ -101,6 +102,11 @@ def _split_fused(config, tensors, q_size: int, kv_size: int):
             if name.endswith(_GPT_NEOX_BUFFERS):
                 continue
             if ".attention.query_key_value." in name:
+                tensor = _qkv_regrouped(tensor, config.num_attention_heads, 1)
+        if config.model_type == "gpt_bigcode":
+            if name.endswith(_GPT2_MASKS):
+                continue
+            if ".attn.c_attn." in name and not config.multi_query:  # (each head's q, k, v)
                 tensor = _qkv_regrouped(tensor, config.num_attention_heads, 1)
         if config.model_type == "falcon" and ".query_key_value." in name and \
                 not (config.multi_query and not config.new_decoder_architecture):
@@ -132,7 +138,7 @@ def _split_fused(config, tensors, q_size: int, kv_size: int):
 
 def _qkv_regrouped(tensor, num_groups: int, queries_per_group: int) -> torch.Tensor:
     """Fused q/k/v rows in groups, each group's ``queries_per_group`` query heads, then its key
-    and value head (GPT-NeoX's and Falcon's: one query a group, or Falcon's new
+    and value head (GPT-NeoX's, GPT-BigCode's and Falcon's: one query a group, or Falcon's new
     architecture's several), as every query head, then every key head, then every value head
     (the order the split below reads)."""
     tensor = narrow(tensor, 0, 0, None)

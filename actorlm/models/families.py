@@ -65,6 +65,9 @@ tensors is ``checkpoint_names.py``'s.
   ``num_kv_heads`` groups (the new decoder architecture's, whose fused q/k/v holds each
   group's queries, then its key and value), attention and MLP in parallel from one norm, or
   each from its own (``ln_attn``, ``ln_mlp``). ALiBi (Falcon-RW) is refused by name.
+- GPT-BigCode (StarCoder, SantaCoder, WizardCoder, OctoCoder): GPT-2's layout (learned
+  positions, LayerNorms, GeLU, biases) with Linear weights and one KV head (``multi_query``:
+  q/k/v fused as all queries, the key, the value; without it, each head's q, k and v).
 - OPT (vLLM's quick-start model, facebook/opt-125m and its larger siblings): LayerNorm with a
   bias, an ungated ReLU MLP (``fc1``, ``fc2``), biases everywhere, no RoPE: positions are
   learned embeddings added to the tokens' (row position + 2, ``position_offset``). The
@@ -101,7 +104,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2",
                          "olmo2", "olmo3", "exaone4", "glm", "glm4", "ernie4_5", "helium",
                          "seed_oss", "gemma", "gemma2", "gemma3_text", "starcoder2", "phi",
                          "cohere", "cohere2", "opt", "gpt2", "stablelm", "nemotron", "arcee",
-                         "gpt_neox", "falcon", "olmo", *TEXT_TOWERS, *MOE_MODEL_TYPES)
+                         "gpt_neox", "falcon", "olmo", "gpt_bigcode", *TEXT_TOWERS,
+                         *MOE_MODEL_TYPES)
 # the RoPE table of the layers without RoPE (SmolLM3's, EXAONE 4's and Cohere 2's global
 # ones): the identity
 NO_ROPE = "no_rope"
@@ -111,22 +115,24 @@ _OUTPUT_NORMS_ONLY = ("olmo2", "olmo3", "exaone4")  # norms on the branches' out
 _COHERE = ("cohere", "cohere2")
 _INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5", "helium", *_COHERE)  # RoPE on (2i, 2i + 1)
 # LayerNorm, with a bias but in Cohere's
-_LAYER_NORM = ("starcoder2", "phi", "opt", "gpt2", "stablelm", "nemotron", "gpt_neox",
-               "falcon", "olmo", *_COHERE)
+_LAYER_NORM = ("starcoder2", "phi", "opt", "gpt2", "gpt_bigcode", "stablelm", "nemotron",
+               "gpt_neox", "falcon", "olmo", *_COHERE)
 _NO_NORM_BIAS = ("olmo", *_COHERE)  # (OLMo's LayerNorms learn no weight either)
 # attention and MLP from one norm, in parallel (StableLM's and GPT-NeoX's by their
 # use_parallel_residual, GPT-NeoX's MLP through a norm of its own)
 _PARALLEL = ("phi", *_COHERE)
 _PARALLEL_BY_CONFIG = ("stablelm", "gpt_neox")
-_UNGATED_MLP = ("starcoder2", "phi", "opt", "gpt2", "nemotron", "arcee", "gpt_neox", "falcon")
+_UNGATED_MLP = ("starcoder2", "phi", "opt", "gpt2", "gpt_bigcode", "nemotron", "arcee",
+                "gpt_neox", "falcon")
 # learned position embeddings (no RoPE): the row a position reads is position + offset
-_POSITION_OFFSETS = {"opt": 2, "gpt2": 0}
+_POSITION_OFFSETS = {"opt": 2, "gpt2": 0, "gpt_bigcode": 0}
 # a family's config fields whose other values change the math and are not computed here
 # (OPT-350m's post-norm; GPT-2's scaling by layer, its cross-attention) -> the value computed
 _COMPUTED_ONLY = {"opt": {"do_layer_norm_before": True, "_remove_final_layer_norm": False,
                           "layer_norm_elementwise_affine": True},
                   "gpt2": {"scale_attn_weights": True, "add_cross_attention": False,
                            "scale_attn_by_inverse_layer_idx": False},
+                  "gpt_bigcode": {"scale_attn_weights": True, "add_cross_attention": False},
                   "falcon": {"alibi": False}}
 # a query/key norm the family's config may turn on, not implemented (a LayerNorm per head)
 _QK_LAYER_NORMS = {"phi": "qk_layernorm", "cohere": "use_qk_norm", "stablelm": "qk_layernorm"}
@@ -138,7 +144,8 @@ _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "g
                 "gelu_fast": "gelu_tanh", "relu": "relu", "relu2": "relu2", "gelu": "gelu"}
 # the activations a family's configs name (by _ACTIVATIONS' names; the rest: SiLU); any other
 # is refused
-_FAMILY_ACTIVATIONS = {**dict.fromkeys(("starcoder2", "phi", "gpt2", *_GEMMA), ("gelu_tanh",)),
+_FAMILY_ACTIVATIONS = {**dict.fromkeys(("starcoder2", "phi", "gpt2", "gpt_bigcode", *_GEMMA),
+                                        ("gelu_tanh",)),
                        "opt": ("relu",), "nemotron": ("relu2",), "arcee": ("relu2",),
                        "falcon": ("gelu",),
                        # (Pythia's exact GeLU, GPT-NeoX-20B's gelu_fast)
@@ -273,10 +280,10 @@ def layer_specs(config) -> list[LayerSpec]:
     head_dim = head_dim_of(config)
     scalar = getattr(config, "query_pre_attn_scalar", None) if gemma else None
     # (Phi-2's and GPT-2's projections all have biases, whatever their config says)
-    granite, biased = model_type in _GRANITE, model_type in ("phi", "gpt2")
+    granite, biased = model_type in _GRANITE, model_type in ("phi", "gpt2", "gpt_bigcode")
     base = dict(
         hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        num_kv_heads=num_kv_heads_of(config),
         head_dim=head_dim, intermediate_size=intermediate_size_of(config),
         norm_eps=norm_eps(config), norm_unit_offset=gemma,
         layer_norm=model_type in _LAYER_NORM,
@@ -286,6 +293,8 @@ def layer_specs(config) -> list[LayerSpec]:
         bool(config.use_parallel_residual) or model_type == "falcon" and
         (config.parallel_attn or config.new_decoder_architecture),
         parallel_mlp_norm=model_type == "gpt_neox" or _falcon_mlp_norm(config),
+        qkv_per_head=model_type == "gpt_neox" or model_type == "gpt_bigcode" and
+        not config.multi_query,
         gated_mlp=model_type not in _UNGATED_MLP,
         output_norms=model_type in (*_FOUR_NORMS, *_OUTPUT_NORMS_ONLY, "glm4"),
         input_norms=model_type not in _OUTPUT_NORMS_ONLY,
@@ -336,6 +345,14 @@ def norm_eps(config) -> float:
 def lm_head_bias(config) -> bool:
     """Whether the LM head adds a bias (Phi-2's does)."""
     return config.model_type == "phi"
+
+
+def num_kv_heads_of(config) -> int:
+    """The KV heads: the config's count (all heads where it names none), or GPT-BigCode's by
+    its ``multi_query``, which its model reads (its ``num_key_value_heads`` may disagree)."""
+    if config.model_type == "gpt_bigcode":
+        return 1 if config.multi_query else config.num_attention_heads
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
 def head_dim_of(config) -> int:

@@ -56,7 +56,7 @@ _ALIASES = {"out_proj": "o_proj", "dense": "o_proj", "fc1": "fc_in", "c_fc": "fc
             "fc2": "down_proj", "c_proj": "down_proj", "dense_h_to_4h": "fc_in",
             "dense_4h_to_h": "down_proj"}
 _ATTENTION_ALIASES = {**_ALIASES, "c_proj": "o_proj"}
-_FUSED_QKV = ("c_attn", "query_key_value")  # (the second per head)
+_FUSED_QKV = ("c_attn", "query_key_value")
 _LAYER_OF = {hf: layer for layer, parts in _PARTS.items() for hf, _ in parts}
 _KEY = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.(?:(self_attn|attn|attention|mlp)\.)?(\w+)"
                   r"\.lora_([AB])\.weight$")
@@ -126,8 +126,7 @@ def load_lora_adapter(name: str, path: str | Path, specs: list[LayerSpec],
     if not pairs:
         raise LoRAAdapterError(f"{path / WEIGHTS_FILE} holds no LoRA weights")
     for layer, module in [key for key in pairs if key[1] in _FUSED_QKV]:
-        for part, sides in _split_fused_qkv(pairs.pop((layer, module)), specs[layer],
-                                            per_head=module == "query_key_value").items():
+        for part, sides in _split_fused_qkv(pairs.pop((layer, module)), specs[layer]).items():
             pairs[(layer, part)] = sides
             names[part] = module
     modules = {}
@@ -145,19 +144,18 @@ def load_lora_adapter(name: str, path: str | Path, specs: list[LayerSpec],
     return LoRAAdapter(name, path, modules)
 
 
-def _split_fused_qkv(sides: dict[str, torch.Tensor], spec: LayerSpec,
-                     per_head: bool = False) -> dict:
-    """A fused q/k/v adapter (GPT-2's c_attn; ``per_head``, GPT-NeoX's query_key_value, whose
-    B rows are each head's q, k and v together) as q's, k's and v's: each takes the one A and
-    its rows of B (x A^T B^T's rows are those parts' outputs); B of another size is left
-    whole, for the shape check to name."""
+def _split_fused_qkv(sides: dict[str, torch.Tensor], spec: LayerSpec) -> dict:
+    """A fused q/k/v adapter (GPT-2's and GPT-BigCode's c_attn, GPT-NeoX's query_key_value;
+    B's rows as the base model's checkpoint holds them, ``spec.qkv_per_head``) as q's, k's and
+    v's: each takes the one A and its rows of B (x A^T B^T's rows are those parts' outputs); B
+    of another size is left whole, for the shape check to name."""
     if set(sides) != {"A", "B"}:
         return {"q_proj": sides}  # (the pair check names what is missing)
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     b = sides["B"]
-    if b.shape[0] != q + 2 * kv or per_head and q != kv:
+    if b.shape[0] != q + 2 * kv or spec.qkv_per_head and q != kv:
         return {"q_proj": sides}
-    if per_head:  # every head's q, then k, then v
+    if spec.qkv_per_head:  # every head's q, then k, then v
         b = b.reshape(spec.num_heads, 3, spec.head_dim, -1).transpose(0, 1).reshape(b.shape)
     return {part: {"A": sides["A"], "B": rows}
             for part, rows in zip(("q_proj", "k_proj", "v_proj"), b.split((q, kv, kv)))}

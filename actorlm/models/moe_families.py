@@ -161,12 +161,12 @@ def shared_expert_size(config) -> int | None:
 
 
 def intermediate_size_of(config) -> int:
-    """The dense MLP's intermediate size (OPT calls it ``ffn_dim``, GPT-2 ``n_inner``, Falcon
+    """The dense MLP's intermediate size (OPT calls it ``ffn_dim``, GPT-2's ``n_inner``, Falcon
     ``ffn_hidden_size``, by default four times the hidden size)."""
     size = getattr(config, "intermediate_size", None)
     if size is not None:
         return size
-    if config.model_type == "gpt2":
+    if config.model_type in ("gpt2", "gpt_bigcode"):
         return config.n_inner or 4 * config.hidden_size
     if config.model_type == "falcon":
         return config.ffn_hidden_size or 4 * config.hidden_size

@@ -34,7 +34,7 @@ from actorlm.models.loader import (check_block_split, check_quantization, load_h
 from actorlm.models.parallel import (TensorParallel, check_initialised, check_tensor_parallel,
                                      num_kv_heads_per_rank)
 from actorlm.models.expert_parallel import check_expert_parallel, split_intermediate_sizes
-from actorlm.models.families import layer_windows, long_rope_from
+from actorlm.models.families import head_dim_of, layer_windows, long_rope_from, num_kv_heads_of
 from actorlm.models.memory_profile import MemoryProfile, kv_cache_budget, largest_step, load_and_profile
 from actorlm.models.draft_proposer import DraftModelProposer, check_draft_vocabulary
 from actorlm.models.lora_slots import LoRASlots
@@ -50,10 +50,7 @@ log = logging.getLogger(__name__)
 
 def model_geometry(hf_config) -> tuple[int, int, int]:
     """(num_layers, num_kv_heads, head_dim) as the KV cache sees them."""
-    num_heads = hf_config.num_attention_heads
-    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-    return hf_config.num_hidden_layers, num_kv_heads, head_dim
+    return hf_config.num_hidden_layers, num_kv_heads_of(hf_config), head_dim_of(hf_config)
 
 
 def eos_token_ids(path, tokenizer) -> frozenset[int]:

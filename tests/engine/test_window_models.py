@@ -51,7 +51,7 @@ FOLLOW_UPS = [SHARED + [40 + i, 90 + i, 140 + i] for i in range(3)]
                                   "smollm3", "granite", "olmo2", "olmo3", "glm4", "ernie4_5",
                                   "exaone4", "starcoder2", "phi", "cohere", "cohere2", "opt",
                                   "gpt2", "stablelm_parallel", "arcee", "gpt_neox",
-                                  "falcon_new", "olmo"])
+                                  "falcon_new", "olmo", "gpt_bigcode_mha"])
 def test_prefix_hits_across_the_window_give_transformers_greedy(tiny_window_dirs, make_llm,
                                                                 name, caching):
     path = tiny_window_dirs[name]

@@ -5,7 +5,7 @@ factors, ERNIE 4.5's and Helium's interleaved pairs, EXAONE 4's global NoPE, See
 Gemma's, Ministral's and Ministral 3's, StableLM's LayerNorms with a gated MLP, sequential and
 in parallel, Nemotron's and Arcee's ReLU squared, GPT-NeoX's per-head q/k/v and two norms in
 parallel, Falcon's three layouts of q/k/v and branches, OLMo's LayerNorms without weights and
-its clipped q/k/v)
+its clipped q/k/v, GPT-BigCode's one KV head)
 against transformers on the same tiny checkpoints: logits at every position of a 40-token
 prompt and 60 greedy tokens after it, far past the window of 16, and the greedy tokens
 themselves by vLLM's rule."""
@@ -31,7 +31,7 @@ FAMILIES = ["gemma", "gemma3", "gemma2", "mistral", "qwen2_window", "phi3", "smo
 LAYER_NORM_FAMILIES = ["starcoder2", "phi", "cohere", "cohere2", "opt", "gpt2", "stablelm",
                        "stablelm_parallel", "nemotron", "arcee", "gpt_neox",
                        "gpt_neox_sequential", "falcon", "falcon_new", "falcon_sequential",
-                       "olmo"]
+                       "olmo", "gpt_bigcode", "gpt_bigcode_mha"]
 PROMPT_LEN, NUM_DECODED = 40, 60
 ATOL = {torch.float32: 2e-4, torch.bfloat16: None}  # bf16: judged by the greedy tokens only
 

@@ -63,13 +63,14 @@ def checkpoints(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_replicated_
             # with its LM head's bias split by the vocabulary, Cohere's; StableLM's q/k/v
             # biases beside RoPE on a quarter of each head; Nemotron's ReLU squared;
             # GPT-NeoX's and Falcon's q/k/v regrouped from their heads before the split,
-            # Falcon-7B's one KV head on both ranks; OLMo's LayerNorms without weights)
+            # Falcon-7B's and GPT-BigCode's one KV head on both ranks; OLMo's LayerNorms
+            # without weights)
             **{name: tiny_window_dirs[name]
                for name in ("gemma3", "gemma2", "mistral", "qwen2_window", "phi3", "smollm3",
                             "granite", "olmo2", "olmo3", "glm4", "phi3_partial", "ernie4_5",
                             "exaone4", "helium", "seed_oss", "starcoder2", "phi", "cohere",
                             "cohere2", "stablelm", "nemotron", "gpt_neox", "falcon",
-                            "falcon_new", "olmo")},
+                            "falcon_new", "olmo", "gpt_bigcode")},
             # every expert's intermediate features split (from per-expert tensors and from
             # stacked ones), a shared expert's too (gated, and Granite's unscaled), a router on
             # every rank; OLMoE's q/k norms over all heads, its one KV head on both ranks
@@ -102,7 +103,7 @@ def split(checkpoints):
                                   "olmo3", "glm4", "phi3_partial", "ernie4_5", "exaone4",
                                   "helium", "seed_oss", "starcoder2", "phi", "cohere",
                                   "cohere2", "stablelm", "nemotron", "gpt_neox", "falcon",
-                                  "falcon_new", "olmo", "qwen3_moe",
+                                  "falcon_new", "olmo", "gpt_bigcode", "qwen3_moe",
                                   "qwen3_moe_stacked", "qwen2_moe", "mixtral", "olmoe",
                                   "granitemoeshared", "llama_fp8", "qwen2_fp8_block"])
 def test_two_ranks_compute_what_one_computes(name, checkpoints, split):
