@@ -18,7 +18,7 @@ from actorlm.generation_config import check_setting as check_generation_config
 from actorlm.json_flags import json_object
 from actorlm.pooling import PoolerConfig, check_runner_flags, parse_pooler_config
 from actorlm.reasoning import reasoning_parser
-from actorlm.sampling_params import MAX_LOGPROBS
+from actorlm.sampling_params import LOGPROBS_MODES, MAX_LOGPROBS
 from actorlm.speculative import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -119,6 +119,10 @@ class EngineConfig:
     # the most logprobs (and prompt_logprobs) a request may ask for at each position, vLLM's
     # max_logprobs; -1: the whole vocabulary
     max_logprobs: int = MAX_LOGPROBS
+    # what logprobs report: the raw logits' logprobs (vLLM's default), the raw logits, or the
+    # processed ones (penalties, bias, temperature, top-k/p, min-p: what the token is drawn
+    # from) as logprobs or logits
+    logprobs_mode: str = "raw_logprobs"
     # vLLM's choices a launch line names, of which this engine computes one: the KV cache in
     # the model's dtype (auto; fp8 ones are refused by name) and the model's Hugging Face
     # tokenizer files (auto, hf; mistral_common's and the slow ones are refused by name)
@@ -154,6 +158,9 @@ class EngineConfig:
             raise ValueError(f"--tokenizer-mode {self.tokenizer_mode!r} is not implemented: the "
                              f"model's Hugging Face tokenizer files are read (auto, hf)")
         self._check_load_format()
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}; got "
+                             f"{self.logprobs_mode!r}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or \
                 self.max_logprobs < -1:
             raise ValueError(f"--max-logprobs must be -1 (the whole vocabulary) or at least 0, "

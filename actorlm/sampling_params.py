@@ -14,6 +14,9 @@ import msgspec
 from msgspec.structs import force_setattr
 
 GREEDY_TEMPERATURE = 1e-5  # vLLM treats temperatures below this as greedy
+# what logprobs report (vLLM's --logprobs-mode): raw or processed logits, as logprobs or as
+# the logits themselves (``models/sampler.py``)
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 SEED_RANGE = 1 << 63  # seeds travel as int64 to the sampling kernels
 MAX_LOGPROBS = 20  # vLLM's default cap (max_logprobs) on logprobs and prompt_logprobs
 # msgspec's JSON decoder returns ints of any size, but msgpack (the trace, worker processes)

@@ -79,8 +79,17 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
                    top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """[S, V] fp32, batched: each row's target distribution, as ``sampling_probs_ref`` says
     (temperature, then top-k, top-p on the renormalised head, min-p; the top token stays)."""
+    scaled, keep = sampling_mask(logits, temperature, top_k, top_p, min_p)
+    kept = torch.softmax(scaled, dim=-1) * keep
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def sampling_mask(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor, min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits / temperature [S, V] fp32, the tokens ``sampling_probs`` keeps [S, V] bool)."""
     vocab_size = logits.shape[1]
-    probs = torch.softmax(logits.float() / temperature.float()[:, None], dim=-1)  # [S, V]
+    scaled = logits.float() / temperature.float()[:, None]
+    probs = torch.softmax(scaled, dim=-1)  # [S, V]
     sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab_size, device=logits.device)[None, :]
     k = torch.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size).long()
@@ -90,8 +99,7 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     keep &= (head.cumsum(-1) - head < top_p[:, None]) | (top_p[:, None] >= 1.0)
     keep &= sorted_probs >= min_p[:, None] * sorted_probs[:, :1]
     keep[:, 0] = True
-    kept = torch.zeros_like(probs).scatter_(1, order, sorted_probs * keep)
-    return kept / kept.sum(-1, keepdim=True)
+    return scaled, torch.zeros_like(keep).scatter_(1, order, keep)
 
 
 def draft_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int, device

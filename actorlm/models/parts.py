@@ -114,6 +114,7 @@ class RunnerFactory:
     lora: tuple[int, int, int | None] | None = None  # max_loras, max_lora_rank, max_cpu_loras
     pooler: PoolerConfig | None = None  # a pooling model's (resolved); None: it generates
     hf_overrides: dict | None = None  # (--hf-overrides, set on the config it reads)
+    logprobs_mode: str = "raw_logprobs"  # (--logprobs-mode, ``models/sampler.py``)
     profiled: list = field(default_factory=list, compare=False)
 
     def __call__(self, rank: int) -> ModelRunner:
@@ -140,7 +141,7 @@ class RunnerFactory:
         lora_slots = None if self.lora is None else LoRASlots(model, *self.lora)
         return ModelRunner(model, self.backend, num_blocks, self.block_size, self.dtype,
                            self.device, self.eos_token_ids, model.tp, proposer, lora_slots,
-                           self.pooler)
+                           self.pooler, self.logprobs_mode)
 
     def _proposer(self, model):
         spec = self.speculative_config
@@ -253,7 +254,7 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
                             speculative_config=spec, draft_path=draft_path,
                             lora=(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
                             if config.enable_lora else None, pooler=config.pooler_config,
-                            hf_overrides=config.hf_overrides)
+                            hf_overrides=config.hf_overrides, logprobs_mode=config.logprobs_mode)
     profile = None
     if profile_gpu:
         step = largest_step(resolved.max_num_batched_tokens, resolved.max_num_seqs,

@@ -133,7 +133,7 @@ class ModelRunner:
                  dtype: torch.dtype, device: torch.device,
                  eos_token_ids: frozenset[int] = frozenset(),
                  tp: TensorParallel = TensorParallel(), proposer=None, lora_slots=None,
-                 pooler: PoolerConfig | None = None):
+                 pooler: PoolerConfig | None = None, logprobs_mode: str = "raw_logprobs"):
         self.model, self.backend, self.tp = model, backend, tp
         self.pooler = None if pooler is None else \
             Pooler(pooler, getattr(model, "score", None), dtype)
@@ -142,6 +142,7 @@ class ModelRunner:
         self._moe_timer = getattr(model, "moe_timer", None)  # None: no MoE layers, or a GPU
         self.block_size, self.dtype, self.device = block_size, dtype, device
         self.eos_token_ids = eos_token_ids
+        self.logprobs_mode = logprobs_mode  # (``models/sampler.py``)
         groups = getattr(model, "kv_cache_groups", None) or \
             [KVCacheGroup(None, tuple(range(model.num_layers)))]
         if sorted(layer for g in groups for layer in g.layers) != list(range(model.num_layers)):
@@ -219,9 +220,10 @@ class ModelRunner:
                                     bitmask.bitmask)
             if any(drafts):
                 outputs, logprobs = verify(s.logits, states, drafts, self.backend,
-                                           self.eos_token_ids)
+                                           self.eos_token_ids, self.logprobs_mode)
             else:
-                tokens, found = sample(s.logits, states, self.backend, self.eos_token_ids)
+                tokens, found = sample(s.logits, states, self.backend, self.eos_token_ids,
+                                       self.logprobs_mode)
                 outputs, logprobs = [[t] for t in tokens], [[lp] for lp in found]
             for state, new_tokens in zip(states, outputs):
                 state.token_ids += new_tokens
@@ -332,5 +334,8 @@ class ModelRunner:
                 continue
             targets = state.token_ids[start + 1:end + 1]
             out.append(PromptLogprobs(request_ids[i], start + 1,
-                                      token_logprobs(logits, targets, [k] * len(targets))))
+                                      token_logprobs(logits, targets, [k] * len(targets),
+                                                     # (a prompt's: its raw logits, no
+                                                     # request's processing)
+                                                     self.logprobs_mode.endswith("_logits"))))
         return out

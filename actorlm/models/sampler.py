@@ -2,7 +2,10 @@
 
 vLLM's order, batched over the step (one tensor operation per kind of processing, only over
 the rows that ask for it):
-1. logprobs come from the *raw* logits (what the model said, before any processing);
+1. logprobs come from the *raw* logits (what the model said, before any processing), or, by
+   ``--logprobs-mode`` (vLLM's), from the processed ones: the distribution the token is drawn
+   from (after step 3, then a random row's temperature, top-k, top-p and min-p, the tokens they
+   leave out at -inf); ``*_logits`` modes report the logits themselves;
 2. allowed_token_ids, bad_words, min_tokens (EOS and stop tokens banned) and logit_bias;
 3. repetition penalty (prompt and output tokens), frequency and presence penalties (output);
 4. greedy rows take the argmax; the others go to the backend's sampling kernel (temperature,
@@ -15,6 +18,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from actorlm.kernels.rejection import sampling_mask
 from actorlm.messages import PositionLogprobs
 from actorlm.sampling_params import SamplingParams
 
@@ -28,17 +32,20 @@ class SamplingState(Protocol):
 
 
 def sample(logits: torch.Tensor, states: Sequence[SamplingState], backend,
-           eos_token_ids: frozenset[int]) -> tuple[list[int], list[PositionLogprobs | None]]:
+           eos_token_ids: frozenset[int], logprobs_mode: str = "raw_logprobs"
+           ) -> tuple[list[int], list[PositionLogprobs | None]]:
     """Tokens for each row of ``logits`` ([N, V] fp32, raw; processed in place), and their
-    logprobs where asked."""
+    logprobs where asked (``logprobs_mode``: from which logits, and what is reported)."""
     wanted = [s.sampling_params.logprobs for s in states]
-    raw = logits.clone() if any(k is not None for k in wanted) else None  # logprobs see raw logits
+    source = _LogprobSource(logprobs_mode, any(k is not None for k in wanted), logits)
     logits = apply_processors(logits, states, eos_token_ids)
+    source.processed(logits, states)
     token_list = _draw(logits, states, backend).tolist()
-    if raw is None:
+    if source.logits is None:
         return token_list, [None] * len(states)
     rows = [i for i, k in enumerate(wanted) if k is not None]
-    found = token_logprobs(raw[rows], [token_list[i] for i in rows], [wanted[i] for i in rows])
+    found = token_logprobs(source.logits[rows], [token_list[i] for i in rows],
+                           [wanted[i] for i in rows], source.as_logits)
     logprobs: list[PositionLogprobs | None] = [None] * len(states)
     for i, entry in zip(rows, found):
         logprobs[i] = entry
@@ -46,7 +53,7 @@ def sample(logits: torch.Tensor, states: Sequence[SamplingState], backend,
 
 
 def verify(logits: torch.Tensor, states: Sequence[SamplingState], drafts: Sequence[list[int]],
-           backend, eos_token_ids: frozenset[int]
+           backend, eos_token_ids: frozenset[int], logprobs_mode: str = "raw_logprobs"
            ) -> tuple[list[list[int]], list[list[PositionLogprobs] | None]]:
     """Speculative decoding: each request's output tokens (its accepted drafts, then the token
     drawn after them) and their logprobs where asked. logits: [R, V] fp32, raw (processed in
@@ -55,8 +62,9 @@ def verify(logits: torch.Tensor, states: Sequence[SamplingState], drafts: Sequen
     request without drafts is sampled as ``sample`` would."""
     rows = [_Drafted(s, d[:j]) for s, d in zip(states, drafts) for j in range(len(d) + 1)]
     wanted = [s.sampling_params.logprobs for s in states]
-    raw = logits.clone() if any(k is not None for k in wanted) else None
+    source = _LogprobSource(logprobs_mode, any(k is not None for k in wanted), logits)
     logits = apply_processors(logits, rows, eos_token_ids)
+    source.processed(logits, rows)
     starts = [0]
     for d in drafts:
         starts.append(starts[-1] + len(d) + 1)
@@ -77,15 +85,40 @@ def verify(logits: torch.Tensor, states: Sequence[SamplingState], drafts: Sequen
         for i, tokens in zip(spec, verified.tolist()):
             outputs[i] = tokens[:tokens.index(-1)] if -1 in tokens else tokens
     logprobs: list[list[PositionLogprobs] | None] = [None] * len(states)
-    if raw is not None:
+    if source.logits is not None:
         asked = [i for i, k in enumerate(wanted) if k is not None]
         found = iter(token_logprobs(
-            raw[[starts[i] + j for i in asked for j in range(len(outputs[i]))]],
+            source.logits[[starts[i] + j for i in asked for j in range(len(outputs[i]))]],
             [t for i in asked for t in outputs[i]],
-            [wanted[i] for i in asked for _ in outputs[i]]))
+            [wanted[i] for i in asked for _ in outputs[i]], source.as_logits))
         for i in asked:
             logprobs[i] = [next(found) for _ in outputs[i]]
     return outputs, logprobs
+
+
+class _LogprobSource:
+    """The logits a step's logprobs come from, by ``--logprobs-mode``: a copy of the raw ones
+    (``raw_*``), or of the processed ones as the sampler draws from them (``processed_*``),
+    kept only where some row asks; ``as_logits``: report the values themselves."""
+
+    def __init__(self, mode: str, asked: bool, raw: torch.Tensor):
+        self.mode, self.as_logits = mode, mode.endswith("_logits")
+        self.logits = raw.clone() if asked and mode.startswith("raw") else None
+        self._asked = asked
+
+    def processed(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
+        """Keep ``logits`` (steps 2 and 3 done) with each random row's temperature and its
+        top-k, top-p and min-p cuts, as its token is drawn (greedy rows: as they are)."""
+        if not (self._asked and self.mode.startswith("processed")):
+            return
+        self.logits = logits.clone()
+        params = [s.sampling_params for s in states]
+        random = [i for i, p in enumerate(params) if not p.is_greedy]
+        if random:
+            columns = _columns([params[i] for i in random], [states[i] for i in random],
+                               logits.device)[:4]
+            scaled, keep = sampling_mask(self.logits[random], *columns)
+            self.logits[random] = scaled.masked_fill(~keep, float("-inf"))
 
 
 class _Drafted:
@@ -135,9 +168,10 @@ def _columns(params: Sequence[SamplingParams], states: Sequence[SamplingState], 
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int],
-                   num_top: Sequence[int]) -> list[PositionLogprobs]:
-    """For each row: the logprob and rank of ``token_ids[i]`` plus the row's top ``num_top[i]``."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+                   num_top: Sequence[int], as_logits: bool = False) -> list[PositionLogprobs]:
+    """For each row: the logprob and rank of ``token_ids[i]`` plus the row's top ``num_top[i]``
+    (``as_logits``: the logits in place of logprobs, ranked alike)."""
+    logprobs = logits.float() if as_logits else torch.log_softmax(logits.float(), dim=-1)
     chosen = torch.tensor(token_ids, device=logits.device)
     chosen_lp = logprobs.gather(1, chosen[:, None])  # [N, 1]
     ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
