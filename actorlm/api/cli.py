@@ -1,4 +1,5 @@
-"""The ``actorlm`` command: generate, serve, and the commands of ``bench`` (``bench/cli.py``) and
+"""The ``actorlm`` command: generate, serve, the clients of a running server (``chat``,
+``complete``: ``api/client_cli.py``), and the commands of ``bench`` (``bench/cli.py``) and
 ``trace`` (``trace/cli.py``)."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import gc
 import logging
 import sys
 
+from actorlm.api.client_cli import add_client_commands
 from actorlm.api.config_file import apply_config_file
 from actorlm.api.flags import add_engine_flags, engine_flags
 from actorlm.api.lora_models import lora_module
@@ -66,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     _add_generate(commands)
     _add_serve(commands)
+    add_client_commands(commands)
     add_bench_commands(commands)
     add_trace_commands(commands)
     return parser
