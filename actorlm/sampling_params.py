@@ -87,6 +87,11 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2
 
 
+# vLLM's older name of the class (``from vllm.sampling_params import GuidedDecodingParams``),
+# which SamplingParams takes as ``guided_decoding``
+GuidedDecodingParams = StructuredOutputsParams
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """How to sample one request (see vLLM's ``SamplingParams`` for each field's meaning)."""
 

@@ -88,3 +88,16 @@ def test_a_malformed_constraint_is_refused_naming_the_field(constraint, message)
 
     with pytest.raises(ValueError, match=re.escape(message)):
         StructuredOutputsParams(**constraint)
+
+
+def test_vllms_older_names_of_a_constraint_still_constrain():
+    """``GuidedDecodingParams`` as ``guided_decoding`` (vLLM's names before
+    ``structured_outputs``): the same constraint."""
+    from actorlm.sampling_params import GuidedDecodingParams, StructuredOutputsParams
+
+    params = SamplingParams(guided_decoding=GuidedDecodingParams(choice=["yes", "no"]))
+    assert params.structured_outputs == StructuredOutputsParams(choice=["yes", "no"])
+    assert params.guided_decoding is None
+    with pytest.raises(ValueError, match="guided_decoding"):
+        SamplingParams(guided_decoding=GuidedDecodingParams(regex="a+"),
+                       structured_outputs=StructuredOutputsParams(regex="b+"))
