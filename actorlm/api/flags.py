@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import decimal
 import typing
 
 from actorlm.config import EngineConfig
@@ -29,6 +30,30 @@ _HELP = {
 }
 
 
+# flags that take vLLM's human-readable counts: 32k (32,000), 1.5m, 32K (32,768), 1M
+_HUMAN_COUNTS = ("max_model_len", "max_num_batched_tokens")
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def human_count(text: str) -> int:
+    """vLLM's human-readable integer: a plain one, or a number and a suffix, k/m/g decimal
+    (``25.6k`` is 25,600) or K/M/G binary (whole numbers only: ``32K`` is 32,768)."""
+    try:
+        if text[-1:] in _DECIMAL:
+            value = decimal.Decimal(text[:-1]) * _DECIMAL[text[-1]]
+            if not value.is_finite() or value != int(value):
+                raise ValueError
+            return int(value)
+        if text[-1:] in _BINARY:
+            return int(text[:-1]) * _BINARY[text[-1]]
+        return int(text)
+    except (ValueError, decimal.InvalidOperation):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a count (an integer, or one with k/m/g or K/M/G: 32k, 32K)") \
+            from None
+
+
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
@@ -43,7 +68,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                                 help=help_text)
         else:
             kinds = {hint, *typing.get_args(hint)}
-            kind = int if int in kinds else float if float in kinds else str
+            kind = human_count if field.name in _HUMAN_COUNTS else \
+                int if int in kinds else float if float in kinds else str
             parser.add_argument(flag, type=kind, default=None, help=help_text)
 
 

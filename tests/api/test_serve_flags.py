@@ -12,7 +12,8 @@ import httpx
 import pytest
 from api_helpers import SERVED_NAME, serving
 
-from actorlm.api.cli import main
+from actorlm.api.cli import build_parser, main
+from actorlm.api.flags import engine_flags
 from actorlm.api.options import ServerOptions
 
 MAX_LOGPROBS = 30
@@ -128,3 +129,19 @@ def test_another_structured_outputs_backend_stops_the_start(capsys):
         main(["serve", "--guided-decoding-backend", "outlines"])
     assert stop.value.code == 2
     assert "--guided-decoding-backend: invalid choice: 'outlines'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value, count", [("4096", 4096), ("32k", 32_000), ("32K", 32_768),
+                                          ("25.6k", 25_600), ("1M", 1_048_576)])
+def test_lengths_take_vllms_human_readable_counts(value, count):
+    args = build_parser().parse_args(["serve", "--max-model-len", value,
+                                      "--max-num-batched-tokens", value])
+    assert engine_flags(args)["max_model_len"] == count
+    assert engine_flags(args)["max_num_batched_tokens"] == count
+
+
+@pytest.mark.parametrize("value", ["1.5K", "2.5", "0.0005k", "lots"])
+def test_a_count_that_is_none_stops_the_start_naming_it(value, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-model-len", value])
+    assert f"argument --max-model-len: {value!r} is not a count" in capsys.readouterr().err
