@@ -289,12 +289,9 @@ def layer_specs(config) -> list[LayerSpec]:
         layer_norm=model_type in _LAYER_NORM,
         norm_bias=model_type in _LAYER_NORM and model_type not in _NO_NORM_BIAS,
         norm_weight=model_type != "olmo",
-        parallel=model_type in _PARALLEL or model_type in _PARALLEL_BY_CONFIG and
-        bool(config.use_parallel_residual) or model_type == "falcon" and
-        (config.parallel_attn or config.new_decoder_architecture),
-        parallel_mlp_norm=model_type == "gpt_neox" or _falcon_mlp_norm(config),
-        qkv_per_head=model_type == "gpt_neox" or model_type == "gpt_bigcode" and
-        not config.multi_query,
+        parallel=_parallel(config), parallel_mlp_norm=_own_mlp_norm(config),
+        qkv_per_head=model_type == "gpt_neox" or
+        model_type == "gpt_bigcode" and not config.multi_query,
         gated_mlp=model_type not in _UNGATED_MLP,
         output_norms=model_type in (*_FOUR_NORMS, *_OUTPUT_NORMS_ONLY, "glm4"),
         input_norms=model_type not in _OUTPUT_NORMS_ONLY,
@@ -314,11 +311,24 @@ def layer_specs(config) -> list[LayerSpec]:
             for window, moe in zip(layer_windows(config), moe_specs(config), strict=True)]
 
 
-def _falcon_mlp_norm(config) -> bool:
-    """Whether a Falcon's MLP reads a norm of its own (``ln_mlp``: the new decoder
-    architecture's, Falcon-40B's and -180B's, unless ``num_ln_in_parallel_attn`` is 1)."""
-    return config.model_type == "falcon" and config.new_decoder_architecture and \
-        (config.num_ln_in_parallel_attn or 2) == 2
+def _parallel(config) -> bool:
+    """Whether attention and MLP read the same stream and are summed: Phi-2's and Cohere's
+    always, StableLM's and GPT-NeoX's by ``use_parallel_residual``, Falcon's by
+    ``parallel_attn`` or its new decoder architecture."""
+    if config.model_type == "falcon":
+        return bool(config.parallel_attn or config.new_decoder_architecture)
+    if config.model_type in _PARALLEL_BY_CONFIG:
+        return bool(config.use_parallel_residual)
+    return config.model_type in _PARALLEL
+
+
+def _own_mlp_norm(config) -> bool:
+    """Whether a parallel layer's MLP reads a norm of its own: GPT-NeoX's, and Falcon's new
+    decoder architecture's (``ln_mlp``; Falcon-40B's and -180B's) unless
+    ``num_ln_in_parallel_attn`` is 1."""
+    if config.model_type == "falcon":
+        return config.new_decoder_architecture and (config.num_ln_in_parallel_attn or 2) == 2
+    return config.model_type == "gpt_neox"
 
 
 def _o_bias(config, attention_bias: bool) -> bool:
@@ -331,8 +341,8 @@ def _o_bias(config, attention_bias: bool) -> bool:
 
 
 def norm_eps(config) -> float:
-    """The norms' epsilon, by whichever name the family's config gives it (OPT's none:
-    torch's LayerNorm default, as transformers builds them)."""
+    """The norms' epsilon, by whichever name the family's config gives it (OPT's and OLMo's
+    none: torch's LayerNorm default, as transformers builds them)."""
     for name in ("rms_norm_eps", "layer_norm_eps", "norm_epsilon", "layer_norm_epsilon",
                  "norm_eps"):
         if (value := getattr(config, name, None)) is not None:
