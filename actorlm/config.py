@@ -18,6 +18,7 @@ from actorlm.generation_config import check_setting as check_generation_config
 from actorlm.json_flags import json_object
 from actorlm.pooling import PoolerConfig, check_runner_flags, parse_pooler_config
 from actorlm.reasoning import reasoning_parser
+from actorlm.structured_outputs_config import StructuredOutputsConfig
 from actorlm.sampling_params import LOGPROBS_MODES, MAX_LOGPROBS
 from actorlm.speculative import SpeculativeConfig
 
@@ -84,6 +85,9 @@ class EngineConfig:
     # deepseek_r1 | qwen3: chat answers' <think>...</think> goes to reasoning_content, and a
     # grammar constrains only what follows it; None: no reasoning parser
     reasoning_parser: str | None = None
+    # how requests' structured outputs are compiled (vLLM's JSON: backend,
+    # disable_any_whitespace, …; ``actorlm.structured_outputs_config``)
+    structured_outputs_config: StructuredOutputsConfig | None = None  # (JSON text or a dict)
     # draft tokens proposed each step and verified in one forward: vLLM's JSON, e.g.
     # {"method": "ngram", "num_speculative_tokens": 3} (``actorlm.speculative``)
     speculative_config: SpeculativeConfig | None = None  # (given as JSON text or a dict)
@@ -188,6 +192,14 @@ class EngineConfig:
                 not 0.0 < utilization <= 1.0:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization!r}")
         check_generation_config(self.generation_config)
+        outputs = StructuredOutputsConfig.parse(self.structured_outputs_config)
+        object.__setattr__(self, "structured_outputs_config", outputs)
+        if outputs.reasoning_parser is not None:  # (the same flag under another name)
+            if self.reasoning_parser not in (None, outputs.reasoning_parser):
+                raise ValueError(f"--structured-outputs-config: reasoning_parser "
+                                 f"{outputs.reasoning_parser!r} differs from --reasoning-parser "
+                                 f"{self.reasoning_parser!r}")
+            object.__setattr__(self, "reasoning_parser", outputs.reasoning_parser)
         if self.reasoning_parser is not None:
             reasoning_parser(self.reasoning_parser)  # unknown: an error listing the known ones
         object.__setattr__(self, "speculative_config",

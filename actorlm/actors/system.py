@@ -135,7 +135,9 @@ class EngineSystem:
             return ref if trace is None else trace.wrap(ref, sender, receiver)
 
         self.frontend = self.allocator = self.executor = None
-        grammars = GrammarCompiler(parts.tokenizer, parts.vocab_size, reasoning=self.reasoning)
+        grammars = GrammarCompiler(
+            parts.tokenizer, parts.vocab_size, reasoning=self.reasoning,
+            any_whitespace=self.config.structured_outputs_config.any_whitespace)
         self.scheduler = SchedulerActor.start(policy, trace, on_death("scheduler"), grammars)
         try:
             pool = BlockPool(config.num_kv_blocks, config.block_size,

@@ -39,8 +39,9 @@ CACHE_BYTES = 256 << 20  # compiled grammars kept for reuse: a server sees many 
 class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int,
                  notify: Callable[[GrammarCompiled], None] | None = None,
-                 reasoning: ThinkTokens | None = None):
+                 reasoning: ThinkTokens | None = None, any_whitespace: bool = False):
         self.tokenizer, self.vocab_size, self.notify = tokenizer, vocab_size, notify
+        self.any_whitespace = any_whitespace  # between a JSON Schema's tokens (else compact)
         self.reasoning = reasoning  # grammars wait for the end of the think
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="actorlm-grammar")
         self._compiler = None  # built on the pool's thread at the first constraint
@@ -74,7 +75,8 @@ class GrammarCompiler:
     def _compile(self, params: StructuredOutputsParams):
         compiler = self._compiler or self._build_compiler()
         if params.json is not None or params.json_object:
-            return compiler.compile_grammar(json_schema_grammar(params.json or '{"type": "object"}'))
+            return compiler.compile_grammar(json_schema_grammar(params.json or '{"type": "object"}',
+                                                                self.any_whitespace))
         if params.regex is not None:
             return compiler.compile_regex(params.regex)
         if params.choice is not None:  # JSON's string escapes are EBNF's
@@ -93,13 +95,16 @@ class GrammarCompiler:
         return self._compiler
 
 
-def json_schema_grammar(schema: str) -> str:
-    """The EBNF of a JSON Schema, compact (no whitespace between tokens, so a weak model cannot
-    wander in it). xgrammar's rule for a string with a length bound admits raw control
-    characters, which JSON forbids inside strings: they are excluded here."""
+def json_schema_grammar(schema: str, any_whitespace: bool = False) -> str:
+    """The EBNF of a JSON Schema, its separators fixed (``", "``, ``": "``, no other whitespace
+    between tokens, so a weak model cannot wander in it) unless ``any_whitespace`` (vLLM's
+    xgrammar default, which ``--structured-outputs-config '{"disable_any_whitespace": false}'``
+    asks for). xgrammar's
+    rule for a string with a length bound admits raw control characters, which JSON forbids
+    inside strings: they are excluded here."""
     import xgrammar
 
-    ebnf = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=False))
+    ebnf = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=any_whitespace))
     return ebnf.replace(r'[^\"\\\r\n]', r'[^\0-\x1f\"\\]')
 
 

@@ -143,3 +143,48 @@ def test_a_slow_grammar_compiles_while_others_keep_running(tiny, tiny_llama_dir)
     assert constrained_done.wait(60)
     stop.set()
     talker.join(60)
+
+
+SMALL = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+         "required": ["x", "y"], "additionalProperties": False}
+
+
+def _free_whitespace(text: str) -> bool:
+    """Whether a JSON text has whitespace between its tokens beyond the fixed separators
+    ``", "`` and ``": "`` (its strings left out)."""
+    between = re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)
+    return bool(re.search(r"\s", between.replace(", ", ",").replace(": ", ":")))
+
+
+def test_vllms_structured_outputs_config_may_let_whitespace_in(tiny, tiny_llama_dir):
+    """JSON with fixed separators by default; ``disable_any_whitespace: false`` lets any
+    whitespace between the tokens, as vLLM's xgrammar grammars do (a random model then wanders
+    in it: the answers that end validate)."""
+    params = [constrained(i, json=SMALL) for i in range(24)]
+    compact = [o.outputs[0].text for o in tiny.generate(["Point:"] * 24, params,
+                                                         use_tqdm=False)]
+    assert not any(map(_free_whitespace, compact))
+    with LLM(str(tiny_llama_dir), dtype="float32", structured_outputs_config={
+            "backend": "xgrammar", "disable_any_whitespace": False}) as spaced_llm:
+        spaced = [o.outputs[0] for o in spaced_llm.generate(["Point:"] * 24, params,
+                                                            use_tqdm=False)]
+    ended = [c.text for c in spaced if c.finish_reason == "stop"]
+    for text in ended:
+        jsonschema.validate(json.loads(text), SMALL)
+    assert ended and any(_free_whitespace(c.text) for c in spaced)
+
+
+@pytest.mark.parametrize("config, said", [
+    ({"backend": "outlines"}, "backend 'outlines' is not implemented"),
+    ({"enable_in_reasoning": True}, "enable_in_reasoning is not implemented"),
+    ({"disable_any_whitespace": "no"}, "disable_any_whitespace must be true or false"),
+    ({"backnd": "xgrammar"}, "unknown field 'backnd'"),
+    ({"reasoning_parser": "qwen3"}, "differs from --reasoning-parser 'deepseek_r1'"),
+    ("{backend", "must be JSON")])
+def test_a_structured_outputs_config_it_cannot_run_is_refused_by_name(config, said):
+    from actorlm.config import EngineConfig
+
+    with pytest.raises(ValueError, match=f"--structured-outputs-config.*{said}"):
+        EngineConfig(structured_outputs_config=config, reasoning_parser="deepseek_r1")
+    assert EngineConfig(structured_outputs_config={"reasoning_parser": "qwen3"}) \
+        .reasoning_parser == "qwen3"
