@@ -40,7 +40,8 @@ _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_hea
 # llama.cpp's name of a Hugging Face model_type where the two differ
 _ARCHITECTURES = {"olmo3": "olmo2", "phi": "phi2", "cohere": "command-r"}
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
-PERMUTED = ("llama", "smollm3", "granite")  # q and k rows permuted by llama.cpp's converter
+# q and k rows permuted by llama.cpp's converter
+PERMUTED = ("llama", "smollm3", "granite", "olmo")
 GEMMA = ("gemma", "gemma2", "gemma3", "nemotron")  # norms stored as 1 + weight
 # a Granite config's multipliers -> the metadata keys llama.cpp's converter writes them under
 _GRANITE_SCALES = {"embedding_multiplier": "add_embedding_scale",
@@ -86,7 +87,7 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
                fuse_qkv: bool = False, architecture: str | None = None) -> pathlib.Path:
     """The checkpoint ``hf_dir`` (Llama, SmolLM3, Granite, OLMo 2, Phi-3, EXAONE 4, GLM-4,
     ERNIE 4.5, Seed-OSS, Gemma, Qwen2, Qwen3, StarCoder2, Phi-2, Cohere, Cohere 2, StableLM,
-    Nemotron or Arcee) as a GGUF file whose matrices are all ``type_name`` blocks (norms and
+    Nemotron, Arcee or OLMo) as a GGUF file whose matrices are all ``type_name`` blocks (norms and
     biases F32), with an end-of-turn token where given, an embedding model's
     ``gguf.PoolingType`` where given (as llama.cpp's converter writes a sentence-transformers
     model's), q/k/v fused into one tensor where asked (as the files of Phi-2's first
@@ -117,6 +118,8 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
         writer.add_sliding_window(config["sliding_window"])
     if "logit_scale" in config:
         writer.add_logit_scale(config["logit_scale"])
+    if config["model_type"] == "olmo" and config.get("clip_qkv") is not None:
+        writer.add_clamp_kqv(config["clip_qkv"])
     if arch in ("qwen2vl", "qwen3vl"):  # time, height, width and an unused fourth
         half = (config.get("head_dim") or
                 config["hidden_size"] // config["num_attention_heads"]) // 2
@@ -193,7 +196,7 @@ def _write_config(writer, config: dict) -> None:
         writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     else:  # a LayerNorm family's
         writer.add_layer_norm_eps(config.get("layer_norm_eps") or config.get("norm_eps") or
-                                  config["norm_epsilon"])
+                                  config.get("norm_epsilon") or 1e-5)  # (OLMo's: fixed)
     writer.add_vocab_size(config["vocab_size"])
     for multiplier, add in _GRANITE_SCALES.items():
         if multiplier in config:

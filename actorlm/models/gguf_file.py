@@ -54,7 +54,7 @@ ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": 
                  "olmo2": "olmo2", "phi3": "phi3", "exaone4": "exaone4", "glm4": "glm4",
                  "ernie4_5": "ernie4_5", "seed_oss": "seed_oss", "starcoder2": "starcoder2",
                  "phi2": "phi", "command-r": "cohere", "cohere2": "cohere2",
-                 "stablelm": "stablelm", "nemotron": "nemotron", "arcee": "arcee",
+                 "stablelm": "stablelm", "nemotron": "nemotron", "arcee": "arcee", "olmo": "olmo",
                  "qwen2vl": "qwen2", "qwen3vl": "qwen3", **gguf_moe.ARCHITECTURES}
 # the architectures transformers cannot read a config of (gguf_metadata builds theirs)
 _OWN_CONFIGS = {"smollm3": gguf_metadata.smollm3_config, "gemma": gguf_metadata.gemma_config,
@@ -71,12 +71,13 @@ _OWN_CONFIGS = {"smollm3": gguf_metadata.smollm3_config, "gemma": gguf_metadata.
                 "stablelm": gguf_metadata.stablelm_config,
                 # (transformers reads a Nemotron file's epsilon and rotated share by other keys)
                 "nemotron": gguf_metadata.nemotron_config, "arcee": gguf_metadata.arcee_config,
+                "olmo": gguf_metadata.olmo_config,
                 "qwen2vl": gguf_metadata.qwen2vl_config, "qwen3vl": gguf_metadata.qwen3vl_config}
 _UNKNOWN_TO_TRANSFORMERS = ("smollm3", "gemma", "granite", "granitemoe", "olmo2", "olmoe",
                             "exaone4", "glm4", "ernie4_5", "seed_oss", "phi2", "command-r",
-                            "cohere2", "arcee", "qwen2vl", "qwen3vl")
+                            "cohere2", "arcee", "olmo", "qwen2vl", "qwen3vl")
 # q and k rows permuted by llama.cpp's converter (a Llama's and its descendants')
-_PERMUTED_QK = ("llama", "mistral", "mixtral", "smollm3", "granite", "granitemoe")
+_PERMUTED_QK = ("llama", "mistral", "mixtral", "smollm3", "granite", "granitemoe", "olmo")
 # norms stored as 1 + weight (Gemma's; Nemotron's LayerNorm1P, whose loading adds the 1 back)
 _ONE_PLUS_NORMS = ("gemma", "gemma2", "gemma3_text", "nemotron")
 _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}

@@ -7,7 +7,7 @@ sizes every decoder has (``decoder_fields``), and what an architecture adds
 ``olmo2_config``, ``phi3_config``, ``exaone4_config``, ``glm4_config``, ``ernie4_5_config``,
 ``seed_oss_config``, the LayerNorm families: ``starcoder2_config``, ``phi2_config``,
 ``command_r_config``, ``cohere2_config``, ``stablelm_config``, ``nemotron_config``,
-``arcee_config``, and the multimodal files' text decoders:
+``arcee_config``, ``olmo_config``, and the multimodal files' text decoders:
 ``qwen2vl_config``, ``qwen3vl_config``).
 
 - ``smollm3``: a Llama (q and k rows permuted as a Llama's) that leaves RoPE out of every
@@ -57,6 +57,8 @@ sizes every decoder has (``decoder_fields``), and what an architecture adds
   stored as 1 + weight (read back as the checkpoint's), an ungated MLP (``ffn_up``), RoPE on
   ``rope.dimension_count`` of each head's features; ``arcee``: a Llama (q and k not permuted)
   with that MLP. Their biases the tensors tell.
+- ``olmo`` (OLMo 1): a Llama (q and k permuted as a Llama's) with no norm weights in the file
+  (its LayerNorms learn none) and ``attention.clamp_kqv`` as ``clip_qkv``.
 - ``qwen2vl`` (Qwen2-VL, Qwen2.5-VL) and ``qwen3vl`` (Qwen3-VL): the text decoder of a
   multimodal file (its vision tower is a file apart, the mmproj), read as Qwen2 / Qwen3. Text
   tokens take one position in all of the multimodal RoPE's sections, which makes it the text
@@ -325,6 +327,15 @@ def arcee_config(reader, tensor_names: list[str]):
                        head_dim=head_dim(reader, "arcee"),
                        attention_bias=_has(tensor_names, "q_proj.bias"),
                        mlp_bias=_has(tensor_names, "down_proj.bias"))
+
+
+def olmo_config(reader, tensor_names: list[str]):
+    from transformers import OlmoConfig
+
+    fields = decoder_fields(reader, "olmo", tensor_names)
+    del fields["rms_norm_eps"]  # (its LayerNorms' is fixed at 1e-5)
+    return OlmoConfig(**fields, clip_qkv=field(reader, "olmo.attention.clamp_kqv", None),
+                      attention_bias=biases(tensor_names)["attention_bias"])
 
 
 def command_r_config(reader, tensor_names: list[str]):
