@@ -7,7 +7,7 @@ sizes every decoder has (``decoder_fields``), and what an architecture adds
 ``olmo2_config``, ``phi3_config``, ``exaone4_config``, ``glm4_config``, ``ernie4_5_config``,
 ``seed_oss_config``, the LayerNorm families: ``starcoder2_config``, ``phi2_config``,
 ``command_r_config``, ``cohere2_config``, ``stablelm_config``, ``nemotron_config``,
-``arcee_config``, ``olmo_config``, and the multimodal files' text decoders:
+``arcee_config``, ``olmo_config``, ``gptneox_config``, and the multimodal files' text decoders:
 ``qwen2vl_config``, ``qwen3vl_config``).
 
 - ``smollm3``: a Llama (q and k rows permuted as a Llama's) that leaves RoPE out of every
@@ -59,6 +59,11 @@ sizes every decoder has (``decoder_fields``), and what an architecture adds
   with that MLP. Their biases the tensors tell.
 - ``olmo`` (OLMo 1): a Llama (q and k permuted as a Llama's) with no norm weights in the file
   (its LayerNorms learn none) and ``attention.clamp_kqv`` as ``clip_qkv``.
+- ``gptneox`` (Pythia and its kin): LayerNorms, q/k/v fused as every head's q, then k, then v
+  (the converter regroups the checkpoint's heads), an ungated MLP, RoPE on
+  ``rope.dimension_count`` of each head's features, ``use_parallel_residual``. The file names
+  no activation: the checkpoints' exact GeLU (GPT-NeoX-20B's tanh form differs in the last
+  bits).
 - ``qwen2vl`` (Qwen2-VL, Qwen2.5-VL) and ``qwen3vl`` (Qwen3-VL): the text decoder of a
   multimodal file (its vision tower is a file apart, the mmproj), read as Qwen2 / Qwen3. Text
   tokens take one position in all of the multimodal RoPE's sections, which makes it the text
@@ -336,6 +341,18 @@ def olmo_config(reader, tensor_names: list[str]):
     del fields["rms_norm_eps"]  # (its LayerNorms' is fixed at 1e-5)
     return OlmoConfig(**fields, clip_qkv=field(reader, "olmo.attention.clamp_kqv", None),
                       attention_bias=biases(tensor_names)["attention_bias"])
+
+
+def gptneox_config(reader, tensor_names: list[str]):
+    from transformers import GPTNeoXConfig
+
+    fields = _layer_norm_fields(reader, "gptneox", tensor_names, "layer_norm_eps")
+    fields["rope_parameters"]["partial_rotary_factor"] = _rotated_share(reader, "gptneox")
+    del fields["num_key_value_heads"]  # (one KV head for every query head)
+    return GPTNeoXConfig(**fields, hidden_act="gelu",
+                         use_parallel_residual=field(reader, "gptneox.use_parallel_residual",
+                                                     True),
+                         attention_bias=_has(tensor_names, "qkv_proj.bias"))
 
 
 def command_r_config(reader, tensor_names: list[str]):

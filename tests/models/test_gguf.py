@@ -230,13 +230,16 @@ def test_a_phi3_file_keeps_what_transformers_does_not_read(tiny_window_dirs, tmp
                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                       "partial_rotary_factor": 0.5}}),
     ("arcee", {"attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False}),
-    ("olmo", {"clip_qkv": 1.5, "attention_bias": False, "tie_word_embeddings": False})])
+    ("olmo", {"clip_qkv": 1.5, "attention_bias": False, "tie_word_embeddings": False}),
+    ("gpt_neox", {"use_parallel_residual": True, "attention_bias": True, "hidden_act": "gelu"}),
+    ("gpt_neox_sequential", {"use_parallel_residual": False})])
 def test_a_layer_norm_family_file_matches_its_checkpoint(tiny_window_dirs, tmp_path, family,
                                                         fields):
     """StarCoder2, Phi-2 (RoPE on half of each head; q/k/v fused where the file was converted
     from Phi-2's first checkpoint), Command R, Command R7B, StableLM (RoPE on a quarter of
     each head; sequential, q/k/v biased, and in parallel), Nemotron (norms stored as
-    1 + weight, ReLU squared), Arcee and OLMo (no norm weights, q/k/v clamped) files, which transformers does not read (StarCoder2's,
+    1 + weight, ReLU squared), Arcee, OLMo (no norm weights, q/k/v clamped) and GPT-NeoX (q/k/v
+    regrouped from its heads, in parallel and in sequence) files, which transformers does not read (StarCoder2's,
     StableLM's and Nemotron's in part): LayerNorms, MLPs without a gate, Cohere's logit scale and
     sliding layers; against transformers on the checkpoint the file was written from, each
     matrix quantized as the file stores it. A StarCoder2 file has no window (llama.cpp's
