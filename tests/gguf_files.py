@@ -35,12 +35,16 @@ _GLM4 = {"post_self_attn_layernorm": "post_attention_norm", "post_mlp_layernorm"
 _STARCODER2 = {"mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
 _PHI2 = {"self_attn.dense": "attn_output", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down",
          "self_attn.qkv_proj": "attn_qkv"}
-# GPT-NeoX's (under its own prefix)
+# GPT-NeoX's and Falcon's (under their own prefixes)
 _GPTNEOX = {"attention.query_key_value": "attn_qkv", "attention.dense": "attn_output",
             "mlp.dense_h_to_4h": "ffn_up", "mlp.dense_4h_to_h": "ffn_down"}
+_FALCON = {"self_attention.query_key_value": "attn_qkv", "self_attention.dense": "attn_output",
+           "mlp.dense_h_to_4h": "ffn_up", "mlp.dense_4h_to_h": "ffn_down",
+           "ln_attn": "attn_norm", "ln_mlp": "attn_norm_2"}
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
         "model.final_layernorm": "output_norm", "gpt_neox.embed_in": "token_embd",
-        "gpt_neox.final_layer_norm": "output_norm", "embed_out": "output"}
+        "gpt_neox.final_layer_norm": "output_norm", "embed_out": "output",
+        "transformer.word_embeddings": "token_embd", "transformer.ln_f": "output_norm"}
 # llama.cpp's name of a Hugging Face model_type where the two differ
 _ARCHITECTURES = {"olmo3": "olmo2", "phi": "phi2", "cohere": "command-r", "gpt_neox": "gptneox"}
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
@@ -55,13 +59,14 @@ _GRANITE_SCALES = {"embedding_multiplier": "add_embedding_scale",
 
 def gguf_name(hf_name: str, arch: str) -> str:
     stem, _, kind = hf_name.rpartition(".")
-    if stem.startswith(("model.layers.", "gpt_neox.layers.")):
+    if stem.startswith(("model.layers.", "gpt_neox.layers.", "transformer.h.")):
         _, _, layer, part = stem.split(".", 3)
         names = {"olmo2": {**_LAYER, **_OUTPUT_NORMS}, "exaone4": {**_LAYER, **_OUTPUT_NORMS},
                  "phi3": {**_LAYER, **_PHI3_FUSED},
                  "seed_oss": {**_LAYER, "post_attention_layernorm": "post_attention_norm"},
                  "glm4": {**_LAYER, **_GLM4}, "starcoder2": {**_LAYER, **_STARCODER2},
-                 "phi2": {**_LAYER, **_PHI2}, "gptneox": {**_LAYER, **_GPTNEOX}}.get(arch, _LAYER)
+                 "phi2": {**_LAYER, **_PHI2}, "gptneox": {**_LAYER, **_GPTNEOX},
+                 "falcon": {**_LAYER, **_FALCON}}.get(arch, _LAYER)
         return f"blk.{layer}.{names[part]}.{kind}"
     return f"{_TOP[stem]}.{kind}"
 
@@ -91,7 +96,7 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
                fuse_qkv: bool = False, architecture: str | None = None) -> pathlib.Path:
     """The checkpoint ``hf_dir`` (Llama, SmolLM3, Granite, OLMo 2, Phi-3, EXAONE 4, GLM-4,
     ERNIE 4.5, Seed-OSS, Gemma, Qwen2, Qwen3, StarCoder2, Phi-2, Cohere, Cohere 2, StableLM,
-    Nemotron, Arcee, OLMo or GPT-NeoX) as a GGUF file whose matrices are all ``type_name`` blocks (norms and
+    Nemotron, Arcee, OLMo, GPT-NeoX or Falcon) as a GGUF file whose matrices are all ``type_name`` blocks (norms and
     biases F32), with an end-of-turn token where given, an embedding model's
     ``gguf.PoolingType`` where given (as llama.cpp's converter writes a sentence-transformers
     model's), q/k/v fused into one tensor where asked (as the files of Phi-2's first
@@ -143,9 +148,8 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
     kind = gguf.GGMLQuantizationType[type_name]
     for seed, (name, tensor) in enumerate(sorted(state.items())):
         values = tensor.float().numpy()
-        if arch == "gptneox" and ".query_key_value." in name:  # each head's q, k, v: regrouped
-            values = values.reshape(config["num_attention_heads"], 3, -1, *values.shape[1:]) \
-                .swapaxes(0, 1).reshape(values.shape)
+        if ".query_key_value." in name:  # each group's q, k, v: regrouped, as the converters do
+            values = _regrouped_qkv(values, config)
         if arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads"] if "q_proj" in name else \
                 config["num_key_value_heads"]
@@ -166,6 +170,17 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _regrouped_qkv(rows: np.ndarray, config: dict) -> np.ndarray:
+    """GPT-NeoX's and Falcon's fused q/k/v rows, in groups of each group's queries, its key and
+    its value, as every query, then every key, then every value (llama.cpp's converters')."""
+    heads = config["num_attention_heads"]
+    groups = heads if config["model_type"] == "gpt_neox" else \
+        config["num_kv_heads"] if config["new_decoder_architecture"] else 1
+    grouped = rows.reshape(groups, heads // groups + 2, -1, *rows.shape[1:])
+    parts = (grouped[:, :-2], grouped[:, -2:-1], grouped[:, -1:])
+    return np.concatenate([p.reshape(-1, *rows.shape[1:]) for p in parts])
 
 
 def _fused_qkv(state: dict) -> dict:
@@ -191,7 +206,7 @@ def _write_config(writer, config: dict) -> None:
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_feed_forward_length(config.get("intermediate_size") or config["ffn_hidden_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config.get("num_key_value_heads") or config["num_attention_heads"])
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]

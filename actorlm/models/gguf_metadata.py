@@ -7,7 +7,7 @@ sizes every decoder has (``decoder_fields``), and what an architecture adds
 ``olmo2_config``, ``phi3_config``, ``exaone4_config``, ``glm4_config``, ``ernie4_5_config``,
 ``seed_oss_config``, the LayerNorm families: ``starcoder2_config``, ``phi2_config``,
 ``command_r_config``, ``cohere2_config``, ``stablelm_config``, ``nemotron_config``,
-``arcee_config``, ``olmo_config``, ``gptneox_config``, and the multimodal files' text decoders:
+``arcee_config``, ``olmo_config``, ``gptneox_config``, ``falcon_config``, and the multimodal files' text decoders:
 ``qwen2vl_config``, ``qwen3vl_config``).
 
 - ``smollm3``: a Llama (q and k rows permuted as a Llama's) that leaves RoPE out of every
@@ -64,6 +64,10 @@ sizes every decoder has (``decoder_fields``), and what an architecture adds
   ``rope.dimension_count`` of each head's features, ``use_parallel_residual``. The file names
   no activation: the checkpoints' exact GeLU (GPT-NeoX-20B's tanh form differs in the last
   bits).
+- ``falcon``: q/k/v as every query head, then the KV heads' keys, then their values (the
+  converter regroups them), attention and MLP in parallel: from one norm (7B's), or each from
+  its own (``attn_norm_2``: Falcon-40B's and -180B's new decoder architecture); one KV head
+  (7B's) or ``head_count_kv`` groups; biases as the tensors tell.
 - ``qwen2vl`` (Qwen2-VL, Qwen2.5-VL) and ``qwen3vl`` (Qwen3-VL): the text decoder of a
   multimodal file (its vision tower is a file apart, the mmproj), read as Qwen2 / Qwen3. Text
   tokens take one position in all of the multimodal RoPE's sections, which makes it the text
@@ -353,6 +357,19 @@ def gptneox_config(reader, tensor_names: list[str]):
                          use_parallel_residual=field(reader, "gptneox.use_parallel_residual",
                                                      True),
                          attention_bias=_has(tensor_names, "qkv_proj.bias"))
+
+
+def falcon_config(reader, tensor_names: list[str]):
+    from transformers import FalconConfig
+
+    fields = _layer_norm_fields(reader, "falcon", tensor_names, "layer_norm_epsilon")
+    num_kv_heads, ffn_size = fields.pop("num_key_value_heads"), fields.pop("intermediate_size")
+    two_norms = _has(tensor_names, "post_attention_layernorm.weight")
+    new = two_norms or num_kv_heads > 1  # (7B's: one KV head, one norm)
+    return FalconConfig(**fields, ffn_hidden_size=ffn_size,
+                        num_kv_heads=num_kv_heads, new_decoder_architecture=new,
+                        multi_query=not new, num_ln_in_parallel_attn=2 if two_norms else 1,
+                        parallel_attn=True, bias=_has(tensor_names, "qkv_proj.bias"))
 
 
 def command_r_config(reader, tensor_names: list[str]):

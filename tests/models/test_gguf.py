@@ -232,14 +232,18 @@ def test_a_phi3_file_keeps_what_transformers_does_not_read(tiny_window_dirs, tmp
     ("arcee", {"attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False}),
     ("olmo", {"clip_qkv": 1.5, "attention_bias": False, "tie_word_embeddings": False}),
     ("gpt_neox", {"use_parallel_residual": True, "attention_bias": True, "hidden_act": "gelu"}),
-    ("gpt_neox_sequential", {"use_parallel_residual": False})])
+    ("gpt_neox_sequential", {"use_parallel_residual": False}),
+    ("falcon", {"multi_query": True, "new_decoder_architecture": False, "bias": False}),
+    ("falcon_new", {"num_kv_heads": 2, "new_decoder_architecture": True, "bias": True,
+                    "num_ln_in_parallel_attn": 2})])
 def test_a_layer_norm_family_file_matches_its_checkpoint(tiny_window_dirs, tmp_path, family,
                                                         fields):
     """StarCoder2, Phi-2 (RoPE on half of each head; q/k/v fused where the file was converted
     from Phi-2's first checkpoint), Command R, Command R7B, StableLM (RoPE on a quarter of
     each head; sequential, q/k/v biased, and in parallel), Nemotron (norms stored as
     1 + weight, ReLU squared), Arcee, OLMo (no norm weights, q/k/v clamped) and GPT-NeoX (q/k/v
-    regrouped from its heads, in parallel and in sequence) files, which transformers does not read (StarCoder2's,
+    regrouped from its heads, in parallel and in sequence) and Falcon (7B's one KV head and one
+    norm, 40B's KV groups and two) files, which transformers does not read (StarCoder2's,
     StableLM's and Nemotron's in part): LayerNorms, MLPs without a gate, Cohere's logit scale and
     sliding layers; against transformers on the checkpoint the file was written from, each
     matrix quantized as the file stores it. A StarCoder2 file has no window (llama.cpp's
