@@ -1,11 +1,11 @@
-"""vLLM's ``--structured-outputs-config`` (JSON text or a dict), as this engine runs it:
-xgrammar is the backend (``auto`` picks it; another is refused by name); its JSON Schemas keep
-fixed separators (``", "``, ``": "``) unless ``disable_any_whitespace`` is false, when any
-whitespace may stand between tokens as in vLLM's xgrammar grammars; a grammar applies after a think only (``enable_in_reasoning`` true is
-refused); ``reasoning_parser`` is ``--reasoning-parser`` under another name.
-``disable_fallback`` (no other backend to fall back to) and ``disable_additional_properties``
-(guidance's; xgrammar's schemas already read an unspecified ``additionalProperties`` as false)
-change nothing here."""
+"""vLLM's ``--structured-outputs-config`` (JSON text or a dict), as this engine runs it: xgrammar
+is the backend (``auto`` picks it; another is refused by name); its JSON Schemas keep fixed
+separators (``", "``, ``": "``) unless ``disable_any_whitespace`` is false, when any whitespace
+may stand between tokens as in vLLM's xgrammar grammars; a grammar applies after a think only
+(``enable_in_reasoning`` true is refused); ``reasoning_parser`` is ``--reasoning-parser`` under
+another name. ``disable_fallback`` (no other backend to fall back to) and
+``disable_additional_properties`` (guidance's; xgrammar's schemas already read an unspecified
+``additionalProperties`` as false) change nothing here."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""A checkpoint's tensors as the shared decoder loads them (``checkpoint_tensors``): a text
-tower's names as a text model's (its vision tower left out), each family's names as the
-decoder's (``_RENAMES``), Phi-3's, GLM's and GPT-2's fused q/k/v and gate/up split into the
-projections they fuse (so that they merge and shard as every family's do), GPT-2's Conv1D
-weights transposed, GPT-NeoX's, Falcon's and GPT-BigCode's q/k/v regrouped from their heads,
-Nemotron's norm weights counted from 1, Mixtral's and Granite MoE's experts under the other MoE families' names,
-and q and k in the order the kernels rotate them (``rope_layout``); ``narrow`` reads a part of
-any tensor a checkpoint holds."""
+"""A checkpoint's tensors as the shared decoder loads them (``checkpoint_tensors``): a text tower's
+names as a text model's (its vision tower left out), each family's names as the decoder's
+(``_RENAMES``), Phi-3's, GLM's and GPT-2's fused q/k/v and gate/up split into the projections
+they fuse (so that they merge and shard as every family's do), GPT-2's Conv1D weights
+transposed, GPT-NeoX's, Falcon's and GPT-BigCode's q/k/v regrouped from their heads, Nemotron's
+norm weights counted from 1, Mixtral's and Granite MoE's experts under the other MoE families'
+names, and q and k in the order the kernels rotate them (``rope_layout``); ``narrow`` reads a
+part of any tensor a checkpoint holds."""
 
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ sizes every decoder has (``decoder_fields``), and what an architecture adds
 ``olmo2_config``, ``phi3_config``, ``exaone4_config``, ``glm4_config``, ``ernie4_5_config``,
 ``seed_oss_config``, the LayerNorm families: ``starcoder2_config``, ``phi2_config``,
 ``command_r_config``, ``cohere2_config``, ``stablelm_config``, ``nemotron_config``,
-``arcee_config``, ``olmo_config``, ``gptneox_config``, ``falcon_config``, and the multimodal files' text decoders:
-``qwen2vl_config``, ``qwen3vl_config``).
+``arcee_config``, ``olmo_config``, ``gptneox_config``, ``falcon_config``, and the multimodal
+files' text decoders: ``qwen2vl_config``, ``qwen3vl_config``).
 
 - ``smollm3``: a Llama (q and k rows permuted as a Llama's) that leaves RoPE out of every
   fourth layer. llama.cpp keeps no key for it (its graph skips RoPE where ``(layer + 1) % 4``
