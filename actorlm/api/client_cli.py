@@ -6,6 +6,7 @@ server's first unless ``--model-name`` names one; the key is ``--api-key``, else
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -39,6 +40,7 @@ def _connect(args):
     """(client, model name)."""
     import openai
 
+    logging.getLogger().setLevel(logging.WARNING)  # (the terminal shows answers, not requests)
     client = openai.OpenAI(base_url=args.url,
                            api_key=args.api_key or os.environ.get("OPENAI_API_KEY", "EMPTY"))
     try:
