@@ -51,7 +51,8 @@ log = logging.getLogger(__name__)
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=getattr(args, "log_level", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if getattr(args, "config", None):  # the file's settings under the command line's
             apply_config_file(args.command_parser, args.config)

@@ -6,7 +6,6 @@ server's first unless ``--model-name`` names one; the key is ``--api-key``, else
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 
@@ -17,14 +16,14 @@ def add_client_commands(commands) -> None:
     chat.add_argument("--system-prompt", default=None, help="the conversation's system message")
     chat.add_argument("-q", "--quick", default=None, metavar="MESSAGE",
                       help="send MESSAGE, print the answer and exit")
-    chat.set_defaults(run=_chat)
+    chat.set_defaults(run=_chat, log_level="WARNING")  # (answers, not the requests' log)
     complete = commands.add_parser("complete", help="complete prompts with a running server")
     _add_connection_flags(complete)
     complete.add_argument("--max-tokens", type=int, default=None,
                           help="the most tokens an answer may have")
     complete.add_argument("-q", "--quick", default=None, metavar="PROMPT",
                           help="complete PROMPT, print the completion and exit")
-    complete.set_defaults(run=_complete)
+    complete.set_defaults(run=_complete, log_level="WARNING")
 
 
 def _add_connection_flags(parser) -> None:
@@ -40,7 +39,6 @@ def _connect(args):
     """(client, model name)."""
     import openai
 
-    logging.getLogger().setLevel(logging.WARNING)  # (the terminal shows answers, not requests)
     client = openai.OpenAI(base_url=args.url,
                            api_key=args.api_key or os.environ.get("OPENAI_API_KEY", "EMPTY"))
     try:
