@@ -80,3 +80,26 @@ def test_an_unknown_mode_is_refused_by_name():
 
     with pytest.raises(ValueError, match="--logprobs-mode must be one of raw_logprobs"):
         EngineConfig(logprobs_mode="logits")
+
+
+def test_speculative_steps_report_the_same_processed_logprobs(tiny_llama_dir):
+    """Drafts verified in one step (``verify``) report what one token a step reports."""
+    from actorlm.llm import LLM
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5,
+                            logit_bias=BIAS)
+    prompt = {"prompt_token_ids": PROMPT * 3}  # (repeats: the n-gram proposer finds drafts)
+    found = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3,
+                        "prompt_lookup_max": 3, "prompt_lookup_min": 1}):
+        with LLM(str(tiny_llama_dir), dtype="float32", logprobs_mode="processed_logprobs",
+                 speculative_config=spec) as llm:
+            found.append(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0])
+            if spec is not None:
+                assert llm.stats()["spec_num_draft_tokens"] > 0
+    plain, drafted = found
+    assert drafted.token_ids == plain.token_ids
+    for a, b in zip(plain.logprobs, drafted.logprobs):
+        assert a.keys() == b.keys()
+        for token_id in a:
+            assert a[token_id].logprob == pytest.approx(b[token_id].logprob, abs=1e-4)
