@@ -7,13 +7,19 @@ whole answers cannot differ). ``ThinkGate`` follows the same phases over *token 
 request's grammar constrains only what comes after the reasoning (``core/structured_output``:
 vLLM applies the grammar once the end-of-think token is generated).
 
-Both start where the prompt leaves them (``ThinkTokens.initial_phase``):
+Both start where the prompt leaves them (``ThinkTokens.initial_phase``), reading its last turn
+alone (from the parser's turn token on, where the tokenizer has one: an earlier answer's think
+in the history says nothing of this one):
 
-- the prompt's last think tag is ``<think>`` (the chat template opened it): reasoning;
+- the last think tag is ``<think>`` (the chat template opened it): reasoning;
 - it is ``</think>`` (the template closed an empty think, as Qwen3's does for
   ``enable_thinking=False``): content;
 - no tag: ``deepseek_r1`` reasons first (R1 may omit the opening tag); ``qwen3`` reasons only
   if the output opens with ``<think>``, and is all content otherwise.
+
+The other parsers are these two rules under other tags (``seed_oss``'s ``<seed:think>``,
+``mistral``'s ``[THINK]``). Where the tags are special tokens (Magistral's), a chat request
+keeps special tokens in its text, or the tags would not be there to split on.
 
 From there the reasoning ends at the first ``</think>``; an unterminated think is all
 reasoning; an opening ``<think>`` at the very start of the reasoning (after whitespace, which
@@ -37,13 +43,23 @@ class Phase(enum.IntEnum):
 class ReasoningParser:
     name: str
     reasons_first: bool  # with no tag in the prompt, the output starts inside its think
+    turn_tag: str | None = None  # the token that begins the turn the output continues
     start_tag: str = "<think>"
     end_tag: str = "</think>"
 
 
+_DEEPSEEK_TURN, _CHATML_TURN = "<｜Assistant｜>", "<|im_start|>"
 REASONING_PARSERS = {parser.name: parser for parser in (
-    ReasoningParser("deepseek_r1", reasons_first=True),
-    ReasoningParser("qwen3", reasons_first=False),
+    ReasoningParser("deepseek_r1", True, _DEEPSEEK_TURN),
+    # V3.1's template opens the think (thinking: true) or closes it; V3 has none: all content
+    ReasoningParser("deepseek_v3", False, _DEEPSEEK_TURN),
+    ReasoningParser("glm45", False, "<|assistant|>"),
+    ReasoningParser("mimo", False, _CHATML_TURN),
+    ReasoningParser("minimax_m2", True),
+    ReasoningParser("mistral", False, "[/INST]", "[THINK]", "[/THINK]"),
+    ReasoningParser("qwen3", False, _CHATML_TURN),
+    ReasoningParser("seed_oss", True, "<seed:bos>", "<seed:think>", "</seed:think>"),
+    ReasoningParser("step3", True),
 )}
 
 
@@ -59,11 +75,15 @@ def reasoning_parser(name: str) -> ReasoningParser:
 @dataclass(frozen=True)
 class ThinkTokens:
     """A parser bound to a tokenizer: the ids of its two tags, which must be single tokens (as
-    in vLLM), or the engine could not see in the token stream where a think ends."""
+    in vLLM), or the engine could not see in the token stream where a think ends; the id of its
+    turn token if the tokenizer has it; whether the tags are special tokens, which a decode
+    that skips special tokens would drop from the text."""
 
     parser: ReasoningParser
     start_token_id: int
     end_token_id: int
+    turn_token_id: int | None = None
+    tags_are_special: bool = False
 
     @classmethod
     def for_tokenizer(cls, parser: ReasoningParser, tokenizer, model: str = "") -> ThinkTokens:
@@ -76,16 +96,19 @@ class ThinkTokens:
                                  f"not think in {parser.start_tag}…{parser.end_tag} (leave the "
                                  f"flag out)")
             ids.append(vocab[tag])
-        return cls(parser, *ids)
+        special = any(tokenizer.decode([i], skip_special_tokens=True) == "" for i in ids)
+        return cls(parser, *ids, vocab.get(parser.turn_tag), special)
 
     def initial_phase(self, prompt_token_ids: Sequence[int]) -> Phase:
         """Where the output starts: inside a think the prompt opened, after one it closed, or
-        (no tag) as the parser says."""
+        (no tag in the last turn) as the parser says."""
         for token_id in reversed(prompt_token_ids):
             if token_id == self.start_token_id:
                 return Phase.REASONING
             if token_id == self.end_token_id:
                 return Phase.CONTENT
+            if token_id == self.turn_token_id:
+                break
         return Phase.REASONING if self.parser.reasons_first else Phase.BEFORE
 
     def text_stream(self, prompt_token_ids: Sequence[int]) -> ReasoningStream:

@@ -28,6 +28,7 @@ import time
 import uuid
 from typing import AsyncIterator, Callable
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -120,6 +121,8 @@ async def start_chat(state, request: Request, req: p.ChatCompletionRequest, api:
         raise p.ApiError(400, f"top_logprobs: at most {engine.max_logprobs} are supported "
                               f"(--max-logprobs), got {top}", "top_logprobs")
     params = tools.sampling_params(req.sampling_params(max_tokens, top, constraint, defaults))
+    if engine.reasoning is not None and engine.reasoning.tags_are_special:
+        params = msgspec.structs.replace(params, skip_special_tokens=False)  # the tags to split on
     beams = req.beam_search(params, constraint is not None, engine.config.max_logprobs)
     # vLLM's: the answer's role is the server's, unless it continues the last message
     role = state.options.response_role if add_generation_prompt else req.messages[-1].role

@@ -265,13 +265,86 @@ def test_tool_parsing_sees_only_the_content(cut):
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+# --- tags that are special tokens, and a history with an earlier think ---------------------------
+
+SEED_TEMPLATE = (
+    "{% for message in messages %}<seed:bos>{{ message['role'] }}\n{{ message['content'] }}"
+    "<seed:eos>{% endfor %}{% if add_generation_prompt %}<seed:bos>assistant\n{% endif %}")
+SEED_TAGS = ["<seed:bos>", "<seed:eos>", "<seed:think>", "</seed:think>"]
+
+
+@pytest.fixture(scope="module")
+def seed_server(tmp_path_factory, tiny_tokenizer_dir):
+    """(client, engine) with the seed_oss parser over a tiny Llama whose think tags and turn
+    token are special tokens, as Seed-OSS's are: a decode that skips special tokens drops them."""
+    from checkpoints import _common, _save_tiny
+    from transformers import AutoTokenizer, LlamaConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": SEED_TAGS})
+    tokenizer.chat_template = SEED_TEMPLATE
+    tokenizer_dir = tmp_path_factory.mktemp("seed_tokenizer")
+    tokenizer.save_pretrained(tokenizer_dir)
+    config = LlamaConfig(**_common(tokenizer_dir), tie_word_embeddings=True, rope_theta=10000.0)
+    model_dir = _save_tiny(tmp_path_factory, tokenizer_dir, "tiny_seed", config, seed=5)
+    engine = AsyncLLM(str(model_dir), dtype="float32", num_kv_blocks=256,
+                      reasoning_parser="seed_oss")
+    try:
+        with running(create_app(engine, served_model_name=SERVED_NAME)) as base, \
+                openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0,
+                              timeout=60) as client:
+            yield client, engine
+    finally:
+        engine.shutdown()
+
+
+def test_special_token_tags_stay_in_the_text_the_parser_splits(seed_server):
+    client, engine = seed_server
+    assert engine.reasoning.tags_are_special
+    ids, end_id = _prompt(engine), engine.reasoning.end_token_id
+    for bias in range(1, 13):
+        raw = client.completions.create(
+            model=SERVED_NAME, prompt=ids, max_tokens=16, temperature=0.0,
+            logit_bias={str(end_id): bias}, extra_body={"skip_special_tokens": False}
+        ).choices[0].text
+        if "</seed:think>" in raw and not raw.startswith("</seed:think>"):
+            break
+    else:
+        pytest.fail("no bias ends the think after a few tokens: change the checkpoint's seed")
+    skipped = _raw(client, ids, {str(end_id): bias})
+    assert "</seed:think>" not in skipped  # what a decode skipping special tokens would split
+    reasoning, content = raw.split("</seed:think>", 1)
+    assert reasoning and content
+    assert _whole(client, bias={str(end_id): bias})[:2] == (reasoning, content)
+    assert _streamed(client, bias={str(end_id): bias})[:2] == (reasoning, content)
+
+
+def test_an_earlier_answers_think_does_not_end_this_one(seed_server):
+    """The history's closed think comes before this turn's <seed:bos>: the answer still starts
+    inside its think (Seed-OSS reasons first), so an unterminated one is all reasoning."""
+    client, engine = seed_server
+    history = [*MESSAGES, {"role": "assistant",
+                           "content": "<seed:think>old</seed:think>Old answer."},
+               {"role": "user", "content": "And then?"}]
+    ids = engine.apply_chat_template(history, True)
+    assert engine.reasoning.end_token_id in ids
+    raw = client.completions.create(model=SERVED_NAME, prompt=ids, max_tokens=16,
+                                    temperature=0.0, extra_body={"skip_special_tokens": False}
+                                    ).choices[0].text
+    assert "</seed:think>" not in raw
+    answer = client.chat.completions.create(model=SERVED_NAME, messages=history, max_tokens=16,
+                                            temperature=0.0).choices[0]
+    assert answer.message.model_extra["reasoning_content"] == raw
+    assert answer.message.content is None and answer.finish_reason == "length"
+
+
 # --- start-up errors --------------------------------------------------------------------------
 
 
 def test_an_unknown_parser_is_refused_before_anything_loads(capsys):
     assert main(["serve", "--reasoning-parser", "deepseek"]) == 2
-    assert "--reasoning-parser: unknown parser 'deepseek' (known: deepseek_r1, qwen3)" in \
-        capsys.readouterr().err
+    assert "--reasoning-parser: unknown parser 'deepseek' (known: deepseek_r1, deepseek_v3, " \
+        "glm45, mimo, minimax_m2, mistral, qwen3, seed_oss, step3)" in capsys.readouterr().err
 
 
 def test_a_model_without_think_tokens_is_refused(tiny_llama_dir):

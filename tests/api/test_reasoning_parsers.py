@@ -1,6 +1,6 @@
-"""The reasoning parsers (``actorlm.reasoning``) on fixed texts and token streams: both parsers,
-whole and streamed (every split of the text, so a tag cut across chunks is covered), an
-unterminated think, no think, and the phase the prompt leaves them in. Then the token-level
+"""The reasoning parsers (``actorlm.reasoning``) on fixed texts and token streams: both rules
+(and their other tags), whole and streamed (every split of the text, so a tag cut across chunks is covered), an
+unterminated think, no think, and the phase the prompt's last turn leaves them in. Then the token-level
 gate that holds a grammar back until the think ends, against a real xgrammar matcher."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from actorlm.reasoning import (REASONING_PARSERS, Phase, ReasoningStream, ThinkG
                                reasoning_parser, split_reasoning)
 
 DEEPSEEK, QWEN3 = REASONING_PARSERS["deepseek_r1"], REASONING_PARSERS["qwen3"]
-START, END = 7, 8  # token ids of <think> and </think> in the token-level cases
+SEED, MISTRAL = REASONING_PARSERS["seed_oss"], REASONING_PARSERS["mistral"]
+START, END, TURN = 7, 8, 9  # token ids of <think>, </think> and a turn's start
 
 
 def whole(parser, phase, text):
@@ -66,6 +67,12 @@ CASES = [
     # qwen3 after a prompt that opened the think, or closed it (enable_thinking=False)
     (QWEN3, Phase.REASONING, "reasons</think>answer", "reasons", "answer"),
     (QWEN3, Phase.CONTENT, "<think>a</think>b", None, "<think>a</think>b"),
+    # the same rules under other tags: Seed-OSS reasons first, Magistral only in [THINK]
+    (SEED, Phase.REASONING, "<seed:think>hm</seed:think>ok", "hm", "ok"),
+    (SEED, Phase.REASONING, "a </think> b</seed:think>c", "a </think> b", "c"),
+    (MISTRAL, Phase.BEFORE, "[THINK]why[/THINK]Because.", "why", "Because."),
+    (MISTRAL, Phase.BEFORE, "No think. [THINK]x[/THINK]", None, "No think. [THINK]x[/THINK]"),
+    (MISTRAL, Phase.BEFORE, "[THINK]unterminated </think>", "unterminated </think>", ""),
 ]
 
 
@@ -99,11 +106,15 @@ def test_qwen3_holds_leading_whitespace_until_it_knows():
 
 
 class FakeTokenizer:
-    def __init__(self, vocab):
-        self.vocab = vocab
+    def __init__(self, vocab, special=()):
+        self.vocab, self.special = vocab, set(special)
 
     def get_vocab(self):
         return self.vocab
+
+    def decode(self, ids, skip_special_tokens=False):
+        names = {i: t for t, i in self.vocab.items()}
+        return "".join(names[i] for i in ids if not (skip_special_tokens and i in self.special))
 
 
 def test_the_prompt_decides_where_the_output_starts():
@@ -122,9 +133,31 @@ def test_the_prompt_decides_where_the_output_starts():
     assert split_reasoning(qw.text_stream(closed), "r</think>c") == (None, "r</think>c")
 
 
+def test_only_the_last_turn_of_the_prompt_counts():
+    """An earlier answer's closed think in the history says nothing of this answer's: the scan
+    stops at the parser's turn token, where the tokenizer has one."""
+    vocab = {"<think>": START, "</think>": END, "<|im_start|>": TURN}
+    qw = ThinkTokens.for_tokenizer(QWEN3, FakeTokenizer(vocab))
+    assert qw.turn_token_id == TURN and not qw.tags_are_special
+    history = [TURN, 1, START, 2, END, 3, TURN, 4]  # a past answer's think, then a new turn
+    assert qw.initial_phase(history) is Phase.BEFORE
+    assert qw.initial_phase(history + [START]) is Phase.REASONING  # this turn's own tags
+    assert qw.initial_phase(history + [START, END]) is Phase.CONTENT
+    assert ThinkTokens(QWEN3, START, END).initial_phase(history) is Phase.CONTENT  # no turn token
+    seed_vocab = {"<seed:think>": START, "</seed:think>": END, "<seed:bos>": TURN}
+    seed = ThinkTokens.for_tokenizer(SEED, FakeTokenizer(seed_vocab))
+    assert seed.initial_phase(history) is Phase.REASONING  # Seed-OSS reasons first
+    # Magistral's system prompt writes [THINK]...[/THINK] as special tokens, before [/INST]
+    magistral = ThinkTokens.for_tokenizer(MISTRAL, FakeTokenizer(
+        {"[THINK]": START, "[/THINK]": END, "[/INST]": TURN}, special=(START, END, TURN)))
+    assert magistral.tags_are_special
+    assert magistral.initial_phase([START, 1, END, 2, TURN]) is Phase.BEFORE
+
+
 def test_unknown_parser_and_missing_tags_are_clear_errors():
-    with pytest.raises(ValueError, match=r"--reasoning-parser: unknown parser 'r1' "
-                                         r"\(known: deepseek_r1, qwen3\)"):
+    with pytest.raises(ValueError, match=r"--reasoning-parser: unknown parser 'r1' \(known: "
+                                         r"deepseek_r1, deepseek_v3, glm45, mimo, minimax_m2, "
+                                         r"mistral, qwen3, seed_oss, step3\)"):
         reasoning_parser("r1")
     with pytest.raises(ValueError, match="tokenizer of tiny has no '</think>' token"):
         ThinkTokens.for_tokenizer(QWEN3, FakeTokenizer({"<think>": START}), "tiny")
