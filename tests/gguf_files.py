@@ -41,12 +41,19 @@ _GPTNEOX = {"attention.query_key_value": "attn_qkv", "attention.dense": "attn_ou
 _FALCON = {"self_attention.query_key_value": "attn_qkv", "self_attention.dense": "attn_output",
            "mlp.dense_h_to_4h": "ffn_up", "mlp.dense_4h_to_h": "ffn_down",
            "ln_attn": "attn_norm", "ln_mlp": "attn_norm_2"}
+# GPT-2's and GPT-BigCode's (its Conv1D weights, [in, out], written as a Linear's)
+_GPT2 = {"ln_1": "attn_norm", "ln_2": "ffn_norm", "attn.c_attn": "attn_qkv",
+         "attn.c_proj": "attn_output", "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
+_GPT2_CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight",
+                ".mlp.c_proj.weight")
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
         "model.final_layernorm": "output_norm", "gpt_neox.embed_in": "token_embd",
         "gpt_neox.final_layer_norm": "output_norm", "embed_out": "output",
-        "transformer.word_embeddings": "token_embd", "transformer.ln_f": "output_norm"}
+        "transformer.word_embeddings": "token_embd", "transformer.ln_f": "output_norm",
+        "transformer.wte": "token_embd", "transformer.wpe": "position_embd"}
 # llama.cpp's name of a Hugging Face model_type where the two differ
-_ARCHITECTURES = {"olmo3": "olmo2", "phi": "phi2", "cohere": "command-r", "gpt_neox": "gptneox"}
+_ARCHITECTURES = {"olmo3": "olmo2", "phi": "phi2", "cohere": "command-r", "gpt_neox": "gptneox",
+                  "gpt_bigcode": "starcoder"}
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 # q and k rows permuted by llama.cpp's converter
 PERMUTED = ("llama", "smollm3", "granite", "olmo")
@@ -66,7 +73,8 @@ def gguf_name(hf_name: str, arch: str) -> str:
                  "seed_oss": {**_LAYER, "post_attention_layernorm": "post_attention_norm"},
                  "glm4": {**_LAYER, **_GLM4}, "starcoder2": {**_LAYER, **_STARCODER2},
                  "phi2": {**_LAYER, **_PHI2}, "gptneox": {**_LAYER, **_GPTNEOX},
-                 "falcon": {**_LAYER, **_FALCON}}.get(arch, _LAYER)
+                 "falcon": {**_LAYER, **_FALCON}, "gpt2": _GPT2, "starcoder": _GPT2}.get(arch,
+                                                                                      _LAYER)
         return f"blk.{layer}.{names[part]}.{kind}"
     return f"{_TOP[stem]}.{kind}"
 
@@ -96,7 +104,7 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
                fuse_qkv: bool = False, architecture: str | None = None) -> pathlib.Path:
     """The checkpoint ``hf_dir`` (Llama, SmolLM3, Granite, OLMo 2, Phi-3, EXAONE 4, GLM-4,
     ERNIE 4.5, Seed-OSS, Gemma, Qwen2, Qwen3, StarCoder2, Phi-2, Cohere, Cohere 2, StableLM,
-    Nemotron, Arcee, OLMo, GPT-NeoX or Falcon) as a GGUF file whose matrices are all ``type_name`` blocks (norms and
+    Nemotron, Arcee, OLMo, GPT-NeoX, Falcon, GPT-2 or GPT-BigCode) as a GGUF file whose matrices are all ``type_name`` blocks (norms and
     biases F32), with an end-of-turn token where given, an embedding model's
     ``gguf.PoolingType`` where given (as llama.cpp's converter writes a sentence-transformers
     model's), q/k/v fused into one tensor where asked (as the files of Phi-2's first
@@ -106,11 +114,13 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
     import gguf
     from safetensors.torch import load_file
 
-    config = json.loads((hf_dir / "config.json").read_text())
+    config = _gpt2_sizes(json.loads((hf_dir / "config.json").read_text()))
     arch = architecture or _ARCHITECTURES.get(config["model_type"], config["model_type"])
     state = {}
     for file in sorted(hf_dir.glob("*.safetensors")):
         state.update(load_file(file))
+    state = {name: tensor for name, tensor in state.items()
+             if not name.endswith((".attn.bias", ".attn.masked_bias"))}  # (GPT-2's masks)
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
     if fuse_qkv:
@@ -150,6 +160,8 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
         values = tensor.float().numpy()
         if ".query_key_value." in name:  # each group's q, k, v: regrouped, as the converters do
             values = _regrouped_qkv(values, config)
+        if arch == "gpt2" and name.endswith(_GPT2_CONV1D):
+            values = values.T.copy()
         if arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads"] if "q_proj" in name else \
                 config["num_key_value_heads"]
@@ -170,6 +182,19 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _gpt2_sizes(config: dict) -> dict:
+    """A GPT-2 or GPT-BigCode config with the sizes under the names the others use."""
+    if config["model_type"] not in ("gpt2", "gpt_bigcode"):
+        return config
+    heads = config["n_head"]
+    return {**config, "num_hidden_layers": config["n_layer"],
+            "max_position_embeddings": config["n_positions"], "hidden_size": config["n_embd"],
+            "intermediate_size": config["n_inner"] or 4 * config["n_embd"],
+            "num_attention_heads": heads,
+            "num_key_value_heads": 1 if config.get("multi_query") else heads,
+            "layer_norm_eps": config["layer_norm_epsilon"]}
 
 
 def _regrouped_qkv(rows: np.ndarray, config: dict) -> np.ndarray:

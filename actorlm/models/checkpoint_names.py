@@ -151,9 +151,12 @@ def _qkv_regrouped(tensor, num_groups: int, queries_per_group: int) -> torch.Ten
 
 def _gpt2_tensor(name: str, tensor):
     """A GPT-2 checkpoint's tensor under the ``transformer.`` prefix, a Conv1D weight as a
-    Linear's [out, in]; (None, None) for a causal mask."""
+    Linear's [out, in]; (None, None) for a causal mask; a GGUF file's as it is (under the
+    decoder's names already, its weights a Linear's)."""
     if name.endswith(_GPT2_MASKS):
         return None, None
+    if name.startswith("model."):
+        return name, tensor
     if not name.startswith(("transformer.", "lm_head.")):
         name = "transformer." + name
     if name.endswith(_GPT2_CONV1D):

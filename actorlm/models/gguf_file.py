@@ -55,8 +55,8 @@ ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": 
                  "ernie4_5": "ernie4_5", "seed_oss": "seed_oss", "starcoder2": "starcoder2",
                  "phi2": "phi", "command-r": "cohere", "cohere2": "cohere2",
                  "stablelm": "stablelm", "nemotron": "nemotron", "arcee": "arcee", "olmo": "olmo",
-                 "gptneox": "gpt_neox", "falcon": "falcon",
-                 "qwen2vl": "qwen2", "qwen3vl": "qwen3", **gguf_moe.ARCHITECTURES}
+                 "gptneox": "gpt_neox", "falcon": "falcon", "gpt2": "gpt2",
+                 "starcoder": "gpt_bigcode", "qwen2vl": "qwen2", "qwen3vl": "qwen3", **gguf_moe.ARCHITECTURES}
 # the architectures transformers cannot read a config of (gguf_metadata builds theirs)
 _OWN_CONFIGS = {"smollm3": gguf_metadata.smollm3_config, "gemma": gguf_metadata.gemma_config,
                 "granite": gguf_metadata.granite_config, "olmo2": gguf_metadata.olmo2_config,
@@ -73,12 +73,13 @@ _OWN_CONFIGS = {"smollm3": gguf_metadata.smollm3_config, "gemma": gguf_metadata.
                 # (transformers reads a Nemotron file's epsilon and rotated share by other keys)
                 "nemotron": gguf_metadata.nemotron_config, "arcee": gguf_metadata.arcee_config,
                 "olmo": gguf_metadata.olmo_config, "gptneox": gguf_metadata.gptneox_config,
-                "falcon": gguf_metadata.falcon_config,
+                "falcon": gguf_metadata.falcon_config, "gpt2": gguf_metadata.gpt2_config,
+                "starcoder": gguf_metadata.starcoder_config,
                 "qwen2vl": gguf_metadata.qwen2vl_config, "qwen3vl": gguf_metadata.qwen3vl_config}
 _UNKNOWN_TO_TRANSFORMERS = ("smollm3", "gemma", "granite", "granitemoe", "olmo2", "olmoe",
                             "exaone4", "glm4", "ernie4_5", "seed_oss", "phi2", "command-r",
-                            "cohere2", "arcee", "olmo", "gptneox", "falcon", "qwen2vl",
-                            "qwen3vl")
+                            "cohere2", "arcee", "olmo", "gptneox", "falcon", "starcoder",
+                            "qwen2vl", "qwen3vl")
 # q and k rows permuted by llama.cpp's converter (a Llama's and its descendants')
 _PERMUTED_QK = ("llama", "mistral", "mixtral", "smollm3", "granite", "granitemoe", "olmo")
 # norms stored as 1 + weight (Gemma's; Nemotron's LayerNorm1P, whose loading adds the 1 back)
@@ -115,12 +116,12 @@ _STARCODER2_NAMES = {**_LAYER_NAMES, "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_pr
 _PHI2_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.dense",
                "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"}
 # GPT-NeoX's and Falcon's q/k/v fused as every head's q, then k, then v (the converters regroup
-# them from the checkpoints' heads) and their MLPs without a gate, under the decoder's own
-# names; Falcon-40B's norm before the MLP
+# them from the checkpoints' heads; GPT-2's and StarCoder's are so already) and their MLPs
+# without a gate, under the decoder's own names; Falcon-40B's norm before the MLP
 _GPTNEOX_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.fc_in"}
 _FALCON_NAMES = {**_GPTNEOX_NAMES, "attn_norm_2": "post_attention_layernorm"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-              "output": "lm_head"}
+              "output": "lm_head", "position_embd": "model.embed_positions"}
 _PHI2_TOP_NAMES = {**_TOP_NAMES, "output_norm": "model.final_layernorm"}
 
 
@@ -303,7 +304,8 @@ def _hf_name(name: str, arch: str) -> str:
         names = _OUTPUT_NORM_NAMES if arch in ("gemma2", "gemma3", "olmo2", "exaone4") else \
             {"phi3": _PHI3_LAYER_NAMES, "seed_oss": _SEED_OSS_NAMES, "glm4": _GLM4_NAMES,
              "starcoder2": _STARCODER2_NAMES, "phi2": _PHI2_NAMES,
-             "gptneox": _GPTNEOX_NAMES, "falcon": _FALCON_NAMES}.get(arch, _LAYER_NAMES)
+             "gptneox": _GPTNEOX_NAMES, "gpt2": _GPTNEOX_NAMES, "starcoder": _GPTNEOX_NAMES,
+             "falcon": _FALCON_NAMES}.get(arch, _LAYER_NAMES)
         part = names.get(part) or gguf_moe.per_expert_name(part)
         if part is None:
             raise ValueError(f"GGUF tensor {name!r} is not one this engine knows")

@@ -7,7 +7,8 @@ sizes every decoder has (``decoder_fields``), and what an architecture adds
 ``olmo2_config``, ``phi3_config``, ``exaone4_config``, ``glm4_config``, ``ernie4_5_config``,
 ``seed_oss_config``, the LayerNorm families: ``starcoder2_config``, ``phi2_config``,
 ``command_r_config``, ``cohere2_config``, ``stablelm_config``, ``nemotron_config``,
-``arcee_config``, ``olmo_config``, ``gptneox_config``, ``falcon_config``, and the multimodal
+``arcee_config``, ``olmo_config``, ``gptneox_config``, ``falcon_config``, ``gpt2_config``,
+``starcoder_config``, and the multimodal
 files' text decoders: ``qwen2vl_config``, ``qwen3vl_config``).
 
 - ``smollm3``: a Llama (q and k rows permuted as a Llama's) that leaves RoPE out of every
@@ -68,6 +69,12 @@ files' text decoders: ``qwen2vl_config``, ``qwen3vl_config``).
   converter regroups them), attention and MLP in parallel: from one norm (7B's), or each from
   its own (``attn_norm_2``: Falcon-40B's and -180B's new decoder architecture); one KV head
   (7B's) or ``head_count_kv`` groups; biases as the tensors tell.
+- ``gpt2`` and ``starcoder`` (GPT-BigCode: StarCoder, SantaCoder): no RoPE but learned
+  positions (``position_embd``), LayerNorms, q/k/v fused as q, then k, then v (the converter
+  writes GPT-2's Conv1D weights transposed, as a Linear's), tanh GeLU, biases everywhere.
+  ``starcoder`` files have one KV head (llama.cpp's converter writes no other: a checkpoint
+  without multi-query keeps each head's q, k and v together, which its graph does not read, so
+  such a file is refused).
 - ``qwen2vl`` (Qwen2-VL, Qwen2.5-VL) and ``qwen3vl`` (Qwen3-VL): the text decoder of a
   multimodal file (its vision tower is a file apart, the mmproj), read as Qwen2 / Qwen3. Text
   tokens take one position in all of the multimodal RoPE's sections, which makes it the text
@@ -370,6 +377,34 @@ def falcon_config(reader, tensor_names: list[str]):
                         num_kv_heads=num_kv_heads, new_decoder_architecture=new,
                         multi_query=not new, num_ln_in_parallel_attn=2 if two_norms else 1,
                         parallel_attn=True, bias=_has(tensor_names, "qkv_proj.bias"))
+
+
+def gpt2_config(reader, tensor_names: list[str]):
+    from transformers import GPT2Config
+
+    return GPT2Config(**_gpt2_fields(reader, "gpt2", tensor_names))
+
+
+def starcoder_config(reader, tensor_names: list[str]):
+    from transformers import GPTBigCodeConfig
+
+    fields = _gpt2_fields(reader, "starcoder", tensor_names)
+    kv_heads = field(reader, "starcoder.attention.head_count_kv", 1)
+    if kv_heads != 1:
+        raise ValueError(f"GGUF starcoder file: {kv_heads} KV heads; only multi-query files "
+                         f"(one KV head, as llama.cpp's converter writes them) are read")
+    return GPTBigCodeConfig(**fields, multi_query=True)
+
+
+def _gpt2_fields(reader, arch: str, tensor_names: list[str]) -> dict:
+    """``decoder_fields`` under GPT-2's names (its config takes no others)."""
+    fields = decoder_fields(reader, arch, tensor_names)
+    return dict(vocab_size=fields["vocab_size"], n_positions=fields["max_position_embeddings"],
+                n_embd=fields["hidden_size"], n_layer=fields["num_hidden_layers"],
+                n_head=fields["num_attention_heads"], n_inner=fields["intermediate_size"],
+                layer_norm_epsilon=fields["rms_norm_eps"],
+                tie_word_embeddings=fields["tie_word_embeddings"],
+                eos_token_id=fields["eos_token_id"], bos_token_id=fields["bos_token_id"])
 
 
 def command_r_config(reader, tensor_names: list[str]):

@@ -235,15 +235,19 @@ def test_a_phi3_file_keeps_what_transformers_does_not_read(tiny_window_dirs, tmp
     ("gpt_neox_sequential", {"use_parallel_residual": False}),
     ("falcon", {"multi_query": True, "new_decoder_architecture": False, "bias": False}),
     ("falcon_new", {"num_kv_heads": 2, "new_decoder_architecture": True, "bias": True,
-                    "num_ln_in_parallel_attn": 2})])
+                    "num_ln_in_parallel_attn": 2}),
+    ("gpt2", {"n_positions": 512, "n_inner": 128, "activation_function": "gelu_new",
+              "tie_word_embeddings": True}),
+    ("gpt_bigcode", {"multi_query": True, "n_positions": 512, "n_inner": 128})])
 def test_a_layer_norm_family_file_matches_its_checkpoint(tiny_window_dirs, tmp_path, family,
                                                         fields):
     """StarCoder2, Phi-2 (RoPE on half of each head; q/k/v fused where the file was converted
     from Phi-2's first checkpoint), Command R, Command R7B, StableLM (RoPE on a quarter of
     each head; sequential, q/k/v biased, and in parallel), Nemotron (norms stored as
     1 + weight, ReLU squared), Arcee, OLMo (no norm weights, q/k/v clamped) and GPT-NeoX (q/k/v
-    regrouped from its heads, in parallel and in sequence) and Falcon (7B's one KV head and one
-    norm, 40B's KV groups and two) files, which transformers does not read (StarCoder2's,
+    regrouped from its heads, in parallel and in sequence), Falcon (7B's one KV head and one
+    norm, 40B's KV groups and two), GPT-2 and GPT-BigCode (StarCoder's one KV head; both with
+    learned positions) files, which transformers does not read (GPT-2's in part) (StarCoder2's,
     StableLM's and Nemotron's in part): LayerNorms, MLPs without a gate, Cohere's logit scale and
     sliding layers; against transformers on the checkpoint the file was written from, each
     matrix quantized as the file stores it. A StarCoder2 file has no window (llama.cpp's
@@ -263,6 +267,15 @@ def test_a_layer_norm_family_file_matches_its_checkpoint(tiny_window_dirs, tmp_p
     ours = load_model(path, torch.float32, "cpu", select_backend("cpu"))
     assert type(ours.model.layers[0].self_attn.qkv_proj.prepared).__name__ == "QuantLinear"
     check_greedy_and_kl(ours, dequantized_checkpoint(hf_dir, "Q8_0"))
+
+
+def test_a_starcoder_file_without_multi_query_is_refused(tiny_window_dirs, tmp_path):
+    """llama.cpp's converter writes StarCoder files with one KV head only; a checkpoint without
+    multi-query keeps each head's q, k and v together, which such a file cannot say."""
+    with pytest.raises(ValueError, match="GGUF starcoder file: 4 KV heads; only multi-query "
+                                         "files"):
+        resolve_model(write_gguf(tiny_window_dirs["gpt_bigcode_mha"], tmp_path / "mha.gguf",
+                                 "Q8_0"))
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
