@@ -344,6 +344,13 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
             ffn_dim=common["intermediate_size"], word_embed_proj_dim=common["hidden_size"],
             init_std=common["initializer_range"], tie_word_embeddings=True),
         "stablelm": StableLmConfig(**common, use_qkv_bias=True, tie_word_embeddings=False),
+        # each head's q and k through a LayerNorm of its own (StableLM 2 12B's, Command R+'s),
+        # or all through one with a bias (Phi's qk_layernorm)
+        "stablelm_qk_norm": StableLmConfig(**common, qk_layernorm=True, tie_word_embeddings=False),
+        "cohere_qk_norm": CohereConfig(**common, logit_scale=0.25, use_qk_norm=True,
+                                       tie_word_embeddings=True),
+        "phi_qk_norm": PhiConfig(**{k: v for k, v in common.items() if k != "head_dim"},
+                                 qk_layernorm=True, tie_word_embeddings=False),
         "stablelm_parallel": StableLmConfig(**common, use_parallel_residual=True,
                                             tie_word_embeddings=False),
         "nemotron": NemotronConfig(**common, attention_bias=True, mlp_bias=True,

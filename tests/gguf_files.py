@@ -119,8 +119,8 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
     state = {}
     for file in sorted(hf_dir.glob("*.safetensors")):
         state.update(load_file(file))
-    state = {name: tensor for name, tensor in state.items()
-             if not name.endswith((".attn.bias", ".attn.masked_bias"))}  # (GPT-2's masks)
+    state = _stacked_head_norms({name: tensor for name, tensor in state.items()
+                                 if not name.endswith((".attn.bias", ".attn.masked_bias"))})
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
     if fuse_qkv:
@@ -166,7 +166,7 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
             heads = config["num_attention_heads"] if "q_proj" in name else \
                 config["num_key_value_heads"]
             values = _permute(values, heads)
-        if values.ndim == 1:
+        if values.ndim == 1 or name.endswith("norm.weight"):  # (norms in F32, per head too)
             if arch in GEMMA and name.endswith("norm.weight"):  # (llama.cpp's converter)
                 values = values + 1
             writer.add_tensor(gguf_name(name, arch), values)
@@ -182,6 +182,22 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _stacked_head_norms(state: dict) -> dict:
+    """StableLM's q/k LayerNorms of each head (``q_layernorm.norms.H``) as one [heads,
+    head_dim] tensor, ``q_norm``, as llama.cpp's converter stacks them."""
+    stacked, heads = {}, {}
+    for name, tensor in state.items():
+        stem, found, rest = name.partition("_layernorm.norms.")
+        if not found:
+            stacked[name] = tensor
+            continue
+        head, _, kind = rest.partition(".")
+        heads.setdefault(f"{stem}_norm.{kind}", {})[int(head)] = tensor
+    for name, parts in heads.items():
+        stacked[name] = torch.stack([parts[h] for h in sorted(parts)])
+    return stacked
 
 
 def _gpt2_sizes(config: dict) -> dict:
@@ -336,8 +352,8 @@ def dequantized_model(gguf_path: pathlib.Path):
 
 
 def dequantized_checkpoint(hf_dir: pathlib.Path, type_name: str, kept: tuple[str, ...] = ()):
-    """transformers' model of the checkpoint ``hf_dir`` (fp32) with every matrix but those
-    whose names end in ``kept`` quantized to ``type_name`` and dequantized by gguf, as the
+    """transformers' model of the checkpoint ``hf_dir`` (fp32) with every matrix but norms and
+    those whose names end in ``kept`` quantized to ``type_name`` and dequantized by gguf, as the
     GGUF writers here store them (gguf quantizes each row alone, so stacking and llama.cpp's
     row permutation change nothing): the oracle of a file transformers does not read."""
     import gguf
@@ -347,7 +363,7 @@ def dequantized_checkpoint(hf_dir: pathlib.Path, type_name: str, kept: tuple[str
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.dim() < 2 or name.endswith(kept):
+            if param.dim() < 2 or name.endswith(("norm.weight", *kept)):  # (Cohere's per head)
                 continue
             blocks = gguf.quants.quantize(param.numpy(), kind)
             param.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, kind)))

@@ -286,9 +286,10 @@ class CausalLM(nn.Module):
         ones."""
         attn, rank = self.model.layers[0].self_attn, self.tp.rank
         dim, start, length = 0, 0, None  # None: all of it
-        if attn.projection_norms and name.endswith((".q_norm.weight", ".k_norm.weight")):
-            # OLMoE's norms over the whole q and k: this rank's heads of them, as q_proj's
-            # and k_proj's rows
+        if attn.norms_here and name.endswith((".q_norm.weight", ".k_norm.weight",
+                                              ".q_norm.bias", ".k_norm.bias")):
+            # OLMoE's norms over the whole q and k, each head's own LayerNorms (Cohere's):
+            # this rank's heads of them, as q_proj's and k_proj's rows
             name = name.replace("_norm.", "_proj.")
         if ".q_proj." in name:
             start, length = rank * attn.q_size, attn.q_size

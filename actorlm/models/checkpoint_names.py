@@ -9,11 +9,14 @@ part of any tensor a checkpoint holds."""
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from actorlm.kernels import ActivationQuant, QuantizedWeight
 from actorlm.models import quantized
-from actorlm.models.families import head_dim_of, num_kv_heads_of, rope_head_order
+from actorlm.models.families import (has_head_layer_norms, head_dim_of, num_kv_heads_of,
+                                     rope_head_order)
 from actorlm.models.moe_families import checkpoint_name, intermediate_size_of, shared_expert_size
 from actorlm.models.rope_layout import ROTATED_Q_K, reordered
 
@@ -60,6 +63,9 @@ _RENAMES = {"starcoder2": {".mlp.c_fc.": ".mlp.fc_in.", ".mlp.c_proj.": ".mlp.do
                          ".mlp.dense_4h_to_h.": ".mlp.down_proj."},
             "arcee": {".mlp.up_proj.": ".mlp.fc_in."},
             "gpt2": _GPT2_NAMES, "gpt_bigcode": _GPT2_NAMES}
+# a q/k LayerNorm of each head: Cohere's (q_norm, [heads, head_dim]), StableLM's (one a head,
+# q_layernorm.norms.H) and Phi's (one for all heads, q_layernorm)
+_HEAD_NORM = re.compile(r"\.(q|k)_(?:layernorm|norm)(?:\.norms\.(\d+))?\.(weight|bias)$")
 # a gemma3 (text and vision) checkpoint's text tower -> a text model's names; both layouts
 # transformers has written
 _TEXT_TOWER = {"model.language_model.": "model.", "language_model.model.": "model.",
@@ -78,6 +84,8 @@ def checkpoint_tensors(config, tensors):
     q_size = config.num_attention_heads * head_dim_of(config)
     kv_size = num_kv_heads_of(config) * head_dim_of(config)
     order = rope_head_order(config)
+    if has_head_layer_norms(config):
+        tensors = _flat_head_norms(config, tensors)
     for name, tensor in _split_fused(config, tensors, q_size, kv_size):
         if order is not None and name.endswith(ROTATED_Q_K):
             tensor = reordered(narrow(tensor, 0, 0, None), order, head_dim_of(config))
@@ -134,6 +142,32 @@ def _split_fused(config, tensors, q_size: int, kv_size: int):
         fused = name.split(".")[-2]
         for part, start, length in parts:
             yield name.replace(f".{fused}.", f".{part}."), narrow(tensor, 0, start, length)
+
+
+def _flat_head_norms(config, tensors):
+    """The pairs with each head's q/k LayerNorms as one flat tensor, [heads x head_dim] like
+    the projection's rows, under ``q_norm`` / ``k_norm``: Cohere's flattened, StableLM's
+    stacked (once every head's has come), Phi's repeated over the heads."""
+    heads = {"q": config.num_attention_heads, "k": num_kv_heads_of(config)}
+    pending: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in tensors:
+        match = _HEAD_NORM.search(name)
+        if match is None:
+            yield name, tensor
+            continue
+        which, head, kind = match.groups()
+        flat = f"{name[:match.start()]}.{which}_norm.{kind}"
+        tensor = narrow(tensor, 0, 0, None)
+        if head is None:
+            yield flat, tensor.reshape(-1) if tensor.dim() == 2 else tensor.repeat(heads[which])
+            continue
+        parts = pending.setdefault(flat, {})
+        parts[int(head)] = tensor
+        if len(parts) == heads[which]:
+            yield flat, torch.cat([parts.pop(h) for h in range(heads[which])])
+            del pending[flat]
+    if pending:
+        raise ValueError(f"the checkpoint has the norms of some heads only: {sorted(pending)}")
 
 
 def _qkv_regrouped(tensor, num_groups: int, queries_per_group: int) -> torch.Tensor:

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from actorlm.kernels import AttentionLayer, DecoderLayerPlan, KernelBackend, MoePlan
-from actorlm.models.layers import LayerNorm, Linear, RMSNorm, RowParallelLinear, SplitRMSNorm
+from actorlm.models.layers import (HeadLayerNorm, LayerNorm, Linear, RMSNorm, RowParallelLinear,
+                                   SplitRMSNorm)
 from actorlm.models.moe import MoeSpec, SparseMoeBlock
 from actorlm.models.parallel import TensorParallel, num_kv_heads_per_rank
 
@@ -38,9 +39,11 @@ class LayerSpec:
     intermediate_size: int
     norm_eps: float
     norm_unit_offset: bool = False  # norms scale by 1 + weight (kernels.Norm)
-    # norms of q and k before RoPE: "head", each head's (Qwen3, Gemma 3); "projection", over
-    # all heads at once (OLMoE); None
+    # norms of q and k before RoPE: "head", each head's by one RMS norm (Qwen3, Gemma 3);
+    # "head_layer", each head's LayerNorm by its own weights (Cohere's, StableLM 2 12B's, Phi's
+    # qk_layernorm); "projection", over all heads at once (OLMoE); None
     qk_norm: str | None = None
+    qk_norm_bias: bool = False  # the "head_layer" norms have biases (Phi's)
     clip_qkv: float | None = None  # q, k and v clamped to +-clip_qkv after the norms (OLMoE)
     output_norms: bool = False  # norms on the attention's and the MLP's outputs too
     input_norms: bool = True  # norms on their inputs (OLMo 2 has none: only output norms)
@@ -69,8 +72,8 @@ class LayerSpec:
     qkv_per_head: bool = False
 
     def __post_init__(self):
-        if self.qk_norm not in (None, "head", "projection"):
-            raise ValueError(f"qk_norm must be None, 'head' or 'projection', got "
+        if self.qk_norm not in (None, "head", "head_layer", "projection"):
+            raise ValueError(f"qk_norm must be None, 'head', 'head_layer' or 'projection', got "
                              f"{self.qk_norm!r}")
 
 
@@ -98,13 +101,20 @@ class Attention(nn.Module):
                                   device)
         self.q_norm = self.k_norm = None
         self.projection_norms, self.clip_qkv = spec.qk_norm == "projection", spec.clip_qkv
+        self.head_layer_norms = spec.qk_norm == "head_layer"
         if spec.qk_norm == "head":
             self.q_norm, self.k_norm = (RMSNorm(d, spec.norm_eps, spec.norm_unit_offset,
                                                 backend, dtype, device) for _ in range(2))
         elif self.projection_norms:  # this rank's heads of norms over all of them
             self.q_norm, self.k_norm = (SplitRMSNorm(size, spec.norm_eps, backend, dtype, device,
                                                      tp) for size in (self.q_size, self.kv_size))
-        head_norms = (None, None) if self.q_norm is None or self.projection_norms else \
+        elif self.head_layer_norms:  # this rank's heads' own norms
+            self.q_norm, self.k_norm = (HeadLayerNorm(heads, d, spec.norm_eps, spec.qk_norm_bias,
+                                                      dtype, device)
+                                        for heads in (self.num_heads, self.num_kv_heads))
+        # (the backend norms the heads by one RMS norm; the others are normed here)
+        self.norms_here = self.projection_norms or self.head_layer_norms
+        head_norms = (None, None) if self.q_norm is None or self.norms_here else \
             (self.q_norm.norm, self.k_norm.norm)
         self.layer = AttentionLayer(
             self.num_heads, self.num_kv_heads, d,
@@ -114,7 +124,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin_signed, kv_cache, meta):
         # x: [T, hidden]; cos, sin_signed: [T, 1, D]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
-        if self.projection_norms:  # in place: the backend then norms no head
+        if self.norms_here:  # in place: the backend then norms no head
             q, k = qkv[:, :self.q_size], qkv[:, self.q_size:self.q_size + self.kv_size]
             q.copy_(self.q_norm(q))
             k.copy_(self.k_norm(k))
@@ -228,8 +238,11 @@ class DecoderLayer(nn.Module):
     def plan(self) -> DecoderLayerPlan | None:
         """This layer for the backend's one-call decode step (once the weights are loaded), or
         None where a plan does not describe it: q/k norms over projections split across
-        tensor-parallel ranks (their mean square is summed over the ranks)."""
+        tensor-parallel ranks (their mean square is summed over the ranks), each head's q/k
+        LayerNorm by its own weights (the step has none)."""
         attn, mlp = self.self_attn, self.mlp
+        if attn.head_layer_norms:
+            return None
         projection_norms = None
         if attn.projection_norms:
             if attn.q_norm.tp.is_parallel:

@@ -135,6 +135,8 @@ _COMPUTED_ONLY = {"opt": {"do_layer_norm_before": True, "_remove_final_layer_nor
                   "gpt_bigcode": {"scale_attn_weights": True, "add_cross_attention": False},
                   "falcon": {"alibi": False}}
 # a query/key norm the family's config may turn on, not implemented (a LayerNorm per head)
+# the config flag of each head's q/k LayerNorm: per head (Cohere's, StableLM's) or one for all
+# heads, with a bias (Phi's)
 _QK_LAYER_NORMS = {"phi": "qk_layernorm", "cohere": "use_qk_norm", "stablelm": "qk_layernorm"}
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
 _GRANITE = ("granite", "granitemoe", "granitemoeshared")  # Granite's four multipliers
@@ -204,10 +206,6 @@ def check_config(config) -> None:
         raise ValueError(f"{config.model_type}: word_embed_proj_dim="
                          f"{config.word_embed_proj_dim} (embeddings projected in and out of "
                          f"the hidden size {config.hidden_size}) is not implemented")
-    flag = _QK_LAYER_NORMS.get(config.model_type)
-    if flag is not None and getattr(config, flag, False):
-        raise ValueError(f"{config.model_type}: {flag} (a LayerNorm of each head's q and k) "
-                         f"is not implemented")
     rope_head_order(config)  # refuses a RoPE layout the reordering cannot express
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention (an encoder, not a causal decoder) is "
@@ -295,7 +293,8 @@ def layer_specs(config) -> list[LayerSpec]:
         gated_mlp=model_type not in _UNGATED_MLP,
         output_norms=model_type in (*_FOUR_NORMS, *_OUTPUT_NORMS_ONLY, "glm4"),
         input_norms=model_type not in _OUTPUT_NORMS_ONLY,
-        qk_norm=_QK_NORMS.get(model_type),
+        qk_norm="head_layer" if has_head_layer_norms(config) else _QK_NORMS.get(model_type),
+        qk_norm_bias=model_type == "phi",
         clip_qkv=getattr(config, "clip_qkv", None) if model_type in ("olmoe", "olmo") else None,
         activation=_ACTIVATIONS[activation_of(config)],
         qkv_bias=qkv_bias or biased, o_bias=_o_bias(config, attention_bias) or biased,
@@ -309,6 +308,13 @@ def layer_specs(config) -> list[LayerSpec]:
         rope_order=rope_head_order(config))
     return [LayerSpec(**base, window=window, moe=moe)
             for window, moe in zip(layer_windows(config), moe_specs(config), strict=True)]
+
+
+def has_head_layer_norms(config) -> bool:
+    """Whether each head's q and k go through a LayerNorm before RoPE (Cohere's
+    ``use_qk_norm``, StableLM's and Phi's ``qk_layernorm``)."""
+    flag = _QK_LAYER_NORMS.get(config.model_type)
+    return flag is not None and bool(getattr(config, flag, False))
 
 
 def _parallel(config) -> bool:

@@ -51,7 +51,7 @@ files' text decoders: ``qwen2vl_config``, ``qwen3vl_config``).
 - ``stablelm``: LayerNorms with biases and a gated MLP, RoPE on ``rope.dimension_count`` of
   each head's features (halves, not permuted); the tensors tell the rest, as llama.cpp's graph
   reads them: q/k/v biases, no ``ffn_norm`` (the branches in parallel from one norm,
-  ``use_parallel_residual``), per-head q/k norms (StableLM 2 12B's: refused by the family).
+  ``use_parallel_residual``), per-head q/k norms (StableLM 2 12B's, stacked [heads, head_dim]).
   transformers reads these files, but takes neither the rotated share nor the branches from
   them.
 - ``nemotron``: LayerNorms (``attention.layer_norm_epsilon``) whose weights the converter

@@ -216,6 +216,28 @@ class LayerNorm(nn.Module):
         return torch.nn.functional.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
 
 
+class HeadLayerNorm(LayerNorm):
+    """A LayerNorm of each head's features by that head's own weight (and bias), stored flat,
+    [heads x head_dim] as the projection's rows: Cohere's and StableLM 2 12B's q/k norms, and
+    Phi's one per model repeated over the heads as the weights load. One normalisation over
+    the heads at once, in fp32 with the weight applied before rounding (Cohere's order; torch's
+    LayerNorm, which the others use, rounds once too)."""
+
+    def __init__(self, num_heads, head_dim, eps, bias: bool, dtype, device):
+        super().__init__(num_heads * head_dim, eps, bias, dtype, device)
+        self.head_dim = head_dim
+
+    def forward(self, x, residual=None):
+        # x: [T, heads x head_dim] (rows may be strided) -> the same, normed head by head
+        assert residual is None
+        h = x.float().view(x.shape[0], -1, self.head_dim)
+        normed = torch.nn.functional.layer_norm(h, (self.head_dim,), eps=self.eps)
+        normed = normed * self.weight.float().view(-1, self.head_dim)
+        if self.bias is not None:
+            normed = normed + self.bias.float().view(-1, self.head_dim)
+        return normed.view(x.shape).to(x.dtype)
+
+
 class SplitRMSNorm(RMSNorm):
     """An RMS norm over features that tensor parallelism splits over the ranks (OLMoE's q and k
     norms span every head): each rank norms its share by the mean square of all of them, its

@@ -17,7 +17,7 @@ import torch
 from actorlm.kernels import QuantizedWeight
 
 ROTATED_Q_K = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "q_norm.weight",
-               "k_norm.weight")  # the tensors whose rows follow a head's features
+               "k_norm.weight", "q_norm.bias", "k_norm.bias")  # rows that follow a head's features
 
 
 def head_order(head_dim: int, rotary_dim: int, interleaved: bool) -> tuple[int, ...] | None:

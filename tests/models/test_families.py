@@ -32,6 +32,8 @@ LAYER_NORM_FAMILIES = ["starcoder2", "phi", "cohere", "cohere2", "opt", "gpt2", 
                        "stablelm_parallel", "nemotron", "arcee", "gpt_neox",
                        "gpt_neox_sequential", "falcon", "falcon_new", "falcon_sequential",
                        "olmo", "gpt_bigcode", "gpt_bigcode_mha"]
+# each head's q and k through a LayerNorm before RoPE (the one-call decode step has none)
+HEAD_NORM_FAMILIES = ["stablelm_qk_norm", "cohere_qk_norm", "phi_qk_norm"]
 PROMPT_LEN, NUM_DECODED = 40, 60
 ATOL = {torch.float32: 2e-4, torch.bfloat16: None}  # bf16: judged by the greedy tokens only
 
@@ -45,7 +47,7 @@ def hf_models(tiny_window_dirs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("family", FAMILIES + LAYER_NORM_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + LAYER_NORM_FAMILIES + HEAD_NORM_FAMILIES)
 def test_logits_at_every_position_past_the_window_match_transformers(
         family, dtype, tiny_window_dirs, hf_models):
     theirs = hf_models[family]
@@ -166,19 +168,19 @@ def test_longrope_past_its_original_context_matches_transformers(tiny_window_dir
                               theirs.model.rotary_emb.long_inv_freq)
 
 
-@pytest.mark.parametrize("family, flag", [("cohere", "use_qk_norm"), ("phi", "qk_layernorm"),
-                                          ("stablelm", "qk_layernorm")])
-def test_a_layer_norm_of_each_heads_q_and_k_is_refused_by_name(tiny_window_dirs, family, flag):
-    """Command R+'s, StableLM 2 12B's and some Phi-2 fine-tunes' LayerNorm of each head's q and k changes the
-    math and is not implemented: loading refuses, naming the config's flag."""
-    from actorlm.models.families import check_config
-    from actorlm.models.loader import load_hf_config
+@pytest.mark.parametrize("family", HEAD_NORM_FAMILIES)
+def test_a_layer_norm_of_each_heads_q_and_k_decodes_layer_by_layer(tiny_window_dirs, family):
+    """Command R+'s, StableLM 2 12B's and some Phi-2 fine-tunes' LayerNorm of each head's q and
+    k (its weights each head's own: loaded as the projection's rows, reordered with them for
+    RoPE on part of a head) runs in the model before the attention kernel; the one-call
+    decode step, which has no such norm, declines the model rather than skip them."""
+    from actorlm.models.layers import HeadLayerNorm
 
-    config = load_hf_config(tiny_window_dirs[family])
-    check_config(config)
-    setattr(config, flag, True)
-    with pytest.raises(ValueError, match=f"{family}: {flag} .a LayerNorm of each head's q and k"):
-        check_config(config)
+    ours = load_model(tiny_window_dirs[family], torch.float32, "cpu", select_backend("cpu"))
+    attention = ours.model.layers[0].self_attn
+    assert isinstance(attention.q_norm, HeadLayerNorm) and ours.decode_step is None
+    heads = attention.q_norm.weight.view(attention.num_heads, -1)
+    assert not torch.equal(heads[0], heads[1]) or family == "phi_qk_norm"  # (Phi's: one norm)
 
 
 @pytest.mark.parametrize("family, changes, said", [

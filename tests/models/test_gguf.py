@@ -226,6 +226,7 @@ def test_a_phi3_file_keeps_what_transformers_does_not_read(tiny_window_dirs, tmp
                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                       "partial_rotary_factor": 0.25}}),
     ("stablelm_parallel", {"use_qkv_bias": False, "use_parallel_residual": True}),
+    ("stablelm_qk_norm", {"qk_layernorm": True}), ("cohere_qk_norm", {"use_qk_norm": True}),
     ("nemotron", {"attention_bias": True, "mlp_bias": True, "norm_eps": 1e-5,
                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                       "partial_rotary_factor": 0.5}}),
@@ -242,8 +243,9 @@ def test_a_phi3_file_keeps_what_transformers_does_not_read(tiny_window_dirs, tmp
 def test_a_layer_norm_family_file_matches_its_checkpoint(tiny_window_dirs, tmp_path, family,
                                                         fields):
     """StarCoder2, Phi-2 (RoPE on half of each head; q/k/v fused where the file was converted
-    from Phi-2's first checkpoint), Command R, Command R7B, StableLM (RoPE on a quarter of
-    each head; sequential, q/k/v biased, and in parallel), Nemotron (norms stored as
+    from Phi-2's first checkpoint), Command R (Command R+'s q/k LayerNorm of each head),
+    Command R7B, StableLM (RoPE on a quarter of each head; sequential, q/k/v biased, in
+    parallel, and StableLM 2 12B's q/k norms, stacked per head in the file), Nemotron (norms stored as
     1 + weight, ReLU squared), Arcee, OLMo (no norm weights, q/k/v clamped) and GPT-NeoX (q/k/v
     regrouped from its heads, in parallel and in sequence), Falcon (7B's one KV head and one
     norm, 40B's KV groups and two), GPT-2 and GPT-BigCode (StarCoder's one KV head; both with
