@@ -348,7 +348,8 @@ def positions_served(hf_config) -> tuple[int, str]:
                           f"model takes Llama 4's attention temperature "
                           f"(llama_4_scaling_beta), not implemented")
     limit = getattr(hf_config, "max_position_embeddings", None) or 2048
-    if rope.get("rope_type", rope.get("type")) == "dynamic":
+    if rope.get("rope_type", rope.get("type")) == "dynamic" and not rope.get("alpha"):
+        # (Hunyuan's "dynamic" with alpha is a fixed base: every position alike)
         limit = min(limit, original or limit)
         return limit, (f"original context ({limit} positions): beyond it dynamic NTK RoPE "
                        f"scaling turns the positions by a base that grows with the sequence, "

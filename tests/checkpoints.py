@@ -279,7 +279,7 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
                               Glm4Config, GlmConfig, GraniteConfig, HeliumConfig, MistralConfig,
                               Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, SeedOssConfig,
                               SmolLM3Config, StableLmConfig, NemotronConfig, ArceeConfig,
-                              GPTNeoXConfig, OlmoConfig, GPTBigCodeConfig)
+                              GPTNeoXConfig, OlmoConfig, GPTBigCodeConfig, HunYuanDenseV1Config)
 
     common = _common(tiny_tokenizer_dir)
     olmo = {k: v for k, v in common.items() if k != "head_dim"}  # (hidden / heads, always)
@@ -346,6 +346,9 @@ def tiny_window_dirs(tmp_path_factory, tiny_tokenizer_dir):
         "stablelm": StableLmConfig(**common, use_qkv_bias=True, tie_word_embeddings=False),
         # each head's q and k through a LayerNorm of its own (StableLM 2 12B's, Command R+'s),
         # or all through one with a bias (Phi's qk_layernorm)
+        # Hunyuan's q/k norms after RoPE, its NTK-alpha base
+        "hunyuan_dense": HunYuanDenseV1Config(**common, tie_word_embeddings=True, rope_parameters={
+            "rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}),
         "stablelm_qk_norm": StableLmConfig(**common, qk_layernorm=True, tie_word_embeddings=False),
         "cohere_qk_norm": CohereConfig(**common, logit_scale=0.25, use_qk_norm=True,
                                        tie_word_embeddings=True),

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from actorlm.kernels import AttentionLayer, DecoderLayerPlan, KernelBackend, MoePlan
+from actorlm.kernels.portable import apply_rope
 from actorlm.models.layers import (HeadLayerNorm, LayerNorm, Linear, RMSNorm, RowParallelLinear,
                                    SplitRMSNorm)
 from actorlm.models.moe import MoeSpec, SparseMoeBlock
@@ -41,7 +42,8 @@ class LayerSpec:
     norm_unit_offset: bool = False  # norms scale by 1 + weight (kernels.Norm)
     # norms of q and k before RoPE: "head", each head's by one RMS norm (Qwen3, Gemma 3);
     # "head_layer", each head's LayerNorm by its own weights (Cohere's, StableLM 2 12B's, Phi's
-    # qk_layernorm); "projection", over all heads at once (OLMoE); None
+    # qk_layernorm); "projection", over all heads at once (OLMoE); or after RoPE:
+    # "head_after_rope", each head's by one RMS norm (Hunyuan's); None
     qk_norm: str | None = None
     qk_norm_bias: bool = False  # the "head_layer" norms have biases (Phi's)
     clip_qkv: float | None = None  # q, k and v clamped to +-clip_qkv after the norms (OLMoE)
@@ -72,9 +74,9 @@ class LayerSpec:
     qkv_per_head: bool = False
 
     def __post_init__(self):
-        if self.qk_norm not in (None, "head", "head_layer", "projection"):
-            raise ValueError(f"qk_norm must be None, 'head', 'head_layer' or 'projection', got "
-                             f"{self.qk_norm!r}")
+        if self.qk_norm not in (None, "head", "head_layer", "projection", "head_after_rope"):
+            raise ValueError(f"qk_norm must be None, 'head', 'head_layer', 'projection' or "
+                             f"'head_after_rope', got {self.qk_norm!r}")
 
 
 def _row_linear(in_features, out_features, bias, tp: TensorParallel, dtype, device) -> Linear:
@@ -102,7 +104,8 @@ class Attention(nn.Module):
         self.q_norm = self.k_norm = None
         self.projection_norms, self.clip_qkv = spec.qk_norm == "projection", spec.clip_qkv
         self.head_layer_norms = spec.qk_norm == "head_layer"
-        if spec.qk_norm == "head":
+        self.norms_after_rope = spec.qk_norm == "head_after_rope"
+        if spec.qk_norm in ("head", "head_after_rope"):
             self.q_norm, self.k_norm = (RMSNorm(d, spec.norm_eps, spec.norm_unit_offset,
                                                 backend, dtype, device) for _ in range(2))
         elif self.projection_norms:  # this rank's heads of norms over all of them
@@ -112,10 +115,10 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = (HeadLayerNorm(heads, d, spec.norm_eps, spec.qk_norm_bias,
                                                       dtype, device)
                                         for heads in (self.num_heads, self.num_kv_heads))
-        # (the backend norms the heads by one RMS norm; the others are normed here)
+        # (the backend norms the heads by one RMS norm before RoPE; the others are normed here)
         self.norms_here = self.projection_norms or self.head_layer_norms
-        head_norms = (None, None) if self.q_norm is None or self.norms_here else \
-            (self.q_norm.norm, self.k_norm.norm)
+        head_norms = (None, None) if self.q_norm is None or self.norms_here or \
+            self.norms_after_rope else (self.q_norm.norm, self.k_norm.norm)
         self.layer = AttentionLayer(
             self.num_heads, self.num_kv_heads, d,
             spec.attention_scale if spec.attention_scale is not None else d**-0.5, spec.window,
@@ -130,8 +133,23 @@ class Attention(nn.Module):
             k.copy_(self.k_norm(k))
         if self.clip_qkv is not None:
             qkv.clamp_(-self.clip_qkv, self.clip_qkv)
+        if self.norms_after_rope:  # turned here, then normed: the backend turns nothing more
+            self._turned_and_normed(qkv, cos, sin_signed)
+            cos, sin_signed = torch.ones_like(cos), torch.zeros_like(sin_signed)
         o = self.backend.attention(qkv, cos, sin_signed, kv_cache, meta, self.layer)
         return self.o_proj(o)  # [T, Hq D] -> [T, hidden]
+
+
+    def _turned_and_normed(self, qkv, cos, sin_signed) -> None:
+        """q and k in ``qkv`` rotated by RoPE, then each head RMS-normed (Hunyuan's order,
+        which the kernels' norm-then-rotate cannot express: a norm's weights do not commute
+        with the rotation), in place."""
+        rows = qkv.shape[0]
+        for norm, start, size in ((self.q_norm, 0, self.q_size),
+                                  (self.k_norm, self.q_size, self.kv_size)):
+            part = qkv[:, start:start + size]
+            heads = apply_rope(part.reshape(rows, -1, self.head_dim), cos, sin_signed)
+            part.copy_(norm(heads.reshape(-1, self.head_dim)).view(rows, size))
 
 
 def norm_of(spec: LayerSpec, backend: KernelBackend, dtype, device) -> RMSNorm | LayerNorm:
@@ -239,9 +257,9 @@ class DecoderLayer(nn.Module):
         """This layer for the backend's one-call decode step (once the weights are loaded), or
         None where a plan does not describe it: q/k norms over projections split across
         tensor-parallel ranks (their mean square is summed over the ranks), each head's q/k
-        LayerNorm by its own weights (the step has none)."""
+        LayerNorm by its own weights, q/k norms after RoPE (the step has neither)."""
         attn, mlp = self.self_attn, self.mlp
-        if attn.head_layer_norms:
+        if attn.head_layer_norms or attn.norms_after_rope:
             return None
         projection_norms = None
         if attn.projection_norms:

@@ -104,13 +104,15 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2",
                          "olmo2", "olmo3", "exaone4", "glm", "glm4", "ernie4_5", "helium",
                          "seed_oss", "gemma", "gemma2", "gemma3_text", "starcoder2", "phi",
                          "cohere", "cohere2", "opt", "gpt2", "stablelm", "nemotron", "arcee",
-                         "gpt_neox", "falcon", "olmo", "gpt_bigcode", *TEXT_TOWERS,
+                         "gpt_neox", "falcon", "olmo", "gpt_bigcode", "hunyuan_v1_dense",
+                         *TEXT_TOWERS,
                          *MOE_MODEL_TYPES)
 # the RoPE table of the layers without RoPE (SmolLM3's, EXAONE 4's and Cohere 2's global
 # ones): the identity
 NO_ROPE = "no_rope"
 _QK_NORMS = {"qwen3": "head", "gemma3_text": "head", "qwen3_moe": "head", "olmoe": "projection",
-             "olmo2": "projection", "olmo3": "projection", "exaone4": "head"}
+             "olmo2": "projection", "olmo3": "projection", "exaone4": "head",
+             "hunyuan_v1_dense": "head_after_rope"}
 _OUTPUT_NORMS_ONLY = ("olmo2", "olmo3", "exaone4")  # norms on the branches' outputs only
 _COHERE = ("cohere", "cohere2")
 _INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5", "helium", *_COHERE)  # RoPE on (2i, 2i + 1)
@@ -477,6 +479,13 @@ def rope_inv_freq(config, layer_type: str | None = None, device=None,
     rope_type = _rope_type(params)
     # (dynamic NTK: within the context it is served for, config.positions_served, the
     # frequencies transformers starts from, those of its unscaled base)
+    if rope_type == "dynamic" and params.get("alpha"):
+        # Hunyuan's NTK-alpha (its checkpoints say "dynamic"): a fixed base, stretched by
+        # alpha ** (D / (D - 2)), whatever the sequence's length
+        dim = head_dim_of(config)
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0)) * \
+            params["alpha"] ** (dim / (dim - 2))
+        return 1.0 / (theta ** (torch.arange(0, dim, 2, device=device).float() / dim)), 1.0
     if long:  # transformers' choice for a sequence one longer than the original context
         return ROPE_INIT_FUNCTIONS[rope_type](config, device, seq_len=long_rope_from(config) + 1)
     if rope_type == "default" and "default" not in ROPE_INIT_FUNCTIONS:

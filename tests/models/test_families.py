@@ -32,8 +32,10 @@ LAYER_NORM_FAMILIES = ["starcoder2", "phi", "cohere", "cohere2", "opt", "gpt2", 
                        "stablelm_parallel", "nemotron", "arcee", "gpt_neox",
                        "gpt_neox_sequential", "falcon", "falcon_new", "falcon_sequential",
                        "olmo", "gpt_bigcode", "gpt_bigcode_mha"]
-# each head's q and k through a LayerNorm before RoPE (the one-call decode step has none)
+# each head's q and k through a LayerNorm before RoPE, or an RMS norm after it (Hunyuan's):
+# the one-call decode step has neither
 HEAD_NORM_FAMILIES = ["stablelm_qk_norm", "cohere_qk_norm", "phi_qk_norm"]
+LAYER_BY_LAYER_FAMILIES = [*HEAD_NORM_FAMILIES, "hunyuan_dense"]
 PROMPT_LEN, NUM_DECODED = 40, 60
 ATOL = {torch.float32: 2e-4, torch.bfloat16: None}  # bf16: judged by the greedy tokens only
 
@@ -47,7 +49,7 @@ def hf_models(tiny_window_dirs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("family", FAMILIES + LAYER_NORM_FAMILIES + HEAD_NORM_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + LAYER_NORM_FAMILIES + LAYER_BY_LAYER_FAMILIES)
 def test_logits_at_every_position_past_the_window_match_transformers(
         family, dtype, tiny_window_dirs, hf_models):
     theirs = hf_models[family]
@@ -181,6 +183,23 @@ def test_a_layer_norm_of_each_heads_q_and_k_decodes_layer_by_layer(tiny_window_d
     assert isinstance(attention.q_norm, HeadLayerNorm) and ours.decode_step is None
     heads = attention.q_norm.weight.view(attention.num_heads, -1)
     assert not torch.equal(heads[0], heads[1]) or family == "phi_qk_norm"  # (Phi's: one norm)
+
+
+def test_hunyuans_norms_follow_rope_by_a_stretched_base(tiny_window_dirs):
+    """Hunyuan turns q and k, then norms each head (the one-call step, which norms first,
+    declines it), by the base its NTK alpha stretches (its config says "dynamic", yet the
+    base is fixed: every position is served alike, up to max_position_embeddings)."""
+    from actorlm.config import positions_served
+    from actorlm.models.families import rope_inv_freq
+    from actorlm.models.loader import load_hf_config
+
+    config = load_hf_config(tiny_window_dirs["hunyuan_dense"])
+    inv_freq, _ = rope_inv_freq(config)
+    assert inv_freq[1].item() == pytest.approx((10000.0 * 1000.0 ** (16 / 14)) ** (-2 / 16))
+    assert positions_served(config)[0] == config.max_position_embeddings
+    ours = load_model(tiny_window_dirs["hunyuan_dense"], torch.float32, "cpu",
+                      select_backend("cpu"))
+    assert ours.model.layers[0].self_attn.norms_after_rope and ours.decode_step is None
 
 
 @pytest.mark.parametrize("family, changes, said", [

@@ -64,14 +64,15 @@ def checkpoints(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_replicated_
             # biases beside RoPE on a quarter of each head; Nemotron's ReLU squared;
             # GPT-NeoX's and Falcon's q/k/v regrouped from their heads before the split,
             # Falcon-7B's and GPT-BigCode's one KV head on both ranks; OLMo's LayerNorms
-            # without weights; each head's own q/k LayerNorms, the rank's heads of them)
+            # without weights; each head's own q/k LayerNorms, the rank's heads of them;
+            # Hunyuan's q/k norms after RoPE)
             **{name: tiny_window_dirs[name]
                for name in ("gemma3", "gemma2", "mistral", "qwen2_window", "phi3", "smollm3",
                             "granite", "olmo2", "olmo3", "glm4", "phi3_partial", "ernie4_5",
                             "exaone4", "helium", "seed_oss", "starcoder2", "phi", "cohere",
                             "cohere2", "stablelm", "nemotron", "gpt_neox", "falcon",
                             "falcon_new", "olmo", "gpt_bigcode", "stablelm_qk_norm",
-                            "cohere_qk_norm", "phi_qk_norm")},
+                            "cohere_qk_norm", "phi_qk_norm", "hunyuan_dense")},
             # every expert's intermediate features split (from per-expert tensors and from
             # stacked ones), a shared expert's too (gated, and Granite's unscaled), a router on
             # every rank; OLMoE's q/k norms over all heads, its one KV head on both ranks
@@ -105,7 +106,8 @@ def split(checkpoints):
                                   "helium", "seed_oss", "starcoder2", "phi", "cohere",
                                   "cohere2", "stablelm", "nemotron", "gpt_neox", "falcon",
                                   "falcon_new", "olmo", "gpt_bigcode", "stablelm_qk_norm",
-                                  "cohere_qk_norm", "phi_qk_norm", "qwen3_moe",
+                                  "cohere_qk_norm", "phi_qk_norm", "hunyuan_dense",
+                                  "qwen3_moe",
                                   "qwen3_moe_stacked", "qwen2_moe", "mixtral", "olmoe",
                                   "granitemoeshared", "llama_fp8", "qwen2_fp8_block"])
 def test_two_ranks_compute_what_one_computes(name, checkpoints, split):
