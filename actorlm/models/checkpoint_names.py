@@ -16,7 +16,7 @@ import torch
 from actorlm.kernels import ActivationQuant, QuantizedWeight
 from actorlm.models import quantized
 from actorlm.models.families import (has_head_layer_norms, head_dim_of, num_kv_heads_of,
-                                     rope_head_order)
+                                     qkv_groups, rope_head_order)
 from actorlm.models.moe_families import checkpoint_name, intermediate_size_of, shared_expert_size
 from actorlm.models.rope_layout import ROTATED_Q_K, reordered
 
@@ -108,23 +108,12 @@ def _split_fused(config, tensors, q_size: int, kv_size: int):
             name, tensor = _gpt2_tensor(name, tensor)
             if name is None:
                 continue
-        if config.model_type == "gpt_neox":
-            if name.endswith(_GPT_NEOX_BUFFERS):
-                continue
-            if ".attention.query_key_value." in name:
-                tensor = _qkv_regrouped(tensor, config.num_attention_heads, 1)
-        if config.model_type == "gpt_bigcode":
-            if name.endswith(_GPT2_MASKS):
-                continue
-            if ".attn.c_attn." in name and not config.multi_query:  # (each head's q, k, v)
-                tensor = _qkv_regrouped(tensor, config.num_attention_heads, 1)
-        if config.model_type == "falcon" and ".query_key_value." in name and \
-                not (config.multi_query and not config.new_decoder_architecture):
-            # (the new architecture's groups: each group's queries, then its key and value;
-            # the old one's without multi-query: each head's q, k and v)
-            groups = config.num_kv_heads if config.new_decoder_architecture else \
-                config.num_attention_heads
-            tensor = _qkv_regrouped(tensor, groups, config.num_attention_heads // groups)
+        if config.model_type == "gpt_neox" and name.endswith(_GPT_NEOX_BUFFERS) or \
+                config.model_type == "gpt_bigcode" and name.endswith(_GPT2_MASKS):
+            continue
+        if (".query_key_value." in name or ".attn.c_attn." in name) and \
+                (groups := qkv_groups(config)):
+            tensor = qkv_regrouped(tensor, groups, config.num_attention_heads // groups)
         for fragment, ours in _RENAMES.get(config.model_type, {}).items():
             name = name.replace(fragment, ours)
         if config.model_type == "nemotron" and name.endswith("norm.weight"):
@@ -172,7 +161,7 @@ def _flat_head_norms(config, tensors):
         raise ValueError(f"the checkpoint has the norms of some heads only: {sorted(pending)}")
 
 
-def _qkv_regrouped(tensor, num_groups: int, queries_per_group: int) -> torch.Tensor:
+def qkv_regrouped(tensor, num_groups: int, queries_per_group: int) -> torch.Tensor:
     """Fused q/k/v rows in groups, each group's ``queries_per_group`` query heads, then its key
     and value head (GPT-NeoX's, GPT-BigCode's and Falcon's: one query a group, or Falcon's new
     architecture's several), as every query head, then every key head, then every value head

@@ -69,9 +69,9 @@ class LayerSpec:
     parallel: bool = False  # attention and MLP both from the stream, summed
     parallel_mlp_norm: bool = False  # in parallel, the MLP through a norm of its own (GPT-NeoX)
     gated_mlp: bool = True  # act(gate) * up; False: act(up) alone (fc_in)
-    # the checkpoint's fused q/k/v (and so a LoRA adapter's) holds each head's q, k and v
-    # together (GPT-NeoX's; GPT-BigCode's without multi-query); else all q, all k, all v
-    qkv_per_head: bool = False
+    # the checkpoint's fused q/k/v (and so a LoRA adapter's) in groups of a group's queries,
+    # its key and its value (``families.qkv_groups``); 0: all q, all k, all v
+    qkv_groups: int = 0
 
     def __post_init__(self):
         if self.qk_norm not in (None, "head", "head_layer", "projection", "head_after_rope"):

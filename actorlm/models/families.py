@@ -290,8 +290,7 @@ def layer_specs(config) -> list[LayerSpec]:
         norm_bias=model_type in _LAYER_NORM and model_type not in _NO_NORM_BIAS,
         norm_weight=model_type != "olmo",
         parallel=_parallel(config), parallel_mlp_norm=_own_mlp_norm(config),
-        qkv_per_head=model_type == "gpt_neox" or
-        model_type == "gpt_bigcode" and not config.multi_query,
+        qkv_groups=qkv_groups(config),
         gated_mlp=model_type not in _UNGATED_MLP,
         output_norms=model_type in (*_FOUR_NORMS, *_OUTPUT_NORMS_ONLY, "glm4"),
         input_norms=model_type not in _OUTPUT_NORMS_ONLY,
@@ -310,6 +309,21 @@ def layer_specs(config) -> list[LayerSpec]:
         rope_order=rope_head_order(config))
     return [LayerSpec(**base, window=window, moe=moe)
             for window, moe in zip(layer_windows(config), moe_specs(config), strict=True)]
+
+
+def qkv_groups(config) -> int:
+    """How a checkpoint's fused q/k/v (and so a LoRA adapter's) holds its rows: 0, all q, then
+    all k, then all v; n, in n groups of a group's query heads, its key and its value: a group a
+    head (GPT-NeoX's, GPT-BigCode's and Falcon's first decoder's without multi-query), a group a
+    KV head (Falcon's new decoder architecture's)."""
+    model_type = config.model_type
+    if model_type == "gpt_neox" or model_type == "gpt_bigcode" and not config.multi_query:
+        return config.num_attention_heads
+    if model_type == "falcon":
+        if config.new_decoder_architecture:
+            return config.num_kv_heads
+        return 0 if config.multi_query else config.num_attention_heads
+    return 0
 
 
 def has_head_layer_norms(config) -> bool:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from actorlm.models.checkpoint_names import qkv_regrouped
 from actorlm.models.decoder import LayerSpec
 from actorlm.models.rope_layout import reordered
 from actorlm.openmp import on_passing_thread
@@ -50,16 +51,17 @@ _INPUTS = {"qkv_proj": lambda s: s.hidden_size, "o_proj": lambda s: s.num_heads 
 # the families' own names of these projections: OPT's attention output and MLP (fc1, fc2,
 # directly under the layer), Phi-2's (dense, fc1, fc2), StarCoder2's and GPT-2's MLP (c_fc,
 # c_proj; GPT-2's attention output is c_proj too), GPT-NeoX's (dense, dense_h_to_4h,
-# dense_4h_to_h), and q/k/v fused: GPT-2's c_attn (one A for the three, B's rows q, k, v),
-# GPT-NeoX's query_key_value (B's rows each head's q, k and v together)
+# dense_4h_to_h; Falcon's the same under self_attention), and q/k/v fused: GPT-2's c_attn
+# (one A for the three, B's rows q, k, v), GPT-NeoX's and Falcon's query_key_value (B's rows
+# in groups of their queries, key and value, as the checkpoint's)
 _ALIASES = {"out_proj": "o_proj", "dense": "o_proj", "fc1": "fc_in", "c_fc": "fc_in",
             "fc2": "down_proj", "c_proj": "down_proj", "dense_h_to_4h": "fc_in",
             "dense_4h_to_h": "down_proj"}
 _ATTENTION_ALIASES = {**_ALIASES, "c_proj": "o_proj"}
 _FUSED_QKV = ("c_attn", "query_key_value")
 _LAYER_OF = {hf: layer for layer, parts in _PARTS.items() for hf, _ in parts}
-_KEY = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.(?:(self_attn|attn|attention|mlp)\.)?(\w+)"
-                  r"\.lora_([AB])\.weight$")
+_KEY = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\."
+                  r"(?:(self_attn|attn|attention|self_attention|mlp)\.)?(\w+)\.lora_([AB])\.weight$")
 
 
 class LoRAAdapterError(ValueError):
@@ -108,7 +110,8 @@ def load_lora_adapter(name: str, path: str | Path, specs: list[LayerSpec],
                                    f"decoder layer's projection (only "
                                    f"{', '.join(_LAYER_OF)} take adapters here)")
         layer, block, name, side = int(match[1]), match[2], match[3], match[4]
-        aliases = _ATTENTION_ALIASES if block in ("self_attn", "attn", "attention") \
+        aliases = _ATTENTION_ALIASES if block in ("self_attn", "attn", "attention",
+                                                  "self_attention") \
             else _ALIASES
         module = aliases.get(name, name)
         if module not in _LAYER_OF and module not in _FUSED_QKV:
@@ -145,18 +148,19 @@ def load_lora_adapter(name: str, path: str | Path, specs: list[LayerSpec],
 
 
 def _split_fused_qkv(sides: dict[str, torch.Tensor], spec: LayerSpec) -> dict:
-    """A fused q/k/v adapter (GPT-2's and GPT-BigCode's c_attn, GPT-NeoX's query_key_value;
-    B's rows as the base model's checkpoint holds them, ``spec.qkv_per_head``) as q's, k's and
+    """A fused q/k/v adapter (GPT-2's and GPT-BigCode's c_attn, GPT-NeoX's and Falcon's
+    query_key_value; B's rows as the base model's checkpoint holds them, ``spec.qkv_groups``)
+    as q's, k's and
     v's: each takes the one A and its rows of B (x A^T B^T's rows are those parts' outputs); B
     of another size is left whole, for the shape check to name."""
     if set(sides) != {"A", "B"}:
         return {"q_proj": sides}  # (the pair check names what is missing)
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     b = sides["B"]
-    if b.shape[0] != q + 2 * kv or spec.qkv_per_head and q != kv:
+    if b.shape[0] != q + 2 * kv:
         return {"q_proj": sides}
-    if spec.qkv_per_head:  # every head's q, then k, then v
-        b = b.reshape(spec.num_heads, 3, spec.head_dim, -1).transpose(0, 1).reshape(b.shape)
+    if spec.qkv_groups:  # every q head, then every k head, then every v head
+        b = qkv_regrouped(b, spec.qkv_groups, spec.num_heads // spec.qkv_groups)
     return {part: {"A": sides["A"], "B": rows}
             for part, rows in zip(("q_proj", "k_proj", "v_proj"), b.split((q, kv, kv)))}
 

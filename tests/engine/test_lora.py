@@ -111,6 +111,10 @@ UNGATED_TARGETS = {"opt": ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2
                    "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
                    # (q/k/v fused per head in c_attn without multi-query)
                    "gpt_bigcode_mha": ["c_attn", "c_proj", "c_fc"],
+                   # (Falcon-7B's one KV head after the queries; 40B's groups of queries, key
+                   # and value; the first decoder's without multi-query: each head's together)
+                   **{falcon: ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
+                      for falcon in ("falcon", "falcon_new", "falcon_sequential")},
                    # (an ungated MLP under a gated one's names)
                    "nemotron": ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"]}
 
@@ -126,7 +130,8 @@ def test_a_mixed_batch_of_another_family_gives_each_request_its_adapters_output(
     their ungated MLPs and of their projections under their own names (PEFT's classic OPT
     adapter: q/k/v, out_proj, fc1, fc2; GPT-2's on its Conv1D layers, q/k/v fused in c_attn;
     GPT-NeoX's query_key_value and GPT-BigCode's c_attn without multi-query, each head's q, k
-    and v together; Nemotron's up_proj alone)."""
+    and v together; Falcon's query_key_value in its three layouts; Nemotron's up_proj
+    alone)."""
     from lora_adapters import make_adapter
 
     model_dir = tiny_qwen2_dir if family == "qwen2" else tiny_window_dirs[family]
