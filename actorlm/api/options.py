@@ -209,11 +209,13 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                         help="serve tool_choice 'auto' (the default when a request has tools): "
                              "calls are read out of the model's text with --tool-call-parser")
     parser.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
-                        help="the format the model writes tool calls in: hermes (Qwen2.5, "
-                             "Qwen3, Hermes), llama3_json (Llama 3.1/3.2), mistral (Mistral, "
-                             "Ministral, Mistral Small), pythonic (Llama 3.2, Llama 4), "
-                             "granite (Granite 3.x), phi4_mini_json (Phi-4-mini), "
-                             "qwen3_coder (Qwen3-Coder) or seed_oss (Seed-OSS)")
+                        help="the format the model writes tool calls in, by its vLLM name: "
+                             "hermes (Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.1/3.2), "
+                             "mistral (Mistral, Ministral, Mistral Small), pythonic (Llama 3.2), "
+                             "llama4_pythonic, granite (Granite 3.x), phi4_mini_json, "
+                             "qwen3_coder (Qwen3-Coder), seed_oss, deepseek_v3, deepseek_v31, "
+                             "kimi_k2, glm45, internlm, hunyuan_a13b, jamba, minimax, ernie45, "
+                             "longcat (each model's own)")
     parser.add_argument("--response-role", default=defaults.response_role, metavar="ROLE",
                         help="the role chat answers carry when the request adds the generation "
                              "prompt (default: assistant)")

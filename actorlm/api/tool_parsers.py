@@ -24,6 +24,24 @@
   ``integer`` parameter's ``3`` is the number 3, a ``string`` one's stays text), as vLLM does.
 - ``seed_oss`` (Seed-OSS): Qwen3-Coder's calls between ``<seed:tool_call>`` tags (added tokens,
   kept in the text).
+- ``llama4_json`` and ``qwen3_xml``: vLLM's other names for ``llama3_json`` and ``qwen3_coder``.
+- ``llama4_pythonic`` (Llama 4): ``pythonic``'s list, optionally between ``<|python_start|>`` and
+  ``<|python_end|>`` (special tokens, kept in the text; not content).
+- ``hunyuan_a13b`` (Hunyuan-A13B) and ``jamba`` (Jamba): a JSON list of ``{"name",
+  "arguments"}`` between ``<tool_calls>`` and ``</tool_calls>`` (Jamba's are special tokens).
+- ``minimax`` (MiniMax-M1): one ``{"name", "arguments"}`` a line between the same tags.
+- ``internlm`` (InternLM 2.5): ``<|action_start|><|plugin|>{"name": ..., "parameters": {...}}
+  <|action_end|>`` per call (special tokens).
+- ``deepseek_v3`` (DeepSeek-V3, R1): ``<｜tool▁calls▁begin｜>`` and per call ``<｜tool▁call▁begin｜>
+  function<｜tool▁sep｜>name`` and the arguments in a json code fence, ``<｜tool▁call▁end｜>``;
+  ``deepseek_v31`` (DeepSeek-V3.1): ``<｜tool▁call▁begin｜>name<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``
+  (special tokens).
+- ``kimi_k2`` (Kimi K2): ``<|tool_calls_section_begin|>`` and per call ``<|tool_call_begin|>
+  functions.name:0<|tool_call_argument_begin|>{...}<|tool_call_end|>`` (special tokens).
+- ``glm45`` (GLM-4.5/4.6): ``<tool_call>name`` then ``<arg_key>k</arg_key><arg_value>v
+  </arg_value>`` pairs, ``</tool_call>``, each value typed by its schema as Qwen3-Coder's are.
+- ``ernie45`` (ERNIE 4.5) is Hermes' format; ``longcat`` (LongCat-Flash) is Hermes' format in
+  ``<longcat_tool_call>`` tags.
 
 A parser finds where a call begins (``find_start``, which also reports a marker cut off at the
 end of streamed text, so that it is not sent as content) and reads the calls (``parse``). Text
@@ -67,11 +85,42 @@ class _MarkedToolParser(ToolParser):
     STARTS: tuple[str, ...] = ()
 
     def find_start(self, text: str) -> tuple[int, bool] | None:
-        found = [at for at in map(text.find, self.STARTS) if at >= 0]
-        if found:
-            return min(found), True
-        cuts = [cut for cut in (_cut_marker(text, s) for s in self.STARTS) if cut is not None]
-        return (min(cuts), False) if cuts else None
+        return _find_marker(text, self.STARTS)
+
+
+class _PatternToolParser(_MarkedToolParser):
+    """Calls one after another from the first marker on, each a match of ``_CALL``, with only
+    ``_BETWEEN`` (blanks, a section's tags) around them, to the end of the answer."""
+
+    _CALL: re.Pattern
+    _BETWEEN = re.compile(r"\s*")
+
+    def parse(self, text: str) -> tuple[str, list[Call]]:
+        found = self.find_start(text)
+        if found is None or not found[1]:
+            return text, []
+        start = at = found[0]
+        calls = []
+        while (match := self._CALL.match(text, self._BETWEEN.match(text, at).end())):
+            call = self._read(match)
+            if call is None:
+                return text, []
+            calls.append(call)
+            at = match.end()
+        if not calls or self._BETWEEN.match(text, at).end() != len(text):
+            return text, []
+        return text[:start], calls
+
+    def _read(self, match: re.Match) -> Call | None:
+        """The call ``match`` writes (its ``name`` and ``arguments`` groups); None: not one."""
+        return _named_call(match["name"], match["arguments"])
+
+    def _typed_call(self, name: str, pairs) -> Call | None:
+        """A call whose arguments are (key, bare text) pairs, typed by the tool's schema."""
+        name = name.strip()
+        schemas = self.parameters.get(name, {})
+        arguments = {key.strip(): _typed(value, schemas.get(key.strip())) for key, value in pairs}
+        return (name, json.dumps(arguments, ensure_ascii=False)) if name else None
 
 
 class HermesToolParser(_MarkedToolParser):
@@ -91,6 +140,17 @@ class HermesToolParser(_MarkedToolParser):
                 return text, []
             calls.append(call)
         return text[:start], calls
+
+
+class Ernie45ToolParser(HermesToolParser):
+    name = "ernie45"
+
+
+class LongcatToolParser(HermesToolParser):
+    name = "longcat"
+    START, END = "<longcat_tool_call>", "</longcat_tool_call>"
+    STARTS = (START,)
+    _BLOCK = re.compile(r"<longcat_tool_call>(.*?)(?:</longcat_tool_call>|\Z)", re.DOTALL)
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -134,6 +194,10 @@ class Llama3JsonToolParser(ToolParser):
         return (text[:start], calls) if calls else (text, [])
 
 
+class Llama4JsonToolParser(Llama3JsonToolParser):
+    name = "llama4_json"
+
+
 class MistralToolParser(_MarkedToolParser):
     name = "mistral"
     keeps_special_tokens = True
@@ -164,7 +228,10 @@ class MistralToolParser(_MarkedToolParser):
 
 
 class _JsonListToolParser(_MarkedToolParser):
-    """A JSON list of ``{"name", "arguments"}`` (or one such object) after its marker."""
+    """A JSON list of ``{"name", "arguments"}`` (or one such object) after its marker, and
+    ``END`` after it if the format closes the list (a model may stop before it)."""
+
+    END = ""
 
     def parse(self, text: str) -> tuple[str, list[Call]]:
         found = self.find_start(text)
@@ -172,7 +239,7 @@ class _JsonListToolParser(_MarkedToolParser):
             return text, []
         start = found[0]
         marker = next(s for s in self.STARTS if text.startswith(s, start))
-        items = _json_object(text[start + len(marker):].strip())
+        items = _json_object(text[start + len(marker):].strip().removesuffix(self.END))
         calls = _json_calls([items] if isinstance(items, dict) else items)
         return (text[:start], calls) if calls else (text, [])
 
@@ -188,33 +255,32 @@ class Phi4MiniJsonToolParser(_JsonListToolParser):
     STARTS = ("functools",)
 
 
-class Qwen3CoderToolParser(_MarkedToolParser):
+class HunyuanA13BToolParser(_JsonListToolParser):
+    name = "hunyuan_a13b"
+    STARTS, END = ("<tool_calls>",), "</tool_calls>"
+
+
+class JambaToolParser(HunyuanA13BToolParser):
+    name = "jamba"
+    keeps_special_tokens = True  # Jamba's <tool_calls> tags are special tokens
+
+
+class Qwen3CoderToolParser(_PatternToolParser):
     name = "qwen3_coder"
     STARTS = ("<tool_call>", "<function=")
     # (a function's closing tag is required: without it the answer was cut off mid-call)
-    _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
+    _CALL = re.compile(r"<function=(?P<name>[^>\n]+)>(?P<arguments>.*?)</function>", re.DOTALL)
     # a parameter ends at its closing tag, or where the next one or the function's end begins
     _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)",
                             re.DOTALL)
-    # what may stand between the calls
     _BETWEEN = re.compile(r"(?:\s|</?tool_call>)*")
 
-    def parse(self, text: str) -> tuple[str, list[Call]]:
-        found = self.find_start(text)
-        if found is None or not found[1]:
-            return text, []
-        start = at = found[0]
-        calls = []
-        while (function := self._FUNCTION.match(text, self._BETWEEN.match(text, at).end())):
-            name = function[1].strip()
-            schemas = self.parameters.get(name, {})
-            pairs = ((key.strip(), value) for key, value in self._PARAMETER.findall(function[2]))
-            arguments = {key: _typed(value, schemas.get(key)) for key, value in pairs}
-            calls.append((name, json.dumps(arguments, ensure_ascii=False)))
-            at = function.end()
-        if not calls or self._BETWEEN.match(text, at).end() != len(text):
-            return text, []
-        return text[:start], calls
+    def _read(self, match: re.Match) -> Call | None:
+        return self._typed_call(match["name"], self._PARAMETER.findall(match["arguments"]))
+
+
+class Qwen3XmlToolParser(Qwen3CoderToolParser):
+    name = "qwen3_xml"
 
 
 class SeedOssToolParser(Qwen3CoderToolParser):
@@ -244,20 +310,116 @@ class PythonicToolParser(ToolParser):
         if found is None or not found[1]:
             return text, []
         try:
-            calls = _python_calls(ast.parse(text[found[0]:].strip(), mode="eval").body)
+            calls = _python_calls(ast.parse(self._list(text[found[0]:]), mode="eval").body)
         except (SyntaxError, ValueError, TypeError):  # not Python, not literals, not JSON
             return text, []
         return (text[:found[0]], calls) if calls else (text, [])
 
+    def _list(self, calls: str) -> str:
+        """The Python list in the text from where the calls begin."""
+        return calls.strip()
 
-PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser,
-                                                            Llama3JsonToolParser,
-                                                            MistralToolParser,
-                                                            PythonicToolParser,
-                                                            GraniteToolParser,
-                                                            Phi4MiniJsonToolParser,
-                                                            Qwen3CoderToolParser,
-                                                            SeedOssToolParser)}
+
+class Llama4PythonicToolParser(PythonicToolParser):
+    name = "llama4_pythonic"
+    keeps_special_tokens = True  # <|python_start|> and <|python_end|> are Llama 4's special tokens
+    START, END = "<|python_start|>", "<|python_end|>"
+
+    def find_start(self, text: str) -> tuple[int, bool] | None:
+        return _first(super().find_start(text), _find_marker(text, (self.START,)))
+
+    def _list(self, calls: str) -> str:
+        return calls.removeprefix(self.START).strip().removesuffix(self.END)
+
+
+class InternLMToolParser(_PatternToolParser):
+    name = "internlm"
+    keeps_special_tokens = True  # InternLM's action tags are special tokens
+    STARTS = ("<|action_start|><|plugin|>",)
+    _CALL = re.compile(r"<\|action_start\|><\|plugin\|>(?P<call>.*?)(?:<\|action_end\|>|\Z)",
+                       re.DOTALL)
+
+    def _read(self, match: re.Match) -> Call | None:
+        return _call(_json_object(match["call"].strip()), "parameters", "arguments")
+
+
+class MinimaxToolParser(_PatternToolParser):
+    name = "minimax"
+    STARTS = ("<tool_calls>",)
+    _CALL = re.compile(r"(?P<call>\{[^\n]*\})")  # a call a line
+    _BETWEEN = re.compile(r"(?:\s|</?tool_calls>)*")
+
+    def _read(self, match: re.Match) -> Call | None:
+        return _call(_json_object(match["call"]), "arguments")
+
+
+class DeepSeekV3ToolParser(_PatternToolParser):
+    name = "deepseek_v3"
+    keeps_special_tokens = True  # DeepSeek's tool markers are special tokens
+    STARTS = ("<｜tool▁calls▁begin｜>",)
+    _CALL = re.compile(r"<｜tool▁call▁begin｜>function<｜tool▁sep｜>(?P<name>[^\n]*)\n"
+                       r"```(?:json)?\n(?P<arguments>.*?)\n```\s*<｜tool▁call▁end｜>", re.DOTALL)
+    _BETWEEN = re.compile(r"(?:\s|<｜tool▁calls▁begin｜>|<｜tool▁calls▁end｜>)*")
+
+
+class DeepSeekV31ToolParser(DeepSeekV3ToolParser):
+    name = "deepseek_v31"
+    _CALL = re.compile(r"<｜tool▁call▁begin｜>(?P<name>[^\n]*?)<｜tool▁sep｜>(?P<arguments>.*?)"
+                       r"<｜tool▁call▁end｜>", re.DOTALL)
+
+
+class KimiK2ToolParser(_PatternToolParser):
+    name = "kimi_k2"
+    keeps_special_tokens = True  # Kimi's tool markers are special tokens
+    # (Kimi K2 sometimes writes "tool_call_section" for "tool_calls_section", as vLLM notes)
+    STARTS = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
+    _CALL = re.compile(r"<\|tool_call_begin\|>(?P<id>[^<]*)<\|tool_call_argument_begin\|>"
+                       r"(?P<arguments>.*?)<\|tool_call_end\|>", re.DOTALL)
+    _BETWEEN = re.compile(r"(?:\s|<\|tool_calls?_section_(?:begin|end)\|>)*")
+    _ID = re.compile(r"(?:functions\.)?(?P<name>.+):\d+")  # functions.get_weather:0
+
+    def _read(self, match: re.Match) -> Call | None:
+        call_id = self._ID.fullmatch(match["id"].strip())
+        return _named_call(call_id["name"], match["arguments"]) if call_id else None
+
+
+class Glm45ToolParser(_PatternToolParser):
+    name = "glm45"
+    STARTS = ("<tool_call>",)
+    # the name ends at a newline (GLM-4.5) or at the first argument (GLM-4.7 writes no newline)
+    _CALL = re.compile(r"<tool_call>(?P<name>[^\n<]*)(?P<arguments>.*?)</tool_call>", re.DOTALL)
+    _ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+    def _read(self, match: re.Match) -> Call | None:
+        if self._ARGUMENT.sub("", match["arguments"]).strip():
+            return None  # something other than argument pairs
+        return self._typed_call(match["name"], self._ARGUMENT.findall(match["arguments"]))
+
+
+PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
+    HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser,
+    GraniteToolParser, Phi4MiniJsonToolParser, Qwen3CoderToolParser, SeedOssToolParser,
+    Llama4JsonToolParser, Qwen3XmlToolParser, Llama4PythonicToolParser, HunyuanA13BToolParser,
+    JambaToolParser, InternLMToolParser, DeepSeekV3ToolParser, DeepSeekV31ToolParser,
+    KimiK2ToolParser, Glm45ToolParser, MinimaxToolParser, LongcatToolParser, Ernie45ToolParser)}
+
+
+def _find_marker(text: str, markers: tuple[str, ...]) -> tuple[int, bool] | None:
+    """Where the first of ``markers`` begins, or else where one's cut-off prefix ends ``text``."""
+    found = [at for at in map(text.find, markers) if at >= 0]
+    if found:
+        return min(found), True
+    cuts = [cut for cut in (_cut_marker(text, m) for m in markers) if cut is not None]
+    return (min(cuts), False) if cuts else None
+
+
+def _first(*found: tuple[int, bool] | None) -> tuple[int, bool] | None:
+    """The first complete start among ``found``, or else the first cut-off one."""
+    starts = [f for f in found if f is not None]
+    complete = [at for at, is_complete in starts if is_complete]
+    if complete:
+        return min(complete), True
+    return (min(at for at, _ in starts), False) if starts else None
 
 
 def _cut_marker(text: str, marker: str) -> int | None:
@@ -283,6 +445,13 @@ def _call(obj, *argument_keys: str) -> Call | None:
     if not isinstance(arguments, dict):
         return None
     return obj["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+def _named_call(name: str, arguments: str) -> Call | None:
+    """(name, arguments JSON) of a name and a JSON object written apart; None if not those."""
+    name = name.strip()
+    return _call({"name": name, "arguments": _json_object(arguments)}, "arguments") if name \
+        else None
 
 
 def _json_calls(items) -> list[Call]:

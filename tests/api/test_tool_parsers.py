@@ -1,5 +1,6 @@
 """Tool calls read out of text: the Hermes, Llama 3 JSON, Mistral, pythonic, Granite,
-Phi-4-mini, Qwen3-Coder and Seed-OSS parsers, and the
+Phi-4-mini, Qwen3-Coder and Seed-OSS parsers, vLLM's other formats (Llama 4, Hunyuan, Jamba,
+MiniMax, InternLM, DeepSeek V3/V3.1, Kimi K2, GLM-4.5, ERNIE 4.5, LongCat), and the
 streams that turn a choice's text into content and call deltas (pieces fed one by one add up to
 the whole)."""
 
@@ -13,10 +14,14 @@ from actorlm import SamplingParams
 from actorlm.api.options import ServerOptions
 from actorlm.api.protocol_tools import FunctionDefinition, Tool
 from actorlm.api.tool_choice import ToolUse, tool_use
-from actorlm.api.tool_parsers import (GraniteToolParser, HermesToolParser, Llama3JsonToolParser,
-                                      MistralToolParser, Phi4MiniJsonToolParser,
-                                      PythonicToolParser, Qwen3CoderToolParser,
-                                      SeedOssToolParser)
+from actorlm.api.tool_parsers import (PARSERS, DeepSeekV3ToolParser, DeepSeekV31ToolParser,
+                                      Ernie45ToolParser, Glm45ToolParser, GraniteToolParser,
+                                      HermesToolParser, HunyuanA13BToolParser, InternLMToolParser,
+                                      JambaToolParser, KimiK2ToolParser, Llama3JsonToolParser,
+                                      Llama4JsonToolParser, Llama4PythonicToolParser,
+                                      LongcatToolParser, MinimaxToolParser, MistralToolParser,
+                                      Phi4MiniJsonToolParser, PythonicToolParser,
+                                      Qwen3CoderToolParser, Qwen3XmlToolParser, SeedOssToolParser)
 from actorlm.api.tool_stream import (NamedCallStream, ParsedCallStream, RequiredCallStream,
                                      collect)
 
@@ -37,6 +42,45 @@ TWO_CALLS = [("get_weather", {"city": "Paris"}), ("get_time", {})]
 QWEN3_CODER_TWO = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
                    "</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n"
                    "</tool_call>")
+
+# vLLM's other formats, each writing get_weather(city="Paris") and then get_time()
+LLAMA4_PYTHONIC_TWO = '<|python_start|>[get_weather(city="Paris"), get_time()]<|python_end|>'
+TAGGED_JSON_TWO = f"<tool_calls>{TWO_CALLS_JSON}</tool_calls>"
+MINIMAX_TWO = ('<tool_calls>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+               '{"name": "get_time", "arguments": {}}\n</tool_calls>')
+INTERNLM_TWO = ('<|action_start|><|plugin|>\n{"name": "get_weather", "parameters": {"city": '
+                '"Paris"}}<|action_end|>\n<|action_start|><|plugin|>\n{"name": "get_time", '
+                '"parameters": {}}<|action_end|>')
+DEEPSEEK_V3_TWO = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n'
+                   '```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function'
+                   '<｜tool▁sep｜>get_time\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+DEEPSEEK_V31_TWO = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": '
+                    '"Paris"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}'
+                    '<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+KIMI_K2_TWO = ('<|tool_calls_section_begin|>\n<|tool_call_begin|>functions.get_weather:0'
+               '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>\n'
+               '<|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{}'
+               '<|tool_call_end|>\n<|tool_calls_section_end|>')
+GLM45_TWO = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+             "</tool_call>\n<tool_call>get_time\n</tool_call>")
+ERNIE45_TWO = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+               '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+LONGCAT_TWO = ERNIE45_TWO.replace("tool_call>", "longcat_tool_call>")
+MORE_FORMATS = [  # (parser, two calls, whether its markers are special tokens)
+    (Llama4JsonToolParser(), LLAMA_TWO.replace('{"tz": "utc"}', "{}"), False),
+    (Qwen3XmlToolParser(), QWEN3_CODER_TWO, False),
+    (Llama4PythonicToolParser(), LLAMA4_PYTHONIC_TWO, True),
+    (HunyuanA13BToolParser(), TAGGED_JSON_TWO, False),
+    (JambaToolParser(), TAGGED_JSON_TWO, True),
+    (MinimaxToolParser(), MINIMAX_TWO, False),
+    (InternLMToolParser(), INTERNLM_TWO, True),
+    (DeepSeekV3ToolParser(), DEEPSEEK_V3_TWO, True),
+    (DeepSeekV31ToolParser(), DEEPSEEK_V31_TWO, True),
+    (KimiK2ToolParser(), KIMI_K2_TWO, True),
+    (Glm45ToolParser(), GLM45_TWO, False),
+    (Ernie45ToolParser(), ERNIE45_TWO, False),
+    (LongcatToolParser(), LONGCAT_TWO, False)]
+MORE_IDS = [parser.name for parser, _, _ in MORE_FORMATS]
 
 
 def _calls(parsed):
@@ -184,6 +228,78 @@ def test_qwen3_coder_leaves_a_cut_off_call_and_other_text_alone():
         assert parser.parse(text) == (text, [])
 
 
+@pytest.mark.parametrize("parser, text, keeps", MORE_FORMATS, ids=MORE_IDS)
+def test_more_formats_read_two_calls_and_the_text_before_them(parser, text, keeps):
+    assert _calls(parser.parse("Let me check.\n" + text)) == ("Let me check.\n", TWO_CALLS)
+    assert _calls(parser.parse(text)) == ("", TWO_CALLS)
+    assert PARSERS[parser.name] is type(parser)  # --tool-call-parser knows it by vLLM's name
+    assert parser.keeps_special_tokens is keeps
+
+
+@pytest.mark.parametrize("parser, text, keeps", MORE_FORMATS, ids=MORE_IDS)
+def test_more_formats_leave_cut_off_calls_and_plain_text_alone(parser, text, keeps):
+    for other in (text[:-1], text[:len(text) // 2], "Sure. " + text[:len(text) // 3],
+                  "no call here", ""):
+        assert parser.parse(other) == (other, [])
+    assert parser.find_start("Sure. " + text[:3]) == (6, False)  # a marker may be arriving
+
+
+@pytest.mark.parametrize("parser, text", [
+    (Llama4PythonicToolParser(), "<|python_start|>[get_weather('Paris')]<|python_end|>"),
+    (HunyuanA13BToolParser(), '<tool_calls>[{"arguments": {}}]</tool_calls>'),
+    (JambaToolParser(), '<tool_calls>[{"name": "f", "arguments": [1]}]</tool_calls>'),
+    (JambaToolParser(), TAGGED_JSON_TWO + " and more"),
+    (MinimaxToolParser(), '<tool_calls>\n{"name": "f", "arguments": "x"}\n</tool_calls>'),
+    (MinimaxToolParser(), MINIMAX_TWO.replace("}\n{", "} {")),  # two on a line
+    (InternLMToolParser(), '<|action_start|><|plugin|>{"parameters": {}}<|action_end|>'),
+    (DeepSeekV3ToolParser(), DEEPSEEK_V3_TWO.replace('{"city": "Paris"}', '"Paris"')),
+    (DeepSeekV3ToolParser(), DEEPSEEK_V31_TWO),  # V3.1's calls are not V3's
+    (DeepSeekV31ToolParser(), DEEPSEEK_V31_TWO.replace("get_weather", "")),
+    (KimiK2ToolParser(), KIMI_K2_TWO.replace(":0", "")),  # not a call id
+    (KimiK2ToolParser(), KIMI_K2_TWO.replace("{}", "[]")),
+    (Glm45ToolParser(), GLM45_TWO.replace("get_weather", "")),
+    (Glm45ToolParser(), GLM45_TWO.replace("<arg_value>Paris</arg_value>", "Paris")),
+    (Ernie45ToolParser(), ERNIE45_TWO.replace('"get_time"', "1")),
+    (LongcatToolParser(), ERNIE45_TWO)])  # Hermes' tags are not LongCat's
+def test_more_formats_leave_malformed_calls_alone(parser, text):
+    """A call without a name, arguments that are not an object, text where the format has none:
+    no call, all of it content."""
+    assert parser.parse(text) == (text, [])
+
+
+def test_more_formats_read_their_variants():
+    weather = [TWO_CALLS[0]]
+    # Llama 4's list without its tags, or without the closing one
+    assert _calls(Llama4PythonicToolParser().parse('Sure. [get_weather(city="Paris")]')) == (
+        "Sure. ", weather)
+    assert _calls(Llama4PythonicToolParser().parse(LLAMA4_PYTHONIC_TWO[:-14])) == ("", TWO_CALLS)
+    # the model stopped before the closing tag or section end
+    assert _calls(JambaToolParser().parse(TAGGED_JSON_TWO[:-13])) == ("", TWO_CALLS)
+    assert _calls(DeepSeekV3ToolParser().parse(DEEPSEEK_V3_TWO[:-18])) == ("", TWO_CALLS)
+    # InternLM also writes "arguments"; Kimi K2 a section tag in the singular, a bare name, dots
+    assert _calls(InternLMToolParser().parse(
+        '<|action_start|><|plugin|>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+        "<|action_end|>")) == ("", weather)
+    kimi = KIMI_K2_TWO.replace("calls_section", "call_section").replace(
+        "functions.get_weather", "get_weather").replace("functions.get_time", "functions.a.b")
+    assert _calls(KimiK2ToolParser().parse(kimi)) == ("", [weather[0], ("a.b", {})])
+
+
+def test_glm45_types_each_argument_by_the_requests_tools():
+    properties = {"city": {"type": "string"}, "days": {"type": "integer"},
+                  "hours": {"type": "array"}, "metric": {"type": "boolean"}}
+    parser = Glm45ToolParser((Tool(function=FunctionDefinition(name="get_weather", parameters={
+        "type": "object", "properties": properties})),))
+    # (GLM-4.7 writes no newline after the name)
+    text = ("Sure.<tool_call>get_weather<arg_key>city</arg_key><arg_value>007</arg_value>"
+            "<arg_key>days</arg_key>\n<arg_value>3</arg_value><arg_key>hours</arg_key>"
+            "<arg_value>[6, 18]</arg_value><arg_key>metric</arg_key><arg_value>false</arg_value>"
+            "<arg_key>other</arg_key><arg_value>12</arg_value></tool_call>")
+    assert _calls(parser.parse(text)) == ("Sure.", [("get_weather", {
+        "city": "007", "days": 3, "hours": [6, 18], "metric": False,
+        "other": "12"})])  # (no schema: text, as Qwen3-Coder's)
+
+
 @pytest.mark.parametrize("parser,text", [(HermesToolParser(), HERMES_TWO),
                                          (Llama3JsonToolParser(), "Sure. " + LLAMA_TWO),
                                          (PythonicToolParser(), "Sure. " + PYTHONIC_TWO),
@@ -195,7 +311,8 @@ def test_qwen3_coder_leaves_a_cut_off_call_and_other_text_alone():
                                           "Sure. functools" + TWO_CALLS_JSON),
                                          (Qwen3CoderToolParser(), "Sure. " + QWEN3_CODER_TWO),
                                          (SeedOssToolParser(), "Sure. " + QWEN3_CODER_TWO.replace(
-                                             "tool_call>", "seed:tool_call>"))])
+                                             "tool_call>", "seed:tool_call>"))] +
+                         [(parser, "Sure. " + text) for parser, text, _ in MORE_FORMATS])
 def test_parsed_stream_holds_back_only_the_call(parser, text):
     whole = collect(ParsedCallStream(parser), text)
     stream = ParsedCallStream(parser)
@@ -257,6 +374,6 @@ def test_named_stream_is_the_arguments():
 def test_auto_tool_choice_flags_are_checked():
     with pytest.raises(ValueError, match="--tool-call-parser"):
         ServerOptions(enable_auto_tool_choice=True)
-    with pytest.raises(ValueError, match="unknown parser 'jamba'"):
-        ServerOptions(enable_auto_tool_choice=True, tool_call_parser="jamba")
+    with pytest.raises(ValueError, match="unknown parser 'no_such_format'"):
+        ServerOptions(enable_auto_tool_choice=True, tool_call_parser="no_such_format")
     assert ServerOptions(enable_auto_tool_choice=True, tool_call_parser="hermes")
