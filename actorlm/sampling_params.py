@@ -33,7 +33,8 @@ class StructuredOutputsParams(msgspec.Struct, frozen=True, kw_only=True, omit_de
 
     ``json``: a JSON Schema (an object, or its JSON text); ``json_object``: any JSON object;
     ``regex``: a regular expression; ``choice``: one of these strings; ``grammar``: an EBNF
-    (GBNF) grammar whose start rule is ``root``.
+    (GBNF) grammar whose start rule is ``root``; ``structural_tag``: xgrammar's structural tag
+    (an object, or its JSON text; ``core.structured_output.structural_tag_grammar``).
     """
 
     json: str | dict | None = None
@@ -41,6 +42,7 @@ class StructuredOutputsParams(msgspec.Struct, frozen=True, kw_only=True, omit_de
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: str | dict | None = None
 
     def __post_init__(self) -> None:
         # a Struct built in Python is not type-checked (decoding is): check the shapes here
@@ -55,12 +57,25 @@ class StructuredOutputsParams(msgspec.Struct, frozen=True, kw_only=True, omit_de
         _check(self.choice is None or (isinstance(self.choice, list)
                                        and all(isinstance(c, str) for c in self.choice)),
                "structured_outputs.choice", f"must be a list of strings, got {_show(self.choice)}")
-        if isinstance(self.json, dict):
-            force_setattr(self, "json", _json_text(self.json))
-        kinds = [name for name in ("json", "regex", "choice", "grammar")
+        _check(self.structural_tag is None or isinstance(self.structural_tag, (str, dict)),
+               "structured_outputs.structural_tag",
+               f"must be an object or its JSON text, got {_show(self.structural_tag)}")
+        for name in ("json", "structural_tag"):
+            if isinstance(getattr(self, name), dict):
+                force_setattr(self, name, _json_text(getattr(self, name)))
+        kinds = [name for name in ("json", "regex", "choice", "grammar", "structural_tag")
                  if getattr(self, name) is not None] + (["json_object"] if self.json_object else [])
         _check(len(kinds) == 1, "structured_outputs",
-               f"set exactly one of json, json_object, regex, choice, grammar; got {kinds or 'none'}")
+               f"set exactly one of json, json_object, regex, choice, grammar, structural_tag; "
+               f"got {kinds or 'none'}")
+        if self.structural_tag is not None:
+            try:
+                tag = msgspec.json.decode(self.structural_tag)
+            except msgspec.DecodeError as exc:
+                raise ValueError(f"structured_outputs.structural_tag: not valid JSON: {exc}") \
+                    from None
+            _check(isinstance(tag, dict), "structured_outputs.structural_tag",
+                   "must be a JSON object")
         if self.json is not None:
             try:
                 schema = msgspec.json.decode(self.json)
@@ -70,7 +85,7 @@ class StructuredOutputsParams(msgspec.Struct, frozen=True, kw_only=True, omit_de
                    "must be a JSON Schema (an object)")
         _check(self.choice is None or (len(self.choice) > 0 and all(self.choice)),
                "structured_outputs.choice", "must be a non-empty list of non-empty strings")
-        for name in ("regex", "grammar"):
+        for name in ("regex", "grammar", "structural_tag"):
             _check(getattr(self, name) != "", f"structured_outputs.{name}", "must not be empty")
 
 

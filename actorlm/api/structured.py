@@ -1,7 +1,7 @@
 """The request fields that constrain the output, gathered into one ``StructuredOutputsParams``.
 
 Three spellings reach the same engine feature: OpenAI's ``response_format`` (``json_object``,
-``json_schema``), vLLM's ``structured_outputs`` extra body, and vLLM's older ``guided_json``,
+``json_schema``, and vLLM's ``structural_tag``), vLLM's ``structured_outputs`` extra body, and vLLM's older ``guided_json``,
 ``guided_regex``, ``guided_choice``, ``guided_grammar``. A request may use one of them, once:
 two constraints cannot both hold, so a second one is a 400 rather than a silent choice.
 
@@ -35,8 +35,20 @@ class JsonSchemaFormat(Struct, kw_only=True, rename={"schema_": "schema"}):
 
 
 class ResponseFormat(Struct, kw_only=True):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # vLLM's structural_tag: xgrammar's ``format``, or its first ``structures`` and ``triggers``
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+
+    def structural_tag(self) -> dict:
+        if self.format is None and self.structures is None:
+            raise ApiError(400, "response_format: a structural_tag needs its format (or "
+                                "structures and triggers)", "response_format")
+        if self.format is not None:
+            return {"type": "structural_tag", "format": self.format}
+        return {"structures": self.structures, "triggers": self.triggers or []}
 
 
 class StructuredOutputsField(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -47,6 +59,7 @@ class StructuredOutputsField(Struct, kw_only=True, forbid_unknown_fields=True):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
     # vLLM's knobs that change nothing here: JSON is always compact, extra properties are
     # never generated unless the schema allows them, and xgrammar is the only backend
     disable_any_whitespace: bool | None = None
@@ -76,9 +89,12 @@ class StructuredFields(RefusedFields, kw_only=True):
                 raise ApiError(400, "response_format: json_schema.schema is required when type "
                                     "is json_schema", "response_format")
             found.append(("response_format", {"json": rf.json_schema.schema_}))
+        elif rf is not None and rf.type == "structural_tag":
+            found.append(("response_format", {"structural_tag": rf.structural_tag()}))
         so = self.structured_outputs
         if so is not None:
-            kinds = {k: getattr(so, k) for k in ("json", "regex", "choice", "grammar")
+            kinds = {k: getattr(so, k) for k in ("json", "regex", "choice", "grammar",
+                                                 "structural_tag")
                      if getattr(so, k) is not None}
             if so.json_object:
                 kinds["json_object"] = True
@@ -115,7 +131,7 @@ def check_constraint(field: str, params: StructuredOutputsParams) -> None:
     import jsonschema
     import xgrammar
 
-    from actorlm.core.structured_output import json_schema_grammar
+    from actorlm.core.structured_output import json_schema_grammar, structural_tag_grammar
 
     try:
         if params.json is not None:
@@ -126,6 +142,8 @@ def check_constraint(field: str, params: StructuredOutputsParams) -> None:
             xgrammar.Grammar.from_regex(params.regex)
         elif params.grammar is not None:
             xgrammar.Grammar.from_ebnf(params.grammar)
+        elif params.structural_tag is not None:
+            structural_tag_grammar(params.structural_tag)
     except jsonschema.SchemaError as exc:
         raise ApiError(400, f"{field}: not a valid JSON Schema: {exc.message}", field) from None
     except Exception as exc:  # xgrammar's parsers raise RuntimeError with the position

@@ -82,6 +82,8 @@ class GrammarCompiler:
         if params.choice is not None:  # JSON's string escapes are EBNF's
             return compiler.compile_grammar(
                 "root ::= " + " | ".join(json.dumps(c) for c in params.choice))
+        if params.structural_tag is not None:
+            return compiler.compile_grammar(structural_tag_grammar(params.structural_tag))
         return compiler.compile_grammar(params.grammar)
 
     def _build_compiler(self):
@@ -93,6 +95,30 @@ class GrammarCompiler:
 
         log.info("structured outputs: xgrammar %s ready", importlib.metadata.version("xgrammar"))
         return self._compiler
+
+
+def structural_tag_grammar(spec: str):
+    """The grammar of a structural tag (vLLM's ``structural_tag``): xgrammar's own format
+    (``{"type": "structural_tag", "format": {...}}``), or vLLM's first one, ``structures``
+    (``begin``, ``schema``, ``end``) and ``triggers``, read as the ``triggered_tags`` format it
+    became: free text, in which a trigger opens the structure whose ``begin`` it starts, whose
+    content then follows its JSON Schema up to its ``end``."""
+    import xgrammar
+
+    tag = json.loads(spec)
+    if "structures" in tag:
+        structures = tag["structures"]
+        if not (isinstance(structures, list) and all(
+                isinstance(s, dict) and {"begin", "schema", "end"} <= s.keys()
+                for s in structures)):
+            raise ValueError("structural_tag: each of its structures needs a begin, a schema "
+                             "and an end")
+        tags = [{"begin": s["begin"], "end": s["end"],
+                 "content": {"type": "json_schema", "json_schema": s["schema"]}}
+                for s in structures]
+        tag = {"type": "structural_tag", "format": {
+            "type": "triggered_tags", "triggers": tag.get("triggers", []), "tags": tags}}
+    return xgrammar.Grammar.from_structural_tag(json.dumps(tag))
 
 
 def json_schema_grammar(schema: str, any_whitespace: bool = False) -> str:

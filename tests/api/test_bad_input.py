@@ -104,6 +104,14 @@ CASES = [
     ("response-format-bad-schema", "POST", CHAT, _chat(response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}), 400,
      "response_format", "not a valid JSON Schema"),
+    ("structural-tag-empty", "POST", CHAT, _chat(response_format={"type": "structural_tag"}),
+     400, "response_format", "needs its format"),
+    ("structural-tag-no-end", "POST", CMPL, _cmpl(response_format={
+        "type": "structural_tag", "structures": [{"begin": "<f>", "schema": {}}],
+        "triggers": ["<f"]}), 400, "response_format", "needs a begin, a schema and an end"),
+    ("structural-tag-unknown-format", "POST", CMPL, _cmpl(structured_outputs={
+        "structural_tag": {"type": "structural_tag", "format": {"type": "nonsense"}}}), 400,
+     "structured_outputs", "nonsense"),
     ("schema-xgrammar-refuses", "POST", CMPL, _cmpl(guided_json={
         "type": "integer", "minimum": 5, "maximum": 1}), 400, "guided_json", "minimum"),
     ("guided-regex-unclosed", "POST", CMPL, _cmpl(guided_regex="(a"), 400, "guided_regex",

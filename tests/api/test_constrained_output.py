@@ -1,6 +1,7 @@
 """Constrained output through the server with the official ``openai`` client: a JSON Schema
-(``response_format``, a pydantic model through ``beta...parse``), a regex, a choice and a grammar
-(vLLM's ``structured_outputs`` and older ``guided_*`` fields), for chat and completions.
+(``response_format``, a pydantic model through ``beta...parse``), a regex, a choice, a grammar
+and a structural tag (vLLM's ``structured_outputs`` and older ``guided_*`` fields, its
+``response_format`` of type ``structural_tag``), for chat and completions.
 
 The tiny random model never writes valid JSON by chance, and it ends a string only where the
 schema bounds it (``pattern``, ``enum``, ``maxItems``, integer ranges): what validates here
@@ -81,7 +82,17 @@ def test_pydantic_model_through_parse(client):
     ("guided_regex", r"[A-Z][a-z]{2}!", lambda t: re.fullmatch(r"[A-Z][a-z]{2}!", t)),
     ("guided_choice", ["yes", "no"], lambda t: t in ("yes", "no")),
     ("guided_json", {"enum": ["x", "y"]}, lambda t: t in ('"x"', '"y"')),
-], ids=["regex", "choice", "grammar", "guided-regex", "guided-choice", "guided-json"])
+    ("structured_outputs", {"structural_tag": {"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<pet>", "end": "</pet>", "content": {
+            "type": "json_schema", "json_schema": {"enum": ["cat", "dog"]}}}}},
+     lambda t: t in ('<pet>"cat"</pet>', '<pet>"dog"</pet>')),
+    ("response_format", {"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<n>", "end": "</n>", "content": {
+            "type": "json_schema", "json_schema": {"type": "integer", "minimum": 1,
+                                                   "maximum": 9}}}},
+     lambda t: re.fullmatch(r"<n>[1-9]</n>", t)),
+], ids=["regex", "choice", "grammar", "guided-regex", "guided-choice", "guided-json",
+        "structural-tag", "response-format-structural-tag"])
 def test_regex_choice_grammar_in_chat_and_completions(client, field, value, valid):
     extra = {"extra_body": {field: value}}
     for seed in range(4):

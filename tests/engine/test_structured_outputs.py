@@ -50,6 +50,45 @@ def test_regex_choice_and_grammar(tiny):
             assert valid(output.outputs[0].text), (constraint, output.outputs[0].text)
 
 
+def test_a_structural_tag_constrains_only_what_its_trigger_opens(tiny_llama_dir):
+    """vLLM's first structural tag (``structures`` and ``triggers``): free text, in which each
+    trigger opens its structure, whose JSON must follow the schema up to its end; the same as
+    xgrammar's ``triggered_tags`` format it became. Checked by what the compiled grammar
+    accepts, since a random model seldom writes the trigger by itself."""
+    import xgrammar
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    compiler = GrammarCompiler(tokenizer, len(tokenizer))
+    schema = {"type": "object", "properties": {"city": {"type": "string"}},
+              "required": ["city"]}
+    legacy = {"structures": [{"begin": "<fn=weather>", "schema": schema, "end": "</fn>"}],
+              "triggers": ["<fn="]}
+    xgrammar_format = {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<fn="], "tags": [
+            {"begin": "<fn=weather>", "end": "</fn>",
+             "content": {"type": "json_schema", "json_schema": schema}}]}}
+
+    def accepts(tag: dict, text: str) -> bool:
+        matcher = xgrammar.GrammarMatcher(compiler.compile(
+            StructuredOutputsParams(structural_tag=tag)), terminate_without_stop_token=True)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return all(matcher.accept_token(t) for t in ids) and matcher.is_completed()
+
+    for tag in (legacy, xgrammar_format):
+        assert accepts(tag, 'Let me see. <fn=weather>{"city": "Paris"}</fn> Done.')
+        assert accepts(tag, "No call at all.")
+        assert not accepts(tag, '<fn=weather>{"town": "Paris"}</fn>')  # (its schema)
+        assert not accepts(tag, '<fn=time>{"city": "Paris"}</fn>')  # (no such structure)
+    with pytest.raises(ValueError, match="structural_tag: each of its structures needs a begin"):
+        compiler.compile(StructuredOutputsParams(structural_tag={"structures": [{"begin": "<"}],
+                                                                 "triggers": ["<"]}))
+    with pytest.raises(ValueError, match="structured_outputs.structural_tag: must be a JSON "
+                                         "object"):
+        StructuredOutputsParams(structural_tag="[1, 2]")
+    compiler.shutdown()
+
+
 @pytest.mark.slow
 def test_smollm2_answers_validate(smollm2_dir):
     """A real model, chatting: schemas, any JSON object, a regex and a choice."""
