@@ -91,6 +91,9 @@ def perturbed(model):
                 param.normal_(0.0, 0.1)
             elif "norm" in name:
                 param.add_(torch.randn_like(param) * 0.1 - centre)
+        for name, buffer in model.named_buffers():  # (DeepSeek's routing bias, a buffer)
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
     return model
 
 
@@ -409,11 +412,12 @@ def tiny_moe_dirs(tmp_path_factory, tiny_tokenizer_dir):
     sliding), Mixtral (top 2 renormalised), OLMoE (q/k norms over whole projections, one KV
     head, q/k/v clipped), Granite MoE (Granite's four multipliers, its experts stacked in the
     checkpoint as Granite's releases store them), its shared variant (an unscaled shared MLP
-    beside the experts), and ``qwen3_moe_stacked``,
+    beside the experts), GLM-4.5 (DeepSeek's sigmoid routing by groups, renormalised and
+    scaled, and without either), and ``qwen3_moe_stacked``,
     ``granitemoe_stacked``: the same weights saved as transformers holds them
     (``save_original_format=False``: the experts stacked under its own names)."""
-    from transformers import (GraniteMoeConfig, GraniteMoeSharedConfig, MixtralConfig,
-                              OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig)
+    from transformers import (Glm4MoeConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
+                              MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig)
 
     common = _common(tiny_tokenizer_dir)
     experts = dict(num_experts_per_tok=2, router_aux_loss_coef=0.0)
@@ -441,6 +445,19 @@ def tiny_moe_dirs(tmp_path_factory, tiny_tokenizer_dir):
             **{**common, "intermediate_size": 32}, **experts, num_local_experts=8,
             shared_intermediate_size=48, embedding_multiplier=12.0, attention_multiplier=0.2,
             residual_multiplier=0.22, logits_scaling=8.0, tie_word_embeddings=True),
+        # DeepSeek's routing: sigmoid scores and a bias, two groups of which one is chosen,
+        # renormalised and scaled (or neither), a dense first layer, a shared MLP, q/k norms
+        # and RoPE on half of each head
+        "glm4_moe": Glm4MoeConfig(**{**common, "num_hidden_layers": 3}, **experts,
+                                  n_routed_experts=8, n_shared_experts=1,
+                                  moe_intermediate_size=32, n_group=2, topk_group=1,
+                                  first_k_dense_replace=1, routed_scaling_factor=2.5,
+                                  norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+                                  tie_word_embeddings=False),
+        "glm4_moe_unnormed": Glm4MoeConfig(**common, **experts, n_routed_experts=8,
+                                           n_shared_experts=2, moe_intermediate_size=32,
+                                           first_k_dense_replace=0, routed_scaling_factor=1.5,
+                                           norm_topk_prob=False, tie_word_embeddings=True),
     }
     dirs = {name: _save_tiny(tmp_path_factory, tiny_tokenizer_dir, f"tiny_{name}", config,
                              seed=20 + i)

@@ -97,7 +97,7 @@ def checkpoint_tensors(config, tensors):
 def _split_fused(config, tensors, q_size: int, kv_size: int):
     """The pairs under a text model's names, fused projections split."""
     for name, tensor in tensors:
-        if name.startswith(_VISION):
+        if name.startswith(_VISION) or _past_the_layers(config, name):
             continue
         for prefix, ours in _TEXT_TOWER.items():
             if name.startswith(prefix):
@@ -133,6 +133,15 @@ def _split_fused(config, tensors, q_size: int, kv_size: int):
         fused = name.split(".")[-2]
         for part, start, length in parts:
             yield name.replace(f".{fused}.", f".{part}."), narrow(tensor, 0, start, length)
+
+
+def _past_the_layers(config, name: str) -> bool:
+    """A GLM-4.5 checkpoint's multi-token-prediction layer (``model.layers.{N}``, N the
+    config's layers or more): a draft's, which the model does not run (transformers ignores
+    it too)."""
+    if config.model_type != "glm4_moe" or not name.startswith("model.layers."):
+        return False
+    return int(name.split(".", 3)[2]) >= config.num_hidden_layers
 
 
 def _flat_head_norms(config, tensors):

@@ -294,7 +294,8 @@ def layer_specs(config) -> list[LayerSpec]:
         gated_mlp=model_type not in _UNGATED_MLP,
         output_norms=model_type in (*_FOUR_NORMS, *_OUTPUT_NORMS_ONLY, "glm4"),
         input_norms=model_type not in _OUTPUT_NORMS_ONLY,
-        qk_norm="head_layer" if has_head_layer_norms(config) else _QK_NORMS.get(model_type),
+        qk_norm="head_layer" if has_head_layer_norms(config) else
+        "head" if model_type == "glm4_moe" and config.use_qk_norm else _QK_NORMS.get(model_type),
         qk_norm_bias=model_type == "phi",
         clip_qkv=getattr(config, "clip_qkv", None) if model_type in ("olmoe", "olmo") else None,
         activation=_ACTIVATIONS[activation_of(config)],
@@ -354,12 +355,12 @@ def _own_mlp_norm(config) -> bool:
 
 
 def _o_bias(config, attention_bias: bool) -> bool:
-    """Whether o_proj has a bias: as q/k/v do, but never in Qwen2's, GLM's or Helium's, and by
-    its own flag in Seed-OSS's."""
+    """Whether o_proj has a bias: as q/k/v do, but never in Qwen2's, GLM's (GLM-4.5's) or
+    Helium's, and by its own flag in Seed-OSS's."""
     if config.model_type == "seed_oss":
         return bool(config.attention_out_bias)
     return attention_bias and config.model_type not in ("qwen2", "qwen2_moe", "glm", "glm4",
-                                                        "helium")
+                                                        "glm4_moe", "helium")
 
 
 def norm_eps(config) -> float:

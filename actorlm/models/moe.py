@@ -1,10 +1,12 @@
 """A decoder layer's mixture of experts, in place of its dense MLP (Qwen3-MoE, Mixtral,
-Qwen2-MoE, OLMoE; ``moe_families.py`` says which layers and how they route).
+Qwen2-MoE, OLMoE, GLM-4.5; ``moe_families.py`` says which layers and how they route).
 
 A router (a linear layer, [E, H]) scores every expert for each token; the backend's
 ``fused_moe`` sends each token to its ``top_k`` experts and sums their outputs, weighted by the
-router's softmax. Qwen2-MoE adds a shared expert, a dense MLP every token takes, scaled by
-``sigmoid(shared_expert_gate(x))``; Granite MoE's shared variant adds one unscaled.
+router's softmax. GLM-4.5 routes by DeepSeek's sigmoid scores instead, handed to the same door
+as logits whose softmax gives its weights (``sigmoid_routing``). Qwen2-MoE adds a shared
+expert, a dense MLP every token takes, scaled by ``sigmoid(shared_expert_gate(x))``; Granite
+MoE's shared variant and GLM-4.5 add one unscaled.
 
 The experts' weights are held stacked, one tensor per projection — gate/up [E, 2I, H] (each
 expert's rows [gate | up]) and down [E, H, I] — as transformers holds them in memory; a
@@ -50,6 +52,14 @@ class MoeSpec:
     renormalize: bool  # the top-k weights divided by their sum (Mixtral; norm_topk_prob)
     shared_intermediate_size: int | None = None  # a shared expert's (Qwen2-MoE's, Granite's)
     shared_gated: bool = True  # scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE) or not
+    # DeepSeek's routing (GLM-4.5's), "sigmoid": the experts of highest sigmoid(logits) plus a
+    # learned bias (``score_bias``), within the ``top_groups`` best of ``num_groups`` groups,
+    # weighted by their sigmoids (renormalised by ``renormalize``) times ``scale``
+    scoring: str = "softmax"
+    score_bias: bool = False
+    num_groups: int = 1
+    top_groups: int = 1
+    scale: float = 1.0
 
 
 class MoeTimer:
@@ -159,7 +169,12 @@ class SparseMoeBlock(nn.Module):
                  shared_expert: nn.Module | None = None):
         super().__init__()
         self.backend, self.tp, self.spec = backend, tp, spec
-        self.gate = Linear(hidden_size, spec.num_experts, False, dtype, device)  # every rank: all
+        # every rank: all experts; a sigmoid router in fp32, as its families keep it
+        self.sigmoid = spec.scoring == "sigmoid"
+        self.gate = Linear(hidden_size, spec.num_experts, False,
+                           torch.float32 if self.sigmoid else dtype, device)
+        self.score_bias = nn.Parameter(torch.zeros(spec.num_experts, device=device), False) \
+            if spec.score_bias else None
         self.experts = RoutedExperts(spec, hidden_size, activation, dtype, device, tp)
         self.shared_expert = shared_expert
         self.shared_expert_gate = None if shared_expert is None or not spec.shared_gated else \
@@ -171,10 +186,16 @@ class SparseMoeBlock(nn.Module):
         # each rank)
         timer = self.timer
         t_start = time.perf_counter() if timer is not None else 0.0
-        router_logits = self.gate(x)
+        if self.sigmoid:
+            router_logits, factor = sigmoid_routing(self.gate(x.float()), self.score_bias,
+                                                    self.spec)
+        else:
+            router_logits, factor = self.gate(x), None
         t_routed = time.perf_counter() if timer is not None else 0.0
         out = self.backend.fused_moe(x, router_logits, self.experts.stacked, self.spec.top_k,
-                                     self.spec.renormalize)
+                                     self.spec.renormalize or factor is not None)
+        if factor is not None:
+            out = (out * factor).to(x.dtype)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
@@ -184,3 +205,28 @@ class SparseMoeBlock(nn.Module):
         if timer is not None:  # (the all-reduce is neither router nor experts)
             timer.add(t_routed - t_start, time.perf_counter() - t_routed)
         return all_reduce(self.tp, out)
+
+
+def sigmoid_routing(logits: torch.Tensor, bias: torch.Tensor | None, spec: MoeSpec
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's routing, as logits that the backend's softmax routing (renormalised) turns
+    into its weights, and each token's factor [T, 1] after: the chosen experts' logits are
+    their weights' logs and the others' -inf, so the softmax over them is each weight over
+    their sum; the factor brings the sum back where the family does not renormalise, and the
+    scale. The experts are the top k of sigmoid(logits) + bias, among the ``top_groups``
+    groups whose two best experts score most (transformers' ``Glm4MoeTopkRouter``)."""
+    scores = logits.sigmoid()  # [T, E] fp32
+    choice = scores if bias is None else scores + bias
+    if spec.num_groups > 1:
+        per_group = spec.num_experts // spec.num_groups
+        group_scores = choice.view(-1, spec.num_groups, per_group).topk(2, -1).values.sum(-1)
+        best = group_scores.topk(spec.top_groups, -1).indices
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        choice = choice.masked_fill(~kept.repeat_interleave(per_group, 1), float("-inf"))
+    chosen = choice.topk(spec.top_k, -1).indices
+    weights = scores.gather(1, chosen)
+    routed = torch.full_like(scores, float("-inf")).scatter_(1, chosen, weights.log())
+    factor = torch.full_like(weights[:, :1], spec.scale)
+    if not spec.renormalize:
+        factor = factor * weights.sum(-1, keepdim=True)
+    return routed, factor

@@ -23,7 +23,15 @@
   ``shared_intermediate_size`` every token takes, unscaled (``shared_mlp.input_linear``
   [2 I, H], gate rows first, and ``output_linear``); 0 means none.
 
-Every family routes by the softmax of the router's logits (in fp32) and its top
+- GLM-4.5 (``glm4_moe``: GLM-4.5, GLM-4.5-Air, GLM-4.6): dense MLPs in the first
+  ``first_k_dense_replace`` layers, then routed experts of ``moe_intermediate_size`` beside an
+  unscaled shared MLP of ``n_shared_experts`` times that size; DeepSeek's routing: the top k
+  of sigmoid(logits) + ``e_score_correction_bias`` within the ``topk_group`` best of
+  ``n_group`` groups, weighted by their sigmoids (renormalised by ``norm_topk_prob``) times
+  ``routed_scaling_factor``, the router in fp32. Its checkpoints' multi-token-prediction
+  layers (past ``num_hidden_layers``) are left out, as transformers leaves them.
+
+The others route by the softmax of the router's logits (in fp32) and its top
 ``num_experts_per_tok``. Fields of other MoE families that would change the routing
 (DeepSeek's grouped top-k and scaling, a router bias…) are refused by name when a config of
 these carries them: transformers' code for these families ignores them, so a config that sets
@@ -38,7 +46,8 @@ import re
 from actorlm.models.moe import MoeSpec
 
 _GRANITE_MOE = ("granitemoe", "granitemoeshared")
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", *_GRANITE_MOE)
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", *_GRANITE_MOE, "glm4_moe")
+_SIGMOID_ROUTED = ("glm4_moe",)  # DeepSeek's routing: its fields are read, not refused
 # every layer routed, experts of intermediate_size
 _EVERY_LAYER = ("mixtral", "olmoe", *_GRANITE_MOE)
 _RENORMALIZED = ("mixtral", *_GRANITE_MOE)  # the top-k weights, whatever norm_topk_prob says
@@ -81,7 +90,9 @@ def num_experts_of(config) -> int:
 def check_moe_config(config) -> None:
     """Refuse, by name, what a MoE family's ``config`` asks for that is not computed here."""
     model_type = config.model_type
-    for field, defaults in _OTHER_ROUTING.items():
+    if model_type in _SIGMOID_ROUTED:
+        _check_sigmoid_routing(config)
+    for field, defaults in ({} if model_type in _SIGMOID_ROUTED else _OTHER_ROUTING).items():
         value = getattr(config, field, None)
         if value not in defaults:
             raise ValueError(f"{model_type}: {field}={value!r} is not implemented (it changes "
@@ -120,6 +131,16 @@ def check_moe_config(config) -> None:
             raise ValueError(f"olmoe: clip_qkv must be positive, got {clip!r}")
 
 
+def _check_sigmoid_routing(config) -> None:
+    groups, top_groups = config.n_group or 1, config.topk_group or 1
+    experts, top_k = num_experts_of(config), config.num_experts_per_tok
+    if experts % groups or not 1 <= top_groups <= groups or \
+            top_k > top_groups * (experts // groups) or groups > 1 and experts // groups < 2:
+        raise ValueError(f"{config.model_type}: n_group={groups} and topk_group={top_groups} "
+                         f"do not choose {top_k} of {experts} experts (groups of at least two "
+                         f"that divide them, enough of them chosen)")
+
+
 def moe_specs(config) -> list[MoeSpec | None]:
     """Each decoder layer's routed experts (None: the layer keeps a dense MLP)."""
     num_layers = config.num_hidden_layers
@@ -130,6 +151,9 @@ def moe_specs(config) -> list[MoeSpec | None]:
     if model_type in _EVERY_LAYER:
         routed = [True] * num_layers
         size = config.intermediate_size
+    elif model_type in _SIGMOID_ROUTED:
+        routed = [layer >= config.first_k_dense_replace for layer in range(num_layers)]
+        size = config.moe_intermediate_size
     else:
         dense = set(getattr(config, "mlp_only_layers", None) or ())
         step = getattr(config, "decoder_sparse_step", 1)
@@ -140,7 +164,7 @@ def moe_specs(config) -> list[MoeSpec | None]:
         num_experts=num_experts_of(config), top_k=config.num_experts_per_tok,
         intermediate_size=size,
         renormalize=model_type in _RENORMALIZED or bool(getattr(config, "norm_topk_prob", False)),
-        **_shared_expert(config))
+        **_shared_expert(config), **_sigmoid_routing(config))
     return [spec if is_routed else None for is_routed in routed]
 
 
@@ -151,7 +175,18 @@ def _shared_expert(config) -> dict:
     if config.model_type == "granitemoeshared" and config.shared_intermediate_size:
         return {"shared_intermediate_size": config.shared_intermediate_size,
                 "shared_gated": False}
+    if config.model_type in _SIGMOID_ROUTED and config.n_shared_experts:
+        return {"shared_intermediate_size": config.moe_intermediate_size *
+                config.n_shared_experts, "shared_gated": False}
     return {}
+
+
+def _sigmoid_routing(config) -> dict:
+    """MoeSpec's fields for DeepSeek's routing (none: the softmax's defaults)."""
+    if config.model_type not in _SIGMOID_ROUTED:
+        return {}
+    return {"scoring": "sigmoid", "score_bias": True, "num_groups": config.n_group or 1,
+            "top_groups": config.topk_group or 1, "scale": float(config.routed_scaling_factor)}
 
 
 def shared_expert_size(config) -> int | None:
@@ -191,11 +226,15 @@ def intermediate_sizes(config) -> dict[str, int]:
 def checkpoint_name(config, name: str) -> str:
     """A checkpoint tensor's name as the model loads it: Mixtral's MoE block and experts
     under the names the other families use (``mlp``, ``gate_proj``, ``up_proj``,
-    ``down_proj``), Granite MoE's stacked experts and router under the stacked names."""
+    ``down_proj``), Granite MoE's stacked experts and router under the stacked names,
+    GLM-4.5's shared experts and router bias under the block's."""
     if config.model_type in _GRANITE_MOE:
         for fragment, ours in _GRANITE_MOE_NAMES.items():
             name = name.replace(fragment, ours)
         return name
+    if config.model_type in _SIGMOID_ROUTED:
+        return name.replace(".mlp.shared_experts.", ".mlp.shared_expert.") \
+            .replace(".mlp.gate.e_score_correction_bias", ".mlp.score_bias")
     if config.model_type != "mixtral":
         return name
     name = name.replace(".block_sparse_moe.", ".mlp.")

@@ -35,7 +35,7 @@ from actorlm.models.parallel import TensorParallel, check_tensor_parallel
 from actorlm.models.parts import load_model_parts
 
 EP = 2
-FAMILIES = ["qwen3_moe", "qwen3_moe_stacked", "qwen2_moe", "mixtral"]
+FAMILIES = ["qwen3_moe", "qwen3_moe_stacked", "qwen2_moe", "mixtral", "glm4_moe"]
 NUM_EXPERTS, EXPERT_FEATURES, NUM_ROUTED_LAYERS = 8, 32, 2  # each tiny checkpoint's
 
 

@@ -1,5 +1,5 @@
 """The mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, Granite MoE and its
-shared variant) against transformers on the same tiny checkpoints
+shared variant, GLM-4.5 with DeepSeek's routing) against transformers on the same tiny checkpoints
 (``checkpoints.tiny_moe_dirs``): logits at every position of a 40-token prompt and 40 greedy
 tokens after it, the greedy tokens themselves by vLLM's rule, the layers that route, both
 layouts of the experts in a checkpoint, and the configs refused."""
@@ -22,6 +22,8 @@ from actorlm.models.loader import load_hf_config, load_model
 from actorlm.models.moe import SparseMoeBlock
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "granitemoeshared"]
+# DeepSeek's sigmoid routing, which the one-call decode step does not describe
+SIGMOID_ROUTED = ["glm4_moe", "glm4_moe_unnormed"]
 PROMPT_LEN, NUM_DECODED = 40, 40
 ATOL = {torch.float32: 2e-4, torch.bfloat16: None}  # bf16: judged by the greedy tokens only
 
@@ -36,11 +38,11 @@ def hf_models(tiny_moe_dirs):
 
     return {(name, dtype): AutoModelForCausalLM.from_pretrained(tiny_moe_dirs[name],
                                                                 dtype=dtype).eval()
-            for name in FAMILIES for dtype in (torch.float32, torch.bfloat16)}
+            for name in FAMILIES + SIGMOID_ROUTED for dtype in (torch.float32, torch.bfloat16)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + SIGMOID_ROUTED)
 def test_logits_at_every_position_match_transformers(family, dtype, tiny_moe_dirs, hf_models):
     theirs = hf_models[family, dtype]
     ours = load_model(tiny_moe_dirs[family], dtype, "cpu", select_backend("cpu"))
@@ -53,7 +55,7 @@ def test_logits_at_every_position_match_transformers(family, dtype, tiny_moe_dir
         torch.testing.assert_close(logits, expected, atol=ATOL[dtype], rtol=0)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + SIGMOID_ROUTED)
 def test_the_layers_transformers_routes_route_here_and_take_the_one_call_where_described(
         family, tiny_moe_dirs, hf_models):
     ours = load_model(tiny_moe_dirs[family], torch.float32, "cpu", select_backend("cpu"))
@@ -64,8 +66,33 @@ def test_the_layers_transformers_routes_route_here_and_take_the_one_call_where_d
     assert all(isinstance(layer.mlp, MLP) for layer, r in zip(ours.model.layers, routed) if not r)
     # the one-call decode step runs routed experts (where the panel GEMM is built), OLMoE's
     # q/k norms over whole projections included
-    assert (ours.decode_step is not None) == (cpu_linear._kernel(torch.float32) is not None)
-    assert any(routed) and (family not in ("qwen3_moe", "qwen2_moe") or not all(routed))
+    assert (ours.decode_step is not None) == \
+        (cpu_linear._kernel(torch.float32) is not None and family not in SIGMOID_ROUTED)
+    assert any(routed) and (family not in ("qwen3_moe", "qwen2_moe", "glm4_moe") or
+                            not all(routed))
+
+
+def test_a_glm_checkpoints_next_token_prediction_layer_is_left_out(tiny_moe_dirs, tmp_path):
+    """GLM-4.5's releases hold a multi-token-prediction layer past ``num_hidden_layers`` (a
+    draft's), which the model does not run; loading leaves it out, as transformers does."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    copy = shutil.copytree(tiny_moe_dirs["glm4_moe"], tmp_path / "glm_mtp")
+    [weights] = copy.glob("*.safetensors")
+    state = load_file(weights)
+    extra = {name.replace("model.layers.2.", "model.layers.3."): tensor.clone()
+             for name, tensor in state.items() if name.startswith("model.layers.2.")}
+    save_file({**state, **extra, "model.layers.3.eh_proj.weight": torch.zeros(64, 128)},
+              weights, metadata={"format": "pt"})
+    backend = select_backend("cpu")
+    with_mtp = load_model(copy, torch.float32, "cpu", backend)
+    plain = load_model(tiny_moe_dirs["glm4_moe"], torch.float32, "cpu", backend)
+    assert len(with_mtp.model.layers) == 3
+    prompt = random_prompt(plain.vocab_size, PROMPT_LEN)
+    assert torch.equal(greedy_with_logits(with_mtp, prompt, 4, block_size=4)[0],
+                       greedy_with_logits(plain, prompt, 4, block_size=4)[0])
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "granitemoe"])
@@ -111,6 +138,8 @@ def _config(tiny_moe_dirs, tmp_path, family, **changes):
     ("olmoe", {"sliding_window": 16}, "olmoe: sliding_window is not implemented"),
     ("granitemoeshared", {"shared_intermediate_size": -1},
      "granitemoeshared: shared_intermediate_size=-1 must be 0"),
+    ("glm4_moe", {"n_group": 3}, "glm4_moe: n_group=3 and topk_group=1 do not choose 2 of 8"),
+    ("glm4_moe", {"topk_group": 3}, "n_group=2 and topk_group=3"),
 ])
 def test_configs_that_change_the_routing_unimplemented_are_refused_by_name(
         family, changes, error, tiny_moe_dirs, tmp_path):
