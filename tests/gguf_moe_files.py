@@ -4,9 +4,11 @@ layer's experts stacked into one 3-D tensor per projection (``ffn_gate_exps``, `
 Qwen2-MoE's shared-expert gate ``ffn_gate_inp_shexp`` (squeezed to [H]) kept in F32, as
 llama.cpp keeps them, and every other matrix in one block format. Mixtral's file says
 architecture ``llama`` (its q and k rows permuted), OLMoE's ``olmoe``, Granite MoE's
-``granitemoe`` (q and k permuted, its stacked gate/up split in two, its scales as Granite's).
+``granitemoe`` (q and k permuted, its stacked gate/up split in two, its scales as Granite's),
+GLM-4.5's ``glm4moe`` (its routing bias ``exp_probs_b``, DeepSeek's routing in the metadata).
 
-The checkpoints here (``save_routed``) route every layer, as llama.cpp's MoE graphs do.
+The checkpoints here (``save_routed``) route every layer, as llama.cpp's MoE graphs do (GLM-4.5's
+but its first, dense as ``leading_dense_block_count`` says).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from gguf_files import (K_TYPES, _permute, _write_config, _write_tokenizer,
                         dequantized_checkpoint, random_blocks)
 
 ARCHITECTURES = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama",
-                 "olmoe": "olmoe", "granitemoe": "granitemoe"}
+                 "olmoe": "olmoe", "granitemoe": "granitemoe", "glm4_moe": "glm4moe"}
 _PERMUTED = ("mixtral", "granitemoe")  # q and k rows permuted, as a Llama's
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -30,13 +32,19 @@ _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "mlp.output_linear": "ffn_down_exps", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
           "mlp.shared_expert.up_proj": "ffn_up_shexp",
           "mlp.shared_expert.down_proj": "ffn_down_shexp",
-          "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+          "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+          # GLM-4.5's: its dense layers' MLP, shared experts, and the norm before its MLP
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+          "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+          "mlp.shared_experts.up_proj": "ffn_up_shexp",
+          "mlp.shared_experts.down_proj": "ffn_down_shexp"}
+_GLM4_MOE = {"post_attention_layernorm": "post_attention_norm"}
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 _MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _KEPT_IN_F32 = ("ffn_gate_inp", "ffn_gate_inp_shexp")  # llama.cpp never quantizes the routers
 _SEEDS = {"mixtral": 40, "olmoe": 41, "qwen2_moe": 42, "qwen3_moe": 43, "qwen3_moe_k": 44,
-          "granitemoe": 45}
+          "granitemoe": 45, "glm4_moe": 46}
 
 
 def moe_state(hf_dir: pathlib.Path) -> tuple[dict, dict[str, np.ndarray]]:
@@ -74,21 +82,37 @@ def moe_state(hf_dir: pathlib.Path) -> tuple[dict, dict[str, np.ndarray]]:
             values = _permute(values, heads)
         if part == "mlp.shared_expert_gate":
             values = values.reshape(-1)  # [1, H] -> [H], as llama.cpp's converter squeezes it
-        tensors[f"blk.{layer}.{_LAYER[part]}.{kind}"] = values
+        if part == "mlp.gate" and kind == "e_score_correction_bias":  # (GLM-4.5's)
+            tensors[f"blk.{layer}.exp_probs_b.bias"] = values
+            continue
+        names = {**_LAYER, **_GLM4_MOE} if config["model_type"] == "glm4_moe" else _LAYER
+        tensors[f"blk.{layer}.{names[part]}.{kind}"] = values
     for (layer, projection), by_expert in experts.items():
         tensors[f"blk.{layer}.{_EXPERTS[projection]}.weight"] = np.stack(
             [by_expert[e] for e in range(len(by_expert))])
     return config, tensors
 
 
-def write_moe_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str) -> pathlib.Path:
+def write_moe_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str,
+                   draft_layer: bool = False) -> pathlib.Path:
     """The MoE checkpoint ``hf_dir`` as a GGUF file whose matrices (but the routers) are
     ``type_name`` blocks (or F32); a K format gets random valid blocks
-    (``gguf_files.random_blocks``), which the oracle then reads back dequantized. Returns the
-    file."""
+    (``gguf_files.random_blocks``), which the oracle then reads back dequantized. With
+    ``draft_layer`` (GLM-4.5's), a multi-token-prediction layer after the others, counted in
+    ``block_count``: a copy of the last layer and the ``nextn`` tensors. Returns the file."""
     import gguf
 
     config, tensors = moe_state(hf_dir)
+    if draft_layer:
+        last, draft = config["num_hidden_layers"] - 1, config["num_hidden_layers"]
+        tensors.update({name.replace(f"blk.{last}.", f"blk.{draft}."): values
+                        for name, values in list(tensors.items())
+                        if name.startswith(f"blk.{last}.")})
+        tensors[f"blk.{draft}.nextn.eh_proj.weight"] = np.zeros(
+            (config["hidden_size"], 2 * config["hidden_size"]), np.float32)
+        config = {**config, "num_hidden_layers": draft + 1, "num_nextn_predict_layers": 1}
+    else:  # (a config may say it has one: the checkpoint here has none)
+        config = {**config, "num_nextn_predict_layers": 0}
     writer = gguf.GGUFWriter(out, ARCHITECTURES[config["model_type"]])
     _write_moe_config(writer, config)
     _write_tokenizer(writer, hf_dir)
@@ -110,10 +134,13 @@ def write_moe_gguf(hf_dir: pathlib.Path, out: pathlib.Path, type_name: str) -> p
 
 
 def _write_moe_config(writer, config: dict) -> None:
+    import gguf
+
     model_type = config["model_type"]
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     _write_config(writer, {**config, "head_dim": head_dim})  # (the dense keys)
-    writer.add_expert_count(config.get("num_experts") or config["num_local_experts"])
+    writer.add_expert_count(config.get("num_experts") or config.get("num_local_experts") or
+                            config["n_routed_experts"])
     writer.add_expert_used_count(config["num_experts_per_tok"])
     if model_type in ("qwen3_moe", "qwen2_moe"):
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
@@ -121,6 +148,16 @@ def _write_moe_config(writer, config: dict) -> None:
         writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     if config.get("clip_qkv") is not None:
         writer.add_clamp_kqv(config["clip_qkv"])
+    if model_type == "glm4_moe":  # (DeepSeek's routing, as llama.cpp's converter writes it)
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        writer.add_expert_shared_count(config["n_shared_experts"])
+        writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+        writer.add_expert_weights_scale(config["routed_scaling_factor"])
+        writer.add_expert_weights_norm(config["norm_topk_prob"])
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_group_count(config["n_group"])
+        writer.add_expert_group_used_count(config["topk_group"])
+        writer.add_nextn_predict_layers(config.get("num_nextn_predict_layers", 0))
 
 
 def dequantized_moe(hf_dir: pathlib.Path, type_name: str):
@@ -138,8 +175,8 @@ def save_routed(tmp_path_factory, tokenizer_dir, family: str) -> pathlib.Path:
     experts have 64 features, so that 2 tensor-parallel ranks split their down projections on
     32-value blocks; Mixtral's and OLMoE's 32, which 2 ranks can split only as whole experts."""
     from checkpoints import _common, _save_tiny
-    from transformers import (GraniteMoeConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig,
-                              Qwen3MoeConfig)
+    from transformers import (Glm4MoeConfig, GraniteMoeConfig, MixtralConfig, OlmoeConfig,
+                              Qwen2MoeConfig, Qwen3MoeConfig)
 
     common = {**_common(tokenizer_dir), "num_hidden_layers": 2}
     experts = dict(num_experts_per_tok=2, router_aux_loss_coef=0.0, tie_word_embeddings=False)
@@ -159,6 +196,11 @@ def save_routed(tmp_path_factory, tokenizer_dir, family: str) -> pathlib.Path:
             **{**common, "intermediate_size": 32}, **experts, num_local_experts=8,
             embedding_multiplier=12.0, attention_multiplier=0.2, residual_multiplier=0.22,
             logits_scaling=8.0),
+        "glm4_moe": lambda: Glm4MoeConfig(
+            **common, **experts, n_routed_experts=8, n_shared_experts=1,
+            moe_intermediate_size=64, n_group=2, topk_group=1, first_k_dense_replace=1,
+            routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True,
+            attention_bias=True),
         "qwen3_moe_k": lambda: Qwen3MoeConfig(
             **{**common, "hidden_size": 256, "head_dim": 64, "initializer_range": 0.1},
             **experts, num_experts=8, moe_intermediate_size=256, norm_topk_prob=True),

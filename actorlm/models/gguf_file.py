@@ -79,7 +79,7 @@ _OWN_CONFIGS = {"smollm3": gguf_metadata.smollm3_config, "gemma": gguf_metadata.
 _UNKNOWN_TO_TRANSFORMERS = ("smollm3", "gemma", "granite", "granitemoe", "olmo2", "olmoe",
                             "exaone4", "glm4", "ernie4_5", "seed_oss", "phi2", "command-r",
                             "cohere2", "arcee", "olmo", "gptneox", "falcon", "starcoder",
-                            "qwen2vl", "qwen3vl")
+                            "qwen2vl", "qwen3vl", "glm4moe")
 # q and k rows permuted by llama.cpp's converter (a Llama's and its descendants')
 _PERMUTED_QK = ("llama", "mistral", "mixtral", "smollm3", "granite", "granitemoe", "olmo")
 # norms stored as 1 + weight (Gemma's; Nemotron's LayerNorm1P, whose loading adds the 1 back)
@@ -102,7 +102,8 @@ _LAYER_NAMES = {
 _OUTPUT_NORM_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                       "ffn_norm": "pre_feedforward_layernorm",
                       "post_ffw_norm": "post_feedforward_layernorm"}
-# Seed-OSS's norm before the MLP, under the name Gemma's and OLMo 2's norm after attention has
+# Seed-OSS's (and GLM-4.5's) norm before the MLP, under the name Gemma's and OLMo 2's norm after
+# attention has
 _SEED_OSS_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm"}
 # GLM-4's norms after attention and MLP beside a Llama's, and its gate/up fused (Phi-3's way)
 _GLM4_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_self_attn_layernorm",
@@ -301,9 +302,11 @@ def _hf_name(name: str, arch: str) -> str:
     stem, _, kind = name.rpartition(".")  # kind: weight or bias
     if stem.startswith("blk."):
         _, layer, part = stem.split(".", 2)
+        if f"{part}.{kind}" in gguf_moe.WHOLE_NAMES:
+            return f"model.layers.{layer}.{gguf_moe.WHOLE_NAMES[f'{part}.{kind}']}"
         names = _OUTPUT_NORM_NAMES if arch in ("gemma2", "gemma3", "olmo2", "exaone4") else \
             {"phi3": _PHI3_LAYER_NAMES, "seed_oss": _SEED_OSS_NAMES, "glm4": _GLM4_NAMES,
-             "starcoder2": _STARCODER2_NAMES, "phi2": _PHI2_NAMES,
+             "glm4moe": _SEED_OSS_NAMES, "starcoder2": _STARCODER2_NAMES, "phi2": _PHI2_NAMES,
              "gptneox": _GPTNEOX_NAMES, "gpt2": _GPTNEOX_NAMES, "starcoder": _GPTNEOX_NAMES,
              "falcon": _FALCON_NAMES}.get(arch, _LAYER_NAMES)
         part = names.get(part) or gguf_moe.per_expert_name(part)
@@ -316,6 +319,12 @@ def _hf_name(name: str, arch: str) -> str:
     return f"{top_names[stem]}.{kind}"
 
 
+def _in_draft_layers(name: str, first_draft: int | None) -> bool:
+    """Whether ``name`` is a tensor of the file's multi-token-prediction layers."""
+    return first_draft is not None and name.startswith("blk.") and \
+        int(name.split(".")[1]) >= first_draft
+
+
 def _write_dir(gguf: pathlib.Path, out: pathlib.Path) -> None:
     from gguf import GGUFReader
     from transformers import (AutoConfig, AutoTokenizer, GenerationConfig,
@@ -323,10 +332,12 @@ def _write_dir(gguf: pathlib.Path, out: pathlib.Path) -> None:
 
     reader = GGUFReader(gguf)
     arch = architecture(gguf)
+    drafts = gguf_moe.draft_layers_from(reader, arch)
     tensors = [[name, t.tensor_type.name,
                 gguf_moe.torch_shape(name, [int(n) for n in reversed(t.shape)]),
                 int(t.data_offset), int(t.n_bytes)]  # data_offset: from the file's start
-               for t in reader.tensors if t.name not in gguf_metadata.CONFIG_TENSORS
+               for t in reader.tensors if t.name not in gguf_metadata.CONFIG_TENSORS and
+               not _in_draft_layers(t.name, drafts)
                for name in [_hf_name(t.name, arch)]]
     names = [t[0] for t in tensors]
     if gguf_moe.is_moe_file(reader, arch):

@@ -21,6 +21,13 @@ top ``expert_used_count``):
 - ``granitemoe`` (transformers does not read it): a ``GraniteMoeConfig``, Granite's four
   multipliers from the file's scales (as a dense Granite's), the top-k renormalised, q and k
   permuted as a Llama's.
+- ``glm4moe`` (GLM-4.5; transformers does not read it): a ``Glm4MoeConfig``, DeepSeek's routing
+  from ``expert_gating_func`` (sigmoid only), ``exp_probs_b`` (the routing bias),
+  ``expert_weights_norm`` and ``_scale``, ``expert_group_count`` and ``_used_count``; dense
+  layers first (``leading_dense_block_count``), ``expert_shared_count`` shared experts, RoPE on
+  ``rope.dimension_count`` of each head's features (halves: q and k not permuted). The file's
+  ``block_count`` counts its multi-token-prediction layers (``nextn_predict_layers``, the last
+  ones), which are left out (``draft_layers_from``).
 """
 
 from __future__ import annotations
@@ -35,7 +42,9 @@ from actorlm.models.gguf_metadata import field
 
 # GGUF architecture -> model_type, beside the dense ones (Mixtral's files say "llama")
 ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe",
-                 "granitemoe": "granitemoe"}
+                 "granitemoe": "granitemoe", "glm4moe": "glm4_moe"}
+# tensors whose Hugging Face name is not "<name>.<weight or bias>": GLM-4.5's routing bias
+WHOLE_NAMES = {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}
 # GGUF tensor name (after "blk.N.") -> the Hugging Face one (after "model.layers.N."); the
 # stacked experts under a name of their own, split per expert as they are read
 LAYER_NAMES = {
@@ -52,6 +61,13 @@ _PER_EXPERT = re.compile(r"^ffn_(gate|up|down)\.(\d+)$")  # older files: one ten
 def is_moe_file(reader, arch: str) -> bool:
     return arch in ARCHITECTURES or \
         (arch == "llama" and field(reader, "llama.expert_count", 0) > 0)
+
+
+def draft_layers_from(reader, arch: str) -> int | None:
+    """The first of the file's multi-token-prediction layers (GLM-4.5's, counted in its
+    ``block_count``), which the model does not run; None: it has none."""
+    draft = field(reader, f"{arch}.nextn_predict_layers", 0) if arch == "glm4moe" else 0
+    return field(reader, f"{arch}.block_count") - draft if draft else None
 
 
 def per_expert_name(part: str) -> str | None:
@@ -115,8 +131,35 @@ def moe_config(gguf, reader, tensor_names: list[str]):
     if arch == "granitemoe":
         return GraniteMoeConfig(**common, num_local_experts=experts,
                                 **gguf_metadata.granite_multipliers(reader, arch))
+    if arch == "glm4moe":
+        return _glm4moe_config(reader, common, tensor_names, experts)
     if head_dim * heads != hidden:  # its q norm has one weight per feature of q
         raise ValueError(f"olmoe: attention.key_length {head_dim} times {heads} heads is not "
                          f"the embedding length {hidden}")
     return OlmoeConfig(**common, num_experts=experts, norm_topk_prob=False,
                        clip_qkv=field(reader, f"{arch}.attention.clamp_kqv", None))
+
+
+def _glm4moe_config(reader, common: dict, tensor_names: list[str], experts: int):
+    from transformers import Glm4MoeConfig
+
+    arch = "glm4moe"
+    gating = field(reader, f"{arch}.expert_gating_func", 2)
+    if gating != 2:  # (llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID)
+        raise ValueError(f"GGUF {arch} file: expert_gating_func {gating} is not implemented "
+                         f"(only 2, sigmoid)")
+    head_dim = gguf_metadata.head_dim(reader, arch)
+    common["rope_parameters"]["partial_rotary_factor"] = \
+        field(reader, f"{arch}.rope.dimension_count", head_dim) / head_dim
+    common["num_hidden_layers"] = draft_layers_from(reader, arch) or common["num_hidden_layers"]
+    return Glm4MoeConfig(
+        **common, head_dim=head_dim, n_routed_experts=experts,
+        n_shared_experts=field(reader, f"{arch}.expert_shared_count", 0),
+        moe_intermediate_size=field(reader, f"{arch}.expert_feed_forward_length"),
+        first_k_dense_replace=field(reader, f"{arch}.leading_dense_block_count", 0),
+        routed_scaling_factor=field(reader, f"{arch}.expert_weights_scale", 1.0),
+        norm_topk_prob=bool(field(reader, f"{arch}.expert_weights_norm", False)),
+        n_group=field(reader, f"{arch}.expert_group_count", 1) or 1,
+        topk_group=field(reader, f"{arch}.expert_group_used_count", 1) or 1,
+        use_qk_norm=any(name.endswith("q_norm.weight") for name in tensor_names),
+        attention_bias=any(name.endswith("q_proj.bias") for name in tensor_names))

@@ -54,7 +54,7 @@ PROMPT_LEN, NUM_DECODED = 20, 12
 @pytest.fixture(scope="module")
 def routed_dirs(tmp_path_factory, tiny_tokenizer_dir):
     return {family: save_routed(tmp_path_factory, tiny_tokenizer_dir, family)
-            for family in [*FAMILIES, "qwen3_moe_k"]}
+            for family in [*FAMILIES, "qwen3_moe_k", "glm4_moe"]}
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +137,7 @@ def _check_close_where_routed_alike(ours, our_routes, expected, their_routes, wh
     assert not before > MAX_MEAN_KL and not after > MAX_MEAN_KL_AFTER_A_DIFFERENCE
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "glm4_moe"])
 def test_an_f32_file_is_its_checkpoint(family, routed_dirs, gguf_files):
     from transformers import AutoModelForCausalLM
 
@@ -151,6 +151,23 @@ def test_an_f32_file_is_its_checkpoint(family, routed_dirs, gguf_files):
     with torch.inference_mode():
         expected = theirs(torch.tensor([prompt + tokens[:-1]])).logits[0]
     torch.testing.assert_close(logits, expected, atol=2e-4, rtol=0)
+
+
+def test_a_glm_files_draft_layer_is_left_out(routed_dirs, tmp_path):
+    """A GLM-4.5 file counts its multi-token-prediction layer in ``block_count`` and holds it
+    after the others (``nextn`` tensors beside a layer's): the model is the layers before it."""
+    from gguf_moe_files import write_moe_gguf
+
+    with_draft = resolve_model(write_moe_gguf(routed_dirs["glm4_moe"], tmp_path / "mtp.gguf",
+                                              "F32", draft_layer=True))
+    config = load_hf_config(with_draft)
+    assert config.num_hidden_layers == 2 and config.first_k_dense_replace == 1
+    assert (config.routed_scaling_factor, config.n_group, config.topk_group) == (2.5, 2, 1)
+    ours = _load(with_draft)
+    plain = _load(resolve_model(write_moe_gguf(routed_dirs["glm4_moe"], tmp_path / "p.gguf",
+                                               "F32")))
+    prompt = random_prompt(ours.vocab_size, PROMPT_LEN)
+    assert torch.equal(_logits_and_greedy(ours, prompt)[0], _logits_and_greedy(plain, prompt)[0])
 
 
 @pytest.mark.parametrize("family, type_name", [
