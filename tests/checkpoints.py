@@ -413,11 +413,13 @@ def tiny_moe_dirs(tmp_path_factory, tiny_tokenizer_dir):
     head, q/k/v clipped), Granite MoE (Granite's four multipliers, its experts stacked in the
     checkpoint as Granite's releases store them), its shared variant (an unscaled shared MLP
     beside the experts), GLM-4.5 (DeepSeek's sigmoid routing by groups, renormalised and
-    scaled, and without either), and ``qwen3_moe_stacked``,
+    scaled, and without either), ERNIE 4.5 (the softmax plus a bias), and
+    ``qwen3_moe_stacked``,
     ``granitemoe_stacked``: the same weights saved as transformers holds them
     (``save_original_format=False``: the experts stacked under its own names)."""
-    from transformers import (Glm4MoeConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
-                              MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig)
+    from transformers import (Ernie4_5_MoeConfig, Glm4MoeConfig, GraniteMoeConfig,
+                              GraniteMoeSharedConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig,
+                              Qwen3MoeConfig)
 
     common = _common(tiny_tokenizer_dir)
     experts = dict(num_experts_per_tok=2, router_aux_loss_coef=0.0)
@@ -454,6 +456,12 @@ def tiny_moe_dirs(tmp_path_factory, tiny_tokenizer_dir):
                                   first_k_dense_replace=1, routed_scaling_factor=2.5,
                                   norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
                                   tie_word_embeddings=False),
+        # ERNIE's: the softmax plus a bias, renormalised; its first layer dense, a shared MLP,
+        # RoPE on interleaved pairs
+        "ernie4_5_moe": Ernie4_5_MoeConfig(**{**common, "num_hidden_layers": 3}, moe_k=2,
+                                           moe_num_experts=8, moe_intermediate_size=32,
+                                           moe_num_shared_experts=1, moe_layer_start_index=1,
+                                           tie_word_embeddings=False),
         "glm4_moe_unnormed": Glm4MoeConfig(**common, **experts, n_routed_experts=8,
                                            n_shared_experts=2, moe_intermediate_size=32,
                                            first_k_dense_replace=0, routed_scaling_factor=1.5,

@@ -89,6 +89,8 @@ def checkpoint_tensors(config, tensors):
     if has_head_layer_norms(config):
         tensors = _flat_head_norms(config, tensors)
     for name, tensor in _split_fused(config, tensors, q_size, kv_size):
+        if name.endswith(".mlp.score_bias"):  # (ERNIE's is [1, E])
+            tensor = narrow(tensor, 0, 0, None).reshape(-1)
         if order is not None and name.endswith(ROTATED_Q_K):
             tensor = reordered(narrow(tensor, 0, 0, None), order, head_dim_of(config))
         yield name, tensor
@@ -136,9 +138,11 @@ def _split_fused(config, tensors, q_size: int, kv_size: int):
 
 
 def _past_the_layers(config, name: str) -> bool:
-    """A GLM-4.5 checkpoint's multi-token-prediction layer (``model.layers.{N}``, N the
-    config's layers or more): a draft's, which the model does not run (transformers ignores
-    it too)."""
+    """A checkpoint's multi-token-prediction weights, a draft's, which the model does not run
+    (transformers ignores them too): GLM-4.5's layer ``model.layers.{N}``, N the config's
+    layers or more; ERNIE 4.5's ``mtp`` tensors."""
+    if config.model_type == "ernie4_5_moe":
+        return "mtp" in name
     if config.model_type != "glm4_moe" or not name.startswith("model.layers."):
         return False
     return int(name.split(".", 3)[2]) >= config.num_hidden_layers

@@ -257,11 +257,11 @@ class DecoderLayer(nn.Module):
         """This layer for the backend's one-call decode step (once the weights are loaded), or
         None where a plan does not describe it: q/k norms over projections split across
         tensor-parallel ranks (their mean square is summed over the ranks), each head's q/k
-        LayerNorm by its own weights, q/k norms after RoPE, DeepSeek's sigmoid routing (the
-        step has none of them)."""
+        LayerNorm by its own weights, q/k norms after RoPE, routing by scores (DeepSeek's,
+        ERNIE's): the step has none of them."""
         attn, mlp = self.self_attn, self.mlp
         if attn.head_layer_norms or attn.norms_after_rope or \
-                isinstance(mlp, SparseMoeBlock) and mlp.sigmoid:
+                isinstance(mlp, SparseMoeBlock) and mlp.routed_here:
             return None
         projection_norms = None
         if attn.projection_norms:

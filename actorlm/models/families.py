@@ -115,7 +115,8 @@ _QK_NORMS = {"qwen3": "head", "gemma3_text": "head", "qwen3_moe": "head", "olmoe
              "hunyuan_v1_dense": "head_after_rope"}
 _OUTPUT_NORMS_ONLY = ("olmo2", "olmo3", "exaone4")  # norms on the branches' outputs only
 _COHERE = ("cohere", "cohere2")
-_INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5", "helium", *_COHERE)  # RoPE on (2i, 2i + 1)
+# RoPE on (2i, 2i + 1)
+_INTERLEAVED_ROPE = ("glm", "glm4", "ernie4_5", "ernie4_5_moe", "helium", *_COHERE)
 # LayerNorm, with a bias but in Cohere's
 _LAYER_NORM = ("starcoder2", "phi", "opt", "gpt2", "gpt_bigcode", "stablelm", "nemotron",
                "gpt_neox", "falcon", "olmo", *_COHERE)

@@ -1,10 +1,12 @@
 """A decoder layer's mixture of experts, in place of its dense MLP (Qwen3-MoE, Mixtral,
-Qwen2-MoE, OLMoE, GLM-4.5; ``moe_families.py`` says which layers and how they route).
+Qwen2-MoE, OLMoE, GLM-4.5, ERNIE 4.5; ``moe_families.py`` says which layers and how they
+route).
 
 A router (a linear layer, [E, H]) scores every expert for each token; the backend's
 ``fused_moe`` sends each token to its ``top_k`` experts and sums their outputs, weighted by the
-router's softmax. GLM-4.5 routes by DeepSeek's sigmoid scores instead, handed to the same door
-as logits whose softmax gives its weights (``sigmoid_routing``). Qwen2-MoE adds a shared
+router's softmax. GLM-4.5 routes by DeepSeek's sigmoid scores instead, ERNIE 4.5 by the
+softmax's plus a bias, handed to the same door as logits whose softmax gives their weights
+(``scored_routing``). Qwen2-MoE adds a shared
 expert, a dense MLP every token takes, scaled by ``sigmoid(shared_expert_gate(x))``; Granite
 MoE's shared variant and GLM-4.5 add one unscaled.
 
@@ -52,14 +54,21 @@ class MoeSpec:
     renormalize: bool  # the top-k weights divided by their sum (Mixtral; norm_topk_prob)
     shared_intermediate_size: int | None = None  # a shared expert's (Qwen2-MoE's, Granite's)
     shared_gated: bool = True  # scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE) or not
-    # DeepSeek's routing (GLM-4.5's), "sigmoid": the experts of highest sigmoid(logits) plus a
-    # learned bias (``score_bias``), within the ``top_groups`` best of ``num_groups`` groups,
-    # weighted by their sigmoids (renormalised by ``renormalize``) times ``scale``
+    # routing by scores (``scored_routing``): "sigmoid", DeepSeek's (GLM-4.5's), or "softmax";
+    # the experts of highest score plus a learned bias (``score_bias``: DeepSeek's, ERNIE's),
+    # within the ``top_groups`` best of ``num_groups`` groups, weighted by their scores
+    # (renormalised by ``renormalize``, by a sum of at least ``norm_min``) times ``scale``
     scoring: str = "softmax"
     score_bias: bool = False
     num_groups: int = 1
     top_groups: int = 1
     scale: float = 1.0
+    norm_min: float = 0.0
+
+    @property
+    def routed_by_scores(self) -> bool:
+        """Whether the block routes (``scored_routing``) rather than the kernels' softmax."""
+        return self.scoring == "sigmoid" or self.score_bias
 
 
 class MoeTimer:
@@ -169,10 +178,11 @@ class SparseMoeBlock(nn.Module):
                  shared_expert: nn.Module | None = None):
         super().__init__()
         self.backend, self.tp, self.spec = backend, tp, spec
-        # every rank: all experts; a sigmoid router in fp32, as its families keep it
-        self.sigmoid = spec.scoring == "sigmoid"
+        # every rank: all experts; a router that routes by scores in fp32, as its families
+        # keep it
+        self.routed_here = spec.routed_by_scores
         self.gate = Linear(hidden_size, spec.num_experts, False,
-                           torch.float32 if self.sigmoid else dtype, device)
+                           torch.float32 if self.routed_here else dtype, device)
         self.score_bias = nn.Parameter(torch.zeros(spec.num_experts, device=device), False) \
             if spec.score_bias else None
         self.experts = RoutedExperts(spec, hidden_size, activation, dtype, device, tp)
@@ -186,9 +196,9 @@ class SparseMoeBlock(nn.Module):
         # each rank)
         timer = self.timer
         t_start = time.perf_counter() if timer is not None else 0.0
-        if self.sigmoid:
-            router_logits, factor = sigmoid_routing(self.gate(x.float()), self.score_bias,
-                                                    self.spec)
+        if self.routed_here:
+            router_logits, factor = scored_routing(self.gate(x.float()), self.score_bias,
+                                                   self.spec)
         else:
             router_logits, factor = self.gate(x), None
         t_routed = time.perf_counter() if timer is not None else 0.0
@@ -207,15 +217,17 @@ class SparseMoeBlock(nn.Module):
         return all_reduce(self.tp, out)
 
 
-def sigmoid_routing(logits: torch.Tensor, bias: torch.Tensor | None, spec: MoeSpec
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek's routing, as logits that the backend's softmax routing (renormalised) turns
-    into its weights, and each token's factor [T, 1] after: the chosen experts' logits are
-    their weights' logs and the others' -inf, so the softmax over them is each weight over
-    their sum; the factor brings the sum back where the family does not renormalise, and the
-    scale. The experts are the top k of sigmoid(logits) + bias, among the ``top_groups``
-    groups whose two best experts score most (transformers' ``Glm4MoeTopkRouter``)."""
-    scores = logits.sigmoid()  # [T, E] fp32
+def scored_routing(logits: torch.Tensor, bias: torch.Tensor | None, spec: MoeSpec
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A routing by scores (DeepSeek's, ERNIE's), as logits that the backend's softmax routing
+    (renormalised) turns into its weights, and each token's factor [T, 1] after: the chosen
+    experts' logits are their weights' logs and the others' -inf, so the softmax over them is
+    each weight over their sum; the factor brings the sum back where the family does not
+    renormalise (or divides by ``norm_min`` where the sum is smaller), and the scale. The
+    experts are the top k of the scores (sigmoid or softmax of the logits) + bias, among the
+    ``top_groups`` groups whose two best experts score most (transformers'
+    ``Glm4MoeTopkRouter``, ``Ernie4_5_MoeTopKRouter``)."""
+    scores = logits.sigmoid() if spec.scoring == "sigmoid" else logits.softmax(-1)  # fp32
     choice = scores if bias is None else scores + bias
     if spec.num_groups > 1:
         per_group = spec.num_experts // spec.num_groups
@@ -226,7 +238,6 @@ def sigmoid_routing(logits: torch.Tensor, bias: torch.Tensor | None, spec: MoeSp
     chosen = choice.topk(spec.top_k, -1).indices
     weights = scores.gather(1, chosen)
     routed = torch.full_like(scores, float("-inf")).scatter_(1, chosen, weights.log())
-    factor = torch.full_like(weights[:, :1], spec.scale)
-    if not spec.renormalize:
-        factor = factor * weights.sum(-1, keepdim=True)
-    return routed, factor
+    total = weights.sum(-1, keepdim=True)
+    kept = total / total.clamp(min=spec.norm_min) if spec.renormalize else total
+    return routed, kept * spec.scale

@@ -30,6 +30,13 @@
   ``n_group`` groups, weighted by their sigmoids (renormalised by ``norm_topk_prob``) times
   ``routed_scaling_factor``, the router in fp32. Its checkpoints' multi-token-prediction
   layers (past ``num_hidden_layers``) are left out, as transformers leaves them.
+- ERNIE 4.5 (``ernie4_5_moe``: ERNIE-4.5-21B-A3B, -300B-A47B, their Thinking): ERNIE 4.5's
+  attention (RoPE on interleaved pairs) with experts of ``moe_intermediate_size`` on every
+  ``moe_layer_interval``-th layer from ``moe_layer_start_index`` to ``moe_layer_end_index``
+  (dense MLPs elsewhere) beside an unscaled shared MLP of ``moe_num_shared_experts`` times
+  that size; the top k of the softmax plus ``moe_statics.e_score_correction_bias``, weighted
+  by the softmax renormalised (by a sum of at least ``moe_norm_min``); its
+  multi-token-prediction weights (``mtp``) are left out. ``use_bias`` is refused.
 
 The others route by the softmax of the router's logits (in fp32) and its top
 ``num_experts_per_tok``. Fields of other MoE families that would change the routing
@@ -46,11 +53,14 @@ import re
 from actorlm.models.moe import MoeSpec
 
 _GRANITE_MOE = ("granitemoe", "granitemoeshared")
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", *_GRANITE_MOE, "glm4_moe")
-_SIGMOID_ROUTED = ("glm4_moe",)  # DeepSeek's routing: its fields are read, not refused
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", *_GRANITE_MOE, "glm4_moe",
+                   "ernie4_5_moe")
+# routed by scores and a learned bias (DeepSeek's routing, ERNIE's): their fields are read
+_SCORED = ("glm4_moe", "ernie4_5_moe")
 # every layer routed, experts of intermediate_size
 _EVERY_LAYER = ("mixtral", "olmoe", *_GRANITE_MOE)
-_RENORMALIZED = ("mixtral", *_GRANITE_MOE)  # the top-k weights, whatever norm_topk_prob says
+# the top-k weights, whatever norm_topk_prob says
+_RENORMALIZED = ("mixtral", *_GRANITE_MOE, "ernie4_5_moe")
 # field -> the values that leave the routing as these families compute it
 _OTHER_ROUTING = {
     "routed_scaling_factor": (None, 1, 1.0),
@@ -90,9 +100,12 @@ def num_experts_of(config) -> int:
 def check_moe_config(config) -> None:
     """Refuse, by name, what a MoE family's ``config`` asks for that is not computed here."""
     model_type = config.model_type
-    if model_type in _SIGMOID_ROUTED:
-        _check_sigmoid_routing(config)
-    for field, defaults in ({} if model_type in _SIGMOID_ROUTED else _OTHER_ROUTING).items():
+    if model_type == "glm4_moe":
+        _check_groups(config)
+    if model_type == "ernie4_5_moe" and config.use_bias:
+        raise ValueError("ernie4_5_moe: use_bias (biases on the dense and shared MLPs beside "
+                         "unbiased experts) is not implemented")
+    for field, defaults in ({} if model_type in _SCORED else _OTHER_ROUTING).items():
         value = getattr(config, field, None)
         if value not in defaults:
             raise ValueError(f"{model_type}: {field}={value!r} is not implemented (it changes "
@@ -131,7 +144,7 @@ def check_moe_config(config) -> None:
             raise ValueError(f"olmoe: clip_qkv must be positive, got {clip!r}")
 
 
-def _check_sigmoid_routing(config) -> None:
+def _check_groups(config) -> None:
     groups, top_groups = config.n_group or 1, config.topk_group or 1
     experts, top_k = num_experts_of(config), config.num_experts_per_tok
     if experts % groups or not 1 <= top_groups <= groups or \
@@ -151,8 +164,13 @@ def moe_specs(config) -> list[MoeSpec | None]:
     if model_type in _EVERY_LAYER:
         routed = [True] * num_layers
         size = config.intermediate_size
-    elif model_type in _SIGMOID_ROUTED:
+    elif model_type == "glm4_moe":
         routed = [layer >= config.first_k_dense_replace for layer in range(num_layers)]
+        size = config.moe_intermediate_size
+    elif model_type == "ernie4_5_moe":
+        first, last = config.moe_layer_start_index, config.moe_layer_end_index
+        routed = [(layer + 1) % config.moe_layer_interval == 0 and first <= layer <= last
+                  for layer in range(num_layers)]
         size = config.moe_intermediate_size
     else:
         dense = set(getattr(config, "mlp_only_layers", None) or ())
@@ -164,7 +182,7 @@ def moe_specs(config) -> list[MoeSpec | None]:
         num_experts=num_experts_of(config), top_k=config.num_experts_per_tok,
         intermediate_size=size,
         renormalize=model_type in _RENORMALIZED or bool(getattr(config, "norm_topk_prob", False)),
-        **_shared_expert(config), **_sigmoid_routing(config))
+        **_shared_expert(config), **_scored_routing(config))
     return [spec if is_routed else None for is_routed in routed]
 
 
@@ -175,18 +193,23 @@ def _shared_expert(config) -> dict:
     if config.model_type == "granitemoeshared" and config.shared_intermediate_size:
         return {"shared_intermediate_size": config.shared_intermediate_size,
                 "shared_gated": False}
-    if config.model_type in _SIGMOID_ROUTED and config.n_shared_experts:
-        return {"shared_intermediate_size": config.moe_intermediate_size *
-                config.n_shared_experts, "shared_gated": False}
+    shared = getattr(config, "n_shared_experts", None) or \
+        getattr(config, "moe_num_shared_experts", None)
+    if config.model_type in _SCORED and shared:
+        return {"shared_intermediate_size": config.moe_intermediate_size * shared,
+                "shared_gated": False}
     return {}
 
 
-def _sigmoid_routing(config) -> dict:
-    """MoeSpec's fields for DeepSeek's routing (none: the softmax's defaults)."""
-    if config.model_type not in _SIGMOID_ROUTED:
-        return {}
-    return {"scoring": "sigmoid", "score_bias": True, "num_groups": config.n_group or 1,
-            "top_groups": config.topk_group or 1, "scale": float(config.routed_scaling_factor)}
+def _scored_routing(config) -> dict:
+    """MoeSpec's fields for a routing by scores and a bias (none: the softmax's defaults)."""
+    if config.model_type == "glm4_moe":  # DeepSeek's
+        return {"scoring": "sigmoid", "score_bias": True, "num_groups": config.n_group or 1,
+                "top_groups": config.topk_group or 1,
+                "scale": float(config.routed_scaling_factor)}
+    if config.model_type == "ernie4_5_moe":
+        return {"score_bias": True, "norm_min": config.moe_norm_min}
+    return {}
 
 
 def shared_expert_size(config) -> int | None:
@@ -232,9 +255,10 @@ def checkpoint_name(config, name: str) -> str:
         for fragment, ours in _GRANITE_MOE_NAMES.items():
             name = name.replace(fragment, ours)
         return name
-    if config.model_type in _SIGMOID_ROUTED:
+    if config.model_type in _SCORED:
         return name.replace(".mlp.shared_experts.", ".mlp.shared_expert.") \
-            .replace(".mlp.gate.e_score_correction_bias", ".mlp.score_bias")
+            .replace(".mlp.gate.e_score_correction_bias", ".mlp.score_bias") \
+            .replace(".mlp.moe_statics.e_score_correction_bias", ".mlp.score_bias")
     if config.model_type != "mixtral":
         return name
     name = name.replace(".block_sparse_moe.", ".mlp.")

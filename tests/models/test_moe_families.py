@@ -1,6 +1,6 @@
 """The mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, Granite MoE and its
-shared variant, GLM-4.5 with DeepSeek's routing) against transformers on the same tiny checkpoints
-(``checkpoints.tiny_moe_dirs``): logits at every position of a 40-token prompt and 40 greedy
+shared variant, GLM-4.5 with DeepSeek's routing, ERNIE 4.5) against transformers on the same
+tiny checkpoints (``checkpoints.tiny_moe_dirs``): logits at every position of a 40-token prompt and 40 greedy
 tokens after it, the greedy tokens themselves by vLLM's rule, the layers that route, both
 layouts of the experts in a checkpoint, and the configs refused."""
 
@@ -22,8 +22,9 @@ from actorlm.models.loader import load_hf_config, load_model
 from actorlm.models.moe import SparseMoeBlock
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "granitemoeshared"]
-# DeepSeek's sigmoid routing, which the one-call decode step does not describe
-SIGMOID_ROUTED = ["glm4_moe", "glm4_moe_unnormed"]
+# routed by scores and a bias (DeepSeek's sigmoid routing, ERNIE's softmax), which the one-call
+# decode step does not describe
+SCORED = ["glm4_moe", "glm4_moe_unnormed", "ernie4_5_moe"]
 PROMPT_LEN, NUM_DECODED = 40, 40
 ATOL = {torch.float32: 2e-4, torch.bfloat16: None}  # bf16: judged by the greedy tokens only
 
@@ -38,24 +39,34 @@ def hf_models(tiny_moe_dirs):
 
     return {(name, dtype): AutoModelForCausalLM.from_pretrained(tiny_moe_dirs[name],
                                                                 dtype=dtype).eval()
-            for name in FAMILIES + SIGMOID_ROUTED for dtype in (torch.float32, torch.bfloat16)}
+            for name in FAMILIES + SCORED for dtype in (torch.float32, torch.bfloat16)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("family", FAMILIES + SIGMOID_ROUTED)
+@pytest.mark.parametrize("family", FAMILIES + SCORED)
 def test_logits_at_every_position_match_transformers(family, dtype, tiny_moe_dirs, hf_models):
     theirs = hf_models[family, dtype]
     ours = load_model(tiny_moe_dirs[family], dtype, "cpu", select_backend("cpu"))
     prompt = random_prompt(ours.vocab_size, PROMPT_LEN)
     logits, tokens, tops = greedy_with_logits(ours, prompt, NUM_DECODED, block_size=4)
-    check_logprobs_close([(tokens, tops)], [hf_continuation(theirs, prompt, NUM_DECODED)])
+    try:
+        check_logprobs_close([(tokens, tops)], [hf_continuation(theirs, prompt, NUM_DECODED)])
+    except AssertionError:
+        if dtype is not torch.bfloat16:
+            raise
+        # two bf16 runs may part at a near-tie, each within bf16's rounding of the fp32 run
+        # (ERNIE's tiny model does, its logits' errors larger than a tie's margin): then both
+        # must stay close to transformers in fp32
+        exact = hf_continuation(hf_models[family, torch.float32], prompt, NUM_DECODED)
+        check_logprobs_close([(tokens, tops)], [exact])
+        check_logprobs_close([hf_continuation(theirs, prompt, NUM_DECODED)], [exact])
     if ATOL[dtype] is not None:
         with torch.inference_mode():  # one forward over the whole sequence: every position
             expected = theirs(torch.tensor([prompt + tokens[:-1]])).logits[0]
         torch.testing.assert_close(logits, expected, atol=ATOL[dtype], rtol=0)
 
 
-@pytest.mark.parametrize("family", FAMILIES + SIGMOID_ROUTED)
+@pytest.mark.parametrize("family", FAMILIES + SCORED)
 def test_the_layers_transformers_routes_route_here_and_take_the_one_call_where_described(
         family, tiny_moe_dirs, hf_models):
     ours = load_model(tiny_moe_dirs[family], torch.float32, "cpu", select_backend("cpu"))
@@ -67,28 +78,36 @@ def test_the_layers_transformers_routes_route_here_and_take_the_one_call_where_d
     # the one-call decode step runs routed experts (where the panel GEMM is built), OLMoE's
     # q/k norms over whole projections included
     assert (ours.decode_step is not None) == \
-        (cpu_linear._kernel(torch.float32) is not None and family not in SIGMOID_ROUTED)
-    assert any(routed) and (family not in ("qwen3_moe", "qwen2_moe", "glm4_moe") or
-                            not all(routed))
+        (cpu_linear._kernel(torch.float32) is not None and family not in SCORED)
+    assert any(routed) and (family not in ("qwen3_moe", "qwen2_moe", "glm4_moe",
+                                           "ernie4_5_moe") or not all(routed))
 
 
-def test_a_glm_checkpoints_next_token_prediction_layer_is_left_out(tiny_moe_dirs, tmp_path):
-    """GLM-4.5's releases hold a multi-token-prediction layer past ``num_hidden_layers`` (a
-    draft's), which the model does not run; loading leaves it out, as transformers does."""
+@pytest.mark.parametrize("family, draft", [
+    ("glm4_moe", lambda state: {name.replace("model.layers.2.", "model.layers.3."): t.clone()
+                                for name, t in state.items()
+                                if name.startswith("model.layers.2.")}),
+    ("ernie4_5_moe", lambda state: {name.replace("model.layers.2.", "model.mtp_block.0."):
+                                    t.clone() for name, t in state.items()
+                                    if name.startswith("model.layers.2.")})])
+def test_a_checkpoints_next_token_prediction_weights_are_left_out(tiny_moe_dirs, tmp_path,
+                                                                  family, draft):
+    """GLM-4.5's releases hold a multi-token-prediction layer past ``num_hidden_layers``,
+    ERNIE 4.5's ``mtp`` tensors (a draft's), which the model does not run; loading leaves them
+    out, as transformers does."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    copy = shutil.copytree(tiny_moe_dirs["glm4_moe"], tmp_path / "glm_mtp")
+    copy = shutil.copytree(tiny_moe_dirs[family], tmp_path / "with_mtp")
     [weights] = copy.glob("*.safetensors")
     state = load_file(weights)
-    extra = {name.replace("model.layers.2.", "model.layers.3."): tensor.clone()
-             for name, tensor in state.items() if name.startswith("model.layers.2.")}
-    save_file({**state, **extra, "model.layers.3.eh_proj.weight": torch.zeros(64, 128)},
-              weights, metadata={"format": "pt"})
+    extra = {"model.mtp_linear_proj.0.weight" if family == "ernie4_5_moe" else
+             "model.layers.3.eh_proj.weight": torch.zeros(64, 128)}
+    save_file({**state, **draft(state), **extra}, weights, metadata={"format": "pt"})
     backend = select_backend("cpu")
     with_mtp = load_model(copy, torch.float32, "cpu", backend)
-    plain = load_model(tiny_moe_dirs["glm4_moe"], torch.float32, "cpu", backend)
+    plain = load_model(tiny_moe_dirs[family], torch.float32, "cpu", backend)
     assert len(with_mtp.model.layers) == 3
     prompt = random_prompt(plain.vocab_size, PROMPT_LEN)
     assert torch.equal(greedy_with_logits(with_mtp, prompt, 4, block_size=4)[0],
@@ -140,6 +159,7 @@ def _config(tiny_moe_dirs, tmp_path, family, **changes):
      "granitemoeshared: shared_intermediate_size=-1 must be 0"),
     ("glm4_moe", {"n_group": 3}, "glm4_moe: n_group=3 and topk_group=1 do not choose 2 of 8"),
     ("glm4_moe", {"topk_group": 3}, "n_group=2 and topk_group=3"),
+    ("ernie4_5_moe", {"use_bias": True}, "ernie4_5_moe: use_bias"),
 ])
 def test_configs_that_change_the_routing_unimplemented_are_refused_by_name(
         family, changes, error, tiny_moe_dirs, tmp_path):
