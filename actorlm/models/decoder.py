@@ -115,14 +115,18 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = (HeadLayerNorm(heads, d, spec.norm_eps, spec.qk_norm_bias,
                                                       dtype, device)
                                         for heads in (self.num_heads, self.num_kv_heads))
-        # (the backend norms the heads by one RMS norm before RoPE; the others are normed here)
-        self.norms_here = self.projection_norms or self.head_layer_norms
         head_norms = (None, None) if self.q_norm is None or self.norms_here or \
             self.norms_after_rope else (self.q_norm.norm, self.k_norm.norm)
         self.layer = AttentionLayer(
             self.num_heads, self.num_kv_heads, d,
             spec.attention_scale if spec.attention_scale is not None else d**-0.5, spec.window,
             *head_norms, spec.softcap)
+
+    @property
+    def norms_here(self) -> bool:
+        """Whether q and k are normed here before the attention: over whole projections, or
+        each head by its own LayerNorm (the backend norms the heads by one RMS norm)."""
+        return self.projection_norms or self.head_layer_norms
 
     def forward(self, x, cos, sin_signed, kv_cache, meta):
         # x: [T, hidden]; cos, sin_signed: [T, 1, D]

@@ -125,7 +125,7 @@ CASES = [
     ("structured-outputs-two-kinds", "POST", CHAT, _chat(structured_outputs={
         "regex": "a", "choice": ["b"]}), 400, "structured_outputs", "exactly one"),
     ("structured-outputs-unknown-key", "POST", CHAT, _chat(structured_outputs={
-        "structural_tag": "x"}), 400, "structured_outputs", "structural_tag"),
+        "whitespace_pattern": " "}), 400, "structured_outputs", "whitespace_pattern"),
     ("other-grammar-backend", "POST", CMPL, _cmpl(guided_decoding_backend="outlines"), 400,
      "guided_decoding_backend", "xgrammar"),
     # tools: auto needs the operator's parser; a choice must name a tool the request has
