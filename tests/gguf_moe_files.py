@@ -5,7 +5,8 @@ Qwen2-MoE's shared-expert gate ``ffn_gate_inp_shexp`` (squeezed to [H]) kept in 
 llama.cpp keeps them, and every other matrix in one block format. Mixtral's file says
 architecture ``llama`` (its q and k rows permuted), OLMoE's ``olmoe``, Granite MoE's
 ``granitemoe`` (q and k permuted, its stacked gate/up split in two, its scales as Granite's),
-GLM-4.5's ``glm4moe`` (its routing bias ``exp_probs_b``, DeepSeek's routing in the metadata).
+GLM-4.5's ``glm4moe`` (its routing bias ``exp_probs_b``, DeepSeek's routing in the metadata),
+ERNIE 4.5's ``ernie4_5-moe`` (its routing bias as ``exp_probs_b`` too).
 
 The checkpoints here (``save_routed``) route every layer, as llama.cpp's MoE graphs do (GLM-4.5's
 but its first, dense as ``leading_dense_block_count`` says).
@@ -22,7 +23,8 @@ from gguf_files import (K_TYPES, _permute, _write_config, _write_tokenizer,
                         dequantized_checkpoint, random_blocks)
 
 ARCHITECTURES = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama",
-                 "olmoe": "olmoe", "granitemoe": "granitemoe", "glm4_moe": "glm4moe"}
+                 "olmoe": "olmoe", "granitemoe": "granitemoe", "glm4_moe": "glm4moe",
+                 "ernie4_5_moe": "ernie4_5-moe"}
 _PERMUTED = ("mixtral", "granitemoe")  # q and k rows permuted, as a Llama's
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -42,9 +44,10 @@ _GLM4_MOE = {"post_attention_layernorm": "post_attention_norm"}
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 _MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_KEPT_IN_F32 = ("ffn_gate_inp", "ffn_gate_inp_shexp")  # llama.cpp never quantizes the routers
+# llama.cpp never quantizes the routers (nor their biases)
+_KEPT_IN_F32 = ("ffn_gate_inp", "ffn_gate_inp_shexp", "exp_probs_b")
 _SEEDS = {"mixtral": 40, "olmoe": 41, "qwen2_moe": 42, "qwen3_moe": 43, "qwen3_moe_k": 44,
-          "granitemoe": 45, "glm4_moe": 46}
+          "granitemoe": 45, "glm4_moe": 46, "ernie4_5_moe": 47}
 
 
 def moe_state(hf_dir: pathlib.Path) -> tuple[dict, dict[str, np.ndarray]]:
@@ -82,7 +85,7 @@ def moe_state(hf_dir: pathlib.Path) -> tuple[dict, dict[str, np.ndarray]]:
             values = _permute(values, heads)
         if part == "mlp.shared_expert_gate":
             values = values.reshape(-1)  # [1, H] -> [H], as llama.cpp's converter squeezes it
-        if part == "mlp.gate" and kind == "e_score_correction_bias":  # (GLM-4.5's)
+        if kind == "e_score_correction_bias":  # (GLM-4.5's, ERNIE's [1, E])
             tensors[f"blk.{layer}.exp_probs_b.bias"] = values
             continue
         names = {**_LAYER, **_GLM4_MOE} if config["model_type"] == "glm4_moe" else _LAYER
@@ -139,9 +142,10 @@ def _write_moe_config(writer, config: dict) -> None:
     model_type = config["model_type"]
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     _write_config(writer, {**config, "head_dim": head_dim})  # (the dense keys)
-    writer.add_expert_count(config.get("num_experts") or config.get("num_local_experts") or
-                            config["n_routed_experts"])
-    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_count(next(config[key] for key in (
+        "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+        if config.get(key)))
+    writer.add_expert_used_count(config.get("num_experts_per_tok") or config["moe_k"])
     if model_type in ("qwen3_moe", "qwen2_moe"):
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     if model_type == "qwen2_moe":
@@ -158,6 +162,11 @@ def _write_moe_config(writer, config: dict) -> None:
         writer.add_expert_group_count(config["n_group"])
         writer.add_expert_group_used_count(config["topk_group"])
         writer.add_nextn_predict_layers(config.get("num_nextn_predict_layers", 0))
+    if model_type == "ernie4_5_moe":
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        writer.add_expert_shared_count(config["moe_num_shared_experts"])
+        writer.add_leading_dense_block_count(config["moe_layer_start_index"])
+        writer.add_interleave_moe_layer_step(config["moe_layer_interval"])
 
 
 def dequantized_moe(hf_dir: pathlib.Path, type_name: str):
@@ -175,8 +184,8 @@ def save_routed(tmp_path_factory, tokenizer_dir, family: str) -> pathlib.Path:
     experts have 64 features, so that 2 tensor-parallel ranks split their down projections on
     32-value blocks; Mixtral's and OLMoE's 32, which 2 ranks can split only as whole experts."""
     from checkpoints import _common, _save_tiny
-    from transformers import (Glm4MoeConfig, GraniteMoeConfig, MixtralConfig, OlmoeConfig,
-                              Qwen2MoeConfig, Qwen3MoeConfig)
+    from transformers import (Ernie4_5_MoeConfig, Glm4MoeConfig, GraniteMoeConfig,
+                              MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig)
 
     common = {**_common(tokenizer_dir), "num_hidden_layers": 2}
     experts = dict(num_experts_per_tok=2, router_aux_loss_coef=0.0, tie_word_embeddings=False)
@@ -201,6 +210,9 @@ def save_routed(tmp_path_factory, tokenizer_dir, family: str) -> pathlib.Path:
             moe_intermediate_size=64, n_group=2, topk_group=1, first_k_dense_replace=1,
             routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True,
             attention_bias=True),
+        "ernie4_5_moe": lambda: Ernie4_5_MoeConfig(
+            **common, **experts, moe_num_experts=8, moe_intermediate_size=64,
+            moe_num_shared_experts=1, moe_layer_start_index=1),
         "qwen3_moe_k": lambda: Qwen3MoeConfig(
             **{**common, "hidden_size": 256, "head_dim": 64, "initializer_range": 0.1},
             **experts, num_experts=8, moe_intermediate_size=256, norm_topk_prob=True),

@@ -28,6 +28,11 @@ top ``expert_used_count``):
   ``rope.dimension_count`` of each head's features (halves: q and k not permuted). The file's
   ``block_count`` counts its multi-token-prediction layers (``nextn_predict_layers``, the last
   ones), which are left out (``draft_layers_from``).
+- ``ernie4_5-moe`` (ERNIE 4.5; transformers does not read it): an ``Ernie4_5_MoeConfig``,
+  experts every ``interleave_moe_layer_step``-th layer from ``leading_dense_block_count`` on
+  (its ``moe_layer_start_index``), ``expert_shared_count`` shared experts, the routing bias
+  ``exp_probs_b``; q and k as the checkpoint's (interleaved pairs, reordered as a
+  checkpoint's are). llama.cpp's converter leaves out the multi-token-prediction weights.
 """
 
 from __future__ import annotations
@@ -42,8 +47,10 @@ from actorlm.models.gguf_metadata import field
 
 # GGUF architecture -> model_type, beside the dense ones (Mixtral's files say "llama")
 ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe",
-                 "granitemoe": "granitemoe", "glm4moe": "glm4_moe"}
-# tensors whose Hugging Face name is not "<name>.<weight or bias>": GLM-4.5's routing bias
+                 "granitemoe": "granitemoe", "glm4moe": "glm4_moe",
+                 "ernie4_5-moe": "ernie4_5_moe"}
+# tensors whose Hugging Face name is not "<name>.<weight or bias>": GLM-4.5's and ERNIE 4.5's
+# routing bias
 WHOLE_NAMES = {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}
 # GGUF tensor name (after "blk.N.") -> the Hugging Face one (after "model.layers.N."); the
 # stacked experts under a name of their own, split per expert as they are read
@@ -133,6 +140,8 @@ def moe_config(gguf, reader, tensor_names: list[str]):
                                 **gguf_metadata.granite_multipliers(reader, arch))
     if arch == "glm4moe":
         return _glm4moe_config(reader, common, tensor_names, experts)
+    if arch == "ernie4_5-moe":
+        return _ernie4_5_moe_config(reader, common, tensor_names, experts)
     if head_dim * heads != hidden:  # its q norm has one weight per feature of q
         raise ValueError(f"olmoe: attention.key_length {head_dim} times {heads} heads is not "
                          f"the embedding length {hidden}")
@@ -163,3 +172,19 @@ def _glm4moe_config(reader, common: dict, tensor_names: list[str], experts: int)
         topk_group=field(reader, f"{arch}.expert_group_used_count", 1) or 1,
         use_qk_norm=any(name.endswith("q_norm.weight") for name in tensor_names),
         attention_bias=any(name.endswith("q_proj.bias") for name in tensor_names))
+
+
+def _ernie4_5_moe_config(reader, common: dict, tensor_names: list[str], experts: int):
+    from transformers import Ernie4_5_MoeConfig
+
+    arch = "ernie4_5-moe"
+    if any(name.endswith("q_proj.bias") for name in tensor_names):
+        raise ValueError(f"GGUF {arch} file: biases (use_bias) are not implemented")
+    top_k = common.pop("num_experts_per_tok")
+    return Ernie4_5_MoeConfig(
+        **common, head_dim=gguf_metadata.head_dim(reader, arch), moe_num_experts=experts,
+        moe_k=top_k,
+        moe_intermediate_size=field(reader, f"{arch}.expert_feed_forward_length"),
+        moe_num_shared_experts=field(reader, f"{arch}.expert_shared_count", 0),
+        moe_layer_start_index=field(reader, f"{arch}.leading_dense_block_count", 0),
+        moe_layer_interval=field(reader, f"{arch}.interleave_moe_layer_step", 1))

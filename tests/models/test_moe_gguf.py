@@ -54,7 +54,7 @@ PROMPT_LEN, NUM_DECODED = 20, 12
 @pytest.fixture(scope="module")
 def routed_dirs(tmp_path_factory, tiny_tokenizer_dir):
     return {family: save_routed(tmp_path_factory, tiny_tokenizer_dir, family)
-            for family in [*FAMILIES, "qwen3_moe_k", "glm4_moe"]}
+            for family in [*FAMILIES, "qwen3_moe_k", "glm4_moe", "ernie4_5_moe"]}
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +137,7 @@ def _check_close_where_routed_alike(ours, our_routes, expected, their_routes, wh
     assert not before > MAX_MEAN_KL and not after > MAX_MEAN_KL_AFTER_A_DIFFERENCE
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "glm4_moe"])
+@pytest.mark.parametrize("family", [*FAMILIES, "glm4_moe", "ernie4_5_moe"])
 def test_an_f32_file_is_its_checkpoint(family, routed_dirs, gguf_files):
     from transformers import AutoModelForCausalLM
 
