@@ -413,13 +413,13 @@ def tiny_moe_dirs(tmp_path_factory, tiny_tokenizer_dir):
     head, q/k/v clipped), Granite MoE (Granite's four multipliers, its experts stacked in the
     checkpoint as Granite's releases store them), its shared variant (an unscaled shared MLP
     beside the experts), GLM-4.5 (DeepSeek's sigmoid routing by groups, renormalised and
-    scaled, and without either), ERNIE 4.5 (the softmax plus a bias), and
-    ``qwen3_moe_stacked``,
+    scaled, and without either), ERNIE 4.5 (the softmax plus a bias), Hunyuan (a router in
+    fp32, q/k norms after RoPE), and ``qwen3_moe_stacked``,
     ``granitemoe_stacked``: the same weights saved as transformers holds them
     (``save_original_format=False``: the experts stacked under its own names)."""
     from transformers import (Ernie4_5_MoeConfig, Glm4MoeConfig, GraniteMoeConfig,
-                              GraniteMoeSharedConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig,
-                              Qwen3MoeConfig)
+                              GraniteMoeSharedConfig, HunYuanMoEV1Config, MixtralConfig,
+                              OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig)
 
     common = _common(tiny_tokenizer_dir)
     experts = dict(num_experts_per_tok=2, router_aux_loss_coef=0.0)
@@ -466,6 +466,13 @@ def tiny_moe_dirs(tmp_path_factory, tiny_tokenizer_dir):
                                            n_shared_experts=2, moe_intermediate_size=32,
                                            first_k_dense_replace=0, routed_scaling_factor=1.5,
                                            norm_topk_prob=False, tie_word_embeddings=True),
+        # Hunyuan-A13B's: every layer routed beside a shared MLP, the router in fp32, q/k
+        # norms after RoPE, NTK-alpha RoPE
+        "hunyuan_moe": HunYuanMoEV1Config(**{**common, "intermediate_size": 32}, num_experts=8,
+                                          moe_topk=2, tie_word_embeddings=True,
+                                          rope_parameters={"rope_type": "dynamic",
+                                                           "alpha": 1000.0, "factor": 1.0,
+                                                           "rope_theta": 10000.0}),
     }
     dirs = {name: _save_tiny(tmp_path_factory, tiny_tokenizer_dir, f"tiny_{name}", config,
                              seed=20 + i)

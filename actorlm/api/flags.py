@@ -25,8 +25,9 @@ _HELP = {
     "long_prefill_token_threshold": "the most prompt tokens one request prefills in a step, so "
                                     "that a long prompt leaves room for the others' (default: "
                                     "0, no limit but the step's token budget)",
-    "reasoning_parser": f"split chat answers' <think>...</think> into reasoning_content, and "
-                        f"constrain only what follows it: {', '.join(REASONING_PARSERS)}",
+    "reasoning_parser": f"split chat answers' think (<think>...</think>, or the model's own "
+                        f"tags) into reasoning_content, and constrain only what follows it: "
+                        f"{', '.join(REASONING_PARSERS)}",
 }
 
 

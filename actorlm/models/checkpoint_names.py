@@ -62,8 +62,9 @@ _RENAMES = {"starcoder2": {".mlp.c_fc.": ".mlp.fc_in.", ".mlp.c_proj.": ".mlp.do
                          ".mlp.dense_h_to_4h.": ".mlp.fc_in.",
                          ".mlp.dense_4h_to_h.": ".mlp.down_proj."},
             "arcee": {".mlp.up_proj.": ".mlp.fc_in."},
-            "hunyuan_v1_dense": {".self_attn.query_layernorm.": ".self_attn.q_norm.",
-                                 ".self_attn.key_layernorm.": ".self_attn.k_norm."},
+            **{hunyuan: {".self_attn.query_layernorm.": ".self_attn.q_norm.",
+                         ".self_attn.key_layernorm.": ".self_attn.k_norm."}
+               for hunyuan in ("hunyuan_v1_dense", "hunyuan_v1_moe")},
             "gpt2": _GPT2_NAMES, "gpt_bigcode": _GPT2_NAMES}
 # a q/k LayerNorm of each head: Cohere's (q_norm, [heads, head_dim]), StableLM's (one a head,
 # q_layernorm.norms.H) and Phi's (one for all heads, q_layernorm)

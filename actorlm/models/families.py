@@ -112,7 +112,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2",
 NO_ROPE = "no_rope"
 _QK_NORMS = {"qwen3": "head", "gemma3_text": "head", "qwen3_moe": "head", "olmoe": "projection",
              "olmo2": "projection", "olmo3": "projection", "exaone4": "head",
-             "hunyuan_v1_dense": "head_after_rope"}
+             "hunyuan_v1_dense": "head_after_rope", "hunyuan_v1_moe": "head_after_rope"}
 _OUTPUT_NORMS_ONLY = ("olmo2", "olmo3", "exaone4")  # norms on the branches' outputs only
 _COHERE = ("cohere", "cohere2")
 # RoPE on (2i, 2i + 1)

@@ -1,6 +1,6 @@
 """A decoder layer's mixture of experts, in place of its dense MLP (Qwen3-MoE, Mixtral,
-Qwen2-MoE, OLMoE, GLM-4.5, ERNIE 4.5; ``moe_families.py`` says which layers and how they
-route).
+Qwen2-MoE, OLMoE, GLM-4.5, ERNIE 4.5, Hunyuan; ``moe_families.py`` says which layers and how
+they route).
 
 A router (a linear layer, [E, H]) scores every expert for each token; the backend's
 ``fused_moe`` sends each token to its ``top_k`` experts and sums their outputs, weighted by the
@@ -64,6 +64,7 @@ class MoeSpec:
     top_groups: int = 1
     scale: float = 1.0
     norm_min: float = 0.0
+    fp32_router: bool = False  # the router's logits in fp32 whatever the model's dtype (Hunyuan)
 
     @property
     def routed_by_scores(self) -> bool:
@@ -181,8 +182,9 @@ class SparseMoeBlock(nn.Module):
         # every rank: all experts; a router that routes by scores in fp32, as its families
         # keep it
         self.routed_here = spec.routed_by_scores
+        self.fp32_router = spec.fp32_router or self.routed_here
         self.gate = Linear(hidden_size, spec.num_experts, False,
-                           torch.float32 if self.routed_here else dtype, device)
+                           torch.float32 if self.fp32_router else dtype, device)
         self.score_bias = nn.Parameter(torch.zeros(spec.num_experts, device=device), False) \
             if spec.score_bias else None
         self.experts = RoutedExperts(spec, hidden_size, activation, dtype, device, tp)
@@ -196,11 +198,9 @@ class SparseMoeBlock(nn.Module):
         # each rank)
         timer = self.timer
         t_start = time.perf_counter() if timer is not None else 0.0
+        router_logits, factor = self.gate(x.float() if self.fp32_router else x), None
         if self.routed_here:
-            router_logits, factor = scored_routing(self.gate(x.float()), self.score_bias,
-                                                   self.spec)
-        else:
-            router_logits, factor = self.gate(x), None
+            router_logits, factor = scored_routing(router_logits, self.score_bias, self.spec)
         t_routed = time.perf_counter() if timer is not None else 0.0
         out = self.backend.fused_moe(x, router_logits, self.experts.stacked, self.spec.top_k,
                                      self.spec.renormalize or factor is not None)

@@ -30,6 +30,11 @@
   ``n_group`` groups, weighted by their sigmoids (renormalised by ``norm_topk_prob``) times
   ``routed_scaling_factor``, the router in fp32. Its checkpoints' multi-token-prediction
   layers (past ``num_hidden_layers``) are left out, as transformers leaves them.
+- Hunyuan (``hunyuan_v1_moe``: Hunyuan-A13B): Hunyuan's dense layers (``families``: q/k norms
+  after RoPE, NTK-alpha RoPE) with every MLP routed, experts of ``intermediate_size`` beside an
+  unscaled shared MLP of that size (``shared_mlp``); the top ``moe_topk`` of the softmax,
+  renormalised, the router (``gate.wg``) in fp32. ``num_experts`` and ``moe_topk`` may be
+  listed per layer: the same for every layer only.
 - ERNIE 4.5 (``ernie4_5_moe``: ERNIE-4.5-21B-A3B, -300B-A47B, their Thinking): ERNIE 4.5's
   attention (RoPE on interleaved pairs) with experts of ``moe_intermediate_size`` on every
   ``moe_layer_interval``-th layer from ``moe_layer_start_index`` to ``moe_layer_end_index``
@@ -54,13 +59,13 @@ from actorlm.models.moe import MoeSpec
 
 _GRANITE_MOE = ("granitemoe", "granitemoeshared")
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", *_GRANITE_MOE, "glm4_moe",
-                   "ernie4_5_moe")
+                   "ernie4_5_moe", "hunyuan_v1_moe")
 # routed by scores and a learned bias (DeepSeek's routing, ERNIE's): their fields are read
 _SCORED = ("glm4_moe", "ernie4_5_moe")
 # every layer routed, experts of intermediate_size
-_EVERY_LAYER = ("mixtral", "olmoe", *_GRANITE_MOE)
+_EVERY_LAYER = ("mixtral", "olmoe", *_GRANITE_MOE, "hunyuan_v1_moe")
 # the top-k weights, whatever norm_topk_prob says
-_RENORMALIZED = ("mixtral", *_GRANITE_MOE, "ernie4_5_moe")
+_RENORMALIZED = ("mixtral", *_GRANITE_MOE, "ernie4_5_moe", "hunyuan_v1_moe")
 # field -> the values that leave the routing as these families compute it
 _OTHER_ROUTING = {
     "routed_scaling_factor": (None, 1, 1.0),
@@ -92,9 +97,28 @@ def is_moe(config) -> bool:
 
 
 def num_experts_of(config) -> int:
-    """The routed experts a layer holds (Granite MoE's config names them local only)."""
+    """The routed experts a layer holds (Granite MoE's config names them local only;
+    Hunyuan's may list them per layer: ``_per_layer``)."""
     num = getattr(config, "num_experts", None)
-    return config.num_local_experts if num is None else num
+    return config.num_local_experts if num is None else _per_layer(config, "num_experts", num)
+
+
+def top_k_of(config) -> int:
+    """The experts each token takes (Hunyuan's ``moe_topk``, possibly per layer)."""
+    if config.model_type == "hunyuan_v1_moe":
+        return _per_layer(config, "moe_topk", config.moe_topk)
+    return config.num_experts_per_tok
+
+
+def _per_layer(config, field: str, value) -> int:
+    """A count a config may give once or per layer (Hunyuan's): per layer, only the same for
+    every layer is implemented."""
+    if not isinstance(value, (list, tuple)):
+        return value
+    if len(set(value)) != 1:
+        raise ValueError(f"{config.model_type}: {field}={list(value)} (a different count per "
+                         f"layer) is not implemented")
+    return value[0]
 
 
 def check_moe_config(config) -> None:
@@ -110,7 +134,7 @@ def check_moe_config(config) -> None:
         if value not in defaults:
             raise ValueError(f"{model_type}: {field}={value!r} is not implemented (it changes "
                              f"how tokens are routed, which {model_type} does not)")
-    num_experts, top_k = num_experts_of(config), config.num_experts_per_tok
+    num_experts, top_k = num_experts_of(config), top_k_of(config)
     if model_type in _EVERY_LAYER and num_experts < 1:
         raise ValueError(f"{model_type}: num_experts={num_experts} must be positive")
     if num_experts > 0 and not 1 <= top_k <= num_experts:  # (none: every layer dense)
@@ -179,7 +203,7 @@ def moe_specs(config) -> list[MoeSpec | None]:
                   for layer in range(num_layers)]
         size = config.moe_intermediate_size
     spec = MoeSpec(
-        num_experts=num_experts_of(config), top_k=config.num_experts_per_tok,
+        num_experts=num_experts_of(config), top_k=top_k_of(config),
         intermediate_size=size,
         renormalize=model_type in _RENORMALIZED or bool(getattr(config, "norm_topk_prob", False)),
         **_shared_expert(config), **_scored_routing(config))
@@ -193,6 +217,8 @@ def _shared_expert(config) -> dict:
     if config.model_type == "granitemoeshared" and config.shared_intermediate_size:
         return {"shared_intermediate_size": config.shared_intermediate_size,
                 "shared_gated": False}
+    if config.model_type == "hunyuan_v1_moe":  # (its shared MLP, of the dense MLP's size)
+        return {"shared_intermediate_size": config.intermediate_size, "shared_gated": False}
     shared = getattr(config, "n_shared_experts", None) or \
         getattr(config, "moe_num_shared_experts", None)
     if config.model_type in _SCORED and shared:
@@ -202,7 +228,10 @@ def _shared_expert(config) -> dict:
 
 
 def _scored_routing(config) -> dict:
-    """MoeSpec's fields for a routing by scores and a bias (none: the softmax's defaults)."""
+    """MoeSpec's fields for a routing by scores and a bias, or a router in fp32 (none: the
+    softmax's defaults)."""
+    if config.model_type == "hunyuan_v1_moe":
+        return {"fp32_router": True}
     if config.model_type == "glm4_moe":  # DeepSeek's
         return {"scoring": "sigmoid", "score_bias": True, "num_groups": config.n_group or 1,
                 "top_groups": config.topk_group or 1,
@@ -255,6 +284,9 @@ def checkpoint_name(config, name: str) -> str:
         for fragment, ours in _GRANITE_MOE_NAMES.items():
             name = name.replace(fragment, ours)
         return name
+    if config.model_type == "hunyuan_v1_moe":
+        return name.replace(".mlp.gate.wg.", ".mlp.gate.").replace(".mlp.shared_mlp.",
+                                                                    ".mlp.shared_expert.")
     if config.model_type in _SCORED:
         return name.replace(".mlp.shared_experts.", ".mlp.shared_expert.") \
             .replace(".mlp.gate.e_score_correction_bias", ".mlp.score_bias") \

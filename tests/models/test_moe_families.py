@@ -1,8 +1,8 @@
 """The mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, Granite MoE and its
-shared variant, GLM-4.5 with DeepSeek's routing, ERNIE 4.5) against transformers on the same
-tiny checkpoints (``checkpoints.tiny_moe_dirs``): logits at every position of a 40-token prompt and 40 greedy
-tokens after it, the greedy tokens themselves by vLLM's rule, the layers that route, both
-layouts of the experts in a checkpoint, and the configs refused."""
+shared variant, GLM-4.5 with DeepSeek's routing, ERNIE 4.5, Hunyuan) against transformers on the
+same tiny checkpoints (``checkpoints.tiny_moe_dirs``): logits at every position of a 40-token
+prompt and 40 greedy tokens after it, the greedy tokens themselves by vLLM's rule, the layers
+that route, both layouts of the experts in a checkpoint, and the configs refused."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ from actorlm.models.loader import load_hf_config, load_model
 from actorlm.models.moe import SparseMoeBlock
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "granitemoeshared"]
+# a router in fp32 and q/k norms after RoPE (Hunyuan's), which the one-call step does not take
+LAYER_BY_LAYER = ["hunyuan_moe"]
 # routed by scores and a bias (DeepSeek's sigmoid routing, ERNIE's softmax), which the one-call
 # decode step does not describe
 SCORED = ["glm4_moe", "glm4_moe_unnormed", "ernie4_5_moe"]
@@ -39,11 +41,12 @@ def hf_models(tiny_moe_dirs):
 
     return {(name, dtype): AutoModelForCausalLM.from_pretrained(tiny_moe_dirs[name],
                                                                 dtype=dtype).eval()
-            for name in FAMILIES + SCORED for dtype in (torch.float32, torch.bfloat16)}
+            for name in FAMILIES + SCORED + LAYER_BY_LAYER
+            for dtype in (torch.float32, torch.bfloat16)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("family", FAMILIES + SCORED)
+@pytest.mark.parametrize("family", FAMILIES + SCORED + LAYER_BY_LAYER)
 def test_logits_at_every_position_match_transformers(family, dtype, tiny_moe_dirs, hf_models):
     theirs = hf_models[family, dtype]
     ours = load_model(tiny_moe_dirs[family], dtype, "cpu", select_backend("cpu"))
@@ -66,7 +69,7 @@ def test_logits_at_every_position_match_transformers(family, dtype, tiny_moe_dir
         torch.testing.assert_close(logits, expected, atol=ATOL[dtype], rtol=0)
 
 
-@pytest.mark.parametrize("family", FAMILIES + SCORED)
+@pytest.mark.parametrize("family", FAMILIES + SCORED + LAYER_BY_LAYER)
 def test_the_layers_transformers_routes_route_here_and_take_the_one_call_where_described(
         family, tiny_moe_dirs, hf_models):
     ours = load_model(tiny_moe_dirs[family], torch.float32, "cpu", select_backend("cpu"))
@@ -78,7 +81,8 @@ def test_the_layers_transformers_routes_route_here_and_take_the_one_call_where_d
     # the one-call decode step runs routed experts (where the panel GEMM is built), OLMoE's
     # q/k norms over whole projections included
     assert (ours.decode_step is not None) == \
-        (cpu_linear._kernel(torch.float32) is not None and family not in SCORED)
+        (cpu_linear._kernel(torch.float32) is not None and
+         family not in SCORED + LAYER_BY_LAYER)
     assert any(routed) and (family not in ("qwen3_moe", "qwen2_moe", "glm4_moe",
                                            "ernie4_5_moe") or not all(routed))
 
@@ -160,6 +164,7 @@ def _config(tiny_moe_dirs, tmp_path, family, **changes):
     ("glm4_moe", {"n_group": 3}, "glm4_moe: n_group=3 and topk_group=1 do not choose 2 of 8"),
     ("glm4_moe", {"topk_group": 3}, "n_group=2 and topk_group=3"),
     ("ernie4_5_moe", {"use_bias": True}, "ernie4_5_moe: use_bias"),
+    ("hunyuan_moe", {"moe_topk": [2, 1]}, r"moe_topk=\[2, 1\] \(a different count per layer"),
 ])
 def test_configs_that_change_the_routing_unimplemented_are_refused_by_name(
         family, changes, error, tiny_moe_dirs, tmp_path):
