@@ -1,9 +1,10 @@
 """The request fields that constrain the output, gathered into one ``StructuredOutputsParams``.
 
 Three spellings reach the same engine feature: OpenAI's ``response_format`` (``json_object``,
-``json_schema``, and vLLM's ``structural_tag``), vLLM's ``structured_outputs`` extra body, and vLLM's older ``guided_json``,
-``guided_regex``, ``guided_choice``, ``guided_grammar``. A request may use one of them, once:
-two constraints cannot both hold, so a second one is a 400 rather than a silent choice.
+``json_schema``, and vLLM's ``structural_tag``), vLLM's ``structured_outputs`` extra body, and
+vLLM's older ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``. A request
+may use one of them, once: two constraints cannot both hold, so a second one is a 400 rather
+than a silent choice.
 
 What can be checked without the model is checked here, before the request reaches the engine:
 a JSON Schema must be a valid schema (``jsonschema``) that xgrammar can translate, a regex and

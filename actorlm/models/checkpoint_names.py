@@ -100,7 +100,7 @@ def checkpoint_tensors(config, tensors):
 def _split_fused(config, tensors, q_size: int, kv_size: int):
     """The pairs under a text model's names, fused projections split."""
     for name, tensor in tensors:
-        if name.startswith(_VISION) or _past_the_layers(config, name):
+        if name.startswith(_VISION) or _is_draft_weight(config, name):
             continue
         for prefix, ours in _TEXT_TOWER.items():
             if name.startswith(prefix):
@@ -138,7 +138,7 @@ def _split_fused(config, tensors, q_size: int, kv_size: int):
             yield name.replace(f".{fused}.", f".{part}."), narrow(tensor, 0, start, length)
 
 
-def _past_the_layers(config, name: str) -> bool:
+def _is_draft_weight(config, name: str) -> bool:
     """A checkpoint's multi-token-prediction weights, a draft's, which the model does not run
     (transformers ignores them too): GLM-4.5's layer ``model.layers.{N}``, N the config's
     layers or more; ERNIE 4.5's ``mtp`` tensors."""

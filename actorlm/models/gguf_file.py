@@ -56,7 +56,8 @@ ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": 
                  "phi2": "phi", "command-r": "cohere", "cohere2": "cohere2",
                  "stablelm": "stablelm", "nemotron": "nemotron", "arcee": "arcee", "olmo": "olmo",
                  "gptneox": "gpt_neox", "falcon": "falcon", "gpt2": "gpt2",
-                 "starcoder": "gpt_bigcode", "qwen2vl": "qwen2", "qwen3vl": "qwen3", **gguf_moe.ARCHITECTURES}
+                 "starcoder": "gpt_bigcode", "qwen2vl": "qwen2", "qwen3vl": "qwen3",
+                 **gguf_moe.ARCHITECTURES}
 # the architectures transformers cannot read a config of (gguf_metadata builds theirs)
 _OWN_CONFIGS = {"smollm3": gguf_metadata.smollm3_config, "gemma": gguf_metadata.gemma_config,
                 "granite": gguf_metadata.granite_config, "olmo2": gguf_metadata.olmo2_config,

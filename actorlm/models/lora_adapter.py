@@ -61,7 +61,8 @@ _ATTENTION_ALIASES = {**_ALIASES, "c_proj": "o_proj"}
 _FUSED_QKV = ("c_attn", "query_key_value")
 _LAYER_OF = {hf: layer for layer, parts in _PARTS.items() for hf, _ in parts}
 _KEY = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\."
-                  r"(?:(self_attn|attn|attention|self_attention|mlp)\.)?(\w+)\.lora_([AB])\.weight$")
+                  r"(?:(self_attn|attn|attention|self_attention|mlp)\.)?(\w+)"
+                  r"\.lora_([AB])\.weight$")
 
 
 class LoRAAdapterError(ValueError):

@@ -6,9 +6,9 @@ A router (a linear layer, [E, H]) scores every expert for each token; the backen
 ``fused_moe`` sends each token to its ``top_k`` experts and sums their outputs, weighted by the
 router's softmax. GLM-4.5 routes by DeepSeek's sigmoid scores instead, ERNIE 4.5 by the
 softmax's plus a bias, handed to the same door as logits whose softmax gives their weights
-(``scored_routing``). Qwen2-MoE adds a shared
-expert, a dense MLP every token takes, scaled by ``sigmoid(shared_expert_gate(x))``; Granite
-MoE's shared variant and GLM-4.5 add one unscaled.
+(``scored_routing``). Qwen2-MoE adds a shared expert, a dense MLP every token takes, scaled by
+``sigmoid(shared_expert_gate(x))``; Granite MoE's shared variant, GLM-4.5, ERNIE 4.5 and
+Hunyuan add one unscaled.
 
 The experts' weights are held stacked, one tensor per projection — gate/up [E, 2I, H] (each
 expert's rows [gate | up]) and down [E, H, I] — as transformers holds them in memory; a
@@ -239,5 +239,5 @@ def scored_routing(logits: torch.Tensor, bias: torch.Tensor | None, spec: MoeSpe
     weights = scores.gather(1, chosen)
     routed = torch.full_like(scores, float("-inf")).scatter_(1, chosen, weights.log())
     total = weights.sum(-1, keepdim=True)
-    kept = total / total.clamp(min=spec.norm_min) if spec.renormalize else total
-    return routed, kept * spec.scale
+    factor = total / total.clamp(min=spec.norm_min) if spec.renormalize else total
+    return routed, factor * spec.scale

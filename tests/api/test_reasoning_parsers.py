@@ -1,7 +1,8 @@
 """The reasoning parsers (``actorlm.reasoning``) on fixed texts and token streams: both rules
-(and their other tags), whole and streamed (every split of the text, so a tag cut across chunks is covered), an
-unterminated think, no think, and the phase the prompt's last turn leaves them in. Then the token-level
-gate that holds a grammar back until the think ends, against a real xgrammar matcher."""
+(and their other tags), whole and streamed (every split of the text, so a tag cut across chunks
+is covered), an unterminated think, no think, and the phase the prompt's last turn leaves them
+in. Then the token-level gate that holds a grammar back until the think ends, against a real
+xgrammar matcher."""
 
 from __future__ import annotations
 
