@@ -87,6 +87,26 @@ def test_the_layers_transformers_routes_route_here_and_take_the_one_call_where_d
                                            "ernie4_5_moe") or not all(routed))
 
 
+@pytest.mark.parametrize("family", ["hunyuan_moe", "glm4_moe", "ernie4_5_moe"])
+def test_routers_kept_in_fp32_score_in_fp32_in_a_bf16_model(tiny_moe_dirs, family):
+    """Hunyuan's, GLM-4.5's and ERNIE's routers are fp32 in transformers whatever the model's
+    dtype (``wg`` built fp32, ``_keep_in_fp32_modules_strict``): in a bf16 model their logits
+    here are the fp32 product of the hidden state and the checkpoint's weights."""
+    from safetensors.torch import load_file
+
+    ours = load_model(tiny_moe_dirs[family], torch.bfloat16, "cpu", select_backend("cpu"))
+    block = next(layer.mlp for layer in ours.model.layers if isinstance(layer.mlp, SparseMoeBlock))
+    layer = next(i for i, l in enumerate(ours.model.layers) if l.mlp is block)
+    [weights] = tiny_moe_dirs[family].glob("*.safetensors")
+    router = next(t for name, t in load_file(weights).items()
+                  if name.startswith(f"model.layers.{layer}.mlp.gate.") and name.endswith("weight"))
+    x = torch.randn(3, router.shape[1], generator=torch.Generator().manual_seed(0))
+    logits = block.gate(x.to(torch.bfloat16).float())
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, x.to(torch.bfloat16).float() @ router.float().T,
+                               rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("family, draft", [
     ("glm4_moe", lambda state: {name.replace("model.layers.2.", "model.layers.3."): t.clone()
                                 for name, t in state.items()
