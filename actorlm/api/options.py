@@ -215,7 +215,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                              "llama4_pythonic, granite (Granite 3.x), phi4_mini_json, "
                              "qwen3_coder (Qwen3-Coder), seed_oss, deepseek_v3, deepseek_v31, "
                              "kimi_k2, glm45, internlm, hunyuan_a13b, jamba, minimax, ernie45, "
-                             "longcat (each model's own)")
+                             "longcat, olmo3 (each model's own)")
     parser.add_argument("--response-role", default=defaults.response_role, metavar="ROLE",
                         help="the role chat answers carry when the request adds the generation "
                              "prompt (default: assistant)")

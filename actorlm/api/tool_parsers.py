@@ -40,6 +40,8 @@
   functions.name:0<|tool_call_argument_begin|>{...}<|tool_call_end|>`` (special tokens).
 - ``glm45`` (GLM-4.5/4.6): ``<tool_call>name`` then ``<arg_key>k</arg_key><arg_value>v
   </arg_value>`` pairs, ``</tool_call>``, each value typed by its schema as Qwen3-Coder's are.
+- ``olmo3`` (OLMo 3): pythonic calls, one a line, between ``<function_calls>`` tags, their values
+  Python's literals or JSON's ``null``, ``true``, ``false``.
 - ``ernie45`` (ERNIE 4.5) is Hermes' format; ``longcat`` (LongCat-Flash) is Hermes' format in
   ``<longcat_tool_call>`` tags.
 
@@ -292,6 +294,7 @@ class SeedOssToolParser(Qwen3CoderToolParser):
 
 class PythonicToolParser(ToolParser):
     name = "pythonic"
+    json_names = False  # JSON's null, true and false taken for Python's None, True, False
     _CALL = re.compile(r"\[\s*[A-Za-z_]\w*\s*\(")
     # what the start of a call looks like while it is still arriving: `[`, `[get_wea`, `[f `
     _CALL_PREFIX = re.compile(r"\[\s*(?:[A-Za-z_]\w*\s*)?")
@@ -310,7 +313,8 @@ class PythonicToolParser(ToolParser):
         if found is None or not found[1]:
             return text, []
         try:
-            calls = _python_calls(ast.parse(self._list(text[found[0]:]), mode="eval").body)
+            calls = _python_calls(ast.parse(self._list(text[found[0]:]), mode="eval").body,
+                                  self.json_names)
         except (SyntaxError, ValueError, TypeError):  # not Python, not literals, not JSON
             return text, []
         return (text[:found[0]], calls) if calls else (text, [])
@@ -330,6 +334,22 @@ class Llama4PythonicToolParser(PythonicToolParser):
 
     def _list(self, calls: str) -> str:
         return calls.removeprefix(self.START).strip().removesuffix(self.END)
+
+
+class Olmo3ToolParser(PythonicToolParser):
+    """OLMo 3's calls between ``<function_calls>`` tags, one a line, Python's keyword calls
+    whose values may be written as JSON's (``null``, ``true``, ``false``)."""
+
+    name = "olmo3"
+    json_names = True
+    START, END = "<function_calls>", "</function_calls>"
+
+    def find_start(self, text: str) -> tuple[int, bool] | None:
+        return _find_marker(text, (self.START,))
+
+    def _list(self, calls: str) -> str:
+        lines = calls.removeprefix(self.START).strip().removesuffix(self.END).splitlines()
+        return "[" + ", ".join(line.strip() for line in lines if line.strip()) + "]"
 
 
 class InternLMToolParser(_PatternToolParser):
@@ -401,7 +421,8 @@ PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
     GraniteToolParser, Phi4MiniJsonToolParser, Qwen3CoderToolParser, SeedOssToolParser,
     Llama4JsonToolParser, Qwen3XmlToolParser, Llama4PythonicToolParser, HunyuanA13BToolParser,
     JambaToolParser, InternLMToolParser, DeepSeekV3ToolParser, DeepSeekV31ToolParser,
-    KimiK2ToolParser, Glm45ToolParser, MinimaxToolParser, LongcatToolParser, Ernie45ToolParser)}
+    KimiK2ToolParser, Glm45ToolParser, MinimaxToolParser, LongcatToolParser, Ernie45ToolParser,
+    Olmo3ToolParser)}
 
 
 def _find_marker(text: str, markers: tuple[str, ...]) -> tuple[int, bool] | None:
@@ -462,8 +483,9 @@ def _json_calls(items) -> list[Call]:
     return [] if None in calls else calls
 
 
-def _python_calls(node: ast.expr) -> list[Call]:
-    """The calls of a list of ``name(keyword=literal, ...)``; none if it is anything else."""
+def _python_calls(node: ast.expr, json_names: bool = False) -> list[Call]:
+    """The calls of a list of ``name(keyword=literal, ...)`` (JSON's ``null``, ``true`` and
+    ``false`` among the literals with ``json_names``); none if it is anything else."""
     if not isinstance(node, ast.List):
         return []
     calls = []
@@ -471,9 +493,19 @@ def _python_calls(node: ast.expr) -> list[Call]:
         if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)) or call.args \
                 or any(k.arg is None for k in call.keywords):  # (positional, **kwargs)
             return []
-        arguments = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+        arguments = {k.arg: ast.literal_eval(_JsonNames().visit(k.value) if json_names else
+                                             k.value) for k in call.keywords}
         calls.append((call.func.id, json.dumps(arguments, ensure_ascii=False)))
     return calls
+
+
+class _JsonNames(ast.NodeTransformer):
+    """JSON's ``null``, ``true`` and ``false``, written where Python's literals go, as those."""
+
+    _VALUES = {"null": None, "true": True, "false": False}
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        return ast.Constant(self._VALUES[node.id]) if node.id in self._VALUES else node
 
 
 def _typed(text: str, schema: dict | None):

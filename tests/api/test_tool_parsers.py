@@ -20,7 +20,7 @@ from actorlm.api.tool_parsers import (PARSERS, DeepSeekV3ToolParser, DeepSeekV31
                                       JambaToolParser, KimiK2ToolParser, Llama3JsonToolParser,
                                       Llama4JsonToolParser, Llama4PythonicToolParser,
                                       LongcatToolParser, MinimaxToolParser, MistralToolParser,
-                                      Phi4MiniJsonToolParser, PythonicToolParser,
+                                      Olmo3ToolParser, Phi4MiniJsonToolParser, PythonicToolParser,
                                       Qwen3CoderToolParser, Qwen3XmlToolParser, SeedOssToolParser)
 from actorlm.api.tool_stream import (NamedCallStream, ParsedCallStream, RequiredCallStream,
                                      collect)
@@ -66,6 +66,7 @@ GLM45_TWO = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris<
 ERNIE45_TWO = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
                '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
 LONGCAT_TWO = ERNIE45_TWO.replace("tool_call>", "longcat_tool_call>")
+OLMO3_TWO = '<function_calls>\nget_weather(city="Paris")\nget_time()\n</function_calls>'
 MORE_FORMATS = [  # (parser, two calls, whether its markers are special tokens)
     (Llama4JsonToolParser(), LLAMA_TWO.replace('{"tz": "utc"}', "{}"), False),
     (Qwen3XmlToolParser(), QWEN3_CODER_TWO, False),
@@ -79,7 +80,8 @@ MORE_FORMATS = [  # (parser, two calls, whether its markers are special tokens)
     (KimiK2ToolParser(), KIMI_K2_TWO, True),
     (Glm45ToolParser(), GLM45_TWO, False),
     (Ernie45ToolParser(), ERNIE45_TWO, False),
-    (LongcatToolParser(), LONGCAT_TWO, False)]
+    (LongcatToolParser(), LONGCAT_TWO, False),
+    (Olmo3ToolParser(), OLMO3_TWO, False)]
 MORE_IDS = [parser.name for parser, _, _ in MORE_FORMATS]
 
 
@@ -283,6 +285,21 @@ def test_more_formats_read_their_variants():
     kimi = KIMI_K2_TWO.replace("calls_section", "call_section").replace(
         "functions.get_weather", "get_weather").replace("functions.get_time", "functions.a.b")
     assert _calls(KimiK2ToolParser().parse(kimi)) == ("", [weather[0], ("a.b", {})])
+
+
+def test_olmo3_reads_json_literals_and_nothing_else_that_is_not_python():
+    parser = Olmo3ToolParser()
+    text = ('<function_calls>\nsearch(query="x", exact=true, page=null, tags=["a", false])\n'
+            '</function_calls>')
+    assert _calls(parser.parse(text)) == ("", [("search", {"query": "x", "exact": True,
+                                                           "page": None,
+                                                           "tags": ["a", False]})])
+    for other in ('<function_calls>\nsearch(query=x)\n</function_calls>',  # a name: no literal
+                  '<function_calls>\nsearch("x")\n</function_calls>',  # positional
+                  '<function_calls>\nsearch(query="x"', PYTHONIC_TWO):  # cut off; not its tags
+        assert parser.parse(other) == (other, [])
+    # the plain pythonic parser reads no JSON names
+    assert PythonicToolParser().parse("[f(x=true)]") == ("[f(x=true)]", [])
 
 
 def test_glm45_types_each_argument_by_the_requests_tools():
