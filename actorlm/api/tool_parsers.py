@@ -58,8 +58,9 @@ import json
 import re
 
 from actorlm.api.protocol_tools import Tool
-
-Call = tuple[str, str]  # (function name, arguments as JSON text)
+from actorlm.api.tool_text import (Call, cut_marker, find_marker, first_start, json_calls,
+                                   json_object, named_call, python_calls, read_call, skip,
+                                   typed)
 
 
 class ToolParser:
@@ -87,7 +88,7 @@ class _MarkedToolParser(ToolParser):
     STARTS: tuple[str, ...] = ()
 
     def find_start(self, text: str) -> tuple[int, bool] | None:
-        return _find_marker(text, self.STARTS)
+        return find_marker(text, self.STARTS)
 
 
 class _PatternToolParser(_MarkedToolParser):
@@ -115,13 +116,13 @@ class _PatternToolParser(_MarkedToolParser):
 
     def _read(self, match: re.Match) -> Call | None:
         """The call ``match`` writes (its ``name`` and ``arguments`` groups); None: not one."""
-        return _named_call(match["name"], match["arguments"])
+        return named_call(match["name"], match["arguments"])
 
     def _typed_call(self, name: str, pairs) -> Call | None:
         """A call whose arguments are (key, bare text) pairs, typed by the tool's schema."""
         name = name.strip()
         schemas = self.parameters.get(name, {})
-        arguments = {key.strip(): _typed(value, schemas.get(key.strip())) for key, value in pairs}
+        arguments = {key.strip(): typed(value, schemas.get(key.strip())) for key, value in pairs}
         return (name, json.dumps(arguments, ensure_ascii=False)) if name else None
 
 
@@ -137,7 +138,7 @@ class HermesToolParser(_MarkedToolParser):
             return text, []
         calls = []
         for block in self._BLOCK.findall(text, start):
-            call = _call(_json_object(block.strip()), "arguments")
+            call = read_call(json_object(block.strip()), "arguments")
             if call is None:
                 return text, []
             calls.append(call)
@@ -167,7 +168,7 @@ class Llama3JsonToolParser(ToolParser):
         found = [at for at in (call.start() if call else -1, tag) if at >= 0]
         if found:
             return min(found), True
-        cut = _cut_marker(text, self.PYTHON_TAG)
+        cut = cut_marker(text, self.PYTHON_TAG)
         brace = text.rfind("{")
         if brace >= 0 and self._CALL_PREFIX.fullmatch(text, brace):
             cut = brace if cut is None else min(cut, brace)
@@ -182,14 +183,14 @@ class Llama3JsonToolParser(ToolParser):
             at += len(self.PYTHON_TAG)
         decoder, calls = json.JSONDecoder(), []
         while True:
-            at = _skip(text, at, " \t\r\n;")
+            at = skip(text, at, " \t\r\n;")
             if at == len(text):
                 break
             try:
                 obj, at = decoder.raw_decode(text, at)
             except ValueError:
                 return text, []
-            call = _call(obj, "parameters", "arguments")
+            call = read_call(obj, "parameters", "arguments")
             if call is None:
                 return text, []
             calls.append(call)
@@ -212,7 +213,7 @@ class MistralToolParser(_MarkedToolParser):
             return text, []
         body = text[start:]
         calls = self._named_calls(body) if self.ARGS in body else \
-            _json_calls(_json_object(body[len(self.START):].strip()))
+            json_calls(json_object(body[len(self.START):].strip()))
         return (text[:start], calls) if calls else (text, [])
 
     def _named_calls(self, body: str) -> list[Call]:
@@ -221,7 +222,7 @@ class MistralToolParser(_MarkedToolParser):
         for piece in body.split(self.START)[1:]:
             head, marked, arguments = piece.partition(self.ARGS)
             name = head.partition(self.CALL_ID)[0].strip()
-            call = _call({"name": name, "arguments": _json_object(arguments.strip())},
+            call = read_call({"name": name, "arguments": json_object(arguments.strip())},
                          "arguments") if marked and name else None
             if call is None:
                 return []
@@ -241,8 +242,8 @@ class _JsonListToolParser(_MarkedToolParser):
             return text, []
         start = found[0]
         marker = next(s for s in self.STARTS if text.startswith(s, start))
-        items = _json_object(text[start + len(marker):].strip().removesuffix(self.END))
-        calls = _json_calls([items] if isinstance(items, dict) else items)
+        items = json_object(text[start + len(marker):].strip().removesuffix(self.END))
+        calls = json_calls([items] if isinstance(items, dict) else items)
         return (text[:start], calls) if calls else (text, [])
 
 
@@ -313,7 +314,7 @@ class PythonicToolParser(ToolParser):
         if found is None or not found[1]:
             return text, []
         try:
-            calls = _python_calls(ast.parse(self._list(text[found[0]:]), mode="eval").body,
+            calls = python_calls(ast.parse(self._list(text[found[0]:]), mode="eval").body,
                                   self.json_names)
         except (SyntaxError, ValueError, TypeError):  # not Python, not literals, not JSON
             return text, []
@@ -330,7 +331,7 @@ class Llama4PythonicToolParser(PythonicToolParser):
     START, END = "<|python_start|>", "<|python_end|>"
 
     def find_start(self, text: str) -> tuple[int, bool] | None:
-        return _first(super().find_start(text), _find_marker(text, (self.START,)))
+        return first_start(super().find_start(text), find_marker(text, (self.START,)))
 
     def _list(self, calls: str) -> str:
         return calls.removeprefix(self.START).strip().removesuffix(self.END)
@@ -345,7 +346,7 @@ class Olmo3ToolParser(PythonicToolParser):
     START, END = "<function_calls>", "</function_calls>"
 
     def find_start(self, text: str) -> tuple[int, bool] | None:
-        return _find_marker(text, (self.START,))
+        return find_marker(text, (self.START,))
 
     def _list(self, calls: str) -> str:
         lines = calls.removeprefix(self.START).strip().removesuffix(self.END).splitlines()
@@ -360,7 +361,7 @@ class InternLMToolParser(_PatternToolParser):
                        re.DOTALL)
 
     def _read(self, match: re.Match) -> Call | None:
-        return _call(_json_object(match["call"].strip()), "parameters", "arguments")
+        return read_call(json_object(match["call"].strip()), "parameters", "arguments")
 
 
 class MinimaxToolParser(_PatternToolParser):
@@ -370,7 +371,7 @@ class MinimaxToolParser(_PatternToolParser):
     _BETWEEN = re.compile(r"(?:\s|</?tool_calls>)*")
 
     def _read(self, match: re.Match) -> Call | None:
-        return _call(_json_object(match["call"]), "arguments")
+        return read_call(json_object(match["call"]), "arguments")
 
 
 class DeepSeekV3ToolParser(_PatternToolParser):
@@ -400,7 +401,7 @@ class KimiK2ToolParser(_PatternToolParser):
 
     def _read(self, match: re.Match) -> Call | None:
         call_id = self._ID.fullmatch(match["id"].strip())
-        return _named_call(call_id["name"], match["arguments"]) if call_id else None
+        return named_call(call_id["name"], match["arguments"]) if call_id else None
 
 
 class Glm45ToolParser(_PatternToolParser):
@@ -423,122 +424,3 @@ PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
     JambaToolParser, InternLMToolParser, DeepSeekV3ToolParser, DeepSeekV31ToolParser,
     KimiK2ToolParser, Glm45ToolParser, MinimaxToolParser, LongcatToolParser, Ernie45ToolParser,
     Olmo3ToolParser)}
-
-
-def _find_marker(text: str, markers: tuple[str, ...]) -> tuple[int, bool] | None:
-    """Where the first of ``markers`` begins, or else where one's cut-off prefix ends ``text``."""
-    found = [at for at in map(text.find, markers) if at >= 0]
-    if found:
-        return min(found), True
-    cuts = [cut for cut in (_cut_marker(text, m) for m in markers) if cut is not None]
-    return (min(cuts), False) if cuts else None
-
-
-def _first(*found: tuple[int, bool] | None) -> tuple[int, bool] | None:
-    """The first complete start among ``found``, or else the first cut-off one."""
-    starts = [f for f in found if f is not None]
-    complete = [at for at, is_complete in starts if is_complete]
-    if complete:
-        return min(complete), True
-    return (min(at for at, _ in starts), False) if starts else None
-
-
-def _cut_marker(text: str, marker: str) -> int | None:
-    """Where a proper prefix of ``marker`` that ends ``text`` begins (the longest one)."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:size]):
-            return len(text) - size
-    return None
-
-
-def _json_object(text: str):
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
-
-
-def _call(obj, *argument_keys: str) -> Call | None:
-    """(name, arguments JSON) of ``{"name": ..., <argument key>: {...}}``; None otherwise."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    arguments = next((obj[k] for k in argument_keys if k in obj), {})
-    if not isinstance(arguments, dict):
-        return None
-    return obj["name"], json.dumps(arguments, ensure_ascii=False)
-
-
-def _named_call(name: str, arguments: str) -> Call | None:
-    """(name, arguments JSON) of a name and a JSON object written apart; None if not those."""
-    name = name.strip()
-    return _call({"name": name, "arguments": _json_object(arguments)}, "arguments") if name \
-        else None
-
-
-def _json_calls(items) -> list[Call]:
-    """The calls of a JSON list of ``{"name", "arguments"}``; none if it is anything else."""
-    if not isinstance(items, list):
-        return []
-    calls = [_call(item, "arguments") for item in items]
-    return [] if None in calls else calls
-
-
-def _python_calls(node: ast.expr, json_names: bool = False) -> list[Call]:
-    """The calls of a list of ``name(keyword=literal, ...)`` (JSON's ``null``, ``true`` and
-    ``false`` among the literals with ``json_names``); none if it is anything else."""
-    if not isinstance(node, ast.List):
-        return []
-    calls = []
-    for call in node.elts:
-        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)) or call.args \
-                or any(k.arg is None for k in call.keywords):  # (positional, **kwargs)
-            return []
-        arguments = {k.arg: ast.literal_eval(_JsonNames().visit(k.value) if json_names else
-                                             k.value) for k in call.keywords}
-        calls.append((call.func.id, json.dumps(arguments, ensure_ascii=False)))
-    return calls
-
-
-class _JsonNames(ast.NodeTransformer):
-    """JSON's ``null``, ``true`` and ``false``, written where Python's literals go, as those."""
-
-    _VALUES = {"null": None, "true": True, "false": False}
-
-    def visit_Name(self, node: ast.Name) -> ast.AST:
-        return ast.Constant(self._VALUES[node.id]) if node.id in self._VALUES else node
-
-
-def _typed(text: str, schema: dict | None):
-    """An argument written as bare text, as its schema types it: a string parameter's text (one
-    newline either side is the format's), a number, a boolean, JSON or a Python literal for the
-    rest, ``null`` as None; text that is not what its type says stays text."""
-    text = text.removeprefix("\n").removesuffix("\n")
-    types = (schema or {}).get("type", "string")
-    types = set(types) if isinstance(types, list) else {types}
-    if text.strip().lower() == "null" and "string" not in types:
-        return None
-    if "string" in types:
-        return text
-    value = text.strip()
-    if types & {"integer", "number"}:
-        try:
-            number = json.loads(value)
-        except ValueError:
-            return text
-        return number if isinstance(number, (int, float)) and not isinstance(number, bool) \
-            else text
-    if "boolean" in types:
-        return {"true": True, "false": False}.get(value.lower(), text)
-    try:
-        return json.loads(value)
-    except ValueError:
-        try:
-            return ast.literal_eval(value)
-        except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
-            return text
-
-
-def _skip(text: str, at: int, chars: str) -> int:
-    while at < len(text) and text[at] in chars:
-        at += 1
-    return at
