@@ -221,9 +221,7 @@ class MistralToolParser(_MarkedToolParser):
         calls = []
         for piece in body.split(self.START)[1:]:
             head, marked, arguments = piece.partition(self.ARGS)
-            name = head.partition(self.CALL_ID)[0].strip()
-            call = read_call({"name": name, "arguments": json_object(arguments.strip())},
-                         "arguments") if marked and name else None
+            call = named_call(head.partition(self.CALL_ID)[0], arguments) if marked else None
             if call is None:
                 return []
             calls.append(call)

@@ -295,8 +295,7 @@ def layer_specs(config) -> list[LayerSpec]:
         gated_mlp=model_type not in _UNGATED_MLP,
         output_norms=model_type in (*_FOUR_NORMS, *_OUTPUT_NORMS_ONLY, "glm4"),
         input_norms=model_type not in _OUTPUT_NORMS_ONLY,
-        qk_norm="head_layer" if has_head_layer_norms(config) else
-        "head" if model_type == "glm4_moe" and config.use_qk_norm else _QK_NORMS.get(model_type),
+        qk_norm=_qk_norm(config),
         qk_norm_bias=model_type == "phi",
         clip_qkv=getattr(config, "clip_qkv", None) if model_type in ("olmoe", "olmo") else None,
         activation=_ACTIVATIONS[activation_of(config)],
@@ -326,6 +325,16 @@ def qkv_groups(config) -> int:
             return config.num_kv_heads
         return 0 if config.multi_query else config.num_attention_heads
     return 0
+
+
+def _qk_norm(config) -> str | None:
+    """The layers' q/k norms (``LayerSpec.qk_norm``): each head's LayerNorm where the config's
+    flag asks for one, GLM-4.5's by ``use_qk_norm``, else the family's."""
+    if has_head_layer_norms(config):
+        return "head_layer"
+    if config.model_type == "glm4_moe":
+        return "head" if config.use_qk_norm else None
+    return _QK_NORMS.get(config.model_type)
 
 
 def has_head_layer_norms(config) -> bool:

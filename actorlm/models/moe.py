@@ -71,6 +71,12 @@ class MoeSpec:
         """Whether the block routes (``scored_routing``) rather than the kernels' softmax."""
         return self.scoring == "sigmoid" or self.score_bias
 
+    @property
+    def router_in_fp32(self) -> bool:
+        """Whether the router scores in fp32 (its families keep it so where they route by
+        scores, and Hunyuan's)."""
+        return self.fp32_router or self.routed_by_scores
+
 
 class MoeTimer:
     """Seconds of one forward in its mixture-of-experts layers, summed over them: ``router_s``
@@ -179,12 +185,9 @@ class SparseMoeBlock(nn.Module):
                  shared_expert: nn.Module | None = None):
         super().__init__()
         self.backend, self.tp, self.spec = backend, tp, spec
-        # every rank: all experts; a router that routes by scores in fp32, as its families
-        # keep it
         self.routed_here = spec.routed_by_scores
-        self.fp32_router = spec.fp32_router or self.routed_here
-        self.gate = Linear(hidden_size, spec.num_experts, False,
-                           torch.float32 if self.fp32_router else dtype, device)
+        self.gate = Linear(hidden_size, spec.num_experts, False,  # every rank: all experts
+                           torch.float32 if spec.router_in_fp32 else dtype, device)
         self.score_bias = nn.Parameter(torch.zeros(spec.num_experts, device=device), False) \
             if spec.score_bias else None
         self.experts = RoutedExperts(spec, hidden_size, activation, dtype, device, tp)
@@ -198,7 +201,7 @@ class SparseMoeBlock(nn.Module):
         # each rank)
         timer = self.timer
         t_start = time.perf_counter() if timer is not None else 0.0
-        router_logits, factor = self.gate(x.float() if self.fp32_router else x), None
+        router_logits, factor = self.gate(x.float() if self.spec.router_in_fp32 else x), None
         if self.routed_here:
             router_logits, factor = scored_routing(router_logits, self.score_bias, self.spec)
         t_routed = time.perf_counter() if timer is not None else 0.0
