@@ -68,25 +68,23 @@ class StructuredOutputsParams(msgspec.Struct, frozen=True, kw_only=True, omit_de
         _check(len(kinds) == 1, "structured_outputs",
                f"set exactly one of json, json_object, regex, choice, grammar, structural_tag; "
                f"got {kinds or 'none'}")
-        if self.structural_tag is not None:
-            try:
-                tag = msgspec.json.decode(self.structural_tag)
-            except msgspec.DecodeError as exc:
-                raise ValueError(f"structured_outputs.structural_tag: not valid JSON: {exc}") \
-                    from None
-            _check(isinstance(tag, dict), "structured_outputs.structural_tag",
-                   "must be a JSON object")
-        if self.json is not None:
-            try:
-                schema = msgspec.json.decode(self.json)
-            except msgspec.DecodeError as exc:
-                raise ValueError(f"structured_outputs.json: not valid JSON: {exc}") from None
-            _check(isinstance(schema, (dict, bool)), "structured_outputs.json",
-                   "must be a JSON Schema (an object)")
-        _check(self.choice is None or (len(self.choice) > 0 and all(self.choice)),
-               "structured_outputs.choice", "must be a non-empty list of non-empty strings")
         for name in ("regex", "grammar", "structural_tag"):
             _check(getattr(self, name) != "", f"structured_outputs.{name}", "must not be empty")
+        for name, kinds, what in (("json", (dict, bool), "a JSON Schema (an object)"),
+                                  ("structural_tag", dict, "a JSON object")):
+            text = getattr(self, name)
+            if text is not None:
+                _check(isinstance(_decoded(name, text), kinds), f"structured_outputs.{name}",
+                       f"must be {what}")
+        _check(self.choice is None or (len(self.choice) > 0 and all(self.choice)),
+               "structured_outputs.choice", "must be a non-empty list of non-empty strings")
+
+
+def _decoded(name: str, text: str):
+    try:
+        return msgspec.json.decode(text)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"structured_outputs.{name}: not valid JSON: {exc}") from None
 
 
 def _json_text(value) -> str:

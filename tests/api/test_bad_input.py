@@ -109,6 +109,8 @@ CASES = [
     ("structural-tag-no-end", "POST", CMPL, _cmpl(response_format={
         "type": "structural_tag", "structures": [{"begin": "<f>", "schema": {}}],
         "triggers": ["<f"]}), 400, "response_format", "needs a begin, a schema and an end"),
+    ("structural-tag-empty-text", "POST", CMPL, _cmpl(structured_outputs={
+        "structural_tag": ""}), 400, "structured_outputs", "must not be empty"),
     ("structural-tag-unknown-format", "POST", CMPL, _cmpl(structured_outputs={
         "structural_tag": {"type": "structural_tag", "format": {"type": "nonsense"}}}), 400,
      "structured_outputs", "nonsense"),
