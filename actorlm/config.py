@@ -303,11 +303,15 @@ class EngineConfig:
         resolved = self.resolve_lengths(hf_config)
         max_model_len, max_batched = resolved.max_model_len, resolved.max_num_batched_tokens
         num_blocks = self.num_kv_blocks
+        blocks_per_sequence = -(-max_model_len // self.block_size)
+        if num_blocks is None and kv_bytes_per_block == 0:
+            # an encoder's pool holds no bytes (it caches nothing): its blocks only count
+            # the tokens of the prompts in flight, every sequence's worth
+            num_blocks = self.max_num_seqs * blocks_per_sequence
         if num_blocks is None:
             budget = self.kv_cache_memory_bytes or kv_cache_budget_bytes or \
                 DEFAULT_CPU_KV_CACHE_BYTES
             num_blocks = budget // kv_bytes_per_block
-        blocks_per_sequence = -(-max_model_len // self.block_size)
         if num_blocks < blocks_per_sequence:
             raise ValueError(
                 f"the KV pool ({num_blocks} blocks of {self.block_size} tokens) cannot hold one "
@@ -348,6 +352,9 @@ def positions_served(hf_config) -> tuple[int, str]:
                           f"model takes Llama 4's attention temperature "
                           f"(llama_4_scaling_beta), not implemented")
     limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if first := first_position_row(hf_config):
+        return limit - first, (f"max_position_embeddings ({limit}) less the rows before the "
+                               f"first position ({first})")
     if rope.get("rope_type", rope.get("type")) == "dynamic" and not rope.get("alpha"):
         # (Hunyuan's "dynamic" with alpha is a fixed base: every position alike)
         limit = min(limit, original or limit)
@@ -355,3 +362,11 @@ def positions_served(hf_config) -> tuple[int, str]:
                        f"scaling turns the positions by a base that grows with the sequence, "
                        f"not implemented")
     return limit, f"max_position_embeddings ({limit})"
+
+
+def first_position_row(hf_config) -> int:
+    """The row of a learned position table that position 0 reads: RoBERTa's count from its
+    padding id + 1 (transformers' ``create_position_ids_from_input_ids``), others' from 0."""
+    if getattr(hf_config, "model_type", None) in ("roberta", "xlm-roberta"):
+        return hf_config.pad_token_id + 1
+    return 0

@@ -177,8 +177,8 @@ def check_runner_flags(runner: str, convert: str, task: str | None) -> None:
 
 
 def pooler_config(path: pathlib.Path, hf_config, flag: PoolerConfig | None,
-                  convert: str = "auto") -> PoolerConfig:
-    """The model's pooling: the defaults (the last token's, normalized), then its
+                  convert: str = "auto", default_pooling: str = "LAST") -> PoolerConfig:
+    """The model's pooling: the defaults (``default_pooling``, normalized), then its
     sentence-transformers files, then what ``flag`` (``--pooler-config``) sets. A
     ``...ForSequenceClassification`` checkpoint classifies (its last token's state, as
     transformers pools it, through its score head); ``convert`` must agree."""
@@ -187,7 +187,8 @@ def pooler_config(path: pathlib.Path, hf_config, flag: PoolerConfig | None,
         raise ValueError(f"--convert {convert}: this checkpoint is a "
                          f"{_architecture(hf_config) or 'model'}, which can only {task} here "
                          f"(a classifier needs its ...{_CLASSIFIER} score head)")
-    fields: dict = {"pooling_type": getattr(hf_config, "gguf_pooling_type", None) or "LAST",
+    fields: dict = {"pooling_type": getattr(hf_config, "gguf_pooling_type", None) or
+                    default_pooling,
                     "normalize": task == "embed", "task": task}
     # (llama.cpp normalizes a GGUF model's embeddings by default)
     fields.update(_sentence_transformers(path))

@@ -254,6 +254,18 @@ class KernelBackend:
         over each request's context -> [T, Hq * D]. qkv may be written."""
         raise NotImplementedError
 
+    def bidirectional_attention(self, qkv: torch.Tensor, query_start_loc: Sequence[int],
+                                layer: AttentionLayer) -> torch.Tensor:
+        """An encoder's attention (BERT's): from the fused projection qkv [T, (Hq + 2 Hkv) *
+        D], each request's rows (``query_start_loc``: request b owns rows ``[b]:[b + 1]``, its
+        whole prompt) attend to all of its rows, before and after them, and nothing is read
+        from or written to a KV cache -> [T, Hq * D]. No RoPE, no q/k norms, no window. Here:
+        torch's SDPA a request at a time, which runs on every device
+        (``reference.bidirectional_attention_ref`` is what it computes)."""
+        from actorlm.kernels.portable import bidirectional_attention
+
+        return bidirectional_attention(qkv, query_start_loc, layer)
+
     # --- routed experts -----------------------------------------------------------------------
 
     def prepare_experts(self, experts: Experts) -> object:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from actorlm.kernels.backend import ActivationQuant, Norm, QuantizedWeight, check_activation
+from actorlm.kernels.backend import (ActivationQuant, AttentionLayer, Norm, QuantizedWeight,
+                                     check_activation)
 
 _FP8 = torch.float8_e4m3fn
 _FP8_MAX = torch.finfo(_FP8).max  # 448
@@ -118,3 +119,19 @@ def split_qkv(qkv, cos, sin_signed, num_heads, num_kv_heads, head_dim, q_norm=No
     k = rms_norm(qkv[:, q_size:q_size + kv_size].view(num_tokens, num_kv_heads, head_dim),
                  k_norm)
     return apply_rope(q, cos, sin_signed), apply_rope(k, cos, sin_signed), v
+
+
+def bidirectional_attention(qkv: torch.Tensor, query_start_loc, layer: AttentionLayer
+                            ) -> torch.Tensor:
+    """``KernelBackend.bidirectional_attention``: one SDPA call per request, over its own rows
+    only, so no request's padding or mask costs another's."""
+    hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    out = qkv.new_empty(qkv.shape[0], hq * d)
+    starts = list(query_start_loc)
+    for begin, end in zip(starts, starts[1:]):
+        rows = qkv[begin:end]
+        q, k, v = (rows[:, first:first + heads * d].view(end - begin, heads, d).transpose(0, 1)
+                   for first, heads in ((0, hq), (hq * d, hkv), ((hq + hkv) * d, hkv)))
+        o = F.scaled_dot_product_attention(q, k, v, scale=layer.scale, enable_gqa=hq != hkv)
+        out[begin:end] = o.transpose(0, 1).reshape(end - begin, hq * d)
+    return out

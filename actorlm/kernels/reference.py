@@ -144,6 +144,19 @@ def paged_attention_ref(query, k_cache, v_cache, block_tables, query_start_loc, 
     return out
 
 
+def bidirectional_attention_ref(q, k, v, query_start_loc, scale: float) -> torch.Tensor:
+    """An encoder's attention, written out: q [T, Hq, D], k/v [T, Hkv, D]; each request's rows
+    (``query_start_loc``) see all of its rows -> [T, Hq, D] in q's dtype."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    group = q.shape[1] // k.shape[1]
+    for begin, end in zip(query_start_loc, query_start_loc[1:]):
+        qs, ks, vs = (t[begin:end].double() for t in (q, k, v))
+        ks, vs = ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        out[begin:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs)
+    return out.to(q.dtype)
+
+
 def request_context(k_cache, v_cache, block_table, seq_len: int, group: int = 1):
     """(k, v) [seq_len, Hkv * group, D]: a request's context read through its block table,
     each KV head repeated for the ``group`` query heads that read it."""

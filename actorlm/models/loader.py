@@ -28,6 +28,7 @@ from actorlm.models.families import SUPPORTED_MODEL_TYPES, TEXT_TOWERS, text_con
 from actorlm.models.expert_parallel import split_intermediate_sizes
 from actorlm.models.moe_families import EXPERTS_SIZE
 from actorlm.models.causal_lm import CausalLM
+from actorlm.models.encoder import ENCODER_MODEL_TYPES, EncoderModel, is_encoder
 from actorlm.models.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -93,9 +94,10 @@ def load_hf_config(path, overrides: dict | None = None):
         model_type = json.loads((path / "config.json").read_text()).get("model_type")
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read {str(path / 'config.json')!r}: {e}") from e
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    supported = (*SUPPORTED_MODEL_TYPES, *ENCODER_MODEL_TYPES)
+    if model_type not in supported:
         raise ValueError(
-            f"model {str(path)!r} has model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"model {str(path)!r} has model_type {model_type!r}; supported: {', '.join(supported)}"
         )
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     if model_type in TEXT_TOWERS:
@@ -165,14 +167,15 @@ def check_block_split(path, config, quantization: str | None, size: int,
 def load_model(path, dtype: torch.dtype, device, backend,
                tp: TensorParallel = TensorParallel(),
                quantization: str | None = None, pooling: str | None = None,
-               hf_overrides: dict | None = None) -> CausalLM:
+               hf_overrides: dict | None = None) -> CausalLM | EncoderModel:
     """Build the model for the directory ``path`` (rank ``tp.rank``'s shard of it) and fill it
     from its *.safetensors files, or from its GGUF file; ``pooling`` (embed, classify): a
     pooling model's, without its LM head."""
     path = pathlib.Path(path)
     check_quantization(path, quantization)
     config = load_hf_config(path, hf_overrides)
-    model = CausalLM(config, backend, dtype=dtype, device=device, tp=tp, pooling=pooling)
+    model_class = EncoderModel if is_encoder(config) else CausalLM
+    model = model_class(config, backend, dtype=dtype, device=device, tp=tp, pooling=pooling)
     if gguf_file.is_gguf_dir(path):
         tensors = gguf_file.read_tensors(path, config, dtype)
     elif (checkpoint_quantization := prequantized.quantization_config(path)) is not None:

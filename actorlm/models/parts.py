@@ -33,6 +33,7 @@ from actorlm.models.loader import (check_block_split, check_quantization, load_h
                                    load_model, resolve_model)
 from actorlm.models.parallel import (TensorParallel, check_initialised, check_tensor_parallel,
                                      num_kv_heads_per_rank)
+from actorlm.models.encoder import is_encoder
 from actorlm.models.expert_parallel import check_expert_parallel, split_intermediate_sizes
 from actorlm.models.families import head_dim_of, layer_windows, long_rope_from, num_kv_heads_of
 from actorlm.models.memory_profile import MemoryProfile, kv_cache_budget, largest_step, load_and_profile
@@ -67,6 +68,8 @@ def kv_bytes_per_block(hf_config, block_size: int, tp_size: int, dtype: torch.dt
                        num_layers: int | None = None) -> int:
     """A KV block's bytes on one rank: ``num_layers`` (default: every layer) pages of K and
     V, each rank holding its share of the KV heads."""
+    if is_encoder(hf_config):  # (it caches nothing)
+        return 0
     layers, num_kv_heads, head_dim = model_geometry(hf_config)
     return 2 * (num_layers or layers) * block_size * \
         num_kv_heads_per_rank(num_kv_heads, tp_size) * head_dim * \
@@ -181,7 +184,9 @@ def resolve_runner(config: EngineConfig, path, hf_config) -> EngineConfig:
     """``config`` with ``runner`` generate or pooling for this model, and a pooling model's
     ``pooler_config`` resolved (``actorlm.pooling``). What pooling does not combine with is
     refused; prefix caching stays on only for last-token pooling, where a cached prefix
-    leaves the last token to compute (a mean or the first token's state needs them all)."""
+    leaves the last token to compute (a mean or the first token's state needs them all). An
+    encoder computes each prompt in one step, whole: no prefix caching, no chunked prefill,
+    its first token's state pooled unless its files say otherwise (vLLM's default for BERT)."""
     if not wants_pooling(config.runner, config.convert, config.task, hf_config):
         if config.pooler_config is not None:
             raise ValueError(f"--pooler-config applies to a pooling model; {path.name} runs "
@@ -192,9 +197,16 @@ def resolve_runner(config: EngineConfig, path, hf_config) -> EngineConfig:
         if on:
             raise ValueError(f"{flag} with a pooling model (--runner pooling) is not "
                              f"implemented")
-    pooler = pooler_config(path, hf_config, config.pooler_config, config.convert)
+    encoder = is_encoder(hf_config)
+    pooler = pooler_config(path, hf_config, config.pooler_config, config.convert,
+                           "CLS" if encoder else "LAST")
     log.info("pooling model (%s): %s pooling%s", pooler.task, pooler.pooling_type,
              ", normalized" if pooler.normalize else "")
+    if encoder:  # a prompt in one step, whole (``models/encoder.py``)
+        return dataclasses.replace(config, runner="pooling", pooler_config=pooler,
+                                   enable_prefix_caching=False, enable_chunked_prefill=False,
+                                   max_num_batched_tokens=config.max_num_batched_tokens or max(
+                                       2048, getattr(hf_config, "max_position_embeddings", 0)))
     return dataclasses.replace(config, runner="pooling", pooler_config=pooler,
                                enable_prefix_caching=config.enable_prefix_caching
                                and pooler.pooling_type == "LAST")

@@ -1,0 +1,183 @@
+"""Encoder-only models (BERT, RoBERTa, XLM-RoBERTa), run to embed: the embedding models most
+users bring (sentence-transformers' all-MiniLM, BGE, E5 and GTE on BERT; multilingual E5 and
+BGE-M3's dense vectors on XLM-RoBERTa).
+
+Every token attends to every token of its prompt, after it as well as before, so a prompt is
+computed in one step, whole: no chunked prefill and no prefix caching (a prefix's states depend
+on what follows it; ``parts.resolve_runner`` turns both off), and nothing is kept between steps:
+the layers read no KV cache (``KernelBackend.bidirectional_attention``), and the pool the
+scheduler hands blocks from holds no bytes (``num_kv_heads`` 0). The layers are post-norm,
+each branch's output joined to the stream and the sum normed (``LayerNorm(x + attention(x))``,
+``LayerNorm(h + mlp(h))``), with biases everywhere; positions are learned rows (RoBERTa's
+counted from its padding id + 1), and every token is of token type 0 (one text; the second
+segment of a BERT cross-encoder's pair is not implemented, nor are its classifier heads).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actorlm.config import first_position_row
+from actorlm.kernels import AttentionLayer, AttentionMetadata, KernelBackend
+from actorlm.models.layers import Embedding, LayerNorm, Linear
+from actorlm.models.parallel import TensorParallel
+
+ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
+# hidden_act -> the MLP's activation, as transformers computes it (in the model dtype)
+_ACTIVATIONS = {"gelu": F.gelu, "relu": torch.relu,
+                **dict.fromkeys(("gelu_new", "gelu_pytorch_tanh", "gelu_fast"),
+                                lambda x: F.gelu(x, approximate="tanh"))}
+# a checkpoint's names, inside a layer (``encoder.layer.N.``) -> ours (and the shard of q/k/v)
+_LAYER_NAMES = {"attention.self.query.": ("qkv_proj.", 0), "attention.self.key.": ("qkv_proj.", 1),
+                "attention.self.value.": ("qkv_proj.", 2), "attention.output.dense.": ("o_proj.", None),
+                "attention.output.LayerNorm.": ("attn_norm.", None),
+                "intermediate.dense.": ("up_proj.", None), "output.dense.": ("down_proj.", None),
+                "output.LayerNorm.": ("mlp_norm.", None)}
+_EMBEDDING_NAMES = {"embeddings.word_embeddings.": "embed_tokens.",
+                    "embeddings.position_embeddings.": "embed_positions.",
+                    "embeddings.token_type_embeddings.": "token_types.",
+                    "embeddings.LayerNorm.": "embed_norm."}
+# what an embedding model does not read: BERT's pooler (sentence-transformers pools itself), a
+# masked-LM's or a classifier's head, the position ids older checkpoints saved
+_UNREAD = ("pooler.", "cls.", "lm_head.", "classifier.", "embeddings.position_ids")
+
+
+def is_encoder(config) -> bool:
+    return getattr(config, "model_type", None) in ENCODER_MODEL_TYPES
+
+
+def check_encoder(config, pooling: str | None, tp: TensorParallel) -> None:
+    """Refuse, by name, what an encoder is asked for and this engine does not compute."""
+    name = config.model_type
+    if pooling != "embed":
+        what = "generating text" if pooling is None else \
+            "a classifier's head (a cross-encoder: --runner pooling on its ...Model embeds)"
+        raise ValueError(f"{name} is an encoder: it runs to embed (--runner pooling); "
+                         f"{what} is not implemented")
+    if tp.is_parallel:
+        raise ValueError(f"{name}: tensor parallelism of an encoder is not implemented")
+    position = getattr(config, "position_embedding_type", "absolute")
+    if position != "absolute":
+        raise ValueError(f"{name}: position_embedding_type={position!r} is not implemented "
+                         f"(absolute)")
+    for field in ("is_decoder", "add_cross_attention"):
+        if getattr(config, field, False):
+            raise ValueError(f"{name}: {field}=True is not implemented (an encoder's layers)")
+    if config.hidden_act not in _ACTIVATIONS:
+        raise ValueError(f"{name}: hidden_act={config.hidden_act!r} is not implemented (one "
+                         f"of {', '.join(_ACTIVATIONS)})")
+
+
+class EncoderLayer(nn.Module):
+    """``h = norm(x + o(attention(qkv(x))))``, ``out = norm(h + down(act(up(h))))``."""
+
+    def __init__(self, config, backend: KernelBackend, dtype, device):
+        super().__init__()
+        hidden, heads, eps = config.hidden_size, config.num_attention_heads, config.layer_norm_eps
+        head_dim = hidden // heads
+        self.backend, self.activation = backend, _ACTIVATIONS[config.hidden_act]
+        self.attention = AttentionLayer(heads, heads, head_dim, head_dim**-0.5)
+        self.qkv_proj = Linear(hidden, 3 * hidden, True, dtype, device)
+        self.o_proj = Linear(hidden, hidden, True, dtype, device)
+        self.attn_norm = LayerNorm(hidden, eps, True, dtype, device)
+        self.up_proj = Linear(hidden, config.intermediate_size, True, dtype, device)
+        self.down_proj = Linear(config.intermediate_size, hidden, True, dtype, device)
+        self.mlp_norm = LayerNorm(hidden, eps, True, dtype, device)
+
+    def forward(self, x: torch.Tensor, query_start_loc: Sequence[int]) -> torch.Tensor:
+        attended = self.backend.bidirectional_attention(self.qkv_proj(x), query_start_loc,
+                                                        self.attention)
+        h = self.attn_norm(self.o_proj(attended), x)[0]
+        return self.mlp_norm(self.down_proj(self.activation(self.up_proj(h))), h)[0]
+
+
+class EncoderModel(nn.Module):
+    """The runner's model (``CausalLM``'s surface where a pooling model uses it): the step's
+    tokens -> their last layer's states, [T, hidden]."""
+
+    def __init__(self, config, backend: KernelBackend, dtype: torch.dtype = torch.float32,
+                 device=None, tp: TensorParallel = TensorParallel(), pooling: str | None = None):
+        super().__init__()
+        check_encoder(config, pooling, tp)
+        hidden = config.hidden_size
+        self.config, self.backend, self.dtype, self.device = config, backend, dtype, device
+        self.tp = tp  # (one rank)
+        self.num_layers = config.num_hidden_layers
+        self.head_dim = hidden // config.num_attention_heads
+        self.num_kv_heads = 0  # nothing is cached: the KV pool's pages hold no bytes
+        self.first_position = first_position_row(config)
+        self.embed_tokens = Embedding(config.vocab_size, hidden, dtype, device)
+        self.embed_positions = Embedding(config.max_position_embeddings, hidden, dtype, device)
+        self.token_types = Embedding(config.type_vocab_size, hidden, dtype, device)
+        self.embed_norm = LayerNorm(hidden, config.layer_norm_eps, True, dtype, device)
+        self.layers = nn.ModuleList(EncoderLayer(config, backend, dtype, device)
+                                    for _ in range(self.num_layers))
+
+    def rope_rows(self, start: int, end: int, num_prompt_tokens: int) -> Sequence[int]:
+        return range(start, end)  # (rows of the position table, from first_position on)
+
+    def forward(self, input_ids, positions, kv_caches,
+                metas: Sequence[AttentionMetadata]) -> torch.Tensor:
+        """input_ids, positions: [T] int64; every request's prompt whole (``kv_caches`` are
+        not read) -> [T, hidden]."""
+        starts = metas[0].query_start_loc.tolist()
+        # transformers' order: the token's row plus its type's, then plus its position's
+        x = self.embed_tokens(input_ids) + self.token_types.weight[0]
+        x = self.embed_norm(x + self.embed_positions(positions + self.first_position))
+        for layer in self.layers:
+            x = layer(x, starts)
+        return x
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Copy the checkpoint's tensors in (a ``BertModel``'s names, or a task model's with
+        ``bert.`` / ``roberta.`` before them), raising if any is left unset, then hand the
+        linear layers to the backend."""
+        params = dict(self.named_parameters())
+        missing = {f"{name}#{i}" if ".qkv_proj." in name else name
+                   for name, param in params.items()
+                   for i in (range(3) if ".qkv_proj." in name else (0,))}
+        hidden = self.config.hidden_size
+        for name, tensor in weights:
+            target, shard = _our_name(name)
+            if target is None:
+                continue
+            if target not in params:
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            dst = params[target]
+            if shard is not None:
+                dst = dst.narrow(0, shard * hidden, hidden)
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
+                                 f"{tuple(dst.shape)}")
+            with torch.no_grad():
+                dst.copy_(tensor.to(dtype=dst.dtype, device=dst.device))
+            missing.discard(target if shard is None else f"{target}#{shard}")
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing)}")
+        for module in self.modules():
+            if isinstance(module, (Linear, Embedding)):
+                module.prepare(self.backend)
+
+
+def _our_name(name: str) -> tuple[str | None, int | None]:
+    """(our parameter's name, the q/k/v shard) of a checkpoint tensor; (None, None): not read."""
+    for prefix in ("bert.", "roberta.", "model."):
+        name = name.removeprefix(prefix)
+    if name.startswith(_UNREAD):
+        return None, None
+    # (checkpoints from before PyTorch named LayerNorm's parameters weight and bias)
+    name = name.removesuffix(".gamma") + ".weight" if name.endswith(".gamma") else \
+        name.removesuffix(".beta") + ".bias" if name.endswith(".beta") else name
+    for fragment, ours in _EMBEDDING_NAMES.items():
+        if name.startswith(fragment):
+            return ours + name.removeprefix(fragment), None
+    if name.startswith("encoder.layer."):
+        index, _, rest = name.removeprefix("encoder.layer.").partition(".")
+        for fragment, (ours, shard) in _LAYER_NAMES.items():
+            if rest.startswith(fragment):
+                return f"layers.{index}.{ours}{rest.removeprefix(fragment)}", shard
+    return name, None

@@ -1,0 +1,97 @@
+"""Session fixtures: tiny encoder embedding models (BERT, XLM-RoBERTa) as users bring them.
+
+transformers draws the random encoder and saves it; sentence-transformers writes each
+directory (``modules.json``, its pooling module, ``BertModel``'s checkpoint), the layout of
+all-MiniLM, BGE and E5. The BERT ones carry a WordPiece tokenizer ([CLS] ... [SEP]), the
+XLM-RoBERTa one a tokenizer that wraps each text in <s> ... </s>, as theirs do.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+__all__ = ["tiny_encoder_dirs", "ENCODER_MODELS"]
+
+# name -> (the encoder, sentence-transformers' pooling mode, or None: transformers' files
+# alone, no sentence-transformers modules)
+ENCODER_MODELS = {"bert_cls": ("bert", "cls"), "bert_mean": ("bert", "mean"),
+                  "xlmr_mean": ("xlm-roberta", "mean"), "bert_bare": ("bert", None)}
+
+
+@pytest.fixture(scope="session")
+def tiny_encoder_dirs(tmp_path_factory, tiny_tokenizer_dir) -> dict:
+    """name (``ENCODER_MODELS``) -> the directory; each vector normalized (a Normalize
+    module), and the bare one as transformers saves a ``BertModel``."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    tokenizers = {"bert": _wordpiece(tmp_path_factory),
+                  "xlm-roberta": _wrapping_bpe(tiny_tokenizer_dir, tmp_path_factory)}
+    encoders = {kind: _encoder(kind, tokenizers[kind], tmp_path_factory, seed)
+                for seed, kind in enumerate(tokenizers)}
+    dirs = {}
+    for name, (kind, mode) in ENCODER_MODELS.items():
+        if mode is None:
+            dirs[name] = encoders[kind]
+            continue
+        transformer = Transformer(str(encoders[kind]))
+        modules = [transformer, Pooling(transformer.get_embedding_dimension(), mode), Normalize()]
+        path = tmp_path_factory.mktemp(f"encoder_{name}")
+        SentenceTransformer(modules=modules, device="cpu").save(str(path))
+        dirs[name] = path
+    return dirs
+
+
+def _encoder(kind: str, tokenizer_dir, tmp_path_factory, seed: int):
+    """A random ``BertModel`` / ``XLMRobertaModel`` (2 layers, hidden 64, 4 heads) with its
+    biases and norms drawn too, saved with the tokenizer."""
+    from checkpoints import perturbed
+    from transformers import AutoModel, AutoTokenizer, BertConfig, XLMRobertaConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    sizes = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=2, num_attention_heads=4, initializer_range=0.3,
+                 pad_token_id=tokenizer.pad_token_id)
+    config = BertConfig(**sizes, max_position_embeddings=64, type_vocab_size=2) \
+        if kind == "bert" else \
+        XLMRobertaConfig(**sizes, max_position_embeddings=66, type_vocab_size=1,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(30 + seed)
+        model = perturbed(AutoModel.from_config(config, dtype=torch.float32))
+    path = tmp_path_factory.mktemp(f"tiny_{kind}")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _wordpiece(tmp_path_factory):
+    """BERT's uncased WordPiece over the tiny corpus, [CLS] text [SEP]."""
+    from checkpoints import _CORPUS
+    from tokenizers import BertWordPieceTokenizer
+    from transformers import BertTokenizerFast
+
+    trained = BertWordPieceTokenizer(lowercase=True)
+    trained.train_from_iterator(_CORPUS.splitlines(), vocab_size=300)
+    path = tmp_path_factory.mktemp("tiny_wordpiece")
+    trained.save_model(str(path))
+    BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
+    return path
+
+
+def _wrapping_bpe(tiny_tokenizer_dir, tmp_path_factory):
+    """The tiny byte-level BPE, each text wrapped in <s> ... </s> (XLM-RoBERTa's way)."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    inner = tokenizer.backend_tokenizer
+    inner.post_processor = processors.RobertaProcessing(
+        ("</s>", tokenizer.convert_tokens_to_ids("</s>")),
+        ("<s>", tokenizer.convert_tokens_to_ids("<s>")), add_prefix_space=False)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=inner, bos_token="<s>", eos_token="</s>",
+                                      pad_token="<pad>", cls_token="<s>", sep_token="</s>")
+    path = tmp_path_factory.mktemp("tiny_wrapping_bpe")
+    wrapped.save_pretrained(path)
+    return path

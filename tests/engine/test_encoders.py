@@ -1,0 +1,79 @@
+"""Encoder embedding models (BERT, XLM-RoBERTa), against sentence-transformers on the same
+directory (transformers runs the encoder, then its Pooling and Normalize modules), and the
+bare ``BertModel`` against transformers' own states.
+
+Prompts of several lengths in one step, and more prompts than fit one step, so that each
+request's attention is held to its own rows; a step budget below a prompt's length would
+chunk it, which an encoder must not do.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actorlm import LLM
+from encoder_models import ENCODER_MODELS
+
+PROMPTS = ["The quick brown fox", "Once upon a time there was a small village at the edge of a "
+           "great forest, and in that village lived an old baker.",
+           "Questions and answers, numbers like 1, 2, 3, 42 and 2024.", "bread", "A journey of "
+           "a thousand miles begins with a single step."]
+FLAGS = dict(dtype="float32", max_num_seqs=3)
+
+
+def _vectors(outputs) -> torch.Tensor:
+    assert all(o.finished and o.error is None for o in outputs)
+    return torch.tensor([o.outputs.embedding for o in outputs])
+
+
+def _oracle(path, prompts=PROMPTS) -> torch.Tensor:
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(path), device="cpu").encode(
+        prompts, convert_to_tensor=True).float().cpu()
+
+
+def _cls_states(path, prompts=PROMPTS) -> torch.Tensor:
+    """transformers' first-token state of each prompt, alone, normalized (vLLM's default
+    pooling of a bare BERT)."""
+    from transformers import AutoModel, AutoTokenizer
+
+    tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path)
+    with torch.no_grad():
+        states = [model(**tokenizer(p, return_tensors="pt")).last_hidden_state[0, 0]
+                  for p in prompts]
+    return torch.nn.functional.normalize(torch.stack(states), dim=-1)
+
+
+@pytest.mark.parametrize("name", [n for n, (_, mode) in ENCODER_MODELS.items() if mode])
+def test_embeddings_match_sentence_transformers(name, tiny_encoder_dirs):
+    path = tiny_encoder_dirs[name]
+    with LLM(str(path), **FLAGS) as llm:
+        assert llm.config.is_pooling and not llm.config.enable_prefix_caching
+        assert not llm.config.enable_chunked_prefill
+        outputs = llm.embed(PROMPTS, use_tqdm=False)
+        stats = llm.stats()
+        tokens = [llm.tokenizer.encode(p) for p in PROMPTS]
+    assert [o.prompt_token_ids for o in outputs] == tokens
+    assert all(t[0] != t[1] for t in tokens)  # (each wrapped in its special tokens)
+    torch.testing.assert_close(_vectors(outputs), _oracle(path), atol=2e-6, rtol=1e-5)
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["num_requests_holding_blocks"] == 0
+
+
+def test_a_bare_bert_pools_its_first_token(tiny_encoder_dirs):
+    """No sentence-transformers files: vLLM's default for BERT, the [CLS] state normalized."""
+    path = tiny_encoder_dirs["bert_bare"]
+    with LLM(str(path), **FLAGS) as llm:
+        assert llm.config.pooler_config.pooling_type == "CLS"
+        got = _vectors(llm.embed(PROMPTS, use_tqdm=False))
+    torch.testing.assert_close(got, _cls_states(path), atol=2e-6, rtol=1e-5)
+
+
+def test_bf16_is_close_to_fp32(tiny_encoder_dirs):
+    path = tiny_encoder_dirs["bert_mean"]
+    with LLM(str(path), dtype="bfloat16", max_num_seqs=3) as llm:
+        got = _vectors(llm.embed(PROMPTS, use_tqdm=False))
+    want = _oracle(path)
+    assert torch.nn.functional.cosine_similarity(got, want).min() > 0.999
