@@ -77,3 +77,20 @@ def test_bf16_is_close_to_fp32(tiny_encoder_dirs):
         got = _vectors(llm.embed(PROMPTS, use_tqdm=False))
     want = _oracle(path)
     assert torch.nn.functional.cosine_similarity(got, want).min() > 0.999
+
+
+def test_what_an_encoder_does_not_do_is_refused_by_name(tiny_encoder_dirs, tmp_path):
+    from transformers import AutoConfig, BertForSequenceClassification
+
+    path = tiny_encoder_dirs["bert_bare"]
+    with pytest.raises(ValueError, match="encoder.*generating text is not implemented"):
+        LLM(str(path), runner="generate", dtype="float32")
+    with pytest.raises(ValueError, match="tensor parallelism of an encoder"):
+        LLM(str(path), tensor_parallel_size=2, dtype="float32")
+    # a cross-encoder (BERT with a classifier's head): not yet, and said so
+    config = AutoConfig.from_pretrained(path, num_labels=1)
+    BertForSequenceClassification(config).save_pretrained(tmp_path)
+    for file in path.glob("tokenizer*"):
+        (tmp_path / file.name).write_bytes(file.read_bytes())
+    with pytest.raises(ValueError, match="classifier's head"):
+        LLM(str(tmp_path), dtype="float32")

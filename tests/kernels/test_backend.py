@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from actorlm.kernels import AttentionLayer, QuantizedWeight, select_backend
-from actorlm.kernels.reference import write_kv_ref
+from actorlm.kernels.reference import bidirectional_attention_ref, write_kv_ref
 from paged_batches import assert_matches_reference
+from tolerance import assert_within, attention_error
 
 
 def test_a_cpu_gets_the_cpu_backend_and_the_variable_overrides_it(monkeypatch):
@@ -67,6 +68,30 @@ def test_both_wings_attend_through_a_sliding_window_with_capped_scores(name, mon
               meta.seq_lens)
     assert_matches_reference(out.view(10, 4, 16), inputs, 0.25, probs=torch.float32, window=5,
                              softcap=2.0)  # fp32 throughout
+
+
+@pytest.mark.parametrize("name", ["cpu", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_both_wings_attend_both_ways_within_each_request(name, dtype, monkeypatch):
+    # an encoder's attention: three requests' rows (5, 1 and 9), each seeing all of its own
+    # rows and none of the others'; 4 query heads over 2 KV heads
+    monkeypatch.setenv("ACTORLM_ATTENTION_BACKEND", name)
+    backend = select_backend("cpu")
+    layer, starts = AttentionLayer(4, 2, 16, 0.25), [0, 5, 6, 15]
+    qkv = torch.randn(15, (4 + 2 * 2) * 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out = backend.bidirectional_attention(qkv, starts, layer).view(15, 4, 16)
+    q, k, v = qkv[:, :64].view(15, 4, 16), qkv[:, 64:96].view(15, 2, 16), qkv[:, 96:].view(15, 2, 16)
+    want = bidirectional_attention_ref(q, k, v, starts, 0.25)
+    low = None if dtype == torch.float32 else dtype
+    for begin, end in zip(starts, starts[1:]):
+        keys, values = (t[begin:end].repeat_interleave(2, dim=1) for t in (k, v))
+        bound = attention_error(q[begin:end], keys, values, 0.25,
+                                torch.ones(end - begin, end - begin, dtype=torch.bool),
+                                want[begin:end], probs=low, output=low)
+        assert_within(out[begin:end], want[begin:end], bound, f"rows {begin}:{end}")
+    # a request's rows read nobody else's: the first request's output alone is the same
+    alone = backend.bidirectional_attention(qkv[:5].clone(), [0, 5], layer).view(5, 4, 16)
+    assert torch.equal(alone, out[:5])
 
 
 @pytest.mark.parametrize("name", ["cpu", "triton"])
