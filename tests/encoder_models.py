@@ -76,7 +76,7 @@ def _wordpiece(tmp_path_factory):
     trained.train_from_iterator(_CORPUS.splitlines(), vocab_size=300)
     path = tmp_path_factory.mktemp("tiny_wordpiece")
     trained.save_model(str(path))
-    BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
+    BertTokenizerFast(vocab=str(path / "vocab.txt")).save_pretrained(path)
     return path
 
 

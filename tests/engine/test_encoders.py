@@ -56,7 +56,9 @@ def test_embeddings_match_sentence_transformers(name, tiny_encoder_dirs):
         stats = llm.stats()
         tokens = [llm.tokenizer.encode(p) for p in PROMPTS]
     assert [o.prompt_token_ids for o in outputs] == tokens
-    assert all(t[0] != t[1] for t in tokens)  # (each wrapped in its special tokens)
+    # (each wrapped in its special tokens, its words the vocabulary's)
+    unknown = llm.tokenizer.unk_token_id
+    assert all(t[0] != t[1] and t.count(unknown) <= len(t) // 4 for t in tokens), tokens
     torch.testing.assert_close(_vectors(outputs), _oracle(path), atol=2e-6, rtol=1e-5)
     assert stats["num_running"] == stats["num_waiting"] == 0
     assert stats["num_requests_holding_blocks"] == 0
