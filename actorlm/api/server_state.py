@@ -80,8 +80,11 @@ class ServerState:
 
     def resolve_model(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names; None for the base model; a 404 for a
-        model nobody serves."""
-        return self.lora.resolve(model, self.base_model_names)
+        model nobody serves. Without ``--served-model-name`` the model as given names it too
+        (vLLM serves ``vllm serve ./my-model`` as ``./my-model``, and its users' clients name
+        it so), though it is listed by its directory's name."""
+        given = None if self.served_names or self.engine is None else self.engine.config.model
+        return self.lora.resolve(model, self.base_model_names + ((given,) if given else ()))
 
     def check_model(self, model: str | None) -> None:
         self.resolve_model(model)  # (the base model's tokenizer serves its adapters too)

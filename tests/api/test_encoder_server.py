@@ -1,7 +1,8 @@
 """An encoder embedding model (a tiny BERT laid out as all-MiniLM is) behind a real server,
 driven by the official ``openai`` client: ``/v1/embeddings`` against sentence-transformers,
 ``/v1/score`` as the cosine of the two texts' vectors, a prompt past the model's 64 positions
-refused in OpenAI's shape while the server keeps serving."""
+refused in OpenAI's shape while the server keeps serving; and, without
+``--served-model-name``, the model named by its path as given, as vLLM names it."""
 
 from __future__ import annotations
 
@@ -65,3 +66,15 @@ def test_a_prompt_past_the_positions_is_refused_and_the_server_serves_on(base_ur
 def _token_ids(base_url, texts) -> list[list[int]]:
     return [httpx.post(f"{base_url}/tokenize", json={"model": "tiny-bert", "prompt": t},
                        timeout=30).json()["tokens"] for t in texts]
+
+
+def test_without_a_served_name_the_path_as_given_names_the_model(bert, tmp_path):
+    path, want = bert
+    with serving(path, tmp_path / "server.log", "--dtype", "float32") as (proc, base):
+        with openai_client(base) as client:
+            assert [m.id for m in client.models.list().data] == [path.name]
+            for name in (str(path), path.name):
+                got = client.embeddings.create(model=name, input=TEXTS[0]).data[0].embedding
+                np.testing.assert_allclose(got, want[0], atol=1e-5)
+        proc.terminate()
+        proc.wait(timeout=20)
