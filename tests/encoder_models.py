@@ -1,9 +1,11 @@
-"""Session fixtures: tiny encoder embedding models (BERT, XLM-RoBERTa) as users bring them.
+"""Session fixtures: tiny encoder models (BERT, XLM-RoBERTa) as users bring them: embedding
+models, and classifiers (cross-encoders).
 
 transformers draws the random encoder and saves it; sentence-transformers writes each
 directory (``modules.json``, its pooling module, ``BertModel``'s checkpoint), the layout of
 all-MiniLM, BGE and E5. The BERT ones carry a WordPiece tokenizer ([CLS] ... [SEP]), the
-XLM-RoBERTa one a tokenizer that wraps each text in <s> ... </s>, as theirs do.
+XLM-RoBERTa one a tokenizer that wraps each text in <s> ... </s>, as theirs do. The classifiers
+are transformers' ``...ForSequenceClassification`` as a cross-encoder's checkpoint holds them.
 """
 
 from __future__ import annotations
@@ -11,12 +13,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-__all__ = ["tiny_encoder_dirs", "ENCODER_MODELS"]
+__all__ = ["tiny_encoder_dirs", "tiny_encoder_classifiers", "ENCODER_MODELS",
+           "ENCODER_CLASSIFIERS"]
 
 # name -> (the encoder, sentence-transformers' pooling mode, or None: transformers' files
 # alone, no sentence-transformers modules)
 ENCODER_MODELS = {"bert_cls": ("bert", "cls"), "bert_mean": ("bert", "mean"),
                   "xlmr_mean": ("xlm-roberta", "mean"), "bert_bare": ("bert", None)}
+# name -> (the encoder, its labels): cross-encoders (one label) and a classifier of three
+ENCODER_CLASSIFIERS = {"bert_cross": ("bert", 1), "xlmr_cross": ("xlm-roberta", 1),
+                       "bert_labels": ("bert", 3)}
 
 
 @pytest.fixture(scope="session")
@@ -26,8 +32,7 @@ def tiny_encoder_dirs(tmp_path_factory, tiny_tokenizer_dir) -> dict:
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
 
-    tokenizers = {"bert": _wordpiece(tmp_path_factory),
-                  "xlm-roberta": _wrapping_bpe(tiny_tokenizer_dir, tmp_path_factory)}
+    tokenizers = _tokenizers(tmp_path_factory, tiny_tokenizer_dir)
     encoders = {kind: _encoder(kind, tokenizers[kind], tmp_path_factory, seed)
                 for seed, kind in enumerate(tokenizers)}
     dirs = {}
@@ -43,11 +48,26 @@ def tiny_encoder_dirs(tmp_path_factory, tiny_tokenizer_dir) -> dict:
     return dirs
 
 
-def _encoder(kind: str, tokenizer_dir, tmp_path_factory, seed: int):
+@pytest.fixture(scope="session")
+def tiny_encoder_classifiers(tmp_path_factory, tiny_tokenizer_dir) -> dict:
+    """name (``ENCODER_CLASSIFIERS``) -> the directory of a ``...ForSequenceClassification``."""
+    tokenizers = _tokenizers(tmp_path_factory, tiny_tokenizer_dir)
+    return {name: _encoder(kind, tokenizers[kind], tmp_path_factory, 40 + seed, labels)
+            for seed, (name, (kind, labels)) in enumerate(ENCODER_CLASSIFIERS.items())}
+
+
+def _tokenizers(tmp_path_factory, tiny_tokenizer_dir) -> dict:
+    return {"bert": _wordpiece(tmp_path_factory),
+            "xlm-roberta": _wrapping_bpe(tiny_tokenizer_dir, tmp_path_factory)}
+
+
+def _encoder(kind: str, tokenizer_dir, tmp_path_factory, seed: int, labels: int = 0):
     """A random ``BertModel`` / ``XLMRobertaModel`` (2 layers, hidden 64, 4 heads) with its
-    biases and norms drawn too, saved with the tokenizer."""
+    biases and norms drawn too, saved with the tokenizer; with ``labels``, its
+    ``...ForSequenceClassification`` of that many."""
     from checkpoints import perturbed
-    from transformers import AutoModel, AutoTokenizer, BertConfig, XLMRobertaConfig
+    from transformers import (AutoModel, AutoModelForSequenceClassification, AutoTokenizer,
+                              BertConfig, XLMRobertaConfig)
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     sizes = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
@@ -59,8 +79,11 @@ def _encoder(kind: str, tokenizer_dir, tmp_path_factory, seed: int):
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(30 + seed)
-        model = perturbed(AutoModel.from_config(config, dtype=torch.float32))
-    path = tmp_path_factory.mktemp(f"tiny_{kind}")
+        if labels:
+            config.num_labels = labels
+        auto = AutoModelForSequenceClassification if labels else AutoModel
+        model = perturbed(auto.from_config(config, dtype=torch.float32))
+    path = tmp_path_factory.mktemp(f"tiny_{kind}_{labels}")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

@@ -9,8 +9,15 @@ the layers read no KV cache (``KernelBackend.bidirectional_attention``), and the
 scheduler hands blocks from holds no bytes (``num_kv_heads`` 0). The layers are post-norm,
 each branch's output joined to the stream and the sum normed (``LayerNorm(x + attention(x))``,
 ``LayerNorm(h + mlp(h))``), with biases everywhere; positions are learned rows (RoBERTa's
-counted from its padding id + 1), and every token is of token type 0 (one text; the second
-segment of a BERT cross-encoder's pair is not implemented, nor are its classifier heads).
+counted from its padding id + 1).
+
+A ``...ForSequenceClassification`` checkpoint (a cross-encoder: ms-marco-MiniLM, BGE's
+rerankers) classifies through its head over the first token's state: a dense layer, tanh, the
+labels' layer (BERT's pooler then its classifier; RoBERTa's classifier, dense then
+``out_proj``). BERT reads a text pair as its tokenizer joins it, [CLS] a [SEP] b [SEP], the
+tokens after the first [SEP] of token type 1: so a classifier reads the types from the
+prompt (a single text's are all 0, unless it holds a [SEP] of its own), and an embedding
+model gives every token type 0 (RoBERTa's have one type).
 """
 
 from __future__ import annotations
@@ -41,9 +48,12 @@ _EMBEDDING_NAMES = {"embeddings.word_embeddings.": "embed_tokens.",
                     "embeddings.position_embeddings.": "embed_positions.",
                     "embeddings.token_type_embeddings.": "token_types.",
                     "embeddings.LayerNorm.": "embed_norm."}
-# what an embedding model does not read: BERT's pooler (sentence-transformers pools itself), a
-# masked-LM's or a classifier's head, the position ids older checkpoints saved
-_UNREAD = ("pooler.", "cls.", "lm_head.", "classifier.", "embeddings.position_ids")
+# a classifier's head: BERT's pooler and classifier, RoBERTa's classifier -> ours
+_HEAD_NAMES = {"pooler.dense.": "score.dense.", "classifier.dense.": "score.dense.",
+               "classifier.out_proj.": "score.out.", "classifier.": "score.out."}
+# what no model here reads: a masked-LM's head, the position ids older checkpoints saved (and
+# an embedding model reads no classifier's head: BERT's pooler, sentence-transformers pools)
+_UNREAD = ("cls.", "lm_head.", "embeddings.position_ids")
 
 
 def is_encoder(config) -> bool:
@@ -53,11 +63,9 @@ def is_encoder(config) -> bool:
 def check_encoder(config, pooling: str | None, tp: TensorParallel) -> None:
     """Refuse, by name, what an encoder is asked for and this engine does not compute."""
     name = config.model_type
-    if pooling != "embed":
-        what = "generating text" if pooling is None else \
-            "a classifier's head (a cross-encoder: --runner pooling on its ...Model embeds)"
-        raise ValueError(f"{name} is an encoder: it runs to embed (--runner pooling); "
-                         f"{what} is not implemented")
+    if pooling is None:
+        raise ValueError(f"{name} is an encoder: it runs to embed or classify (--runner "
+                         f"pooling); generating text is not implemented")
     if tp.is_parallel:
         raise ValueError(f"{name}: tensor parallelism of an encoder is not implemented")
     position = getattr(config, "position_embedding_type", "absolute")
@@ -95,6 +103,18 @@ class EncoderLayer(nn.Module):
         return self.mlp_norm(self.down_proj(self.activation(self.up_proj(h))), h)[0]
 
 
+class ClassifierHead(nn.Module):
+    """``out(tanh(dense(state)))`` over a prompt's first token's state."""
+
+    def __init__(self, hidden: int, num_labels: int, dtype, device):
+        super().__init__()
+        self.dense = Linear(hidden, hidden, True, dtype, device)
+        self.out = Linear(hidden, num_labels, True, dtype, device)
+
+    def forward(self, state: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.dense(state)))
+
+
 class EncoderModel(nn.Module):
     """The runner's model (``CausalLM``'s surface where a pooling model uses it): the step's
     tokens -> their last layer's states, [T, hidden]."""
@@ -116,6 +136,12 @@ class EncoderModel(nn.Module):
         self.embed_norm = LayerNorm(hidden, config.layer_norm_eps, True, dtype, device)
         self.layers = nn.ModuleList(EncoderLayer(config, backend, dtype, device)
                                     for _ in range(self.num_layers))
+        self.score = ClassifierHead(hidden, config.num_labels, dtype, device) \
+            if pooling == "classify" else None  # (the pooler runs it)
+        # a classifier's: the token after which a pair's second text begins (BERT's [SEP]),
+        # where the model has a second token type (an embedding model reads single texts)
+        self.separator = _separator(config) \
+            if pooling == "classify" and config.type_vocab_size > 1 else None
 
     def rope_rows(self, start: int, end: int, num_prompt_tokens: int) -> Sequence[int]:
         return range(start, end)  # (rows of the position table, from first_position on)
@@ -126,11 +152,24 @@ class EncoderModel(nn.Module):
         not read) -> [T, hidden]."""
         starts = metas[0].query_start_loc.tolist()
         # transformers' order: the token's row plus its type's, then plus its position's
-        x = self.embed_tokens(input_ids) + self.token_types.weight[0]
+        x = self.embed_tokens(input_ids) + self.token_types(self.token_type_ids(input_ids, starts))
         x = self.embed_norm(x + self.embed_positions(positions + self.first_position))
         for layer in self.layers:
             x = layer(x, starts)
         return x
+
+    def token_type_ids(self, input_ids: torch.Tensor, starts: Sequence[int]) -> torch.Tensor:
+        """Each token's type: 1 after the first separator of its prompt (a pair's second
+        text, as BERT's tokenizer types it), else 0."""
+        types = torch.zeros_like(input_ids)
+        if self.separator is None:
+            return types
+        separators = (input_ids == self.separator).nonzero().flatten().tolist()
+        for begin, end in zip(starts, starts[1:]):
+            first = next((i for i in separators if begin <= i < end), None)
+            if first is not None:
+                types[first + 1:end] = 1
+        return types
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy the checkpoint's tensors in (a ``BertModel``'s names, or a task model's with
@@ -142,7 +181,7 @@ class EncoderModel(nn.Module):
                    for i in (range(3) if ".qkv_proj." in name else (0,))}
         hidden = self.config.hidden_size
         for name, tensor in weights:
-            target, shard = _our_name(name)
+            target, shard = _our_name(name, classifies=self.score is not None)
             if target is None:
                 continue
             if target not in params:
@@ -163,10 +202,20 @@ class EncoderModel(nn.Module):
                 module.prepare(self.backend)
 
 
-def _our_name(name: str) -> tuple[str | None, int | None]:
+def _separator(config) -> int | None:
+    """The id of the model's [SEP] token, from its tokenizer's files beside the config."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(config._name_or_path).sep_token_id
+
+
+def _our_name(name: str, classifies: bool) -> tuple[str | None, int | None]:
     """(our parameter's name, the q/k/v shard) of a checkpoint tensor; (None, None): not read."""
     for prefix in ("bert.", "roberta.", "model."):
         name = name.removeprefix(prefix)
+    for fragment, ours in _HEAD_NAMES.items():
+        if name.startswith(fragment):
+            return (ours + name.removeprefix(fragment), None) if classifies else (None, None)
     if name.startswith(_UNREAD):
         return None, None
     # (checkpoints from before PyTorch named LayerNorm's parameters weight and bias)

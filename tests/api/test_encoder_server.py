@@ -78,3 +78,28 @@ def test_without_a_served_name_the_path_as_given_names_the_model(bert, tmp_path)
                 np.testing.assert_allclose(got, want[0], atol=1e-5)
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def test_a_cross_encoder_reranks_documents(tiny_encoder_classifiers, tmp_path):
+    """BGE's rerankers' and ms-marco's shape: ``/rerank`` of a query against documents, best
+    first, each score the pair's probability as transformers gives it."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = tiny_encoder_classifiers["bert_cross"]
+    query, documents = "Who baked bread?", ["The old baker.", "A lazy dog.", "Machine learning."]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path)
+    with torch.no_grad():
+        want = [float(model(**tokenizer(query, d, return_tensors="pt")).logits.sigmoid())
+                for d in documents]
+    with serving(path, tmp_path / "server.log", "--dtype", "float32") as (proc, base):
+        response = httpx.post(f"{base}/v1/rerank", json={"query": query, "documents": documents},
+                              timeout=30)
+        proc.terminate()
+        proc.wait(timeout=20)
+    assert response.status_code == 200, response.text
+    results = response.json()["results"]
+    assert [r["index"] for r in results] == sorted(range(3), key=lambda i: -want[i])
+    np.testing.assert_allclose([r["relevance_score"] for r in results], sorted(want)[::-1],
+                               atol=1e-5)

@@ -81,18 +81,46 @@ def test_bf16_is_close_to_fp32(tiny_encoder_dirs):
     assert torch.nn.functional.cosine_similarity(got, want).min() > 0.999
 
 
-def test_what_an_encoder_does_not_do_is_refused_by_name(tiny_encoder_dirs, tmp_path):
-    from transformers import AutoConfig, BertForSequenceClassification
-
+def test_what_an_encoder_does_not_do_is_refused_by_name(tiny_encoder_dirs):
     path = tiny_encoder_dirs["bert_bare"]
     with pytest.raises(ValueError, match="encoder.*generating text is not implemented"):
         LLM(str(path), runner="generate", dtype="float32")
     with pytest.raises(ValueError, match="tensor parallelism of an encoder"):
         LLM(str(path), tensor_parallel_size=2, dtype="float32")
-    # a cross-encoder (BERT with a classifier's head): not yet, and said so
-    config = AutoConfig.from_pretrained(path, num_labels=1)
-    BertForSequenceClassification(config).save_pretrained(tmp_path)
-    for file in path.glob("tokenizer*"):
-        (tmp_path / file.name).write_bytes(file.read_bytes())
-    with pytest.raises(ValueError, match="classifier's head"):
-        LLM(str(tmp_path), dtype="float32")
+
+
+QUERY = "What did the baker share?"
+DOCUMENTS = ["The baker opened his last sack and shared it with every family.",
+             "Machine learning models read text as tokens.", "bread"]
+
+
+def _transformers_logits(path, pairs) -> torch.Tensor:
+    """A classifier's logits of each input (a text, or a pair as its tokenizer joins it)
+    alone, token types and all."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path)
+    with torch.no_grad():
+        return torch.cat([model(**tokenizer(*(x if isinstance(x, tuple) else (x,)),
+                                             return_tensors="pt")).logits for x in pairs])
+
+
+@pytest.mark.parametrize("name", ["bert_cross", "xlmr_cross"])
+def test_a_cross_encoder_scores_pairs_as_transformers(name, tiny_encoder_classifiers):
+    path = tiny_encoder_classifiers[name]
+    with LLM(str(path), **FLAGS) as llm:
+        assert llm.config.pooler_config.task == "classify"
+        assert llm.config.pooler_config.pooling_type == "CLS"
+        scores = [o.outputs.score for o in llm.score(QUERY, DOCUMENTS, use_tqdm=False)]
+    want = _transformers_logits(path, [(QUERY, d) for d in DOCUMENTS]).sigmoid()[:, 0]
+    torch.testing.assert_close(torch.tensor(scores), want, atol=2e-6, rtol=1e-5)
+    assert want.max() - want.min() > 0.01  # (the documents are told apart)
+
+
+def test_a_classifier_of_three_labels_as_transformers(tiny_encoder_classifiers):
+    path = tiny_encoder_classifiers["bert_labels"]
+    with LLM(str(path), **FLAGS) as llm:
+        probs = torch.tensor([o.outputs.probs for o in llm.classify(PROMPTS, use_tqdm=False)])
+    want = _transformers_logits(path, PROMPTS).softmax(-1)
+    torch.testing.assert_close(probs, want, atol=2e-6, rtol=1e-5)
