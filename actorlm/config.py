@@ -366,7 +366,9 @@ def positions_served(hf_config) -> tuple[int, str]:
 
 def first_position_row(hf_config) -> int:
     """The row of a learned position table that position 0 reads: RoBERTa's count from its
-    padding id + 1 (transformers' ``create_position_ids_from_input_ids``), others' from 0."""
-    if getattr(hf_config, "model_type", None) in ("roberta", "xlm-roberta"):
+    padding id + 1 (transformers' ``create_position_ids_from_input_ids``), MPNet's from 2 (its
+    padding row is 1 whatever the config says), others' from 0."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type in ("roberta", "xlm-roberta"):
         return hf_config.pad_token_id + 1
-    return 0
+    return 2 if model_type == "mpnet" else 0

@@ -19,10 +19,11 @@ __all__ = ["tiny_encoder_dirs", "tiny_encoder_classifiers", "ENCODER_MODELS",
 # name -> (the encoder, sentence-transformers' pooling mode, or None: transformers' files
 # alone, no sentence-transformers modules)
 ENCODER_MODELS = {"bert_cls": ("bert", "cls"), "bert_mean": ("bert", "mean"),
-                  "xlmr_mean": ("xlm-roberta", "mean"), "bert_bare": ("bert", None)}
+                  "xlmr_mean": ("xlm-roberta", "mean"), "bert_bare": ("bert", None),
+                  "mpnet_mean": ("mpnet", "mean")}
 # name -> (the encoder, its labels): cross-encoders (one label) and a classifier of three
 ENCODER_CLASSIFIERS = {"bert_cross": ("bert", 1), "xlmr_cross": ("xlm-roberta", 1),
-                       "bert_labels": ("bert", 3)}
+                       "bert_labels": ("bert", 3), "mpnet_cross": ("mpnet", 1)}
 
 
 @pytest.fixture(scope="session")
@@ -57,8 +58,9 @@ def tiny_encoder_classifiers(tmp_path_factory, tiny_tokenizer_dir) -> dict:
 
 
 def _tokenizers(tmp_path_factory, tiny_tokenizer_dir) -> dict:
-    return {"bert": _wordpiece(tmp_path_factory),
-            "xlm-roberta": _wrapping_bpe(tiny_tokenizer_dir, tmp_path_factory)}
+    wordpiece = _wordpiece(tmp_path_factory)
+    return {"bert": wordpiece, "xlm-roberta": _wrapping_bpe(tiny_tokenizer_dir, tmp_path_factory),
+            "mpnet": _mpnet_wordpiece(wordpiece, tmp_path_factory)}
 
 
 def _encoder(kind: str, tokenizer_dir, tmp_path_factory, seed: int, labels: int = 0):
@@ -67,7 +69,7 @@ def _encoder(kind: str, tokenizer_dir, tmp_path_factory, seed: int, labels: int 
     ``...ForSequenceClassification`` of that many."""
     from checkpoints import perturbed
     from transformers import (AutoModel, AutoModelForSequenceClassification, AutoTokenizer,
-                              BertConfig, XLMRobertaConfig)
+                              BertConfig, MPNetConfig, XLMRobertaConfig)
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     sizes = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
@@ -75,6 +77,7 @@ def _encoder(kind: str, tokenizer_dir, tmp_path_factory, seed: int, labels: int 
                  pad_token_id=tokenizer.pad_token_id)
     config = BertConfig(**sizes, max_position_embeddings=64, type_vocab_size=2) \
         if kind == "bert" else \
+        MPNetConfig(**sizes, max_position_embeddings=66) if kind == "mpnet" else \
         XLMRobertaConfig(**sizes, max_position_embeddings=66, type_vocab_size=1,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     with torch.random.fork_rng(devices=[]):
@@ -100,6 +103,20 @@ def _wordpiece(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_wordpiece")
     trained.save_model(str(path))
     BertTokenizerFast(vocab=str(path / "vocab.txt")).save_pretrained(path)
+    return path
+
+
+def _mpnet_wordpiece(wordpiece_dir, tmp_path_factory):
+    """The WordPiece vocabulary as MPNet's holds it: <s> <pad> </s> <unk> first (its
+    embeddings take row 1 for padding whatever the config says), each text <s> ... </s>."""
+    from transformers import BertTokenizerFast
+
+    words = [w for w in (wordpiece_dir / "vocab.txt").read_text().split("\n")
+             if w and not w.startswith("[")]
+    path = tmp_path_factory.mktemp("tiny_mpnet_wordpiece")
+    (path / "vocab.txt").write_text("\n".join(["<s>", "<pad>", "</s>", "<unk>", "<mask>", *words]))
+    BertTokenizerFast(vocab=str(path / "vocab.txt"), cls_token="<s>", sep_token="</s>",
+                      pad_token="<pad>", unk_token="<unk>", mask_token="<mask>").save_pretrained(path)
     return path
 
 

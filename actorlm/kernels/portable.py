@@ -121,8 +121,8 @@ def split_qkv(qkv, cos, sin_signed, num_heads, num_kv_heads, head_dim, q_norm=No
     return apply_rope(q, cos, sin_signed), apply_rope(k, cos, sin_signed), v
 
 
-def bidirectional_attention(qkv: torch.Tensor, query_start_loc, layer: AttentionLayer
-                            ) -> torch.Tensor:
+def bidirectional_attention(qkv: torch.Tensor, query_start_loc, layer: AttentionLayer,
+                            score_bias=None) -> torch.Tensor:
     """``KernelBackend.bidirectional_attention``: one SDPA call per request, over its own rows
     only, so no request's padding or mask costs another's."""
     hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
@@ -134,6 +134,8 @@ def bidirectional_attention(qkv: torch.Tensor, query_start_loc, layer: Attention
         # inputs fall back to its math path, a third slower)
         q, k, v = (rows[:, first:first + heads * d].view(1, end - begin, heads, d).transpose(1, 2)
                    for first, heads in ((0, hq), (hq * d, hkv), ((hq + hkv) * d, hkv)))
-        o = F.scaled_dot_product_attention(q, k, v, scale=layer.scale, enable_gqa=hq != hkv)
+        bias = None if score_bias is None else score_bias(end - begin)[None].to(q.dtype)
+        o = F.scaled_dot_product_attention(q, k, v, bias, scale=layer.scale,
+                                           enable_gqa=hq != hkv)
         out[begin:end] = o[0].transpose(0, 1).reshape(end - begin, hq * d)
     return out

@@ -144,15 +144,19 @@ def paged_attention_ref(query, k_cache, v_cache, block_tables, query_start_loc, 
     return out
 
 
-def bidirectional_attention_ref(q, k, v, query_start_loc, scale: float) -> torch.Tensor:
+def bidirectional_attention_ref(q, k, v, query_start_loc, scale: float,
+                                score_bias=None) -> torch.Tensor:
     """An encoder's attention, written out: q [T, Hq, D], k/v [T, Hkv, D]; each request's rows
-    (``query_start_loc``) see all of its rows -> [T, Hq, D] in q's dtype."""
+    (``query_start_loc``) see all of its rows, ``score_bias(n)`` [Hq, n, n] added to the scaled
+    scores of a request of n rows -> [T, Hq, D] in q's dtype."""
     out = torch.empty(q.shape, dtype=torch.float64)
     group = q.shape[1] // k.shape[1]
     for begin, end in zip(query_start_loc, query_start_loc[1:]):
         qs, ks, vs = (t[begin:end].double() for t in (q, k, v))
         ks, vs = ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        if score_bias is not None:
+            scores = scores + score_bias(end - begin).double()
         out[begin:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs)
     return out.to(q.dtype)
 

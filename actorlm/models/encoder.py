@@ -1,6 +1,6 @@
-"""Encoder-only models (BERT, RoBERTa, XLM-RoBERTa), run to embed: the embedding models most
-users bring (sentence-transformers' all-MiniLM, BGE, E5 and GTE on BERT; multilingual E5 and
-BGE-M3's dense vectors on XLM-RoBERTa).
+"""Encoder-only models (BERT, RoBERTa, XLM-RoBERTa, MPNet), run to embed: the embedding models
+most users bring (sentence-transformers' all-MiniLM, BGE, E5 and GTE on BERT; multilingual E5
+and BGE-M3's dense vectors on XLM-RoBERTa; all-mpnet on MPNet).
 
 Every token attends to every token of its prompt, after it as well as before, so a prompt is
 computed in one step, whole: no chunked prefill and no prefix caching (a prefix's states depend
@@ -9,7 +9,9 @@ the layers read no KV cache (``KernelBackend.bidirectional_attention``), and the
 scheduler hands blocks from holds no bytes (``num_kv_heads`` 0). The layers are post-norm,
 each branch's output joined to the stream and the sum normed (``LayerNorm(x + attention(x))``,
 ``LayerNorm(h + mlp(h))``), with biases everywhere; positions are learned rows (RoBERTa's
-counted from its padding id + 1).
+and MPNet's counted from their padding id + 1). MPNet adds to every layer's scores a bias
+learned per head for each bucket of relative distance (``relative_bias``), one table for all
+layers.
 
 A ``...ForSequenceClassification`` checkpoint (a cross-encoder: ms-marco-MiniLM, BGE's
 rerankers) classifies through its head over the first token's state: a dense layer, tanh, the
@@ -22,7 +24,9 @@ model gives every token type 0 (RoBERTa's have one type).
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+import functools
+import math
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,21 +37,26 @@ from actorlm.kernels import AttentionLayer, AttentionMetadata, KernelBackend
 from actorlm.models.layers import Embedding, LayerNorm, Linear
 from actorlm.models.parallel import TensorParallel
 
-ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
+ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "mpnet")
 # hidden_act -> the MLP's activation, as transformers computes it (in the model dtype)
 _ACTIVATIONS = {"gelu": F.gelu, "relu": torch.relu,
                 **dict.fromkeys(("gelu_new", "gelu_pytorch_tanh", "gelu_fast"),
                                 lambda x: F.gelu(x, approximate="tanh"))}
-# a checkpoint's names, inside a layer (``encoder.layer.N.``) -> ours (and the shard of q/k/v)
+# a checkpoint's names, inside a layer (``encoder.layer.N.``) -> ours (and the shard of q/k/v):
+# BERT's, then MPNet's
 _LAYER_NAMES = {"attention.self.query.": ("qkv_proj.", 0), "attention.self.key.": ("qkv_proj.", 1),
                 "attention.self.value.": ("qkv_proj.", 2), "attention.output.dense.": ("o_proj.", None),
                 "attention.output.LayerNorm.": ("attn_norm.", None),
+                "attention.attn.q.": ("qkv_proj.", 0), "attention.attn.k.": ("qkv_proj.", 1),
+                "attention.attn.v.": ("qkv_proj.", 2), "attention.attn.o.": ("o_proj.", None),
+                "attention.LayerNorm.": ("attn_norm.", None),
                 "intermediate.dense.": ("up_proj.", None), "output.dense.": ("down_proj.", None),
                 "output.LayerNorm.": ("mlp_norm.", None)}
 _EMBEDDING_NAMES = {"embeddings.word_embeddings.": "embed_tokens.",
                     "embeddings.position_embeddings.": "embed_positions.",
                     "embeddings.token_type_embeddings.": "token_types.",
-                    "embeddings.LayerNorm.": "embed_norm."}
+                    "embeddings.LayerNorm.": "embed_norm.",
+                    "encoder.relative_attention_bias.": "relative_bias."}
 # a classifier's head: BERT's pooler and classifier, RoBERTa's classifier -> ours
 _HEAD_NAMES = {"pooler.dense.": "score.dense.", "classifier.dense.": "score.dense.",
                "classifier.out_proj.": "score.out.", "classifier.": "score.out."}
@@ -75,6 +84,10 @@ def check_encoder(config, pooling: str | None, tp: TensorParallel) -> None:
     for field in ("is_decoder", "add_cross_attention"):
         if getattr(config, field, False):
             raise ValueError(f"{name}: {field}=True is not implemented (an encoder's layers)")
+    buckets = getattr(config, "relative_attention_num_buckets", 32)
+    if name == "mpnet" and buckets != 32:
+        raise ValueError(f"{name}: relative_attention_num_buckets={buckets} is not implemented "
+                         f"(32, by which transformers buckets the distances whatever it says)")
     if config.hidden_act not in _ACTIVATIONS:
         raise ValueError(f"{name}: hidden_act={config.hidden_act!r} is not implemented (one "
                          f"of {', '.join(_ACTIVATIONS)})")
@@ -96,9 +109,10 @@ class EncoderLayer(nn.Module):
         self.down_proj = Linear(config.intermediate_size, hidden, True, dtype, device)
         self.mlp_norm = LayerNorm(hidden, eps, True, dtype, device)
 
-    def forward(self, x: torch.Tensor, query_start_loc: Sequence[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, query_start_loc: Sequence[int],
+                score_bias: Callable[[int], torch.Tensor] | None) -> torch.Tensor:
         attended = self.backend.bidirectional_attention(self.qkv_proj(x), query_start_loc,
-                                                        self.attention)
+                                                        self.attention, score_bias)
         h = self.attn_norm(self.o_proj(attended), x)[0]
         return self.mlp_norm(self.down_proj(self.activation(self.up_proj(h))), h)[0]
 
@@ -132,7 +146,12 @@ class EncoderModel(nn.Module):
         self.first_position = first_position_row(config)
         self.embed_tokens = Embedding(config.vocab_size, hidden, dtype, device)
         self.embed_positions = Embedding(config.max_position_embeddings, hidden, dtype, device)
-        self.token_types = Embedding(config.type_vocab_size, hidden, dtype, device)
+        # (MPNet's tokens have no types; its relative distances a bias per head and bucket)
+        types = getattr(config, "type_vocab_size", 0)
+        self.token_types = Embedding(types, hidden, dtype, device) if types else None
+        buckets = getattr(config, "relative_attention_num_buckets", 0)
+        self.relative_bias = Embedding(buckets, config.num_attention_heads, dtype, device) \
+            if config.model_type == "mpnet" else None
         self.embed_norm = LayerNorm(hidden, config.layer_norm_eps, True, dtype, device)
         self.layers = nn.ModuleList(EncoderLayer(config, backend, dtype, device)
                                     for _ in range(self.num_layers))
@@ -140,8 +159,7 @@ class EncoderModel(nn.Module):
             if pooling == "classify" else None  # (the pooler runs it)
         # a classifier's: the token after which a pair's second text begins (BERT's [SEP]),
         # where the model has a second token type (an embedding model reads single texts)
-        self.separator = _separator(config) \
-            if pooling == "classify" and config.type_vocab_size > 1 else None
+        self.separator = _separator(config) if pooling == "classify" and types > 1 else None
 
     def rope_rows(self, start: int, end: int, num_prompt_tokens: int) -> Sequence[int]:
         return range(start, end)  # (rows of the position table, from first_position on)
@@ -152,11 +170,21 @@ class EncoderModel(nn.Module):
         not read) -> [T, hidden]."""
         starts = metas[0].query_start_loc.tolist()
         # transformers' order: the token's row plus its type's, then plus its position's
-        x = self.embed_tokens(input_ids) + self.token_types(self.token_type_ids(input_ids, starts))
+        x = self.embed_tokens(input_ids)
+        if self.token_types is not None:
+            x = x + self.token_types(self.token_type_ids(input_ids, starts))
         x = self.embed_norm(x + self.embed_positions(positions + self.first_position))
+        score_bias = None if self.relative_bias is None else \
+            functools.cache(self._relative_bias)  # (per length, once a step for all layers)
         for layer in self.layers:
-            x = layer(x, starts)
+            x = layer(x, starts, score_bias)
         return x
+
+    def _relative_bias(self, length: int) -> torch.Tensor:
+        """MPNet's bias [heads, length, length] of each query's distance to each key."""
+        positions = torch.arange(length, device=self.relative_bias.weight.device)
+        buckets = relative_position_bucket(positions[None, :] - positions[:, None])
+        return self.relative_bias(buckets).permute(2, 0, 1)
 
     def token_type_ids(self, input_ids: torch.Tensor, starts: Sequence[int]) -> torch.Tensor:
         """Each token's type: 1 after the first separator of its prompt (a pair's second
@@ -202,6 +230,21 @@ class EncoderModel(nn.Module):
                 module.prepare(self.backend)
 
 
+def relative_position_bucket(distance: torch.Tensor, num_buckets: int = 32,
+                             max_distance: int = 128) -> torch.Tensor:
+    """MPNet's (T5's) bucket of each key-minus-query distance: half the buckets for keys
+    before the query, half after; the first half of each exact (0-7), then logarithmic up
+    to ``max_distance``. transformers buckets by 32 whatever the config's count."""
+    half = num_buckets // 2
+    n = -distance
+    bucket = (n < 0).long() * half
+    n = n.abs()
+    exact = half // 2
+    large = exact + (torch.log(n.float() / exact) / math.log(max_distance / exact)
+                     * (half - exact)).long()
+    return bucket + torch.where(n < exact, n, large.clamp(max=half - 1))
+
+
 def _separator(config) -> int | None:
     """The id of the model's [SEP] token, from its tokenizer's files beside the config."""
     from transformers import AutoTokenizer
@@ -211,7 +254,7 @@ def _separator(config) -> int | None:
 
 def _our_name(name: str, classifies: bool) -> tuple[str | None, int | None]:
     """(our parameter's name, the q/k/v shard) of a checkpoint tensor; (None, None): not read."""
-    for prefix in ("bert.", "roberta.", "model."):
+    for prefix in ("bert.", "roberta.", "mpnet.", "model."):
         name = name.removeprefix(prefix)
     for fragment, ours in _HEAD_NAMES.items():
         if name.startswith(fragment):

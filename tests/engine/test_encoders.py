@@ -1,6 +1,7 @@
-"""Encoder embedding models (BERT, XLM-RoBERTa), against sentence-transformers on the same
-directory (transformers runs the encoder, then its Pooling and Normalize modules), and the
-bare ``BertModel`` against transformers' own states.
+"""Encoder models (BERT, XLM-RoBERTa, MPNet): embeddings against sentence-transformers on the
+same directory (transformers runs the encoder, then its Pooling and Normalize modules), the
+bare ``BertModel`` against transformers' own states, and classifiers (cross-encoders) against
+transformers' ``...ForSequenceClassification``.
 
 Prompts of several lengths in one step, and more prompts than fit one step, so that each
 request's attention is held to its own rows; a step budget below a prompt's length would
@@ -8,6 +9,8 @@ chunk it, which an encoder must not do.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import torch
@@ -101,12 +104,14 @@ def _transformers_logits(path, pairs) -> torch.Tensor:
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForSequenceClassification.from_pretrained(path)
+    takes = inspect.signature(model.forward).parameters  # (MPNet's has no token types)
     with torch.no_grad():
-        return torch.cat([model(**tokenizer(*(x if isinstance(x, tuple) else (x,)),
-                                             return_tensors="pt")).logits for x in pairs])
+        return torch.cat([model(**{k: v for k, v in tokenizer(
+            *(x if isinstance(x, tuple) else (x,)), return_tensors="pt").items()
+            if k in takes}).logits for x in pairs])
 
 
-@pytest.mark.parametrize("name", ["bert_cross", "xlmr_cross"])
+@pytest.mark.parametrize("name", ["bert_cross", "xlmr_cross", "mpnet_cross"])
 def test_a_cross_encoder_scores_pairs_as_transformers(name, tiny_encoder_classifiers):
     path = tiny_encoder_classifiers[name]
     with LLM(str(path), **FLAGS) as llm:

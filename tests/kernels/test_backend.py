@@ -92,6 +92,14 @@ def test_both_wings_attend_both_ways_within_each_request(name, dtype, monkeypatc
     # a request's rows read nobody else's: the first request's output alone is the same
     alone = backend.bidirectional_attention(qkv[:5].clone(), [0, 5], layer).view(5, 4, 16)
     assert torch.equal(alone, out[:5])
+    # a bias on the scores (MPNet's relative positions), each request's of its own length
+    table = torch.randn(4, 9, 9, generator=torch.Generator().manual_seed(2))
+    bias = lambda n: table[:, :n, :n]  # noqa: E731
+    biased = backend.bidirectional_attention(qkv, starts, layer, bias).view(15, 4, 16)
+    want = bidirectional_attention_ref(q, k, v, starts, 0.25, bias)
+    tolerance = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(biased.float(), want.float(), atol=tolerance, rtol=tolerance)
+    assert (biased.float() - out.float()).abs().max() > 0.1
 
 
 @pytest.mark.parametrize("name", ["cpu", "triton"])
