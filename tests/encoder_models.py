@@ -20,10 +20,11 @@ __all__ = ["tiny_encoder_dirs", "tiny_encoder_classifiers", "ENCODER_MODELS",
 # alone, no sentence-transformers modules)
 ENCODER_MODELS = {"bert_cls": ("bert", "cls"), "bert_mean": ("bert", "mean"),
                   "xlmr_mean": ("xlm-roberta", "mean"), "bert_bare": ("bert", None),
-                  "mpnet_mean": ("mpnet", "mean")}
+                  "mpnet_mean": ("mpnet", "mean"), "distilbert_cls": ("distilbert", "cls")}
 # name -> (the encoder, its labels): cross-encoders (one label) and a classifier of three
 ENCODER_CLASSIFIERS = {"bert_cross": ("bert", 1), "xlmr_cross": ("xlm-roberta", 1),
-                       "bert_labels": ("bert", 3), "mpnet_cross": ("mpnet", 1)}
+                       "bert_labels": ("bert", 3), "mpnet_cross": ("mpnet", 1),
+                       "distilbert_labels": ("distilbert", 2)}
 
 
 @pytest.fixture(scope="session")
@@ -60,7 +61,7 @@ def tiny_encoder_classifiers(tmp_path_factory, tiny_tokenizer_dir) -> dict:
 def _tokenizers(tmp_path_factory, tiny_tokenizer_dir) -> dict:
     wordpiece = _wordpiece(tmp_path_factory)
     return {"bert": wordpiece, "xlm-roberta": _wrapping_bpe(tiny_tokenizer_dir, tmp_path_factory),
-            "mpnet": _mpnet_wordpiece(wordpiece, tmp_path_factory)}
+            "mpnet": _mpnet_wordpiece(wordpiece, tmp_path_factory), "distilbert": wordpiece}
 
 
 def _encoder(kind: str, tokenizer_dir, tmp_path_factory, seed: int, labels: int = 0):
@@ -69,7 +70,7 @@ def _encoder(kind: str, tokenizer_dir, tmp_path_factory, seed: int, labels: int 
     ``...ForSequenceClassification`` of that many."""
     from checkpoints import perturbed
     from transformers import (AutoModel, AutoModelForSequenceClassification, AutoTokenizer,
-                              BertConfig, MPNetConfig, XLMRobertaConfig)
+                              BertConfig, DistilBertConfig, MPNetConfig, XLMRobertaConfig)
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     sizes = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
@@ -77,6 +78,9 @@ def _encoder(kind: str, tokenizer_dir, tmp_path_factory, seed: int, labels: int 
                  pad_token_id=tokenizer.pad_token_id)
     config = BertConfig(**sizes, max_position_embeddings=64, type_vocab_size=2) \
         if kind == "bert" else \
+        DistilBertConfig(vocab_size=sizes["vocab_size"], dim=64, hidden_dim=128, n_layers=2,
+                         n_heads=4, initializer_range=0.3, max_position_embeddings=64,
+                         pad_token_id=sizes["pad_token_id"]) if kind == "distilbert" else \
         MPNetConfig(**sizes, max_position_embeddings=66) if kind == "mpnet" else \
         XLMRobertaConfig(**sizes, max_position_embeddings=66, type_vocab_size=1,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)

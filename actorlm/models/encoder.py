@@ -1,6 +1,7 @@
-"""Encoder-only models (BERT, RoBERTa, XLM-RoBERTa, MPNet), run to embed: the embedding models
-most users bring (sentence-transformers' all-MiniLM, BGE, E5 and GTE on BERT; multilingual E5
-and BGE-M3's dense vectors on XLM-RoBERTa; all-mpnet on MPNet).
+"""Encoder-only models (BERT, RoBERTa, XLM-RoBERTa, MPNet, DistilBERT), run to embed: the
+embedding models most users bring (sentence-transformers' all-MiniLM, BGE, E5 and GTE on BERT;
+multilingual E5 and BGE-M3's dense vectors on XLM-RoBERTa; all-mpnet on MPNet; the msmarco and
+multi-qa DistilBERTs).
 
 Every token attends to every token of its prompt, after it as well as before, so a prompt is
 computed in one step, whole: no chunked prefill and no prefix caching (a prefix's states depend
@@ -14,9 +15,10 @@ learned per head for each bucket of relative distance (``relative_bias``), one t
 layers.
 
 A ``...ForSequenceClassification`` checkpoint (a cross-encoder: ms-marco-MiniLM, BGE's
-rerankers) classifies through its head over the first token's state: a dense layer, tanh, the
-labels' layer (BERT's pooler then its classifier; RoBERTa's classifier, dense then
-``out_proj``). BERT reads a text pair as its tokenizer joins it, [CLS] a [SEP] b [SEP], the
+rerankers; DistilBERT's SST-2 sentiment, transformers' pipeline default) classifies through its
+head over the first token's state: a dense layer, tanh (DistilBERT's: ReLU), the labels'
+layer (BERT's pooler then its classifier; RoBERTa's and MPNet's classifier, dense then
+``out_proj``; DistilBERT's ``pre_classifier`` then ``classifier``). BERT reads a text pair as its tokenizer joins it, [CLS] a [SEP] b [SEP], the
 tokens after the first [SEP] of token type 1: so a classifier reads the types from the
 prompt (a single text's are all 0, unless it holds a [SEP] of its own), and an embedding
 model gives every token type 0 (RoBERTa's have one type).
@@ -35,9 +37,10 @@ from torch import nn
 from actorlm.config import first_position_row
 from actorlm.kernels import AttentionLayer, AttentionMetadata, KernelBackend
 from actorlm.models.layers import Embedding, LayerNorm, Linear
+from actorlm.models.moe_families import intermediate_size_of
 from actorlm.models.parallel import TensorParallel
 
-ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "mpnet")
+ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "mpnet", "distilbert")
 # hidden_act -> the MLP's activation, as transformers computes it (in the model dtype)
 _ACTIVATIONS = {"gelu": F.gelu, "relu": torch.relu,
                 **dict.fromkeys(("gelu_new", "gelu_pytorch_tanh", "gelu_fast"),
@@ -50,6 +53,11 @@ _LAYER_NAMES = {"attention.self.query.": ("qkv_proj.", 0), "attention.self.key."
                 "attention.attn.q.": ("qkv_proj.", 0), "attention.attn.k.": ("qkv_proj.", 1),
                 "attention.attn.v.": ("qkv_proj.", 2), "attention.attn.o.": ("o_proj.", None),
                 "attention.LayerNorm.": ("attn_norm.", None),
+                # DistilBERT's (``transformer.layer.N.``)
+                "attention.q_lin.": ("qkv_proj.", 0), "attention.k_lin.": ("qkv_proj.", 1),
+                "attention.v_lin.": ("qkv_proj.", 2), "attention.out_lin.": ("o_proj.", None),
+                "sa_layer_norm.": ("attn_norm.", None), "ffn.lin1.": ("up_proj.", None),
+                "ffn.lin2.": ("down_proj.", None), "output_layer_norm.": ("mlp_norm.", None),
                 "intermediate.dense.": ("up_proj.", None), "output.dense.": ("down_proj.", None),
                 "output.LayerNorm.": ("mlp_norm.", None)}
 _EMBEDDING_NAMES = {"embeddings.word_embeddings.": "embed_tokens.",
@@ -59,7 +67,8 @@ _EMBEDDING_NAMES = {"embeddings.word_embeddings.": "embed_tokens.",
                     "encoder.relative_attention_bias.": "relative_bias."}
 # a classifier's head: BERT's pooler and classifier, RoBERTa's classifier -> ours
 _HEAD_NAMES = {"pooler.dense.": "score.dense.", "classifier.dense.": "score.dense.",
-               "classifier.out_proj.": "score.out.", "classifier.": "score.out."}
+               "pre_classifier.": "score.dense.", "classifier.out_proj.": "score.out.",
+               "classifier.": "score.out."}
 # what no model here reads: a masked-LM's head, the position ids older checkpoints saved (and
 # an embedding model reads no classifier's head: BERT's pooler, sentence-transformers pools)
 _UNREAD = ("cls.", "lm_head.", "embeddings.position_ids")
@@ -88,8 +97,11 @@ def check_encoder(config, pooling: str | None, tp: TensorParallel) -> None:
     if name == "mpnet" and buckets != 32:
         raise ValueError(f"{name}: relative_attention_num_buckets={buckets} is not implemented "
                          f"(32, by which transformers buckets the distances whatever it says)")
-    if config.hidden_act not in _ACTIVATIONS:
-        raise ValueError(f"{name}: hidden_act={config.hidden_act!r} is not implemented (one "
+    if getattr(config, "sinusoidal_pos_embds", False):
+        raise ValueError(f"{name}: sinusoidal_pos_embds=True is not implemented (learned "
+                         f"positions)")
+    if _activation(config) not in _ACTIVATIONS:
+        raise ValueError(f"{name}: hidden_act={_activation(config)!r} is not implemented (one "
                          f"of {', '.join(_ACTIVATIONS)})")
 
 
@@ -98,15 +110,16 @@ class EncoderLayer(nn.Module):
 
     def __init__(self, config, backend: KernelBackend, dtype, device):
         super().__init__()
-        hidden, heads, eps = config.hidden_size, config.num_attention_heads, config.layer_norm_eps
+        hidden, heads, eps = config.hidden_size, config.num_attention_heads, _norm_eps(config)
         head_dim = hidden // heads
-        self.backend, self.activation = backend, _ACTIVATIONS[config.hidden_act]
+        self.backend, self.activation = backend, _ACTIVATIONS[_activation(config)]
         self.attention = AttentionLayer(heads, heads, head_dim, head_dim**-0.5)
         self.qkv_proj = Linear(hidden, 3 * hidden, True, dtype, device)
         self.o_proj = Linear(hidden, hidden, True, dtype, device)
         self.attn_norm = LayerNorm(hidden, eps, True, dtype, device)
-        self.up_proj = Linear(hidden, config.intermediate_size, True, dtype, device)
-        self.down_proj = Linear(config.intermediate_size, hidden, True, dtype, device)
+        intermediate = intermediate_size_of(config)
+        self.up_proj = Linear(hidden, intermediate, True, dtype, device)
+        self.down_proj = Linear(intermediate, hidden, True, dtype, device)
         self.mlp_norm = LayerNorm(hidden, eps, True, dtype, device)
 
     def forward(self, x: torch.Tensor, query_start_loc: Sequence[int],
@@ -118,15 +131,17 @@ class EncoderLayer(nn.Module):
 
 
 class ClassifierHead(nn.Module):
-    """``out(tanh(dense(state)))`` over a prompt's first token's state."""
+    """``out(act(dense(state)))`` over a prompt's first token's state: tanh, or DistilBERT's
+    ReLU."""
 
-    def __init__(self, hidden: int, num_labels: int, dtype, device):
+    def __init__(self, hidden: int, num_labels: int, activation: Callable, dtype, device):
         super().__init__()
+        self.activation = activation
         self.dense = Linear(hidden, hidden, True, dtype, device)
         self.out = Linear(hidden, num_labels, True, dtype, device)
 
     def forward(self, state: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(self.dense(state)))
+        return self.out(self.activation(self.dense(state)))
 
 
 class EncoderModel(nn.Module):
@@ -152,10 +167,11 @@ class EncoderModel(nn.Module):
         buckets = getattr(config, "relative_attention_num_buckets", 0)
         self.relative_bias = Embedding(buckets, config.num_attention_heads, dtype, device) \
             if config.model_type == "mpnet" else None
-        self.embed_norm = LayerNorm(hidden, config.layer_norm_eps, True, dtype, device)
+        self.embed_norm = LayerNorm(hidden, _norm_eps(config), True, dtype, device)
         self.layers = nn.ModuleList(EncoderLayer(config, backend, dtype, device)
                                     for _ in range(self.num_layers))
-        self.score = ClassifierHead(hidden, config.num_labels, dtype, device) \
+        head_activation = torch.relu if config.model_type == "distilbert" else torch.tanh
+        self.score = ClassifierHead(hidden, config.num_labels, head_activation, dtype, device) \
             if pooling == "classify" else None  # (the pooler runs it)
         # a classifier's: the token after which a pair's second text begins (BERT's [SEP]),
         # where the model has a second token type (an embedding model reads single texts)
@@ -230,6 +246,15 @@ class EncoderModel(nn.Module):
                 module.prepare(self.backend)
 
 
+def _activation(config) -> str:
+    """The MLP's activation, by BERT's name for it or DistilBERT's."""
+    return getattr(config, "hidden_act", None) or config.activation
+
+
+def _norm_eps(config) -> float:
+    return getattr(config, "layer_norm_eps", 1e-12)  # (DistilBERT's, fixed)
+
+
 def relative_position_bucket(distance: torch.Tensor, num_buckets: int = 32,
                              max_distance: int = 128) -> torch.Tensor:
     """MPNet's (T5's) bucket of each key-minus-query distance: half the buckets for keys
@@ -254,7 +279,7 @@ def _separator(config) -> int | None:
 
 def _our_name(name: str, classifies: bool) -> tuple[str | None, int | None]:
     """(our parameter's name, the q/k/v shard) of a checkpoint tensor; (None, None): not read."""
-    for prefix in ("bert.", "roberta.", "mpnet.", "model."):
+    for prefix in ("bert.", "roberta.", "mpnet.", "distilbert.", "model."):
         name = name.removeprefix(prefix)
     for fragment, ours in _HEAD_NAMES.items():
         if name.startswith(fragment):
@@ -267,8 +292,8 @@ def _our_name(name: str, classifies: bool) -> tuple[str | None, int | None]:
     for fragment, ours in _EMBEDDING_NAMES.items():
         if name.startswith(fragment):
             return ours + name.removeprefix(fragment), None
-    if name.startswith("encoder.layer."):
-        index, _, rest = name.removeprefix("encoder.layer.").partition(".")
+    if name.startswith(("encoder.layer.", "transformer.layer.")):
+        index, _, rest = name.split(".layer.", 1)[1].partition(".")
         for fragment, (ours, shard) in _LAYER_NAMES.items():
             if rest.startswith(fragment):
                 return f"layers.{index}.{ours}{rest.removeprefix(fragment)}", shard

@@ -249,7 +249,7 @@ def shared_expert_size(config) -> int | None:
 
 def intermediate_size_of(config) -> int:
     """The dense MLP's intermediate size (OPT calls it ``ffn_dim``, GPT-2's ``n_inner``, Falcon
-    ``ffn_hidden_size``, by default four times the hidden size)."""
+    ``ffn_hidden_size``, by default four times the hidden size; DistilBERT ``hidden_dim``)."""
     size = getattr(config, "intermediate_size", None)
     if size is not None:
         return size
@@ -257,6 +257,8 @@ def intermediate_size_of(config) -> int:
         return config.n_inner or 4 * config.hidden_size
     if config.model_type == "falcon":
         return config.ffn_hidden_size or 4 * config.hidden_size
+    if config.model_type == "distilbert":
+        return config.hidden_dim
     return config.ffn_dim
 
 

@@ -1,4 +1,4 @@
-"""Encoder models (BERT, XLM-RoBERTa, MPNet): embeddings against sentence-transformers on the
+"""Encoder models (BERT, XLM-RoBERTa, MPNet, DistilBERT): embeddings against sentence-transformers on the
 same directory (transformers runs the encoder, then its Pooling and Normalize modules), the
 bare ``BertModel`` against transformers' own states, and classifiers (cross-encoders) against
 transformers' ``...ForSequenceClassification``.
@@ -123,8 +123,9 @@ def test_a_cross_encoder_scores_pairs_as_transformers(name, tiny_encoder_classif
     assert want.max() - want.min() > 0.01  # (the documents are told apart)
 
 
-def test_a_classifier_of_three_labels_as_transformers(tiny_encoder_classifiers):
-    path = tiny_encoder_classifiers["bert_labels"]
+@pytest.mark.parametrize("name", ["bert_labels", "distilbert_labels"])
+def test_a_classifier_of_several_labels_as_transformers(name, tiny_encoder_classifiers):
+    path = tiny_encoder_classifiers[name]
     with LLM(str(path), **FLAGS) as llm:
         probs = torch.tensor([o.outputs.probs for o in llm.classify(PROMPTS, use_tqdm=False)])
     want = _transformers_logits(path, PROMPTS).softmax(-1)
