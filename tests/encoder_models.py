@@ -119,8 +119,10 @@ def _mpnet_wordpiece(wordpiece_dir, tmp_path_factory):
              if w and not w.startswith("[")]
     path = tmp_path_factory.mktemp("tiny_mpnet_wordpiece")
     (path / "vocab.txt").write_text("\n".join(["<s>", "<pad>", "</s>", "<unk>", "<mask>", *words]))
-    BertTokenizerFast(vocab=str(path / "vocab.txt"), cls_token="<s>", sep_token="</s>",
-                      pad_token="<pad>", unk_token="<unk>", mask_token="<mask>").save_pretrained(path)
+    tokenizer = BertTokenizerFast(vocab=str(path / "vocab.txt"), cls_token="<s>",
+                                  sep_token="</s>", pad_token="<pad>", unk_token="<unk>",
+                                  mask_token="<mask>")
+    tokenizer.save_pretrained(path)
     return path
 
 

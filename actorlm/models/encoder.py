@@ -18,10 +18,11 @@ A ``...ForSequenceClassification`` checkpoint (a cross-encoder: ms-marco-MiniLM,
 rerankers; DistilBERT's SST-2 sentiment, transformers' pipeline default) classifies through its
 head over the first token's state: a dense layer, tanh (DistilBERT's: ReLU), the labels'
 layer (BERT's pooler then its classifier; RoBERTa's and MPNet's classifier, dense then
-``out_proj``; DistilBERT's ``pre_classifier`` then ``classifier``). BERT reads a text pair as its tokenizer joins it, [CLS] a [SEP] b [SEP], the
-tokens after the first [SEP] of token type 1: so a classifier reads the types from the
-prompt (a single text's are all 0, unless it holds a [SEP] of its own), and an embedding
-model gives every token type 0 (RoBERTa's have one type).
+``out_proj``; DistilBERT's ``pre_classifier`` then ``classifier``). BERT reads a text pair as
+its tokenizer joins it, [CLS] a [SEP] b [SEP], the tokens after the first [SEP] of token type
+1: so a classifier reads the types from the prompt (a single text's are all 0, unless it holds
+a [SEP] of its own), and an embedding model gives every token type 0 (RoBERTa's have one
+type; MPNet's and DistilBERT's none).
 """
 
 from __future__ import annotations
@@ -46,10 +47,14 @@ _ACTIVATIONS = {"gelu": F.gelu, "relu": torch.relu,
                 **dict.fromkeys(("gelu_new", "gelu_pytorch_tanh", "gelu_fast"),
                                 lambda x: F.gelu(x, approximate="tanh"))}
 # a checkpoint's names, inside a layer (``encoder.layer.N.``) -> ours (and the shard of q/k/v):
-# BERT's, then MPNet's
-_LAYER_NAMES = {"attention.self.query.": ("qkv_proj.", 0), "attention.self.key.": ("qkv_proj.", 1),
-                "attention.self.value.": ("qkv_proj.", 2), "attention.output.dense.": ("o_proj.", None),
+# BERT's (RoBERTa's), MPNet's, DistilBERT's
+_LAYER_NAMES = {"attention.self.query.": ("qkv_proj.", 0),
+                "attention.self.key.": ("qkv_proj.", 1),
+                "attention.self.value.": ("qkv_proj.", 2),
+                "attention.output.dense.": ("o_proj.", None),
                 "attention.output.LayerNorm.": ("attn_norm.", None),
+                "intermediate.dense.": ("up_proj.", None), "output.dense.": ("down_proj.", None),
+                "output.LayerNorm.": ("mlp_norm.", None),
                 "attention.attn.q.": ("qkv_proj.", 0), "attention.attn.k.": ("qkv_proj.", 1),
                 "attention.attn.v.": ("qkv_proj.", 2), "attention.attn.o.": ("o_proj.", None),
                 "attention.LayerNorm.": ("attn_norm.", None),
@@ -57,15 +62,14 @@ _LAYER_NAMES = {"attention.self.query.": ("qkv_proj.", 0), "attention.self.key."
                 "attention.q_lin.": ("qkv_proj.", 0), "attention.k_lin.": ("qkv_proj.", 1),
                 "attention.v_lin.": ("qkv_proj.", 2), "attention.out_lin.": ("o_proj.", None),
                 "sa_layer_norm.": ("attn_norm.", None), "ffn.lin1.": ("up_proj.", None),
-                "ffn.lin2.": ("down_proj.", None), "output_layer_norm.": ("mlp_norm.", None),
-                "intermediate.dense.": ("up_proj.", None), "output.dense.": ("down_proj.", None),
-                "output.LayerNorm.": ("mlp_norm.", None)}
+                "ffn.lin2.": ("down_proj.", None), "output_layer_norm.": ("mlp_norm.", None)}
 _EMBEDDING_NAMES = {"embeddings.word_embeddings.": "embed_tokens.",
                     "embeddings.position_embeddings.": "embed_positions.",
                     "embeddings.token_type_embeddings.": "token_types.",
                     "embeddings.LayerNorm.": "embed_norm.",
                     "encoder.relative_attention_bias.": "relative_bias."}
-# a classifier's head: BERT's pooler and classifier, RoBERTa's classifier -> ours
+# a classifier's head -> ours: BERT's pooler and classifier, RoBERTa's and MPNet's classifier,
+# DistilBERT's pre_classifier and classifier
 _HEAD_NAMES = {"pooler.dense.": "score.dense.", "classifier.dense.": "score.dense.",
                "pre_classifier.": "score.dense.", "classifier.out_proj.": "score.out.",
                "classifier.": "score.out."}
@@ -217,11 +221,10 @@ class EncoderModel(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy the checkpoint's tensors in (a ``BertModel``'s names, or a task model's with
-        ``bert.`` / ``roberta.`` before them), raising if any is left unset, then hand the
+        ``bert.``, ``roberta.``... before them), raising if any is left unset, then hand the
         linear layers to the backend."""
         params = dict(self.named_parameters())
-        missing = {f"{name}#{i}" if ".qkv_proj." in name else name
-                   for name, param in params.items()
+        missing = {f"{name}#{i}" if ".qkv_proj." in name else name for name in params
                    for i in (range(3) if ".qkv_proj." in name else (0,))}
         hidden = self.config.hidden_size
         for name, tensor in weights:

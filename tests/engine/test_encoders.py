@@ -1,7 +1,7 @@
-"""Encoder models (BERT, XLM-RoBERTa, MPNet, DistilBERT): embeddings against sentence-transformers on the
-same directory (transformers runs the encoder, then its Pooling and Normalize modules), the
-bare ``BertModel`` against transformers' own states, and classifiers (cross-encoders) against
-transformers' ``...ForSequenceClassification``.
+"""Encoder models (BERT, XLM-RoBERTa, MPNet, DistilBERT): embeddings against
+sentence-transformers on the same directory (transformers runs the encoder, then its Pooling
+and Normalize modules), the bare ``BertModel`` against transformers' own states, and
+classifiers (cross-encoders) against transformers' ``...ForSequenceClassification``.
 
 Prompts of several lengths in one step, and more prompts than fit one step, so that each
 request's attention is held to its own rows; a step budget below a prompt's length would
