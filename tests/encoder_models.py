@@ -20,11 +20,12 @@ __all__ = ["tiny_encoder_dirs", "tiny_encoder_classifiers", "ENCODER_MODELS",
 # alone, no sentence-transformers modules)
 ENCODER_MODELS = {"bert_cls": ("bert", "cls"), "bert_mean": ("bert", "mean"),
                   "xlmr_mean": ("xlm-roberta", "mean"), "bert_bare": ("bert", None),
-                  "mpnet_mean": ("mpnet", "mean"), "distilbert_cls": ("distilbert", "cls")}
+                  "mpnet_mean": ("mpnet", "mean"), "distilbert_cls": ("distilbert", "cls"),
+                  "modernbert_cls": ("modernbert", "cls")}
 # name -> (the encoder, its labels): cross-encoders (one label) and a classifier of three
 ENCODER_CLASSIFIERS = {"bert_cross": ("bert", 1), "xlmr_cross": ("xlm-roberta", 1),
                        "bert_labels": ("bert", 3), "mpnet_cross": ("mpnet", 1),
-                       "distilbert_labels": ("distilbert", 2)}
+                       "distilbert_labels": ("distilbert", 2), "modernbert_cross": ("modernbert", 1)}
 
 
 @pytest.fixture(scope="session")
@@ -61,7 +62,8 @@ def tiny_encoder_classifiers(tmp_path_factory, tiny_tokenizer_dir) -> dict:
 def _tokenizers(tmp_path_factory, tiny_tokenizer_dir) -> dict:
     wordpiece = _wordpiece(tmp_path_factory)
     return {"bert": wordpiece, "xlm-roberta": _wrapping_bpe(tiny_tokenizer_dir, tmp_path_factory),
-            "mpnet": _mpnet_wordpiece(wordpiece, tmp_path_factory), "distilbert": wordpiece}
+            "mpnet": _mpnet_wordpiece(wordpiece, tmp_path_factory), "distilbert": wordpiece,
+            "modernbert": wordpiece}
 
 
 def _encoder(kind: str, tokenizer_dir, tmp_path_factory, seed: int, labels: int = 0):
@@ -70,7 +72,8 @@ def _encoder(kind: str, tokenizer_dir, tmp_path_factory, seed: int, labels: int 
     ``...ForSequenceClassification`` of that many."""
     from checkpoints import perturbed
     from transformers import (AutoModel, AutoModelForSequenceClassification, AutoTokenizer,
-                              BertConfig, DistilBertConfig, MPNetConfig, XLMRobertaConfig)
+                              BertConfig, DistilBertConfig, ModernBertConfig, MPNetConfig,
+                              XLMRobertaConfig)
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     sizes = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
@@ -81,6 +84,10 @@ def _encoder(kind: str, tokenizer_dir, tmp_path_factory, seed: int, labels: int 
         DistilBertConfig(vocab_size=sizes["vocab_size"], dim=64, hidden_dim=128, n_layers=2,
                          n_heads=4, initializer_range=0.3, max_position_embeddings=64,
                          pad_token_id=sizes["pad_token_id"]) if kind == "distilbert" else \
+        ModernBertConfig(**sizes, max_position_embeddings=64,
+                         local_attention=8, cls_token_id=tokenizer.cls_token_id,
+                         sep_token_id=tokenizer.sep_token_id, bos_token_id=tokenizer.cls_token_id,
+                         eos_token_id=tokenizer.sep_token_id) if kind == "modernbert" else \
         MPNetConfig(**sizes, max_position_embeddings=66) if kind == "mpnet" else \
         XLMRobertaConfig(**sizes, max_position_embeddings=66, type_vocab_size=1,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)

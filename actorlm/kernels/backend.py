@@ -261,9 +261,11 @@ class KernelBackend:
         """An encoder's attention (BERT's): from the fused projection qkv [T, (Hq + 2 Hkv) *
         D], each request's rows (``query_start_loc``: request b owns rows ``[b]:[b + 1]``, its
         whole prompt) attend to all of its rows, before and after them, and nothing is read
-        from or written to a KV cache -> [T, Hq * D]. No RoPE, no q/k norms, no window;
-        ``score_bias(n)``, if given, is added to the scaled scores of a request of n rows
-        ([Hq, n, n]: MPNet's relative positions). Here: torch's SDPA a request at a time,
+        from or written to a KV cache -> [T, Hq * D]. No RoPE (the encoder turns q and k
+        itself), no q/k norms; with ``layer.window``, a query sees the keys at most ``window``
+        positions from it, either side (ModernBERT's local layers); ``score_bias(n)``, if
+        given, is added to the scaled scores of a request of n rows ([Hq, n, n]: MPNet's
+        relative positions). Here: torch's SDPA a request at a time,
         which runs on every device (``reference.bidirectional_attention_ref`` is what it
         computes)."""
         from actorlm.kernels.portable import bidirectional_attention

@@ -134,8 +134,22 @@ def bidirectional_attention(qkv: torch.Tensor, query_start_loc, layer: Attention
         # inputs fall back to its math path, a third slower)
         q, k, v = (rows[:, first:first + heads * d].view(1, end - begin, heads, d).transpose(1, 2)
                    for first, heads in ((0, hq), (hq * d, hkv), ((hq + hkv) * d, hkv)))
-        bias = None if score_bias is None else score_bias(end - begin)[None].to(q.dtype)
-        o = F.scaled_dot_product_attention(q, k, v, bias, scale=layer.scale,
+        mask = _score_mask(end - begin, layer, score_bias, q.dtype, q.device)
+        o = F.scaled_dot_product_attention(q, k, v, mask, scale=layer.scale,
                                            enable_gqa=hq != hkv)
         out[begin:end] = o[0].transpose(0, 1).reshape(end - begin, hq * d)
     return out
+
+
+def _score_mask(n: int, layer: AttentionLayer, score_bias, dtype, device
+                ) -> torch.Tensor | None:
+    """SDPA's mask of a request of n rows: its score bias [1, Hq, n, n] (in ``dtype``), with
+    -inf beyond the window; the window's keys [n, n] (True: seen) alone; or None."""
+    seen = None
+    if layer.window is not None and n > layer.window + 1:
+        rows = torch.arange(n, device=device)
+        seen = (rows[:, None] - rows[None, :]).abs() <= layer.window
+    if score_bias is None:
+        return seen
+    bias = score_bias(n)[None].to(device=device, dtype=dtype)
+    return bias if seen is None else bias.masked_fill(~seen, float("-inf"))

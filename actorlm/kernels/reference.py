@@ -145,10 +145,11 @@ def paged_attention_ref(query, k_cache, v_cache, block_tables, query_start_loc, 
 
 
 def bidirectional_attention_ref(q, k, v, query_start_loc, scale: float,
-                                score_bias=None) -> torch.Tensor:
+                                score_bias=None, window: int | None = None) -> torch.Tensor:
     """An encoder's attention, written out: q [T, Hq, D], k/v [T, Hkv, D]; each request's rows
-    (``query_start_loc``) see all of its rows, ``score_bias(n)`` [Hq, n, n] added to the scaled
-    scores of a request of n rows -> [T, Hq, D] in q's dtype."""
+    (``query_start_loc``) see all of its rows (with ``window``, those at most ``window``
+    positions away), ``score_bias(n)`` [Hq, n, n] added to the scaled scores of a request of
+    n rows -> [T, Hq, D] in q's dtype."""
     out = torch.empty(q.shape, dtype=torch.float64)
     group = q.shape[1] // k.shape[1]
     for begin, end in zip(query_start_loc, query_start_loc[1:]):
@@ -157,6 +158,10 @@ def bidirectional_attention_ref(q, k, v, query_start_loc, scale: float,
         scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
         if score_bias is not None:
             scores = scores + score_bias(end - begin).double()
+        if window is not None:
+            rows = torch.arange(end - begin)
+            far = (rows[:, None] - rows[None, :]).abs() > window
+            scores = scores.masked_fill(far, float("-inf"))
         out[begin:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs)
     return out.to(q.dtype)
 

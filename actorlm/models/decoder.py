@@ -192,15 +192,16 @@ class MLP(nn.Module):
 
     def forward(self, x):
         if self.fc_in is not None:  # [T, H] -> [T, I] -> [T, H]
-            return self.down_proj(_UNGATED_ACTIVATIONS[self.activation](self.fc_in(x)))
+            return self.down_proj(ACTIVATION_FUNCTIONS[self.activation](self.fc_in(x)))
         # [T, H] -> [T, 2I] -> [T, I] -> [T, H]
         return self.down_proj(self.backend.act_and_mul(self.gate_up_proj(x), self.activation))
 
 
-# an ungated MLP's activation, as transformers computes it (in the model dtype)
-_UNGATED_ACTIVATIONS = {"gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+# an ungated MLP's activation (an encoder's too), by the kernels' name, as transformers
+# computes it (in the model dtype)
+ACTIVATION_FUNCTIONS = {"gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
                         "relu": torch.relu, "relu2": lambda x: torch.square(torch.relu(x)),
-                        "gelu": torch.nn.functional.gelu}
+                        "gelu": torch.nn.functional.gelu, "silu": torch.nn.functional.silu}
 
 
 class DecoderLayer(nn.Module):

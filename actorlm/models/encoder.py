@@ -32,20 +32,17 @@ import math
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from actorlm.config import first_position_row
 from actorlm.kernels import AttentionLayer, AttentionMetadata, KernelBackend
+from actorlm.models.decoder import ACTIVATION_FUNCTIONS
+from actorlm.models.families import ACTIVATION_NAMES
 from actorlm.models.layers import Embedding, LayerNorm, Linear
 from actorlm.models.moe_families import intermediate_size_of
 from actorlm.models.parallel import TensorParallel
 
-ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "mpnet", "distilbert")
-# hidden_act -> the MLP's activation, as transformers computes it (in the model dtype)
-_ACTIVATIONS = {"gelu": F.gelu, "relu": torch.relu,
-                **dict.fromkeys(("gelu_new", "gelu_pytorch_tanh", "gelu_fast"),
-                                lambda x: F.gelu(x, approximate="tanh"))}
+ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "mpnet", "distilbert", "modernbert")
 # a checkpoint's names, inside a layer (``encoder.layer.N.``) -> ours (and the shard of q/k/v):
 # BERT's (RoBERTa's), MPNet's, DistilBERT's
 _LAYER_NAMES = {"attention.self.query.": ("qkv_proj.", 0),
@@ -82,6 +79,15 @@ def is_encoder(config) -> bool:
     return getattr(config, "model_type", None) in ENCODER_MODEL_TYPES
 
 
+def encoder_class(config) -> type[Encoder]:
+    """The model class of an encoder's config."""
+    if config.model_type == "modernbert":
+        from actorlm.models.modernbert import ModernBertModel
+
+        return ModernBertModel
+    return EncoderModel
+
+
 def check_encoder(config, pooling: str | None, tp: TensorParallel) -> None:
     """Refuse, by name, what an encoder is asked for and this engine does not compute."""
     name = config.model_type
@@ -101,12 +107,16 @@ def check_encoder(config, pooling: str | None, tp: TensorParallel) -> None:
     if name == "mpnet" and buckets != 32:
         raise ValueError(f"{name}: relative_attention_num_buckets={buckets} is not implemented "
                          f"(32, by which transformers buckets the distances whatever it says)")
+    for layer_type, rope in (config.rope_parameters.items() if name == "modernbert" else ()):
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"{name}: the {layer_type} layers' rope_type "
+                             f"{rope.get('rope_type')!r} is not implemented (default)")
     if getattr(config, "sinusoidal_pos_embds", False):
         raise ValueError(f"{name}: sinusoidal_pos_embds=True is not implemented (learned "
                          f"positions)")
-    if _activation(config) not in _ACTIVATIONS:
-        raise ValueError(f"{name}: hidden_act={_activation(config)!r} is not implemented (one "
-                         f"of {', '.join(_ACTIVATIONS)})")
+    if ACTIVATION_NAMES.get(activation_of(config)) not in ACTIVATION_FUNCTIONS:
+        raise ValueError(f"{name}: hidden_act={activation_of(config)!r} is not implemented (one "
+                         f"of {', '.join(ACTIVATION_NAMES)})")
 
 
 class EncoderLayer(nn.Module):
@@ -116,7 +126,7 @@ class EncoderLayer(nn.Module):
         super().__init__()
         hidden, heads, eps = config.hidden_size, config.num_attention_heads, _norm_eps(config)
         head_dim = hidden // heads
-        self.backend, self.activation = backend, _ACTIVATIONS[_activation(config)]
+        self.backend, self.activation = backend, activation_function(activation_of(config))
         self.attention = AttentionLayer(heads, heads, head_dim, head_dim**-0.5)
         self.qkv_proj = Linear(hidden, 3 * hidden, True, dtype, device)
         self.o_proj = Linear(hidden, hidden, True, dtype, device)
@@ -148,20 +158,70 @@ class ClassifierHead(nn.Module):
         return self.out(self.activation(self.dense(state)))
 
 
-class EncoderModel(nn.Module):
-    """The runner's model (``CausalLM``'s surface where a pooling model uses it): the step's
-    tokens -> their last layer's states, [T, hidden]."""
+class Encoder(nn.Module):
+    """What the runner asks of an encoder (``CausalLM``'s surface where a pooling model uses
+    it: the step's tokens -> their last layer's states, [T, hidden]) and how its checkpoint
+    loads; a family gives its modules, ``forward`` and ``checkpoint_name``."""
 
-    def __init__(self, config, backend: KernelBackend, dtype: torch.dtype = torch.float32,
-                 device=None, tp: TensorParallel = TensorParallel(), pooling: str | None = None):
+    def __init__(self, config, backend: KernelBackend, dtype: torch.dtype, device,
+                 tp: TensorParallel, pooling: str | None):
         super().__init__()
         check_encoder(config, pooling, tp)
-        hidden = config.hidden_size
         self.config, self.backend, self.dtype, self.device = config, backend, dtype, device
         self.tp = tp  # (one rank)
         self.num_layers = config.num_hidden_layers
-        self.head_dim = hidden // config.num_attention_heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
         self.num_kv_heads = 0  # nothing is cached: the KV pool's pages hold no bytes
+        self.score: nn.Module | None = None  # a classifier's head (the pooler runs it)
+
+    qkv_split = True  # the checkpoint's q, k and v are three tensors (ModernBERT's one)
+
+    def rope_rows(self, start: int, end: int, num_prompt_tokens: int) -> Sequence[int]:
+        return range(start, end)  # (the positions as they are)
+
+    def checkpoint_name(self, name: str) -> tuple[str | None, int | None]:
+        """(our parameter's name, the q/k/v shard) of a checkpoint tensor; (None, None): not
+        read."""
+        raise NotImplementedError
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Copy the checkpoint's tensors in (a ``BertModel``'s names, or a task model's with
+        ``bert.``, ``roberta.``... before them), raising if any is left unset, then hand the
+        linear layers to the backend."""
+        params = dict(self.named_parameters())
+        split = self.qkv_split
+        missing = {f"{name}#{i}" if split and ".qkv_proj." in name else name for name in params
+                   for i in (range(3) if split and ".qkv_proj." in name else (0,))}
+        hidden = self.config.hidden_size
+        for name, tensor in weights:
+            target, shard = self.checkpoint_name(name)
+            if target is None:
+                continue
+            if target not in params:
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            dst = params[target]
+            if shard is not None:
+                dst = dst.narrow(0, shard * hidden, hidden)
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
+                                 f"{tuple(dst.shape)}")
+            with torch.no_grad():
+                dst.copy_(tensor.to(dtype=dst.dtype, device=dst.device))
+            missing.discard(target if shard is None else f"{target}#{shard}")
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing)}")
+        for module in self.modules():
+            if isinstance(module, (Linear, Embedding)):
+                module.prepare(self.backend)
+
+
+class EncoderModel(Encoder):
+    """BERT, RoBERTa, XLM-RoBERTa, MPNet, DistilBERT."""
+
+    def __init__(self, config, backend: KernelBackend, dtype: torch.dtype = torch.float32,
+                 device=None, tp: TensorParallel = TensorParallel(), pooling: str | None = None):
+        super().__init__(config, backend, dtype, device, tp, pooling)
+        hidden = config.hidden_size
         self.first_position = first_position_row(config)
         self.embed_tokens = Embedding(config.vocab_size, hidden, dtype, device)
         self.embed_positions = Embedding(config.max_position_embeddings, hidden, dtype, device)
@@ -174,15 +234,13 @@ class EncoderModel(nn.Module):
         self.embed_norm = LayerNorm(hidden, _norm_eps(config), True, dtype, device)
         self.layers = nn.ModuleList(EncoderLayer(config, backend, dtype, device)
                                     for _ in range(self.num_layers))
-        head_activation = torch.relu if config.model_type == "distilbert" else torch.tanh
-        self.score = ClassifierHead(hidden, config.num_labels, head_activation, dtype, device) \
-            if pooling == "classify" else None  # (the pooler runs it)
+        if pooling == "classify":
+            self.score = ClassifierHead(hidden, config.num_labels, torch.relu if
+                                        config.model_type == "distilbert" else torch.tanh,
+                                        dtype, device)
         # a classifier's: the token after which a pair's second text begins (BERT's [SEP]),
         # where the model has a second token type (an embedding model reads single texts)
         self.separator = _separator(config) if pooling == "classify" and types > 1 else None
-
-    def rope_rows(self, start: int, end: int, num_prompt_tokens: int) -> Sequence[int]:
-        return range(start, end)  # (rows of the position table, from first_position on)
 
     def forward(self, input_ids, positions, kv_caches,
                 metas: Sequence[AttentionMetadata]) -> torch.Tensor:
@@ -219,39 +277,19 @@ class EncoderModel(nn.Module):
                 types[first + 1:end] = 1
         return types
 
-    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        """Copy the checkpoint's tensors in (a ``BertModel``'s names, or a task model's with
-        ``bert.``, ``roberta.``... before them), raising if any is left unset, then hand the
-        linear layers to the backend."""
-        params = dict(self.named_parameters())
-        missing = {f"{name}#{i}" if ".qkv_proj." in name else name for name in params
-                   for i in (range(3) if ".qkv_proj." in name else (0,))}
-        hidden = self.config.hidden_size
-        for name, tensor in weights:
-            target, shard = _our_name(name, classifies=self.score is not None)
-            if target is None:
-                continue
-            if target not in params:
-                raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            dst = params[target]
-            if shard is not None:
-                dst = dst.narrow(0, shard * hidden, hidden)
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
-                                 f"{tuple(dst.shape)}")
-            with torch.no_grad():
-                dst.copy_(tensor.to(dtype=dst.dtype, device=dst.device))
-            missing.discard(target if shard is None else f"{target}#{shard}")
-        if missing:
-            raise ValueError(f"checkpoint is missing weights: {sorted(missing)}")
-        for module in self.modules():
-            if isinstance(module, (Linear, Embedding)):
-                module.prepare(self.backend)
+    def checkpoint_name(self, name: str) -> tuple[str | None, int | None]:
+        return _our_name(name, classifies=self.score is not None)
 
 
-def _activation(config) -> str:
-    """The MLP's activation, by BERT's name for it or DistilBERT's."""
-    return getattr(config, "hidden_act", None) or config.activation
+def activation_of(config) -> str:
+    """The MLP's activation, by BERT's name for it, ModernBERT's or DistilBERT's."""
+    return getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None) \
+        or config.activation
+
+
+def activation_function(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A config's activation as transformers computes it."""
+    return ACTIVATION_FUNCTIONS[ACTIVATION_NAMES[name]]
 
 
 def _norm_eps(config) -> float:

@@ -144,10 +144,11 @@ _QK_LAYER_NORMS = {"phi": "qk_layernorm", "cohere": "use_qk_norm", "stablelm": "
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
 _GRANITE = ("granite", "granitemoe", "granitemoeshared")  # Granite's four multipliers
 _FOUR_NORMS = ("gemma2", "gemma3_text")  # Gemma 1 has a Llama's two
-# (Phi-2's gelu_new is the tanh approximation, written out in torch ops)
-_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+# a config's activation -> the kernels' name for it (Phi-2's gelu_new is the tanh
+# approximation, written out in torch ops)
+ACTIVATION_NAMES = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                 "gelu_fast": "gelu_tanh", "relu": "relu", "relu2": "relu2", "gelu": "gelu"}
-# the activations a family's configs name (by _ACTIVATIONS' names; the rest: SiLU); any other
+# the activations a family's configs name (by ACTIVATION_NAMES' names; the rest: SiLU); any other
 # is refused
 _FAMILY_ACTIVATIONS = {**dict.fromkeys(("starcoder2", "phi", "gpt2", "gpt_bigcode", *_GEMMA),
                                         ("gelu_tanh",)),
@@ -199,7 +200,7 @@ def check_config(config) -> None:
         raise ValueError(f"model_type {config.model_type!r} is not supported (use one of "
                          f"{SUPPORTED_MODEL_TYPES})")
     activation = activation_of(config)
-    if _ACTIVATIONS.get(activation) not in _FAMILY_ACTIVATIONS.get(config.model_type, ("silu",)):
+    if ACTIVATION_NAMES.get(activation) not in _FAMILY_ACTIVATIONS.get(config.model_type, ("silu",)):
         raise ValueError(f"{config.model_type}: activation {activation!r} is not implemented")
     for name, computed in _COMPUTED_ONLY.get(config.model_type, {}).items():
         if getattr(config, name, computed) != computed:
@@ -298,7 +299,7 @@ def layer_specs(config) -> list[LayerSpec]:
         qk_norm=_qk_norm(config),
         qk_norm_bias=model_type == "phi",
         clip_qkv=getattr(config, "clip_qkv", None) if model_type in ("olmoe", "olmo") else None,
-        activation=_ACTIVATIONS[activation_of(config)],
+        activation=ACTIVATION_NAMES[activation_of(config)],
         qkv_bias=qkv_bias or biased, o_bias=_o_bias(config, attention_bias) or biased,
         # (the MoE families' MLPs have no biases, whatever their config says)
         mlp_bias=biased or model_type == "gpt_neox" or

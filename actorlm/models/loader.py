@@ -28,7 +28,7 @@ from actorlm.models.families import SUPPORTED_MODEL_TYPES, TEXT_TOWERS, text_con
 from actorlm.models.expert_parallel import split_intermediate_sizes
 from actorlm.models.moe_families import EXPERTS_SIZE
 from actorlm.models.causal_lm import CausalLM
-from actorlm.models.encoder import ENCODER_MODEL_TYPES, EncoderModel, is_encoder
+from actorlm.models.encoder import ENCODER_MODEL_TYPES, Encoder, encoder_class, is_encoder
 from actorlm.models.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -167,14 +167,14 @@ def check_block_split(path, config, quantization: str | None, size: int,
 def load_model(path, dtype: torch.dtype, device, backend,
                tp: TensorParallel = TensorParallel(),
                quantization: str | None = None, pooling: str | None = None,
-               hf_overrides: dict | None = None) -> CausalLM | EncoderModel:
+               hf_overrides: dict | None = None) -> CausalLM | Encoder:
     """Build the model for the directory ``path`` (rank ``tp.rank``'s shard of it) and fill it
     from its *.safetensors files, or from its GGUF file; ``pooling`` (embed, classify): a
     pooling model's, without its LM head."""
     path = pathlib.Path(path)
     check_quantization(path, quantization)
     config = load_hf_config(path, hf_overrides)
-    model_class = EncoderModel if is_encoder(config) else CausalLM
+    model_class = encoder_class(config) if is_encoder(config) else CausalLM
     model = model_class(config, backend, dtype=dtype, device=device, tp=tp, pooling=pooling)
     if gguf_file.is_gguf_dir(path):
         tensors = gguf_file.read_tensors(path, config, dtype)

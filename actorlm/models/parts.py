@@ -198,8 +198,10 @@ def resolve_runner(config: EngineConfig, path, hf_config) -> EngineConfig:
             raise ValueError(f"{flag} with a pooling model (--runner pooling) is not "
                              f"implemented")
     encoder = is_encoder(hf_config)
+    # (an encoder pools its first token's state, or as its classifier says: ModernBERT's)
     pooler = pooler_config(path, hf_config, config.pooler_config, config.convert,
-                           "CLS" if encoder else "LAST")
+                           ("MEAN" if getattr(hf_config, "classifier_pooling", "cls") == "mean"
+                            else "CLS") if encoder else "LAST")
     log.info("pooling model (%s): %s pooling%s", pooler.task, pooler.pooling_type,
              ", normalized" if pooler.normalize else "")
     if encoder:  # a prompt in one step, whole (``models/encoder.py``)
@@ -232,7 +234,9 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
     # a block id is one page in each of a group's layers, and every group has as many layers
     # (their KV tensors are shared); each rank holds its share of the KV heads, so the pool
     # is sized per rank
-    groups = tuple(kv_cache_groups(layer_windows(hf_config)))
+    # (an encoder's windows, ModernBERT's, shape no cache: it keeps none)
+    groups = tuple(kv_cache_groups([None] * hf_config.num_hidden_layers if is_encoder(hf_config)
+                                   else layer_windows(hf_config)))
     bytes_per_block = kv_bytes_per_block(hf_config, config.block_size, tp_size, dtype,
                                          max(len(g.layers) for g in groups))
     profile_gpu = device.type == "cuda" and not config.is_kv_pool_sized_by_user

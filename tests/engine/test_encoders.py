@@ -1,4 +1,4 @@
-"""Encoder models (BERT, XLM-RoBERTa, MPNet, DistilBERT): embeddings against
+"""Encoder models (BERT, XLM-RoBERTa, MPNet, DistilBERT, ModernBERT): embeddings against
 sentence-transformers on the same directory (transformers runs the encoder, then its Pooling
 and Normalize modules), the bare ``BertModel`` against transformers' own states, and
 classifiers (cross-encoders) against transformers' ``...ForSequenceClassification``.
@@ -111,7 +111,7 @@ def _transformers_logits(path, pairs) -> torch.Tensor:
             if k in takes}).logits for x in pairs])
 
 
-@pytest.mark.parametrize("name", ["bert_cross", "xlmr_cross", "mpnet_cross"])
+@pytest.mark.parametrize("name", ["bert_cross", "xlmr_cross", "mpnet_cross", "modernbert_cross"])
 def test_a_cross_encoder_scores_pairs_as_transformers(name, tiny_encoder_classifiers):
     path = tiny_encoder_classifiers[name]
     with LLM(str(path), **FLAGS) as llm:

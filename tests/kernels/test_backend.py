@@ -100,6 +100,12 @@ def test_both_wings_attend_both_ways_within_each_request(name, dtype, monkeypatc
     tolerance = 1e-5 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(biased.float(), want.float(), atol=tolerance, rtol=tolerance)
     assert (biased.float() - out.float()).abs().max() > 0.1
+    # a window (ModernBERT's local layers): keys at most 2 positions away, either side
+    local = AttentionLayer(4, 2, 16, 0.25, window=2)
+    windowed = backend.bidirectional_attention(qkv, starts, local).view(15, 4, 16)
+    want = bidirectional_attention_ref(q, k, v, starts, 0.25, window=2)
+    torch.testing.assert_close(windowed.float(), want.float(), atol=tolerance, rtol=tolerance)
+    assert (windowed.float() - out.float())[6:].abs().max() > 0.1  # (the 9-row request's)
 
 
 @pytest.mark.parametrize("name", ["cpu", "triton"])
