@@ -82,12 +82,13 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor,
 def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     check_activation(activation)
     gate, up = gate_up.chunk(2, dim=-1)
-    return _ACTIVATIONS[activation](gate) * up
+    return ACTIVATION_FUNCTIONS[activation](gate) * up
 
 
-# each activation as transformers computes it (in the model dtype)
-_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-                "relu": F.relu, "relu2": lambda x: torch.square(F.relu(x)), "gelu": F.gelu}
+# each activation as transformers computes it (in the model dtype), by the kernels' names
+ACTIVATION_FUNCTIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+                        "relu": F.relu, "relu2": lambda x: torch.square(F.relu(x)),
+                        "gelu": F.gelu}
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:

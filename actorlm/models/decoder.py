@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from actorlm.kernels import AttentionLayer, DecoderLayerPlan, KernelBackend, MoePlan
-from actorlm.kernels.portable import apply_rope
+from actorlm.kernels.portable import ACTIVATION_FUNCTIONS, apply_rope
 from actorlm.models.layers import (HeadLayerNorm, LayerNorm, Linear, RMSNorm, RowParallelLinear,
                                    SplitRMSNorm)
 from actorlm.models.moe import MoeSpec, SparseMoeBlock
@@ -196,12 +196,6 @@ class MLP(nn.Module):
         # [T, H] -> [T, 2I] -> [T, I] -> [T, H]
         return self.down_proj(self.backend.act_and_mul(self.gate_up_proj(x), self.activation))
 
-
-# an ungated MLP's activation (an encoder's too), by the kernels' name, as transformers
-# computes it (in the model dtype)
-ACTIVATION_FUNCTIONS = {"gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
-                        "relu": torch.relu, "relu2": lambda x: torch.square(torch.relu(x)),
-                        "gelu": torch.nn.functional.gelu, "silu": torch.nn.functional.silu}
 
 
 class DecoderLayer(nn.Module):

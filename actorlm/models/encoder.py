@@ -36,7 +36,7 @@ from torch import nn
 
 from actorlm.config import first_position_row
 from actorlm.kernels import AttentionLayer, AttentionMetadata, KernelBackend
-from actorlm.models.decoder import ACTIVATION_FUNCTIONS
+from actorlm.kernels.portable import ACTIVATION_FUNCTIONS
 from actorlm.models.families import ACTIVATION_NAMES
 from actorlm.models.layers import Embedding, LayerNorm, Linear
 from actorlm.models.moe_families import intermediate_size_of
