@@ -47,8 +47,22 @@ _CLASSIFIER = "ForSequenceClassification"  # a score head over the last token's 
 _ST_MODES = {"lasttoken": "LAST", "mean": "MEAN", "mean_tokens": "MEAN", "cls": "CLS",
              "cls_token": "CLS"}
 # its modules by class name (the module path moved between versions); any other would change
-# the vector after pooling (a Dense projection, say), so it is refused rather than left out
-_ST_MODULES = ("Transformer", "Pooling", "Normalize")
+# the vector, so it is refused rather than left out
+_ST_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
+# a Dense module's activation (torch's class) -> ours
+_ST_ACTIVATIONS = {"Identity": "identity", "Tanh": "tanh", "ReLU": "relu", "GELU": "gelu",
+                   "Sigmoid": "sigmoid"}
+
+
+class Projection(msgspec.Struct, frozen=True):
+    """A sentence-transformers ``Dense`` module after pooling (LaBSE's, distiluse's):
+    ``act(vector @ weight.T + bias)``, its weights in ``directory``."""
+
+    directory: str
+    in_features: int
+    out_features: int
+    activation: str  # one of _ST_ACTIVATIONS' values
+    bias: bool = True
 
 
 class PoolingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -89,6 +103,8 @@ class PoolerConfig(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     # the dimensions a request may ask for: None: only the model's own; () any (a model
     # that says is_matryoshka without listing them)
     matryoshka_dimensions: tuple[int, ...] | None = None
+    # the model's sentence-transformers Dense modules after pooling, in order
+    projections: tuple[Projection, ...] = ()
 
     def __post_init__(self) -> None:
         if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
@@ -118,8 +134,9 @@ class PoolerConfig(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
             raise ValueError(f"dimensions: the model only supports "
                              f"{list(self.matryoshka_dimensions)} for matryoshka "
                              f"representation, got {dims}")
-        if dims > hidden_size:
-            raise ValueError(f"dimensions: at most the model's {hidden_size}, got {dims}")
+        size = self.projections[-1].out_features if self.projections else hidden_size
+        if dims > size:
+            raise ValueError(f"dimensions: at most the model's {size}, got {dims}")
 
     def normalizes(self, params: PoolingParams) -> bool:
         """Whether a request's embedding is L2-normalized."""
@@ -214,12 +231,46 @@ def _sentence_transformers(path: pathlib.Path) -> dict:
         raise ValueError(f"cannot read {str(modules_file)!r}: {e!r}") from e
     if unknown := [t for t in kinds if t not in _ST_MODULES]:
         raise ValueError(f"{str(modules_file)!r}: module(s) {unknown} are not implemented "
-                         f"(they would change the embedding after pooling)")
+                         f"(they would change the embedding)")
+    # (Dense modules between the pooling and the normalizing, as sentence-transformers orders
+    # them; one before the pooling would project every token's state)
+    pooling = kinds.index("Pooling") if "Pooling" in kinds else len(kinds)
+    normalize = kinds.index("Normalize") if "Normalize" in kinds else len(kinds)
+    if any(kind == "Dense" and not pooling < i < normalize for i, kind in enumerate(kinds)):
+        raise ValueError(f"{str(modules_file)!r}: a Dense module is implemented after the "
+                         f"pooling and before the normalizing, not in the order {kinds}")
     found: dict = {"normalize": "Normalize" in kinds}
+    projections = []
     for module, kind in zip(modules, kinds):
+        directory = path / module.get("path", "")
         if kind == "Pooling":
-            found["pooling_type"] = _pooling_mode(path / module.get("path", "") / "config.json")
+            found["pooling_type"] = _pooling_mode(directory / "config.json")
+        elif kind == "Dense":
+            projections.append(_projection(directory))
+    if projections:
+        found["projections"] = tuple(projections)
     return found
+
+
+def _projection(directory: pathlib.Path) -> Projection:
+    """A Dense module's projection, from its ``config.json``."""
+    config_file = directory / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+        activation = str(config.get("activation_function", "Tanh")).rsplit(".", 1)[-1]
+        in_features, out_features = int(config["in_features"]), int(config["out_features"])
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"cannot read {str(config_file)!r}: {e!r}") from e
+    if activation not in _ST_ACTIVATIONS:
+        raise ValueError(f"{str(config_file)!r}: activation {activation} is not implemented; "
+                         f"one of {', '.join(_ST_ACTIVATIONS)}")
+    for field, implemented in (("use_residual", False),
+                               ("module_input_name", "sentence_embedding")):
+        if config.get(field, implemented) != implemented:
+            raise ValueError(f"{str(config_file)!r}: {field}={config[field]!r} is not "
+                             f"implemented ({implemented!r})")
+    return Projection(str(directory), in_features, out_features, _ST_ACTIVATIONS[activation],
+                      bool(config.get("bias", True)))
 
 
 def _pooling_mode(config_file: pathlib.Path) -> str:

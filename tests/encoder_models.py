@@ -21,7 +21,7 @@ __all__ = ["tiny_encoder_dirs", "tiny_encoder_classifiers", "ENCODER_MODELS",
 ENCODER_MODELS = {"bert_cls": ("bert", "cls"), "bert_mean": ("bert", "mean"),
                   "xlmr_mean": ("xlm-roberta", "mean"), "bert_bare": ("bert", None),
                   "mpnet_mean": ("mpnet", "mean"), "distilbert_cls": ("distilbert", "cls"),
-                  "modernbert_cls": ("modernbert", "cls")}
+                  "modernbert_cls": ("modernbert", "cls"), "bert_dense": ("bert", "mean")}
 # name -> (the encoder, its labels): cross-encoders (one label) and a classifier of three
 ENCODER_CLASSIFIERS = {"bert_cross": ("bert", 1), "xlmr_cross": ("xlm-roberta", 1),
                        "bert_labels": ("bert", 3), "mpnet_cross": ("mpnet", 1),
@@ -31,9 +31,11 @@ ENCODER_CLASSIFIERS = {"bert_cross": ("bert", 1), "xlmr_cross": ("xlm-roberta", 
 @pytest.fixture(scope="session")
 def tiny_encoder_dirs(tmp_path_factory, tiny_tokenizer_dir) -> dict:
     """name (``ENCODER_MODELS``) -> the directory; each vector normalized (a Normalize
-    module), and the bare one as transformers saves a ``BertModel``."""
+    module), the bare one as transformers saves a ``BertModel``, and ``bert_dense`` with a
+    Dense module (64 -> 32, tanh) between its pooling and normalizing, as LaBSE's."""
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    from sentence_transformers.sentence_transformer.modules import (Dense, Normalize, Pooling,
+                                                                    Transformer)
 
     tokenizers = _tokenizers(tmp_path_factory, tiny_tokenizer_dir)
     encoders = {kind: _encoder(kind, tokenizers[kind], tmp_path_factory, seed)
@@ -44,7 +46,12 @@ def tiny_encoder_dirs(tmp_path_factory, tiny_tokenizer_dir) -> dict:
             dirs[name] = encoders[kind]
             continue
         transformer = Transformer(str(encoders[kind]))
-        modules = [transformer, Pooling(transformer.get_embedding_dimension(), mode), Normalize()]
+        modules = [transformer, Pooling(transformer.get_embedding_dimension(), mode)]
+        if name.endswith("_dense"):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(50)
+                modules.append(Dense(64, 32, activation_function=torch.nn.Tanh()))
+        modules.append(Normalize())
         path = tmp_path_factory.mktemp(f"encoder_{name}")
         SentenceTransformer(modules=modules, device="cpu").save(str(path))
         dirs[name] = path

@@ -10,9 +10,11 @@ the whole hidden state, and rank 0 pools (``ModelRunner``).
 
 from __future__ import annotations
 
+import pathlib
+
 import torch
 
-from actorlm.pooling import PoolerConfig, PoolingParams
+from actorlm.pooling import PoolerConfig, PoolingParams, Projection
 
 
 class PooledState:
@@ -27,10 +29,13 @@ class PooledState:
 
 
 class Pooler:
-    """``head``: a classifier's score head (``CausalLM.score``), fed in ``dtype``."""
+    """``head``: a classifier's score head (``CausalLM.score``), fed in ``dtype``; the model's
+    sentence-transformers projections (``PoolerConfig.projections``) run in ``dtype`` too, as
+    sentence-transformers runs them in the model's."""
 
     def __init__(self, config: PoolerConfig, head=None, dtype: torch.dtype = torch.float32):
         self.config, self.head, self.dtype = config, head, dtype
+        self.projections = [_projection(p, dtype) for p in config.projections]
 
     def add_chunk(self, state: PooledState, rows: torch.Tensor, starts_prompt: bool) -> None:
         """``rows``: [n, hidden] of one request's chunk, in order."""
@@ -50,6 +55,8 @@ class Pooler:
         if self.head is not None:
             return _probabilities(self.head(vector[None].to(self.dtype))[0].float(),
                                   params.use_activation is not False)
+        for projection in self.projections:
+            vector = projection(vector.to(self.dtype)).float()
         if params.dimensions is not None:
             vector = vector[:params.dimensions]
         if self.config.normalizes(params):
@@ -61,3 +68,30 @@ def _probabilities(logits: torch.Tensor, activate: bool) -> bytes:
     if activate:
         logits = logits.softmax(-1) if logits.numel() > 1 else logits.sigmoid()
     return logits.cpu().numpy().tobytes()
+
+
+# a Dense module's activation (``pooling.Projection.activation``)
+_ACTIVATIONS = {"identity": lambda x: x, "tanh": torch.tanh, "relu": torch.relu,
+                "gelu": torch.nn.functional.gelu, "sigmoid": torch.sigmoid}
+
+
+def _projection(projection: Projection, dtype: torch.dtype):
+    """``vector -> act(vector @ weight.T + bias)`` over a Dense module's weights, read from its
+    ``model.safetensors`` (or an older ``pytorch_model.bin``)."""
+    directory = pathlib.Path(projection.directory)
+    file = directory / "model.safetensors"
+    if file.is_file():
+        from safetensors.torch import load_file
+
+        tensors = load_file(file)
+    else:
+        tensors = torch.load(directory / "pytorch_model.bin", map_location="cpu",
+                             weights_only=True)
+    weight = tensors["linear.weight"].to(dtype)
+    if tuple(weight.shape) != (projection.out_features, projection.in_features):
+        raise ValueError(f"{str(directory)!r}: linear.weight has shape {tuple(weight.shape)}, "
+                         f"expected {(projection.out_features, projection.in_features)}")
+    bias = tensors["linear.bias"].to(dtype) if projection.bias else None
+    act = _ACTIVATIONS[projection.activation]
+    return lambda vector: act(torch.nn.functional.linear(
+        vector, weight.to(vector.device), None if bias is None else bias.to(vector.device)))

@@ -233,13 +233,37 @@ def test_sentence_transformers_files(tiny_embedding_dirs, tmp_path):
         {**flags, "pooling_mode_lasttoken": False, "pooling_mode_max_tokens": True}))
     with pytest.raises(ValueError, match=r"pooling \['max_tokens'\] is not implemented"):
         pooler_config(old, config, None)
+    # a Dense module after the pooling is read (an encoder's test runs one); what else would
+    # change the vector is refused by name: another module, a Dense before the pooling (it
+    # would project every token), an activation or a residual not implemented
     dense = tmp_path / "dense"
     shutil.copytree(old, dense)
-    (dense / "modules.json").write_text(json.dumps(
-        modules + [{"idx": 2, "name": "2", "path": "2_Dense",
-                    "type": "sentence_transformers.models.Dense"}]))
-    with pytest.raises(ValueError, match=r"module\(s\) \['Dense'\] are not implemented"):
-        pooler_config(dense, config, None)
+    (dense / "1_Pooling" / "config.json").write_text(json.dumps(flags))
+    (dense / "2_Dense").mkdir()
+    dense_config = {"in_features": 64, "out_features": 32, "bias": True,
+                    "activation_function": "torch.nn.modules.activation.Tanh"}
+    (dense / "2_Dense" / "config.json").write_text(json.dumps(dense_config))
+    dense_module = {"idx": 2, "name": "2", "path": "2_Dense",
+                    "type": "sentence_transformers.models.Dense"}
+    for extra, refusal in (([dense_module], None),
+                           ([{**dense_module, "type": "sentence_transformers.models.LayerNorm"}],
+                            r"module\(s\) \['LayerNorm'\] are not implemented"),
+                           ("before", r"a Dense module is implemented after the pooling")):
+        listed = [modules[0], dense_module, modules[1]] if extra == "before" else \
+            modules + extra
+        (dense / "modules.json").write_text(json.dumps(listed))
+        if refusal is None:
+            assert [p.out_features for p in pooler_config(dense, config, None).projections] == [32]
+            continue
+        with pytest.raises(ValueError, match=refusal):
+            pooler_config(dense, config, None)
+    (dense / "modules.json").write_text(json.dumps(modules + [dense_module]))
+    for field, value in (("activation_function", "torch.nn.modules.activation.Softplus"),
+                         ("use_residual", True)):
+        (dense / "2_Dense" / "config.json").write_text(json.dumps({**dense_config,
+                                                                   field: value}))
+        with pytest.raises(ValueError, match="Softplus is not implemented|use_residual"):
+            pooler_config(dense, config, None)
 
 
 def test_embedding_run_replays(tiny_embedding_dirs, tmp_path):
