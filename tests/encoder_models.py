@@ -10,6 +10,8 @@ are transformers' ``...ForSequenceClassification`` as a cross-encoder's checkpoi
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -21,7 +23,11 @@ __all__ = ["tiny_encoder_dirs", "tiny_encoder_classifiers", "ENCODER_MODELS",
 ENCODER_MODELS = {"bert_cls": ("bert", "cls"), "bert_mean": ("bert", "mean"),
                   "xlmr_mean": ("xlm-roberta", "mean"), "bert_bare": ("bert", None),
                   "mpnet_mean": ("mpnet", "mean"), "distilbert_cls": ("distilbert", "cls"),
-                  "modernbert_cls": ("modernbert", "cls"), "bert_dense": ("bert", "mean")}
+                  "modernbert_cls": ("modernbert", "cls"), "bert_dense": ("bert", "mean"),
+                  "embeddinggemma": ("embeddinggemma", "mean")}
+# name -> its sentence-transformers Dense modules after the pooling: (in, out, activation)
+_PROJECTIONS = {"bert_dense": [(64, 32, "Tanh")],  # (LaBSE's kind)
+                "embeddinggemma": [(64, 128, "Identity"), (128, 64, "Identity")]}
 # name -> (the encoder, its labels): cross-encoders (one label) and a classifier of three
 ENCODER_CLASSIFIERS = {"bert_cross": ("bert", 1), "xlmr_cross": ("xlm-roberta", 1),
                        "bert_labels": ("bert", 3), "mpnet_cross": ("mpnet", 1),
@@ -31,8 +37,10 @@ ENCODER_CLASSIFIERS = {"bert_cross": ("bert", 1), "xlmr_cross": ("xlm-roberta", 
 @pytest.fixture(scope="session")
 def tiny_encoder_dirs(tmp_path_factory, tiny_tokenizer_dir) -> dict:
     """name (``ENCODER_MODELS``) -> the directory; each vector normalized (a Normalize
-    module), the bare one as transformers saves a ``BertModel``, and ``bert_dense`` with a
-    Dense module (64 -> 32, tanh) between its pooling and normalizing, as LaBSE's."""
+    module), the bare one as transformers saves a ``BertModel``, and those of
+    ``_PROJECTIONS`` with Dense modules between their pooling and normalizing.
+    ``embeddinggemma`` is EmbeddingGemma's layout: a Gemma 3 decoder attending both ways
+    (its local layers within a window), mean pooling, two projections."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import (Dense, Normalize, Pooling,
                                                                     Transformer)
@@ -47,13 +55,18 @@ def tiny_encoder_dirs(tmp_path_factory, tiny_tokenizer_dir) -> dict:
             continue
         transformer = Transformer(str(encoders[kind]))
         modules = [transformer, Pooling(transformer.get_embedding_dimension(), mode)]
-        if name.endswith("_dense"):
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(50)
-                modules.append(Dense(64, 32, activation_function=torch.nn.Tanh()))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(50)
+            modules += [Dense(n_in, n_out, activation_function=getattr(torch.nn, act)())
+                        for n_in, n_out, act in _PROJECTIONS.get(name, ())]
         modules.append(Normalize())
         path = tmp_path_factory.mktemp(f"encoder_{name}")
         SentenceTransformer(modules=modules, device="cpu").save(str(path))
+        # text embeds as it is (the tiny BPE has a chat template, through which
+        # sentence-transformers 6 would render it: ``embedding_models.py`` says why not)
+        st_config = json.loads((path / "sentence_bert_config.json").read_text())
+        st_config.get("modality_config", {}).pop("message", None)
+        (path / "sentence_bert_config.json").write_text(json.dumps(st_config))
         dirs[name] = path
     return dirs
 
@@ -70,7 +83,7 @@ def _tokenizers(tmp_path_factory, tiny_tokenizer_dir) -> dict:
     wordpiece = _wordpiece(tmp_path_factory)
     return {"bert": wordpiece, "xlm-roberta": _wrapping_bpe(tiny_tokenizer_dir, tmp_path_factory),
             "mpnet": _mpnet_wordpiece(wordpiece, tmp_path_factory), "distilbert": wordpiece,
-            "modernbert": wordpiece}
+            "modernbert": wordpiece, "embeddinggemma": tiny_tokenizer_dir}
 
 
 def _encoder(kind: str, tokenizer_dir, tmp_path_factory, seed: int, labels: int = 0):
@@ -79,8 +92,8 @@ def _encoder(kind: str, tokenizer_dir, tmp_path_factory, seed: int, labels: int 
     ``...ForSequenceClassification`` of that many."""
     from checkpoints import perturbed
     from transformers import (AutoModel, AutoModelForSequenceClassification, AutoTokenizer,
-                              BertConfig, DistilBertConfig, ModernBertConfig, MPNetConfig,
-                              XLMRobertaConfig)
+                              BertConfig, DistilBertConfig, Gemma3TextConfig,
+                              ModernBertConfig, MPNetConfig, XLMRobertaConfig)
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     sizes = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
@@ -95,6 +108,11 @@ def _encoder(kind: str, tokenizer_dir, tmp_path_factory, seed: int, labels: int 
                          local_attention=8, cls_token_id=tokenizer.cls_token_id,
                          sep_token_id=tokenizer.sep_token_id, bos_token_id=tokenizer.cls_token_id,
                          eos_token_id=tokenizer.sep_token_id) if kind == "modernbert" else \
+        Gemma3TextConfig(**sizes, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                         use_bidirectional_attention=True, sliding_window=8,
+                         layer_types=["sliding_attention", "full_attention"],
+                         max_position_embeddings=64, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id) if kind == "embeddinggemma" else \
         MPNetConfig(**sizes, max_position_embeddings=66) if kind == "mpnet" else \
         XLMRobertaConfig(**sizes, max_position_embeddings=66, type_vocab_size=1,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)

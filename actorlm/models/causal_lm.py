@@ -18,6 +18,7 @@ from actorlm.kernels import ActivationQuant, AttentionMetadata, KernelBackend, Q
 from actorlm.kv_groups import kv_cache_groups, layer_slots
 from actorlm.models import expert_weights, quantized
 from actorlm.models.decoder import DecoderLayer, norm_of
+from actorlm.models.encoder import attends_both_ways
 from actorlm.models.checkpoint_names import checkpoint_tensors, narrow
 from actorlm.models.families import (NO_ROPE, embedding_scale, head_dim_of, is_gemma,
                                      layer_specs, layer_windows, lm_head_bias, logits_divisor,
@@ -77,7 +78,13 @@ class CausalLM(nn.Module):
         check_expert_parallel(config.model_type, config, tp.size, tp.expert_parallel)
         check_tensor_parallel(config.model_type, spec.num_heads, spec.num_kv_heads,
                               split_intermediate_sizes(config, tp.expert_parallel), tp.size)
-        self.kv_cache_groups = kv_cache_groups(layer_windows(config))
+        # (a model attending both ways, EmbeddingGemma, keeps no cache: one group, no bytes)
+        both_ways = attends_both_ways(config)
+        if both_ways and not pooling:
+            raise ValueError(f"{config.model_type} with use_bidirectional_attention embeds "
+                             f"(--runner pooling); generating text is not implemented")
+        self.kv_cache_groups = kv_cache_groups([None] * config.num_hidden_layers if both_ways
+                                               else layer_windows(config))
         rope_types = rope_layer_types(config)
         table_types = sorted(set(rope_types), key=str)  # one RoPE table per distinct type
         self.config, self.backend, self.dtype, self.tp = config, backend, dtype, tp
@@ -95,6 +102,8 @@ class CausalLM(nn.Module):
                                layer_slots(self.kv_cache_groups)[0], backend, dtype, device, tp)
         attn = self.model.layers[0].self_attn
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads  # this rank's
+        if both_ways:
+            self.num_kv_heads = 0  # (the KV pool's pages hold no bytes)
         self.vocab_rows = -(-config.vocab_size // tp.size)  # this rank's slice, padded
         self.lm_head = None if pooling else \
             Linear(config.hidden_size, self.vocab_rows, lm_head_bias(config), dtype, device)

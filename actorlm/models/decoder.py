@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from actorlm.kernels import AttentionLayer, DecoderLayerPlan, KernelBackend, MoePlan
-from actorlm.kernels.portable import ACTIVATION_FUNCTIONS, apply_rope
+from actorlm.kernels.portable import ACTIVATION_FUNCTIONS, apply_rope, split_qkv
 from actorlm.models.layers import (HeadLayerNorm, LayerNorm, Linear, RMSNorm, RowParallelLinear,
                                    SplitRMSNorm)
 from actorlm.models.moe import MoeSpec, SparseMoeBlock
@@ -72,6 +72,10 @@ class LayerSpec:
     # the checkpoint's fused q/k/v (and so a LoRA adapter's) in groups of a group's queries,
     # its key and its value (``families.qkv_groups``); 0: all q, all k, all v
     qkv_groups: int = 0
+    # every token attends to its whole prompt, nothing cached (EmbeddingGemma's Gemma 3): a
+    # sliding window then reaches ``window - 1`` positions either side, as transformers'
+    # bidirectional window (whose config holds half the window, plus one)
+    bidirectional: bool = False
 
     def __post_init__(self):
         if self.qk_norm not in (None, "head", "head_layer", "projection", "head_after_rope"):
@@ -117,10 +121,17 @@ class Attention(nn.Module):
                                         for heads in (self.num_heads, self.num_kv_heads))
         head_norms = (None, None) if self.q_norm is None or self.norms_here or \
             self.norms_after_rope else (self.q_norm.norm, self.k_norm.norm)
-        self.layer = AttentionLayer(
-            self.num_heads, self.num_kv_heads, d,
-            spec.attention_scale if spec.attention_scale is not None else d**-0.5, spec.window,
-            *head_norms, spec.softcap)
+        scale = spec.attention_scale if spec.attention_scale is not None else d**-0.5
+        self.layer = AttentionLayer(self.num_heads, self.num_kv_heads, d, scale, spec.window,
+                                    *head_norms, spec.softcap)
+        # both ways (the door's window reaches either side; q/k norms and RoPE here)
+        self.both_ways = None if not spec.bidirectional else AttentionLayer(
+            self.num_heads, self.num_kv_heads, d, scale,
+            None if spec.window is None else spec.window - 1)
+        if spec.bidirectional and (spec.softcap is not None or self.norms_here
+                                   or self.norms_after_rope):
+            raise ValueError("bidirectional attention with soft-capped scores or q/k norms "
+                             "other than each head's RMS norm is not implemented")
 
     @property
     def norms_here(self) -> bool:
@@ -140,6 +151,14 @@ class Attention(nn.Module):
         if self.norms_after_rope:  # turned here, then normed: the backend turns nothing more
             self._turned_and_normed(qkv, cos, sin_signed)
             cos, sin_signed = torch.ones_like(cos), torch.zeros_like(sin_signed)
+        if self.both_ways is not None:  # q and k normed and turned here, nothing cached
+            q, k, _ = split_qkv(qkv, cos, sin_signed, self.num_heads, self.num_kv_heads,
+                                self.head_dim, self.layer.q_norm, self.layer.k_norm)
+            qkv[:, :self.q_size].copy_(q.flatten(1))
+            qkv[:, self.q_size:self.q_size + self.kv_size].copy_(k.flatten(1))
+            o = self.backend.bidirectional_attention(qkv, meta.query_start_loc.tolist(),
+                                                     self.both_ways)
+            return self.o_proj(o)
         o = self.backend.attention(qkv, cos, sin_signed, kv_cache, meta, self.layer)
         return self.o_proj(o)  # [T, Hq D] -> [T, hidden]
 
@@ -259,7 +278,7 @@ class DecoderLayer(nn.Module):
         LayerNorm by its own weights, q/k norms after RoPE, routing by scores (DeepSeek's,
         ERNIE's): the step has none of them."""
         attn, mlp = self.self_attn, self.mlp
-        if attn.head_layer_norms or attn.norms_after_rope or \
+        if attn.head_layer_norms or attn.norms_after_rope or attn.both_ways is not None or \
                 isinstance(mlp, SparseMoeBlock) and mlp.routed_here:
             return None
         projection_norms = None

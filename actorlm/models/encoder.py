@@ -79,6 +79,12 @@ def is_encoder(config) -> bool:
     return getattr(config, "model_type", None) in ENCODER_MODEL_TYPES
 
 
+def attends_both_ways(config) -> bool:
+    """Whether every token attends to its whole prompt, so that a prompt runs in one step,
+    whole, and nothing is cached: an encoder, or a decoder made one (EmbeddingGemma)."""
+    return is_encoder(config) or bool(getattr(config, "use_bidirectional_attention", False))
+
+
 def encoder_class(config) -> type[Encoder]:
     """The model class of an encoder's config."""
     if config.model_type == "modernbert":

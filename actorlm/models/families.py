@@ -211,9 +211,10 @@ def check_config(config) -> None:
                          f"{config.word_embed_proj_dim} (embeddings projected in and out of "
                          f"the hidden size {config.hidden_size}) is not implemented")
     rope_head_order(config)  # refuses a RoPE layout the reordering cannot express
-    if getattr(config, "use_bidirectional_attention", False):
-        raise ValueError("use_bidirectional_attention (an encoder, not a causal decoder) is "
-                         "not implemented")
+    if getattr(config, "use_bidirectional_attention", False) and \
+            config.model_type != "gemma3_text":
+        raise ValueError(f"{config.model_type}: use_bidirectional_attention is not implemented "
+                         f"(Gemma 3's, EmbeddingGemma's, is)")
     for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
         value = getattr(config, name, None) if is_gemma(config) else None
         if value is not None and not value > 0:
@@ -308,7 +309,8 @@ def layer_specs(config) -> list[LayerSpec]:
         None if scalar is None else scalar**-0.5,
         softcap=getattr(config, "attn_logit_softcapping", None) if gemma else None,
         residual_scale=config.residual_multiplier if granite else None,
-        rope_order=rope_head_order(config))
+        rope_order=rope_head_order(config),
+        bidirectional=bool(getattr(config, "use_bidirectional_attention", False)))
     return [LayerSpec(**base, window=window, moe=moe)
             for window, moe in zip(layer_windows(config), moe_specs(config), strict=True)]
 

@@ -33,7 +33,7 @@ from actorlm.models.loader import (check_block_split, check_quantization, load_h
                                    load_model, resolve_model)
 from actorlm.models.parallel import (TensorParallel, check_initialised, check_tensor_parallel,
                                      num_kv_heads_per_rank)
-from actorlm.models.encoder import is_encoder
+from actorlm.models.encoder import attends_both_ways
 from actorlm.models.expert_parallel import check_expert_parallel, split_intermediate_sizes
 from actorlm.models.families import head_dim_of, layer_windows, long_rope_from, num_kv_heads_of
 from actorlm.models.memory_profile import MemoryProfile, kv_cache_budget, largest_step, load_and_profile
@@ -68,7 +68,7 @@ def kv_bytes_per_block(hf_config, block_size: int, tp_size: int, dtype: torch.dt
                        num_layers: int | None = None) -> int:
     """A KV block's bytes on one rank: ``num_layers`` (default: every layer) pages of K and
     V, each rank holding its share of the KV heads."""
-    if is_encoder(hf_config):  # (it caches nothing)
+    if attends_both_ways(hf_config):  # (it caches nothing)
         return 0
     layers, num_kv_heads, head_dim = model_geometry(hf_config)
     return 2 * (num_layers or layers) * block_size * \
@@ -197,7 +197,7 @@ def resolve_runner(config: EngineConfig, path, hf_config) -> EngineConfig:
         if on:
             raise ValueError(f"{flag} with a pooling model (--runner pooling) is not "
                              f"implemented")
-    encoder = is_encoder(hf_config)
+    encoder = attends_both_ways(hf_config)
     # (an encoder pools its first token's state, or as its classifier says: ModernBERT's)
     pooler = pooler_config(path, hf_config, config.pooler_config, config.convert,
                            ("MEAN" if getattr(hf_config, "classifier_pooling", "cls") == "mean"
@@ -235,8 +235,8 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
     # (their KV tensors are shared); each rank holds its share of the KV heads, so the pool
     # is sized per rank
     # (an encoder's windows, ModernBERT's, shape no cache: it keeps none)
-    groups = tuple(kv_cache_groups([None] * hf_config.num_hidden_layers if is_encoder(hf_config)
-                                   else layer_windows(hf_config)))
+    groups = tuple(kv_cache_groups([None] * hf_config.num_hidden_layers
+                                   if attends_both_ways(hf_config) else layer_windows(hf_config)))
     bytes_per_block = kv_bytes_per_block(hf_config, config.block_size, tp_size, dtype,
                                          max(len(g.layers) for g in groups))
     profile_gpu = device.type == "cuda" and not config.is_kv_pool_sized_by_user

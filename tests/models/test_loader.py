@@ -126,7 +126,11 @@ def test_a_mistral_snapshot_loads_its_indexed_shards_and_ignores_consolidated(ti
     ("phi3", {"partial_rotary_factor": 0.3125}, "RoPE on 5 of a head's 16 features"),
     ("phi3", {"partial_rotary_factor": 1.5}, "RoPE on 24 of a head's 16 features"),
     ("phi3", {"partial_rotary_factor": -0.5}, "RoPE on -8 of a head's 16 features"),
-    ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    # (Gemma 3 attending both ways embeds, EmbeddingGemma: tests/engine/test_encoders.py)
+    ("gemma3", {"use_bidirectional_attention": True},
+     "use_bidirectional_attention embeds (--runner pooling)"),
+    ("mistral", {"use_bidirectional_attention": True},
+     "mistral: use_bidirectional_attention is not implemented"),
     ("mistral", {"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
     ("mistral", {"hidden_act": "gelu"}, "activation 'gelu'"),
     ("gemma3", {"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be positive, got 0"),
