@@ -18,10 +18,10 @@ from actorlm.kernels import ActivationQuant, AttentionMetadata, KernelBackend, Q
 from actorlm.kv_groups import kv_cache_groups, layer_slots
 from actorlm.models import expert_weights, quantized
 from actorlm.models.decoder import DecoderLayer, norm_of
-from actorlm.models.encoder import attends_both_ways
+from actorlm.models.encoder import attends_both_ways, cache_windows
 from actorlm.models.checkpoint_names import checkpoint_tensors, narrow
 from actorlm.models.families import (NO_ROPE, embedding_scale, head_dim_of, is_gemma,
-                                     layer_specs, layer_windows, lm_head_bias, logits_divisor,
+                                     layer_specs, lm_head_bias, logits_divisor,
                                      long_rope_from, norm_names, num_kv_heads_of,
                                      position_offset, rope_inv_freq, rope_layer_types)
 from actorlm.models.layers import Embedding, Linear, VocabParallelEmbedding
@@ -78,13 +78,11 @@ class CausalLM(nn.Module):
         check_expert_parallel(config.model_type, config, tp.size, tp.expert_parallel)
         check_tensor_parallel(config.model_type, spec.num_heads, spec.num_kv_heads,
                               split_intermediate_sizes(config, tp.expert_parallel), tp.size)
-        # (a model attending both ways, EmbeddingGemma, keeps no cache: one group, no bytes)
-        both_ways = attends_both_ways(config)
+        both_ways = attends_both_ways(config)  # (EmbeddingGemma: no cache, no bytes)
         if both_ways and not pooling:
             raise ValueError(f"{config.model_type} with use_bidirectional_attention embeds "
                              f"(--runner pooling); generating text is not implemented")
-        self.kv_cache_groups = kv_cache_groups([None] * config.num_hidden_layers if both_ways
-                                               else layer_windows(config))
+        self.kv_cache_groups = kv_cache_groups(cache_windows(config))
         rope_types = rope_layer_types(config)
         table_types = sorted(set(rope_types), key=str)  # one RoPE table per distinct type
         self.config, self.backend, self.dtype, self.tp = config, backend, dtype, tp
@@ -101,9 +99,8 @@ class CausalLM(nn.Module):
         self.model = DecoderBody(config, specs, [table_types.index(t) for t in rope_types],
                                layer_slots(self.kv_cache_groups)[0], backend, dtype, device, tp)
         attn = self.model.layers[0].self_attn
-        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads  # this rank's
-        if both_ways:
-            self.num_kv_heads = 0  # (the KV pool's pages hold no bytes)
+        self.num_heads = attn.num_heads  # this rank's
+        self.num_kv_heads = 0 if both_ways else attn.num_kv_heads
         self.vocab_rows = -(-config.vocab_size // tp.size)  # this rank's slice, padded
         self.lm_head = None if pooling else \
             Linear(config.hidden_size, self.vocab_rows, lm_head_bias(config), dtype, device)

@@ -37,7 +37,7 @@ from torch import nn
 from actorlm.config import first_position_row
 from actorlm.kernels import AttentionLayer, AttentionMetadata, KernelBackend
 from actorlm.kernels.portable import ACTIVATION_FUNCTIONS
-from actorlm.models.families import ACTIVATION_NAMES
+from actorlm.models.families import ACTIVATION_NAMES, layer_windows
 from actorlm.models.layers import Embedding, LayerNorm, Linear
 from actorlm.models.moe_families import intermediate_size_of
 from actorlm.models.parallel import TensorParallel
@@ -83,6 +83,13 @@ def attends_both_ways(config) -> bool:
     """Whether every token attends to its whole prompt, so that a prompt runs in one step,
     whole, and nothing is cached: an encoder, or a decoder made one (EmbeddingGemma)."""
     return is_encoder(config) or bool(getattr(config, "use_bidirectional_attention", False))
+
+
+def cache_windows(config) -> list[int | None]:
+    """Each layer's window as the KV cache sees it (``kv_groups``): a model attending both
+    ways keeps no cache, whatever its windows, so one group of them all."""
+    return [None] * config.num_hidden_layers if attends_both_ways(config) else \
+        layer_windows(config)
 
 
 def encoder_class(config) -> type[Encoder]:

@@ -33,9 +33,9 @@ from actorlm.models.loader import (check_block_split, check_quantization, load_h
                                    load_model, resolve_model)
 from actorlm.models.parallel import (TensorParallel, check_initialised, check_tensor_parallel,
                                      num_kv_heads_per_rank)
-from actorlm.models.encoder import attends_both_ways
+from actorlm.models.encoder import attends_both_ways, cache_windows
 from actorlm.models.expert_parallel import check_expert_parallel, split_intermediate_sizes
-from actorlm.models.families import head_dim_of, layer_windows, long_rope_from, num_kv_heads_of
+from actorlm.models.families import head_dim_of, long_rope_from, num_kv_heads_of
 from actorlm.models.memory_profile import MemoryProfile, kv_cache_budget, largest_step, load_and_profile
 from actorlm.models.draft_proposer import DraftModelProposer, check_draft_vocabulary
 from actorlm.models.lora_slots import LoRASlots
@@ -234,9 +234,7 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
     # a block id is one page in each of a group's layers, and every group has as many layers
     # (their KV tensors are shared); each rank holds its share of the KV heads, so the pool
     # is sized per rank
-    # (an encoder's windows, ModernBERT's, shape no cache: it keeps none)
-    groups = tuple(kv_cache_groups([None] * hf_config.num_hidden_layers
-                                   if attends_both_ways(hf_config) else layer_windows(hf_config)))
+    groups = tuple(kv_cache_groups(cache_windows(hf_config)))
     bytes_per_block = kv_bytes_per_block(hf_config, config.block_size, tp_size, dtype,
                                          max(len(g.layers) for g in groups))
     profile_gpu = device.type == "cuda" and not config.is_kv_pool_sized_by_user
