@@ -216,7 +216,6 @@ class MLP(nn.Module):
         return self.down_proj(self.backend.act_and_mul(self.gate_up_proj(x), self.activation))
 
 
-
 class DecoderLayer(nn.Module):
     """``kernels.DecoderLayerPlan``'s layer: norms before attention and MLP (and after each,
     with ``output_norms``; then ``residual_scale``), each residual add fused into the norm
@@ -276,7 +275,7 @@ class DecoderLayer(nn.Module):
         None where a plan does not describe it: q/k norms over projections split across
         tensor-parallel ranks (their mean square is summed over the ranks), each head's q/k
         LayerNorm by its own weights, q/k norms after RoPE, routing by scores (DeepSeek's,
-        ERNIE's): the step has none of them."""
+        ERNIE's), attention both ways (which never decodes): the step has none of them."""
         attn, mlp = self.self_attn, self.mlp
         if attn.head_layer_norms or attn.norms_after_rope or attn.both_ways is not None or \
                 isinstance(mlp, SparseMoeBlock) and mlp.routed_here:
