@@ -30,6 +30,7 @@ from actorlm.models.moe_families import EXPERTS_SIZE
 from actorlm.models.causal_lm import CausalLM
 from actorlm.models.encoder import ENCODER_MODEL_TYPES, Encoder, encoder_class, is_encoder
 from actorlm.models.parallel import TensorParallel
+from actorlm.models.score_tokens import check_score_tokens, token_ids, with_score_rows
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ def load_hf_config(path, overrides: dict | None = None):
         config = text_config(config, has_lm_head=any(
             name.endswith("lm_head.weight") for name in _tensor_names(path)))
     config.update(overrides or {})
+    check_score_tokens(config)
     return config
 
 
@@ -185,6 +187,11 @@ def load_model(path, dtype: torch.dtype, device, backend,
         tensors = _safetensors(path, sliced=tp.is_parallel and quantization is None)
         if quantization is not None:
             tensors = quantized.quantize_checkpoint(tensors, quantization)
+    if getattr(config, "classifier_from_token", None) and pooling == "classify":
+        from transformers import AutoTokenizer  # (its tokens' rows of the LM head: the score)
+
+        ids = token_ids(config, AutoTokenizer.from_pretrained(path))
+        tensors = with_score_rows(tensors, config, ids, bool(config.tie_word_embeddings))
     model.load_weights(tensors)
     return model.eval()
 

@@ -115,3 +115,40 @@ def test_classify_under_tensor_parallelism(flags, tiny_classifier_dirs):
     with LLM(str(path), **flags, **FLAGS) as llm:
         probs = torch.tensor([o.outputs.probs for o in llm.classify(PROMPTS, use_tqdm=False)])
     torch.testing.assert_close(probs, logits.softmax(-1), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("checkpoint, architecture", [
+    ("tiny_qwen3_dir", "Qwen3ForSequenceClassification"),
+    ("tiny_llama_dir", "LlamaForSequenceClassification")])  # (its LM head tied: the embedding's)
+def test_a_causal_lm_reranks_by_two_tokens_logits(checkpoint, architecture, request):
+    """Qwen3-Reranker's way (vLLM's ``classifier_from_token`` override): the causal LM's
+    logits of two tokens at the prompt's last position, read as one label whose sigmoid is
+    the second token's share of their softmax; or, without the two-way softmax, one label
+    per token. The oracle is transformers' causal LM itself."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    lm_dir = request.getfixturevalue(checkpoint)
+
+    tokenizer = AutoTokenizer.from_pretrained(lm_dir)
+    no, yes = (tokenizer.convert_ids_to_tokens(i) for i in (37, 41))
+    model = AutoModelForCausalLM.from_pretrained(lm_dir).eval()
+    with torch.no_grad():
+        logits = torch.stack([model(torch.tensor([tokenizer(p)["input_ids"]])).logits[0, -1]
+                              for p in PROMPTS])[:, [37, 41]]
+    overrides = {"architectures": [architecture], "classifier_from_token": [no, yes]}
+    with LLM(str(lm_dir), hf_overrides={**overrides, "is_original_qwen3_reranker": True},
+             **FLAGS) as llm:
+        assert llm.config.pooler_config.task == "classify"
+        two_way = torch.tensor([o.outputs.probs for o in llm.classify(PROMPTS, use_tqdm=False)])
+        scores = [s.outputs.score for s in llm.score(PROMPTS[0], PROMPTS[1:], use_tqdm=False)]
+    torch.testing.assert_close(two_way[:, 0], logits.softmax(-1)[:, 1], atol=2e-6, rtol=1e-5)
+    assert len(scores) == 2 and all(0 < s < 1 for s in scores)
+    with LLM(str(lm_dir), hf_overrides=overrides, **FLAGS) as llm:
+        both = torch.tensor([o.outputs.probs for o in llm.classify(PROMPTS, use_tqdm=False)])
+    torch.testing.assert_close(both, logits.softmax(-1), atol=2e-6, rtol=1e-5)
+    for bad, named in (({"classifier_from_token": [no]}, "two-way softmax takes two tokens"),
+                       ({"method": "from_3_way"}, "method 'from_3_way' is not implemented"),
+                       ({"architectures": ["LlamaForCausalLM"]}, "ForSequenceClassification")):
+        with pytest.raises(ValueError, match=named):
+            LLM(str(lm_dir), hf_overrides={**overrides, "is_original_qwen3_reranker": True,
+                                                   **bad}, **FLAGS)
