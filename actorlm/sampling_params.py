@@ -70,11 +70,11 @@ class StructuredOutputsParams(msgspec.Struct, frozen=True, kw_only=True, omit_de
                f"got {kinds or 'none'}")
         for name in ("regex", "grammar", "structural_tag"):
             _check(getattr(self, name) != "", f"structured_outputs.{name}", "must not be empty")
-        for name, kinds, what in (("json", (dict, bool), "a JSON Schema (an object)"),
+        for name, types, what in (("json", (dict, bool), "a JSON Schema (an object)"),
                                   ("structural_tag", dict, "a JSON object")):
             text = getattr(self, name)
             if text is not None:
-                _check(isinstance(_decoded(name, text), kinds), f"structured_outputs.{name}",
+                _check(isinstance(_decoded(name, text), types), f"structured_outputs.{name}",
                        f"must be {what}")
         _check(self.choice is None or (len(self.choice) > 0 and all(self.choice)),
                "structured_outputs.choice", "must be a non-empty list of non-empty strings")

@@ -122,6 +122,18 @@ def split_qkv(qkv, cos, sin_signed, num_heads, num_kv_heads, head_dim, q_norm=No
     return apply_rope(q, cos, sin_signed), apply_rope(k, cos, sin_signed), v
 
 
+def turn_qk(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+            layer: AttentionLayer) -> None:
+    """q and k of a fused projection qkv [T, (Hq + 2 Hkv) * D] normed per head (where the
+    layer has norms) and rotated, in place: for attention that turns nothing itself
+    (``KernelBackend.bidirectional_attention``)."""
+    q_size, kv_size = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+    q, k, _ = split_qkv(qkv, cos, sin_signed, layer.num_heads, layer.num_kv_heads,
+                        layer.head_dim, layer.q_norm, layer.k_norm)
+    qkv[:, :q_size].copy_(q.flatten(1))
+    qkv[:, q_size:q_size + kv_size].copy_(k.flatten(1))
+
+
 def bidirectional_attention(qkv: torch.Tensor, query_start_loc, layer: AttentionLayer,
                             score_bias=None) -> torch.Tensor:
     """``KernelBackend.bidirectional_attention``: one SDPA call per request, over its own rows

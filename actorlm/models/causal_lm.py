@@ -115,7 +115,7 @@ class CausalLM(nn.Module):
         # LongRoPE: each table's rows are the short factors' first positions, then the long
         # factors' all (``rope_rows``)
         self.long_rope_from = long_rope_from(config)
-        self.rope_tables = [_rope_table(config, t, max_positions, self.long_rope_from, dtype,
+        self.rope_tables = [rope_table(config, t, max_positions, self.long_rope_from, dtype,
                                         device) for t in table_types]
         self.decode_step = None  # the backend's one-call decode step, once the weights load
         self.lora_state = None  # LoRA adapters' step mapping, once enabled (``lora_slots``)
@@ -343,7 +343,7 @@ def _moe_timer(body: DecoderBody, device) -> MoeTimer | None:
     return timer
 
 
-def _rope_table(config, layer_type, max_positions, long_rope_from, dtype, device):
+def rope_table(config, layer_type, max_positions, long_rope_from, dtype, device):
     """(cos, sin_signed) of every position, computed once as HF computes them per step (fp32
     angles, then the model dtype): [max_positions, D] each, sin's first half negated. LongRoPE
     (``long_rope_from``: its original context): the short factors' rows of the positions

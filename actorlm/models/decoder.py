@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from actorlm.kernels import AttentionLayer, DecoderLayerPlan, KernelBackend, MoePlan
-from actorlm.kernels.portable import ACTIVATION_FUNCTIONS, apply_rope, split_qkv
+from actorlm.kernels.portable import ACTIVATION_FUNCTIONS, apply_rope, turn_qk
 from actorlm.models.layers import (HeadLayerNorm, LayerNorm, Linear, RMSNorm, RowParallelLinear,
                                    SplitRMSNorm)
 from actorlm.models.moe import MoeSpec, SparseMoeBlock
@@ -152,10 +152,7 @@ class Attention(nn.Module):
             self._turned_and_normed(qkv, cos, sin_signed)
             cos, sin_signed = torch.ones_like(cos), torch.zeros_like(sin_signed)
         if self.both_ways is not None:  # q and k normed and turned here, nothing cached
-            q, k, _ = split_qkv(qkv, cos, sin_signed, self.num_heads, self.num_kv_heads,
-                                self.head_dim, self.layer.q_norm, self.layer.k_norm)
-            qkv[:, :self.q_size].copy_(q.flatten(1))
-            qkv[:, self.q_size:self.q_size + self.kv_size].copy_(k.flatten(1))
+            turn_qk(qkv, cos, sin_signed, self.layer)
             o = self.backend.bidirectional_attention(qkv, meta.query_start_loc.tolist(),
                                                      self.both_ways)
             return self.o_proj(o)

@@ -37,7 +37,7 @@ from torch import nn
 from actorlm.config import first_position_row
 from actorlm.kernels import AttentionLayer, AttentionMetadata, KernelBackend
 from actorlm.kernels.portable import ACTIVATION_FUNCTIONS
-from actorlm.models.families import ACTIVATION_NAMES, layer_windows
+from actorlm.models.families import ACTIVATION_NAMES, activation_of, layer_windows
 from actorlm.models.layers import Embedding, LayerNorm, Linear
 from actorlm.models.moe_families import intermediate_size_of
 from actorlm.models.parallel import TensorParallel
@@ -292,12 +292,6 @@ class EncoderModel(Encoder):
 
     def checkpoint_name(self, name: str) -> tuple[str | None, int | None]:
         return _our_name(name, classifies=self.score is not None)
-
-
-def activation_of(config) -> str:
-    """The MLP's activation, by BERT's name for it, ModernBERT's or DistilBERT's."""
-    return getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None) \
-        or config.activation
 
 
 def activation_function(name: str) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -147,9 +147,9 @@ _FOUR_NORMS = ("gemma2", "gemma3_text")  # Gemma 1 has a Llama's two
 # a config's activation -> the kernels' name for it (Phi-2's gelu_new is the tanh
 # approximation, written out in torch ops)
 ACTIVATION_NAMES = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
-                "gelu_fast": "gelu_tanh", "relu": "relu", "relu2": "relu2", "gelu": "gelu"}
-# the activations a family's configs name (by ACTIVATION_NAMES' names; the rest: SiLU); any other
-# is refused
+                    "gelu_fast": "gelu_tanh", "relu": "relu", "relu2": "relu2", "gelu": "gelu"}
+# the activations a family's configs name (by ACTIVATION_NAMES' names; the rest: SiLU); any
+# other is refused
 _FAMILY_ACTIVATIONS = {**dict.fromkeys(("starcoder2", "phi", "gpt2", "gpt_bigcode", *_GEMMA),
                                         ("gelu_tanh",)),
                        "opt": ("relu",), "nemotron": ("relu2",), "arcee": ("relu2",),
@@ -200,7 +200,8 @@ def check_config(config) -> None:
         raise ValueError(f"model_type {config.model_type!r} is not supported (use one of "
                          f"{SUPPORTED_MODEL_TYPES})")
     activation = activation_of(config)
-    if ACTIVATION_NAMES.get(activation) not in _FAMILY_ACTIVATIONS.get(config.model_type, ("silu",)):
+    if ACTIVATION_NAMES.get(activation) not in _FAMILY_ACTIVATIONS.get(config.model_type,
+                                                                       ("silu",)):
         raise ValueError(f"{config.model_type}: activation {activation!r} is not implemented")
     for name, computed in _COMPUTED_ONLY.get(config.model_type, {}).items():
         if getattr(config, name, computed) != computed:

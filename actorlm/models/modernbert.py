@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from actorlm.kernels import AttentionLayer, AttentionMetadata, KernelBackend
-from actorlm.kernels.portable import apply_rope
+from actorlm.kernels.portable import turn_qk
+from actorlm.models.causal_lm import rope_table
 from actorlm.models.encoder import Encoder, activation_function
 from actorlm.models.families import ACTIVATION_NAMES
 from actorlm.models.layers import Embedding, LayerNorm, Linear
@@ -55,10 +56,7 @@ class ModernBertLayer(nn.Module):
 
     def forward(self, x, starts: Sequence[int], rope: tuple[torch.Tensor, torch.Tensor]):
         qkv = self.qkv_proj(x if self.attn_norm is None else self.attn_norm(x))
-        rows, hidden = qkv.shape[0], x.shape[1]
-        for part in (0, hidden):  # q, then k, turned in place
-            heads = qkv[:, part:part + hidden].view(rows, -1, self.attention.head_dim)
-            heads.copy_(apply_rope(heads, *rope))
+        turn_qk(qkv, *rope, self.attention)
         x = x + self.o_proj(self.backend.bidirectional_attention(qkv, starts, self.attention))
         gate_up = self.gate_up_proj(self.mlp_norm(x))
         return x + self.down_proj(self.backend.act_and_mul(gate_up, self.activation))
@@ -93,8 +91,9 @@ class ModernBertModel(Encoder):
         if pooling == "classify":
             self.score = ClassifierHead(config, dtype, device)
         # (cos, sin_signed) [positions, D] of the global layers' base and the local ones'
-        self.ropes = {local: _rope_table(config, "sliding_attention" if local else
-                                         "full_attention", self.head_dim, dtype, device)
+        self.ropes = {local: rope_table(config, "sliding_attention" if local else
+                                        "full_attention", config.max_position_embeddings, None,
+                                        dtype, device)
                       for local in (False, True)}
 
     def forward(self, input_ids, positions, kv_caches,
@@ -128,14 +127,3 @@ class ModernBertModel(Encoder):
 
 def _norm(config, dtype, device) -> LayerNorm:
     return LayerNorm(config.hidden_size, config.norm_eps, config.norm_bias, dtype, device)
-
-
-def _rope_table(config, layer_type: str, head_dim: int, dtype, device):
-    """(cos, sin_signed) [max_positions, D] of a layer type's base, sin's first half negated
-    (``portable.apply_rope``'s form), computed in fp32 and rounded once, as transformers does."""
-    base = config.rope_parameters[layer_type]["rope_theta"]
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-    freqs = torch.arange(config.max_position_embeddings).float()[:, None] * inv_freq
-    angles = torch.cat((freqs, freqs), dim=-1)
-    sign = torch.cat((-torch.ones(head_dim // 2), torch.ones(head_dim // 2)))
-    return angles.cos().to(dtype).to(device), (angles.sin().to(dtype) * sign.to(dtype)).to(device)

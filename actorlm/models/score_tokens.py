@@ -18,6 +18,8 @@ from typing import Any, Iterable
 
 import torch
 
+from actorlm.kernels import QuantizedWeight
+
 _TWO_WAY = "from_2_way_softmax"
 
 
@@ -65,7 +67,7 @@ def with_score_rows(weights: Iterable[tuple[str, Any]], config, ids: list[int],
     source = "model.embed_tokens.weight" if tied else "lm_head.weight"
     for name, tensor in weights:
         if name == source:
-            if not hasattr(tensor, "__getitem__") or isinstance(tensor, tuple):
+            if isinstance(tensor, QuantizedWeight):
                 raise ValueError(f"classifier_from_token over an LM head in blocks ({name}) "
                                  f"is not implemented")
             rows = torch.cat([tensor[i:i + 1] for i in ids]).float()  # (a slice reads rows)
