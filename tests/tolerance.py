@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from actorlm.kernels.backend import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+
 LAMBDA = 8.0
 
 
@@ -175,9 +177,12 @@ def attention_error(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def experts_error(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor,
                   down: torch.Tensor, top_k: int, renormalize: bool, expected: torch.Tensor,
-                  accumulate: torch.dtype = torch.float32) -> torch.Tensor:
+                  accumulate: torch.dtype = torch.float32, gate_up_bias=None, down_bias=None,
+                  swiglu_oai: bool = False) -> torch.Tensor:
     """Per element of a mixture of experts' output [T, H] (``reference.fused_moe_ref``'s
-    arguments; SiLU), for a kernel that picks the experts the oracle picks, sums each matmul in
+    arguments; SiLU, or GPT-OSS's clamped SwiGLU with ``swiglu_oai``, see below; the biases,
+    where given, one more term of their sums), for a kernel that picks the experts the oracle
+    picks, sums each matmul in
     ``accumulate`` and rounds every intermediate to x's dtype (u_x) as transformers' ops do.
     With g, up = gate_up[e] @ x, h = silu(g) * up, y = down[e] @ h and w the routing weights:
 
@@ -189,6 +194,13 @@ def experts_error(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.T
        ``(sum_error(E, 1) + 6 u) w``; the product w y is rounded to x's dtype once.
     5. The top_k products summed in x's dtype: k - 1 roundings, each of at most
        ``u_x sum_j |w_j y_j|`` (the worst case: k is small). Then the oracle's rounding.
+
+    The clamped SwiGLU, h = (up' + 1) g' sigmoid(z) of g' = min(g, 7), up' = clamp(up, -7, 7),
+    z = 1.702 g': the clamps' slopes are at most 1, and g sigmoid(1.702 g) = silu(z) / 1.702
+    has silu's slope, at most 1.1, so dh <= 1.1 |up' + 1| dg + |g' sigmoid(z)| dup; its
+    evaluation in fp32 (12 + 3 |z|) u (sigmoid's exp of a rounded z), and in x's dtype op by
+    op as transformers computes it (the torch path, the C++ kernel) five roundings, z's moving
+    sigmoid by |z| (1 - sigmoid(z)) of one: (5 + |z| sigmoid(-z)) u_x, times |h|.
     """
     u, u_x = unit_roundoff(accumulate), unit_roundoff(x.dtype)
     narrow_x = x.dtype != accumulate
@@ -204,15 +216,30 @@ def experts_error(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.T
         w = weights[:, j, None]  # [T, 1]
         gu, dn = gate_up.double()[ids[:, j]], down.double()[ids[:, j]]  # [T, 2I, H], [T, H, I]
         g_up = torch.einsum("tnh,th->tn", gu, x64)
-        d_gu = sum_error(x.shape[-1], torch.einsum("tnh,th->tn", gu.abs(), x64.abs()), accumulate)
+        abs_g_up = torch.einsum("tnh,th->tn", gu.abs(), x64.abs())
+        if gate_up_bias is not None:
+            g_up = g_up + gate_up_bias.double()[ids[:, j]]
+            abs_g_up = abs_g_up + gate_up_bias.double()[ids[:, j]].abs()
+        d_gu = sum_error(x.shape[-1] + (gate_up_bias is not None), abs_g_up, accumulate)
         if narrow_x:
             d_gu = d_gu + u_x * g_up.abs()
         (g, up), (dg, dup) = g_up.chunk(2, -1), d_gu.chunk(2, -1)  # 1.
-        act = g * torch.sigmoid(g)
+        if swiglu_oai:
+            g, up = g.clamp(max=SWIGLU_OAI_LIMIT), up.clamp(-SWIGLU_OAI_LIMIT,
+                                                            SWIGLU_OAI_LIMIT) + 1
+            z = SWIGLU_OAI_ALPHA * g
+            act, evaluation = g * torch.sigmoid(z), \
+                (12 + 3 * z.abs()) * u + (5 + z.abs() * torch.sigmoid(-z)) * u_x
+        else:
+            act, evaluation = g * torch.sigmoid(g), 4 * u + 2 * u_x
         h = act * up
-        dh = 1.1 * up.abs() * dg + act.abs() * dup + (4 * u + 2 * u_x) * h.abs()  # 2.
+        dh = 1.1 * up.abs() * dg + act.abs() * dup + evaluation * h.abs()  # 2.
         y = torch.einsum("thi,ti->th", dn, h)
-        dy = sum_error(num_features, torch.einsum("thi,ti->th", dn.abs(), h.abs()), accumulate) + \
+        abs_y = torch.einsum("thi,ti->th", dn.abs(), h.abs())
+        if down_bias is not None:
+            y = y + down_bias.double()[ids[:, j]]
+            abs_y = abs_y + down_bias.double()[ids[:, j]].abs()
+        dy = sum_error(num_features + (down_bias is not None), abs_y, accumulate) + \
             torch.einsum("thi,ti->th", dn.abs(), dh)  # 3.
         if narrow_x:
             dy = dy + u_x * y.abs()

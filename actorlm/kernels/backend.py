@@ -22,8 +22,10 @@ from actorlm.kernels.lora import LoRATable
 from actorlm.kernels.metadata import AttentionMetadata
 
 # act_and_mul's (and an ungated MLP's): SiLU, GeLU's tanh approximation, ReLU (OPT's)
-# (relu2: relu(x) squared; gelu: the exact one, by erf)
-ACTIVATIONS = ("silu", "gelu_tanh", "relu", "relu2", "gelu")
+# (relu2: relu(x) squared; gelu: the exact one, by erf; swiglu_oai, gated only: GPT-OSS's
+# clamped SwiGLU, ``(clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g)`` of g = min(gate, 7))
+ACTIVATIONS = ("silu", "gelu_tanh", "relu", "relu2", "gelu", "swiglu_oai")
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
 
 
 class Norm(NamedTuple):
@@ -52,6 +54,9 @@ class AttentionLayer(NamedTuple):
     q_norm: Norm | None = None  # per-head norms of q and k, before RoPE (Qwen3, Gemma 3)
     k_norm: Norm | None = None
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
+    # [Hq] fp32, a logit per head that joins its softmax's denominator and no value: each
+    # head's probabilities sum to less than one (GPT-OSS's attention sinks)
+    sinks: torch.Tensor | None = None
 
 
 # the GGUF block formats both wings have kernels for (others are dequantized at load)
@@ -82,7 +87,9 @@ class ActivationQuant(NamedTuple):
 class Experts(NamedTuple):
     """A layer's routed experts, each a gated MLP (this rank's share of every expert's
     intermediate features, or under expert parallelism its share of the experts, whole):
-    expert ``first_expert + e`` computes ``down[e] @ act_and_mul(gate_up[e] @ x)``. A token
+    expert ``first_expert + e`` computes ``down[e] @ act_and_mul(gate_up[e] @ x)`` (plus
+    ``gate_up_bias[e]`` before the activation and ``down_bias[e]`` after, where given: GPT-OSS's
+    experts; under tensor parallelism one rank holds ``down_bias``, the others None). A token
     routed to an expert outside ``first_expert .. first_expert + E - 1`` (another rank's) gets
     nothing from it here.
 
@@ -96,6 +103,8 @@ class Experts(NamedTuple):
     down: torch.Tensor | tuple[QuantizedWeight, ...]  # [E, H, I]
     activation: str = "silu"  # one of ACTIVATIONS
     first_expert: int = 0  # the router's id of gate_up[0]
+    gate_up_bias: torch.Tensor | None = None  # [E, 2I]: [gate | up], as gate_up's rows
+    down_bias: torch.Tensor | None = None  # [E, H]
 
     @property
     def is_quantized(self) -> bool:
@@ -251,7 +260,8 @@ class KernelBackend:
         normed per head (if the layer says so) and rotated (cos, sin_signed: [T, 1, D], sin's
         first half negated), the new K and V written into the paged caches
         ([num_blocks, block_size, Hkv, D]) at ``meta.slot_mapping``, then causal attention
-        over each request's context -> [T, Hq * D]. qkv may be written."""
+        over each request's context (each head's softmax with its ``layer.sinks`` logit in the
+        denominator, where the layer has them) -> [T, Hq * D]. qkv may be written."""
         raise NotImplementedError
 
     def bidirectional_attention(self, qkv: torch.Tensor, query_start_loc: Sequence[int],

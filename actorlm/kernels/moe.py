@@ -66,15 +66,19 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     rows = x[held // top_k]  # [n, H]: each slot's token, grouped by expert
     slot_weights = weights.flatten()[held, None]  # [n, 1] fp32
     out = torch.empty_like(rows)
+    gate_up_bias, down_bias = experts.gate_up_bias, experts.down_bias
     start = 0
     for expert, count in enumerate(counts[:num_experts]):
         if count == 0:
             continue
         end = start + count
-        hidden = act_and_mul(_project(experts.gate_up[expert], rows[start:end]),
-                             experts.activation)  # [n, I]
+        projected = _project(experts.gate_up[expert], rows[start:end],
+                             None if gate_up_bias is None else gate_up_bias[expert])
+        hidden = act_and_mul(projected, experts.activation)  # [n, I]
         # the product in fp32 (the weights' dtype), rounded to x's dtype by the copy
-        out[start:end] = _project(experts.down[expert], hidden) * slot_weights[start:end]
+        out[start:end] = _project(experts.down[expert], hidden,
+                                  None if down_bias is None else down_bias[expert]) * \
+            slot_weights[start:end]
         start = end
     slots = x.new_zeros(num_tokens * top_k, x.shape[1])
     slots[held] = out  # back in token order: [T k, H]
@@ -85,9 +89,13 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     return total.contiguous()
 
 
-def _project(weight: torch.Tensor | Callable, rows: torch.Tensor) -> torch.Tensor:
-    """rows [n, in] -> [n, out] through an expert's weight [out, in] or its prepared layer."""
-    return weight(rows) if callable(weight) else F.linear(rows, weight)
+def _project(weight: torch.Tensor | Callable, rows: torch.Tensor,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """rows [n, in] -> [n, out] through an expert's weight [out, in] or its prepared layer,
+    plus its bias [out] where it has one."""
+    if not callable(weight):
+        return F.linear(rows, weight, bias)
+    return weight(rows) if bias is None else weight(rows) + bias
 
 
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, experts: Experts | LinearExperts,
@@ -111,6 +119,7 @@ class LinearExperts:
         self.gate_up = [prepare_linear(parts, None) for parts in experts.gate_up]
         self.down = [prepare_linear(weight, None) for weight in experts.down]
         self.activation, self.first_expert = experts.activation, experts.first_expert
+        self.gate_up_bias, self.down_bias = experts.gate_up_bias, experts.down_bias
         self.num_experts, self.intermediate = len(self.down), experts.down[0].shape[1]
         self.act_and_mul = act_and_mul
         # (every expert's formats: what a test or a log line asks of a layer)

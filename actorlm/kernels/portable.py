@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from actorlm.kernels.backend import (ActivationQuant, AttentionLayer, Norm, QuantizedWeight,
-                                     check_activation)
+from actorlm.kernels.backend import (SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, ActivationQuant,
+                                     AttentionLayer, Norm, QuantizedWeight, check_activation)
 
 _FP8 = torch.float8_e4m3fn
 _FP8_MAX = torch.finfo(_FP8).max  # 448
@@ -82,7 +82,16 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor,
 def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     check_activation(activation)
     gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "swiglu_oai":
+        return swiglu_oai(gate, up)
     return ACTIVATION_FUNCTIONS[activation](gate) * up
+
+
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's clamped SwiGLU, op by op as transformers computes it in the model dtype."""
+    gate = gate.clamp(max=SWIGLU_OAI_LIMIT)
+    up = up.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
+    return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_OAI_ALPHA))
 
 
 # each activation as transformers computes it (in the model dtype), by the kernels' names

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from actorlm.kernels.backend import check_activation
+from actorlm.kernels.backend import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, check_activation
 from actorlm.sampling_params import GREEDY_TEMPERATURE
 
 
@@ -40,10 +40,14 @@ def add_rms_norm_ref(x, residual, weight, eps, unit_offset=False):
 def act_and_mul_ref(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     """gate_up [T, 2I] (each row [gate | up]) -> act(gate) * up [T, I]; ``activation`` is
     ``silu``, ``gelu_tanh`` (GeLU's tanh approximation), ``relu``, ``relu2`` (relu squared) or
-    ``gelu`` (exact, by erf)."""
+    ``gelu`` (exact, by erf); ``swiglu_oai``: GPT-OSS's, (clamp(up, -7, 7) + 1) * g *
+    sigmoid(1.702 g) of g = min(gate, 7)."""
     check_activation(activation)
     gate, up = gate_up.double().chunk(2, dim=-1)
-    if activation == "silu":
+    if activation == "swiglu_oai":
+        gate, up = gate.clamp(max=SWIGLU_OAI_LIMIT), up.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
+        act, up = gate * torch.sigmoid(SWIGLU_OAI_ALPHA * gate), up + 1.0
+    elif activation == "silu":
         act = gate * torch.sigmoid(gate)
     elif activation == "relu":
         act = gate.clamp(min=0)
@@ -65,12 +69,14 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 def fused_moe_ref(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor,
                   down: torch.Tensor, top_k: int, renormalize: bool,
-                  activation: str = "silu") -> torch.Tensor:
+                  activation: str = "silu", gate_up_bias: torch.Tensor | None = None,
+                  down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """A mixture-of-experts MLP, token by token: x [T, H] goes to the ``top_k`` experts of
     highest router logit [T, E] (highest softmax probability), each weighted by its
     probability (over the chosen ones' sum, with ``renormalize``); expert e computes
-    ``down[e] @ act_and_mul(gate_up[e] @ x)`` (gate_up [E, 2I, H], down [E, H, I]). Returns
-    [T, H] in x's dtype."""
+    ``down[e] @ act_and_mul(gate_up[e] @ x + gate_up_bias[e]) + down_bias[e]`` (gate_up
+    [E, 2I, H], down [E, H, I], the biases [E, 2I] and [E, H] or None). Returns [T, H] in x's
+    dtype."""
     out = torch.empty_like(x)
     probs = router_logits.double().softmax(-1)  # [T, E]
     for t in range(x.shape[0]):
@@ -79,8 +85,12 @@ def fused_moe_ref(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.T
             weights = weights / weights.sum()
         total = torch.zeros(x.shape[1], dtype=torch.float64, device=x.device)
         for weight, e in zip(weights.tolist(), ids.tolist()):
-            hidden = act_and_mul_ref((gate_up[e].double() @ x[t].double())[None], activation)
-            total += weight * (down[e].double() @ hidden[0])
+            projected = gate_up[e].double() @ x[t].double()
+            if gate_up_bias is not None:
+                projected = projected + gate_up_bias[e].double()
+            hidden = act_and_mul_ref(projected[None], activation)[0].double()
+            out_e = down[e].double() @ hidden
+            total += weight * (out_e if down_bias is None else out_e + down_bias[e].double())
         out[t] = total.to(x.dtype)
     return out
 
@@ -112,14 +122,17 @@ def write_kv_ref(key, value, k_cache, v_cache, slot_mapping) -> None:
 def paged_attention_ref(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                         scale: float, *, max_query_len: int | None = None,
                         max_seq_len: int | None = None, window: int | None = None,
-                        softcap: float | None = None) -> torch.Tensor:
+                        softcap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each request's query rows over its paged context, request by request.
 
     query: [T, Hq, D] (Hq a multiple of Hkv: query head h reads KV head h // (Hq / Hkv));
     block_tables: [B, max_blocks]; query_start_loc: [B + 1]; seq_lens: [B]. The query at
     position p sees positions 0..p (the last ``window`` of them, with a window: those past
     p - window). With a ``softcap``, the scaled scores become ``softcap * tanh(s / softcap)``
-    before the mask and the softmax (Gemma 2). Returns [T, Hq, D] in query's dtype.
+    before the mask and the softmax (Gemma 2). ``sinks`` [Hq]: each head's softmax also counts
+    exp(sinks[h]) in its denominator, a score no value goes with (GPT-OSS). Returns [T, Hq, D]
+    in query's dtype.
     ``max_query_len`` and ``max_seq_len`` are the launchers' host-side hints, unused here.
     """
     group = query.shape[1] // k_cache.shape[2]
@@ -139,7 +152,12 @@ def paged_attention_ref(query, k_cache, v_cache, block_tables, query_start_loc, 
         visible = positions[None, :] <= q_pos[:, None]  # [L, S]
         if window is not None:
             visible &= positions[None, :] > q_pos[:, None] - window
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:  # one more column per head, dropped after the softmax
+            sink = sinks.double()[:, None, None].expand(-1, scores.shape[1], 1)
+            probs = torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
         out[start:end] = torch.einsum("hls,shd->lhd", probs, v).to(query.dtype)
     return out
 

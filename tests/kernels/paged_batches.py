@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from actorlm.kernels.reference import paged_attention_ref, request_context
 from tolerance import (_oracle_rounding, _subnormal_error, assert_within, attention_error,
@@ -53,13 +54,24 @@ def make_batch(lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, see
     return query, k_cache, v_cache, block_tables, query_start_loc, torch.tensor(seq_lens, dtype=torch.int32)
 
 
-def attention_bound(inputs, scale, expected, probs=None, window=None, softcap=None):
+def attention_bound(inputs, scale, expected, probs=None, window=None, softcap=None,
+                    sinks=None):
     """[T, Hq, D]: ``attention_error`` of each request of the paged batch ``inputs`` (as
     ``paged_attention_ref`` takes them), its context gathered through its block table; the
-    kernel keeps scores and sums in fp32 and rounds P to ``probs`` (None: keeps it in fp32)."""
+    kernel keeps scores and sums in fp32 and rounds P to ``probs`` (None: keeps it in fp32).
+
+    ``sinks`` [Hq] are bounded as one more position every query sees, of value zero and score
+    sinks[h] (a feature appended to q, 1, and to the keys, sinks[h] / scale at the sink and 0
+    elsewhere, gives it that score). The sink's score then carries a score's error (D + 4
+    roundings of |sinks[h]|, more than a kernel's one product by log2(e)), and its probability
+    a rounding to the dtype that no kernel makes: slack that Triton's interpreter needs, which
+    truncates P to bf16 rather than rounding it (a bias of up to 2 u a probability, which the
+    sinkless bound absorbs in its u |o| sum_j p_j, a term a sink holding most of the mass
+    shrinks)."""
     query, k_cache, v_cache, block_tables, query_start_loc, seq_lens = inputs
     error = attention_error if softcap is None else \
         functools.partial(capped_attention_error, softcap=softcap)
+    assert softcap is None or sinks is None  # (no family has both)
     group = query.shape[1] // k_cache.shape[2]
     bound = torch.zeros(query.shape, dtype=torch.float64, device=query.device)
     starts = query_start_loc.tolist()
@@ -73,9 +85,21 @@ def attention_bound(inputs, scale, expected, probs=None, window=None, softcap=No
         visible = positions[None, :] <= q_pos[:, None]  # [L, S]
         if window is not None:
             visible &= positions[None, :] > q_pos[:, None] - window
-        bound[start:end] = error(query[start:end], k, v, scale, visible, expected[start:end],
-                                 probs=probs, output=query.dtype)
+        q = query[start:end]
+        if sinks is not None:
+            q, k, v, visible = _with_sink_position(q, k, v, visible, sinks, scale)
+        bound[start:end] = error(q, k, v, scale, visible, expected[start:end], probs=probs,
+                                 output=query.dtype)
     return bound
+
+
+def _with_sink_position(q, k, v, visible, sinks, scale):
+    """(q, k, v, visible) with the sinks as one more position of value zero (``attention_bound``)."""
+    sink_key = F.pad((sinks.double() / scale)[None, :, None], (k.shape[2], 0))  # [1, Hq, D+1]
+    keys = torch.cat((F.pad(k.double(), (0, 1)), sink_key))  # [S + 1, Hq, D + 1]
+    values = F.pad(v.double(), (0, 0, 0, 0, 0, 1))  # [S + 1, Hq, D]
+    return (F.pad(q.double(), (0, 1), value=1.0), keys, values,
+            F.pad(visible, (0, 1), value=True))
 
 
 def capped_attention_error(query, key, value, scale, visible, expected, softcap,
@@ -115,11 +139,12 @@ def capped_attention_error(query, key, value, scale, visible, expected, softcap,
 
 
 def assert_matches_reference(out, inputs, scale, probs=None, rows=None, window=None,
-                             softcap=None):
+                             softcap=None, sinks=None):
     """``out`` within ``attention_bound`` of ``paged_attention_ref`` (on ``rows`` of it, or
-    every row), in the query's dtype; ``window`` and ``softcap`` as the reference takes them."""
-    expected = paged_attention_ref(*inputs, scale, window=window, softcap=softcap)
-    bound = attention_bound(inputs, scale, expected, probs, window, softcap)
+    every row), in the query's dtype; ``window``, ``softcap`` and ``sinks`` as the reference
+    takes them."""
+    expected = paged_attention_ref(*inputs, scale, window=window, softcap=softcap, sinks=sinks)
+    bound = attention_bound(inputs, scale, expected, probs, window, softcap, sinks)
     if rows is not None:
         out, expected, bound = out[rows], expected[rows], bound[rows]
     dtype = inputs[0].dtype

@@ -12,6 +12,7 @@ import torch
 
 from actorlm.kernels.cpu import attention as cpu_attention, decode_attention
 from actorlm.kernels.cpu.attention import attend, plan_attention
+from actorlm.kernels.reference import paged_attention_ref
 from paged_batches import MIXED_BATCH, assert_matches_reference, dtype_id, make_batch
 
 
@@ -113,6 +114,23 @@ def test_a_shape_beyond_the_kernel_falls_back_to_groups(monkeypatch):
     plan, out = _attend(inputs, 0.125)
     assert plan.decode is not None
     assert_matches_reference(out, inputs, 0.125)  # fp32 throughout
+
+
+@pytest.mark.parametrize("window", [None, 12], ids=["full", "window"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_sinks_join_each_heads_softmax(dtype, window):
+    """GPT-OSS's attention sinks, one logit per query head (one far above every score, one far
+    below), over prefills and decodes (these on the torch path: the C++ kernel has no sinks),
+    GQA, with and without a window: within the bound, and each sink's term more than it."""
+    inputs = make_batch(MIXED_BATCH, 6, 2, 64, 16, dtype, seed=13)
+    query, k_cache, v_cache, block_tables, query_start_loc, seq_lens = inputs
+    sinks = torch.tensor([0.5, -1.0, 6.0, 2.0, -30.0, 1.5])
+    plan = plan_attention(*_plan_lists(block_tables, query_start_loc, seq_lens, 16), 16)
+    out = attend(query, k_cache, v_cache, plan, 0.125, window, sinks=sinks)
+    assert_matches_reference(out, inputs, 0.125, window=window, sinks=sinks)
+    without = paged_attention_ref(*inputs, 0.125, window=window)
+    moved = (out.double() - without.double()).abs().amax(dim=(0, 2))  # per head
+    assert (moved[[0, 1, 2, 3, 5]] > 1e-2).all() and moved[4] < 1e-6  # (-30: nothing)
 
 
 def test_a_plain_decode_step_costs_each_request_its_own_context():

@@ -124,6 +124,30 @@ def test_act_and_mul_is_the_oracle_within_its_rounding(dtype, activation, rows, 
         assert_within(out, expected, bound, f"{dtype} {activation}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_the_clamped_swiglu_is_the_oracle_within_its_roundings(dtype):
+    """GPT-OSS's activation on gate and up values well past the clamp's +-7: the C++ kernel
+    and transformers' ops (the torch path) round at the same five places, each moving the
+    output by at most a unit roundoff of it, and the rounded z = 1.702 g moves sigmoid by
+    |z| sigmoid(-z) of one."""
+    gen = torch.Generator().manual_seed(7)
+    gate_up = (8 * torch.randn(64, 2 * 160, generator=gen)).to(dtype)
+    expected = act_and_mul_ref(gate_up, "swiglu_oai")
+    z = 1.702 * gate_up.double()[:, :160].clamp(max=7)
+    relative = (5 + z.abs() * torch.sigmoid(-z)) * unit_roundoff(dtype) + \
+        FP32_OPS * unit_roundoff(torch.float32)
+    bound = relative * expected.double().abs() + rounding_error(expected, dtype)
+    fast, ops = fused.act_and_mul(gate_up, "swiglu_oai"), portable.act_and_mul(gate_up,
+                                                                                "swiglu_oai")
+    for out in (fast, ops):
+        assert_within(out, expected, bound, f"{dtype} swiglu_oai")
+    g, up = gate_up.double().chunk(2, -1)
+    clamped = g.clamp(max=7)
+    for unclamped in ((up.clamp(-7, 7) + 1) * g * torch.sigmoid(1.702 * g),  # gate's clamp
+                      (up + 1) * clamped * torch.sigmoid(1.702 * clamped)):  # up's
+        assert ((unclamped - expected.double()).abs() > bound).any()
+
+
 def test_strided_or_foreign_inputs_take_the_torch_path():
     gate_up = torch.randn(4, 20, dtype=torch.float64)
     assert torch.equal(fused.act_and_mul(gate_up, "silu"), portable.act_and_mul(gate_up, "silu"))

@@ -57,6 +57,34 @@ def test_the_wings_route_and_compute_as_the_oracle(wing, prepared, dtype, renorm
                                                expected), f"{wing} {dtype}")
 
 
+@pytest.mark.parametrize("wing", ["cpu", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("num_tokens, num_experts, top_k", [(1, 8, 2), (37, 6, 2)])
+def test_gpt_oss_experts_add_their_biases_around_the_clamped_swiglu(wing, dtype, num_tokens,
+                                                                   num_experts, top_k,
+                                                                   monkeypatch):
+    """GPT-OSS's experts: biases on gate/up and on down, the clamped SwiGLU, its gate and up
+    features past the clamp's +-7 (the projections scaled up); the biases and the clamp each
+    move the output by more than the tolerance."""
+    monkeypatch.setenv("ACTORLM_ATTENTION_BACKEND", wing)
+    backend = select_backend("cpu")
+    x, logits, gate_up, down = _inputs(num_tokens, num_experts, dtype, seed=3)
+    gate_up = (gate_up.float() * 8).to(dtype)  # |g|, |up| up to ~20
+    gen = torch.Generator().manual_seed(4)
+    gate_up_bias = torch.randn(num_experts, 2 * INTERMEDIATE, generator=gen).to(dtype)
+    down_bias = torch.randn(num_experts, HIDDEN, generator=gen).to(dtype)
+    args = (x, logits, gate_up, down, top_k, True)
+    experts = Experts(gate_up, down, "swiglu_oai", 0, gate_up_bias, down_bias)
+    out = backend.fused_moe(x, logits, backend.prepare_experts(experts), top_k, True)
+    expected = fused_moe_ref(*args, "swiglu_oai", gate_up_bias, down_bias)
+    bound = experts_error(*args, expected, gate_up_bias=gate_up_bias, down_bias=down_bias,
+                          swiglu_oai=True)
+    assert_within(out, expected, bound, f"{wing} {dtype}")
+    for unbiased, unclamped in (((None, None), False), ((gate_up_bias, down_bias), True)):
+        other = fused_moe_ref(*args, "silu" if unclamped else "swiglu_oai", *unbiased)
+        assert ((other.double() - expected.double()).abs() > bound).any()
+
+
 def test_tokens_are_grouped_by_expert_one_pair_of_matmuls_per_expert_with_tokens():
     x, logits, gate_up, down = _inputs(40, 8, torch.float32, seed=1)
     rows_per_call = []

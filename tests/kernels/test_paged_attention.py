@@ -10,8 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from actorlm.kernels.reference import paged_attention_ref
 from actorlm.kernels.triton.paged_attention import paged_attention
-from paged_batches import MIXED_BATCH, assert_matches_reference, dtype_id, make_batch
+from paged_batches import (MIXED_BATCH, assert_matches_reference, attention_bound, dtype_id,
+                           make_batch)
 
 
 def _check(inputs, scale, **kwargs):
@@ -105,3 +107,48 @@ def test_each_query_sees_only_its_causal_prefix():
     after = paged_attention(query, k_cache, v_cache, block_tables, qsl, seq_lens, 0.125)
     assert torch.equal(after[0], before[0])  # position 10 sees kv 0..10 only
     assert not torch.allclose(after[1], before[1])  # position 11 sees the change
+
+
+def _sinks(num_q_heads):
+    """[Hq] fp32: sinks across the scores' range (|s| up to ~4 in these batches) and two far
+    above it: 30 (its head's mass almost all on the sink, the max taken over it) and 200 (exp
+    overflows even fp32's range: the head's output underflows to zero)."""
+    sinks = torch.linspace(-2.0, 4.0, num_q_heads)
+    sinks[-2:] = torch.tensor([30.0, 200.0])
+    return sinks
+
+
+@pytest.mark.parametrize(
+    "dtype, head_dim, num_kv_heads, gqa, block_size, window, num_kv_splits",
+    [
+        (torch.float32, 64, 2, 3, 16, None, 1),
+        (torch.bfloat16, 80, 1, 8, 16, 24, 1),
+        (torch.float16, 64, 2, 2, 32, None, 3),  # the merge of the splits adds the sink
+        (torch.float32, 96, 1, 4, 16, 20, 2),
+    ],
+    ids=dtype_id,
+)
+def test_sinks_join_each_heads_denominator(dtype, head_dim, num_kv_heads, gqa, block_size, window,
+                                           num_kv_splits):
+    num_q_heads = num_kv_heads * gqa
+    inputs = make_batch(MIXED_BATCH, num_q_heads, num_kv_heads, head_dim, block_size, dtype,
+                        seed=head_dim + gqa)
+    scale, sinks = head_dim**-0.5, _sinks(num_q_heads)
+    out = paged_attention(*inputs, scale, num_kv_splits=num_kv_splits, window=window, sinks=sinks)
+    assert_matches_reference(out, inputs, scale, probs=dtype, window=window, sinks=sinks)
+    expected = paged_attention_ref(*inputs, scale, window=window, sinks=sinks)
+    bound = attention_bound(inputs, scale, expected, dtype, window, sinks=sinks)
+    # each head's sink moves its output past the bound: a kernel without it would fail
+    without = paged_attention_ref(*inputs, scale, window=window)
+    moved = ((without.double() - expected.double()).abs() > bound).any(dim=2).any(dim=0)  # [Hq]
+    assert moved.all(), moved
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 2])
+def test_sinks_of_minus_infinity_change_no_bit(num_kv_splits):
+    # exp(-inf) = 0 joins the sum and the max stays the scores': the sink path adds nothing
+    inputs = make_batch([(5, 32), (1, 70)], 6, 2, 64, 16, torch.bfloat16, seed=3)
+    sinks = torch.full((6,), float("-inf"))
+    without = paged_attention(*inputs, 0.125, num_kv_splits=num_kv_splits)
+    assert torch.equal(paged_attention(*inputs, 0.125, num_kv_splits=num_kv_splits, sinks=sinks),
+                       without)

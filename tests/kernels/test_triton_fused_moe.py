@@ -7,6 +7,7 @@ Tolerances:
 - the oracle: ``tolerance.experts_error``, per element — the kernel does what that bound
   assumes (fp32 sums, every intermediate rounded to x's dtype, the weighted products rounded
   once, k - 1 roundings of the sum). It assumes SiLU; the GeLU case is held to the torch path.
+  GPT-OSS's experts (biases, ``swiglu_oai``) are held to the same bound, which covers them.
 - the torch path: the same roundings, only each matmul's fp32 sum in another order, so fp32
   within 1e-5 (outputs are O(1)); bf16 within 1e-2 (an intermediate rounded to the neighbouring
   bf16 value, carried through) and a cosine similarity of at least 0.9999.
@@ -19,6 +20,7 @@ import torch
 from tolerance import assert_within, experts_error
 
 from actorlm.kernels import Experts, moe
+from actorlm.kernels.backend import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from actorlm.kernels.reference import fused_moe_ref
 from actorlm.kernels.triton.activation import act_and_mul
 from actorlm.kernels.triton.fused_moe import fused_moe
@@ -104,6 +106,68 @@ def test_gelu_tanh_experts_as_the_torch_path(dtype):
     _assert_near_torch_path(out, x, logits, experts, 2, False)
     expected = fused_moe_ref(x, logits, gate_up, down, 2, False, "gelu_tanh")
     torch.testing.assert_close(out, expected, atol=TORCH_PATH_ATOL[dtype], rtol=0)
+
+
+def _oai_experts(gate_up, down, biases, seed):
+    """GPT-OSS-like experts over ``_inputs``' weights: swiglu_oai and the ``biases`` named
+    ("gate_up", "down" or both), the gate/up ones 4 sigma wide so that gate and up pass the
+    clamps' limits (+-7) in a few percent of the features (up on either side)."""
+    gen = torch.Generator().manual_seed(seed)
+    gate_up_bias = 4 * torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, generator=gen)
+    down_bias = 0.5 * torch.randn(NUM_EXPERTS, HIDDEN, generator=gen)
+    return Experts(gate_up, down, "swiglu_oai", 0,
+                   gate_up_bias.to(gate_up.dtype) if "gate_up" in biases else None,
+                   down_bias.to(gate_up.dtype) if "down" in biases else None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("num_tokens, top_k, renormalize, biases", [
+    (1, 2, True, ("gate_up", "down")),  # a decode
+    (33, 2, False, ("gate_up", "down")),
+    (33, 4, True, ("gate_up",)),  # a tensor-parallel rank without the down bias
+    (5, 1, False, ("down",)),
+])
+def test_biased_swiglu_oai_experts_compute_as_the_oracle(dtype, num_tokens, top_k, renormalize,
+                                                        biases):
+    x, logits, gate_up, down = _inputs(num_tokens, dtype, seed=5)
+    experts = _oai_experts(gate_up, down, biases, seed=num_tokens)
+    out = fused_moe(x, logits, experts, top_k, renormalize)
+    ref_args = (x, logits, gate_up, down, top_k, renormalize)
+    expected = fused_moe_ref(*ref_args, "swiglu_oai", experts.gate_up_bias, experts.down_bias)
+    bound = experts_error(*ref_args, expected, gate_up_bias=experts.gate_up_bias,
+                          down_bias=experts.down_bias, swiglu_oai=True)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert_within(out, expected, bound, f"swiglu_oai experts {dtype}")
+    # each bias, and the activation, moves the output past the bound: dropping one fails
+    variants = [("silu", experts.gate_up_bias, experts.down_bias)]
+    if experts.gate_up_bias is not None:
+        variants.append(("swiglu_oai", None, experts.down_bias))
+    if experts.down_bias is not None:
+        variants.append(("swiglu_oai", experts.gate_up_bias, None))
+    for variant in variants:
+        other = fused_moe_ref(*ref_args, *variant)
+        assert ((other.double() - expected.double()).abs() > bound).any(), variant[0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_a_ranks_share_of_biased_experts_reads_its_own_biases(dtype):
+    first, num_held = 2, 4  # experts 2..5 of the router's 8
+    x, logits, gate_up, down = _inputs(33, dtype, seed=6)
+    everyone = _oai_experts(gate_up, down, ("gate_up", "down"), seed=6)
+    held = slice(first, first + num_held)
+    experts = Experts(*(t[held].contiguous() for t in (gate_up, down)), "swiglu_oai", first,
+                      *(t[held].contiguous() for t in (everyone.gate_up_bias, everyone.down_bias)))
+    out = fused_moe(x, logits, experts, 2, True)
+    # the oracle over all the experts, the others' weights and biases zero: they add zero
+    others = torch.ones(NUM_EXPERTS, dtype=torch.bool)
+    others[held] = False
+    for t in (gate_up, down, everyone.gate_up_bias, everyone.down_bias):
+        t[others] = 0
+    ref_args = (x, logits, gate_up, down, 2, True)
+    expected = fused_moe_ref(*ref_args, "swiglu_oai", everyone.gate_up_bias, everyone.down_bias)
+    assert_within(out, expected, experts_error(
+        *ref_args, expected, gate_up_bias=everyone.gate_up_bias, down_bias=everyone.down_bias,
+        swiglu_oai=True), str(dtype))
 
 
 def test_a_step_of_no_tokens_routes_nothing():

@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 
+from actorlm.kernels.backend import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from actorlm.kernels.reference import act_and_mul_ref, add_rms_norm_ref, rms_norm_ref
 from actorlm.kernels.triton import activation as activation_module
 from actorlm.kernels.triton import norms
@@ -224,6 +225,69 @@ def test_act_and_mul_matches_reference(dtype, inter, num_rows, activation):
         bound = bound + 8 * (gate * up).abs() * U32
     assert_within(out, act_and_mul_ref(gate_up, activation), bound,
                   f"{activation} {dtype} I={inter} T={num_rows}")
+
+
+def _swiglu_oai(gate_up, clamp_gate=True, clamp_up=True):
+    """float64 (clamp(up) + 1) * g * sigmoid(alpha g) of g = min(gate, limit), unrounded
+    (without a clamp where told); and z = alpha g, sigmoid's argument."""
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    if clamp_gate:
+        gate = gate.clamp(max=SWIGLU_OAI_LIMIT)
+    if clamp_up:
+        up = up.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
+    z = SWIGLU_OAI_ALPHA * gate
+    return gate * torch.sigmoid(z) * (up + 1.0), z
+
+
+def _assert_swiglu_oai(gate_up, what):
+    """act_and_mul(gate_up, "swiglu_oai") within its bound of the oracle; returns the bound."""
+    out = act_and_mul(gate_up, "swiglu_oai")
+    dtype = gate_up.dtype
+    assert out.shape == (gate_up.shape[0], gate_up.shape[1] // 2) and out.dtype == dtype
+    exact, z = _swiglu_oai(gate_up)
+    # fp32 throughout (the clamps exact): z = alpha g with alpha rounded to fp32 (2 u, which
+    # sigmoid carries times |z|), sigmoid (9 + |z|) u as in the test above, g * sigmoid,
+    # up + 1 and the product one u each: (12 + 3|z|) u; then one rounding to the dtype.
+    kernel_error = _chain(exact, dtype, (12 + 3 * z.abs()) * U32, 1)
+    up = gate_up.double()[:, gate_up.shape[1] // 2:]
+    up_plus_one = up.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT) + 1
+    bound = kernel_error + rounding_error(exact, dtype) + _subnormal_floor(dtype, up_plus_one)
+    assert_within(out, act_and_mul_ref(gate_up, "swiglu_oai"), bound, what)
+    return bound
+
+
+@_sweep("inter")
+def test_act_and_mul_swiglu_oai_matches_reference(dtype, inter, num_rows):
+    gen = torch.Generator().manual_seed(inter * 17 + num_rows)
+    # 6 sigma wide: about one value in eight past 7, and one in eight past -7
+    wide = (6 * torch.randn(num_rows, 2 * inter + 6, generator=gen)).to(dtype)
+    _assert_swiglu_oai(wide[:, 2:2 + 2 * inter], f"swiglu_oai {dtype} I={inter} T={num_rows}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_act_and_mul_swiglu_oai_clamps_gate_above_and_up_both_ways(dtype):
+    # every (gate, up) pair of values on either side of -7 and 7 (gate clamped above only)
+    values = torch.tensor([-40.0, -9.0, -7.5, -6.5, -1.0, 0.5, 6.5, 7.5, 9.0, 40.0])
+    gate, up = torch.cartesian_prod(values, values).unbind(-1)
+    gate_up = torch.cat((gate.view(10, 10), up.view(10, 10)), -1).to(dtype)  # [10, 2 * 10]
+    bound = _assert_swiglu_oai(gate_up, f"swiglu_oai clamps {dtype}")
+    # each clamp left out moves some element past the bound, and only where it applies
+    expected = act_and_mul_ref(gate_up, "swiglu_oai").double()
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    for clamps, applies in (((False, True), gate > 7), ((True, False), up.abs() > 7)):
+        moved = (_swiglu_oai(gate_up, *clamps)[0] - expected).abs() > bound
+        assert moved.any() and not (moved & ~applies).any(), (clamps, moved)
+
+
+def test_act_and_mul_swiglu_oai_rounds_once():
+    # fp32 throughout, one rounding (vLLM's swigluoai_and_mul), not the activation rounded first
+    gate_up = torch.tensor([[1.3, 2.1, 3.1, 2.3]], dtype=torch.bfloat16)  # [gate | up]
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    glu = gate * torch.sigmoid(gate * SWIGLU_OAI_ALPHA)
+    one_rounding = (glu * (up + 1)).to(torch.bfloat16)
+    two_roundings = (glu.to(torch.bfloat16).float() * (up + 1)).to(torch.bfloat16)
+    assert (one_rounding != two_roundings).all()
+    assert torch.equal(act_and_mul(gate_up, "swiglu_oai"), one_rounding)
 
 
 def test_act_and_mul_rounds_the_activation_first():

@@ -177,17 +177,19 @@ def _decode_rows(decodes, step: _Step, groups, tables):
 
 def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            plan: AttentionPlan, scale: float, window: int | None = None,
-           softcap: float | None = None) -> torch.Tensor:
+           softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D] -> [T, Hq, D]. Causal: the
     query at position p sees K/V positions 0..p of its own request (with a ``window``, those
-    past p - window); a ``softcap`` caps the scaled scores at ``softcap * tanh(s / softcap)``."""
+    past p - window); a ``softcap`` caps the scaled scores at ``softcap * tanh(s / softcap)``;
+    ``sinks`` [Hq] join each head's softmax denominator (GPT-OSS), on the torch path."""
     if window is not None and plan.windowed is not None:
         plan = plan.windowed(window) or plan
     num_heads, head_dim = query.shape[1:]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     out, groups = None, plan.groups
     if plan.decode is not None:
-        if decode_attention.supports(query.dtype, num_heads, num_kv_heads, head_dim, block_size):
+        if sinks is None and decode_attention.supports(query.dtype, num_heads, num_kv_heads,
+                                                       head_dim, block_size):
             d = plan.decode
             out = decode_attention.paged_decode_attention(
                 query, k_cache, v_cache, d.block_tables, d.seq_lens, scale, d.rows,
@@ -201,13 +203,14 @@ def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             # the G query heads of a K/V head become G query rows of it: plain attention,
             # cheaper on a CPU than SDPA's enable_gqa
             q = q.reshape(-1, num_kv_heads, num_heads // num_kv_heads, head_dim)
-            o = _sdpa(q, k, v, group.mask, scale, softcap).reshape(-1, num_heads, head_dim)
+            o = _sdpa(q, k, v, group.mask, scale, softcap, sinks).reshape(-1, num_heads,
+                                                                           head_dim)
             if group.q_rows is None:
                 return o  # the whole step
             rows = group.q_rows[:, 0]
         else:
             q = query[group.q_rows].transpose(1, 2)  # [B, Hq, Lq, D]
-            o = _sdpa(q, k, v, group.mask, scale, softcap).transpose(1, 2)  # [B, Lq, Hq, D]
+            o = _sdpa(q, k, v, group.mask, scale, softcap, sinks).transpose(1, 2)  # [B, Lq, Hq, D]
             rows = group.q_rows if group.real is None else group.q_rows[group.real]
             o = o.reshape(-1, num_heads, head_dim) if group.real is None else o[group.real]
         if out is None:
@@ -277,28 +280,37 @@ def _gather(cache: torch.Tensor, group: _Group) -> torch.Tensor:
     return dense[:, :group.seq_len].transpose(1, 2)
 
 
-def _sdpa(q, k, v, mask, scale, softcap=None):
-    """q: [B, H, Lq, D]; k, v: [B, Hkv, S, D]; mask: [B, 1, Lq, S] bool or None."""
-    if softcap is not None:
-        return _softcapped(q, k, v, mask, scale, softcap)
+def _sdpa(q, k, v, mask, scale, softcap=None, sinks=None):
+    """q: [B, H, Lq, D]; k, v: [B, Hkv, S, D]; mask: [B, 1, Lq, S] bool or None. (A decode
+    group's q holds a KV head's G query heads as its G rows: [B, Hkv, G, D].)"""
+    if softcap is not None or sinks is not None:
+        return _written_out(q, k, v, mask, scale, softcap, sinks)
     # In fp16/bf16, the CPU kernel (flash attention) keeps scores, softmax and sums in fp32 and
     # rounds the probabilities to the input dtype only for P @ V, as the Triton kernel does.
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
-def _softcapped(q, k, v, mask, scale, softcap):
-    """``_sdpa`` with the scores capped, which SDPA has no option for: in fp32 throughout (P
-    too), rounded once to q's dtype."""
+def _written_out(q, k, v, mask, scale, softcap, sinks):
+    """``_sdpa`` with the scores capped or sinks in the softmax, which SDPA has no option for:
+    in fp32 throughout (P too), rounded once to q's dtype."""
     batch, num_heads, num_queries, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     # a KV head's G query heads as G * Lq rows of it (head h reads KV head h // G)
     rows = q.float().reshape(batch, num_kv_heads, group * num_queries, head_dim)
     scores = rows @ k.float().transpose(-1, -2) * scale  # [B, Hkv, G Lq, S]
-    scores = (torch.tanh(scores / softcap) * softcap).view(batch, num_kv_heads, group,
-                                                           num_queries, -1)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(batch, num_kv_heads, group, num_queries, -1)
     if mask is not None:
         scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
-    probs = scores.softmax(-1).view(batch, num_kv_heads, group * num_queries, -1)
+    if sinks is None:
+        probs = scores.softmax(-1)
+    else:  # one more score per head, which no value goes with; a decode group's rows are
+        # its query heads (then the last dimension but one is theirs, not 1)
+        sink = sinks.float().view(1, num_kv_heads, group, -1, 1).expand(
+            batch, -1, -1, num_queries, 1)
+        probs = torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
+    probs = probs.reshape(batch, num_kv_heads, group * num_queries, -1)
     return (probs @ v.float()).view(batch, num_heads, num_queries, head_dim).to(q.dtype)

@@ -57,7 +57,7 @@ class CpuBackend(KernelBackend):
             query, k, v = portable.split_qkv(qkv, cos, sin_signed, *heads, q_norm, k_norm)
             portable.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = attention.attend(query, k_cache, v_cache, meta.plan, layer.scale, layer.window,
-                               layer.softcap)  # [T, Hq, D]
+                               layer.softcap, layer.sinks)  # [T, Hq, D]
         return out.reshape(num_tokens, -1)
 
     def prepare_experts(self, experts):

@@ -9,7 +9,8 @@ microseconds of cache misses: ten per layer were a fifth of a one-request SmolLM
 It takes layers whose every piece has its C++ kernel here (linear layers on the panel GEMM,
 which needs AVX-512 or, for fp32 up to 16 rows, AVX2 and FMA, and for bf16 avx512_bf16, or in
 GGML blocks on the quantized one; RoPE and
-decode attention for their head shape, with or without a sliding window and a score cap; routed
+decode attention for their head shape, with or without a sliding window and a score cap (not
+with attention sinks: GPT-OSS's layers run in Python); routed
 experts packed for the panel GEMM, ``experts.py``, all of the router's or a share of them, with
 their router and shared expert), and a step whose every request decodes one token, in request
 order (in bf16, one or two requests: beyond, oneDNN's AMX GEMM runs the linear layers); for
@@ -175,6 +176,7 @@ def _runs_here(layer: DecoderLayerPlan, dtype: torch.dtype) -> bool:
     norms = [n for n in (layer.attn_norm, layer.attn_out_norm, layer.mlp_norm,
                          layer.mlp_out_norm, q_norm, k_norm) if n is not None]
     if layer.activation not in ACTIVATIONS or a.head_dim % 2 or layer.kv_group < 0 or \
+            a.sinks is not None or \
             (a.window is not None and a.window <= 0) or \
             (a.softcap is not None and a.softcap <= 0) or \
             (layer.clip_qkv is not None and not layer.clip_qkv > 0) or \

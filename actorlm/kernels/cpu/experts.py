@@ -75,8 +75,11 @@ class PanelExperts:
     @classmethod
     def build(cls, experts: Experts) -> PanelExperts | None:
         """The packed experts, or None where the panel GEMM for their dtype is not built here
-        (or they are not contiguous CPU tensors of its shapes)."""
+        (or they are not contiguous CPU tensors of its shapes, or have biases: GPT-OSS's, which
+        its C++ does not add)."""
         gate_up, down = experts.gate_up, experts.down
+        if experts.gate_up_bias is not None or experts.down_bias is not None:
+            return None
         if gate_up.device.type != "cpu" or not gate_up.is_contiguous() or \
                 not down.is_contiguous() or down.dtype != gate_up.dtype:
             return None
@@ -133,6 +136,7 @@ class _Unpacked:
 
     def __init__(self, experts: PanelExperts):
         self.activation, self.first_expert = experts.activation, experts.first_expert
+        self.gate_up_bias = self.down_bias = None
         ids = range(experts.num_experts)
         self.gate_up = [functools.partial(experts.unpacked_linear, "gate_up", e) for e in ids]
         self.down = [functools.partial(experts.unpacked_linear, "down", e) for e in ids]

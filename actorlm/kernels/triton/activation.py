@@ -2,8 +2,12 @@
 
 HF computes ``act_fn(gate_proj(x)) * up_proj(x)`` as two ops in the model's dtype, so the
 activation (evaluated in fp32 from the widened gate) is rounded to the dtype, and then the
-product is. Each program owns ``BLOCK_R`` rows and a ``BLOCK_I`` slice of the intermediate
-dimension. The oracle is ``act_and_mul_ref`` in ``reference.py``.
+product is. GPT-OSS's clamped SwiGLU (``swiglu_oai``) is the exception: HF rounds it op by op
+(g * alpha, the sigmoid, the product, up + 1, the last product), which the kernel does not
+copy; it computes it in fp32 and rounds once, as vLLM's ``swigluoai_and_mul`` does (the
+oracle's value, to that one rounding). Each program
+owns ``BLOCK_R`` rows and a ``BLOCK_I`` slice of the intermediate dimension. The oracle is
+``act_and_mul_ref`` in ``reference.py``.
 """
 
 from __future__ import annotations
@@ -12,12 +16,19 @@ import torch
 import triton
 import triton.language as tl
 
-from actorlm.kernels.backend import ACTIVATIONS, check_activation
+from actorlm.kernels.backend import (ACTIVATIONS, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT,
+                                     check_activation)
 from actorlm.kernels.triton.norms import round_to
 
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 _GELU_COEFF = tl.constexpr(0.044715)
 _INVERSE_SQRT_2 = tl.constexpr(0.7071067811865476)
+_SWIGLU_OAI_ALPHA = tl.constexpr(SWIGLU_OAI_ALPHA)
+_SWIGLU_OAI_LIMIT = tl.constexpr(SWIGLU_OAI_LIMIT)
+# the kernels' ACTIVATION values, by name: a reordered ACTIVATIONS cannot mismatch them
+_SILU, _GELU_TANH, _RELU, _RELU2, _GELU, _SWIGLU_OAI = (
+    tl.constexpr(ACTIVATIONS.index(name))
+    for name in ("silu", "gelu_tanh", "relu", "relu2", "gelu", "swiglu_oai"))
 _MAX_BLOCK_I = 1024
 _TILE_GPU = 4096  # elements of a [BLOCK_R, BLOCK_I] tile
 _TILE_CPU = 65536  # the interpreter's cost is per operation, not per element
@@ -26,24 +37,40 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def gated_activation(gate, up, DTYPE: tl.constexpr, ACTIVATION: tl.constexpr):
-    """act(gate) * up in ``DTYPE`` from fp32 tiles of gate and up (values of ``DTYPE``): the
-    activation (``ACTIVATION``: its index in ``ACTIVATIONS``) rounded to ``DTYPE``, then the
-    product (HF's two ops). Also the routed experts' epilogue (``fused_moe.py``)."""
-    if ACTIVATION == 4:  # GeLU, exact
-        act = 0.5 * gate * (1.0 + tl.math.erf(gate * _INVERSE_SQRT_2))
-    elif ACTIVATION == 3:  # ReLU squared
-        act = tl.maximum(gate, 0.0) * tl.maximum(gate, 0.0)
-    elif ACTIVATION == 2:  # ReLU
-        act = tl.maximum(gate, 0.0)
-    elif ACTIVATION == 1:  # GeLU, tanh approximation
+def _activation(gate, ACTIVATION: tl.constexpr):
+    """act(gate) in fp32 for the activations of one argument; an index without a branch here
+    fails to compile rather than run another activation."""
+    if ACTIVATION == _SILU:
+        act = gate * tl.sigmoid(gate)
+    elif ACTIVATION == _GELU_TANH:
         # 0.5 g (1 + tanh(y)) == g * sigmoid(2y): tl has no tanh, and this form does not cancel
         # for negative g (1 + tanh(y) does).
         y = _SQRT_2_OVER_PI * (gate + _GELU_COEFF * gate * gate * gate)
         act = gate * tl.sigmoid(2.0 * y)
+    elif ACTIVATION == _RELU:
+        act = tl.maximum(gate, 0.0)
+    elif ACTIVATION == _RELU2:
+        act = tl.maximum(gate, 0.0) * tl.maximum(gate, 0.0)
+    elif ACTIVATION == _GELU:  # exact, by erf
+        act = 0.5 * gate * (1.0 + tl.math.erf(gate * _INVERSE_SQRT_2))
     else:
-        act = gate * tl.sigmoid(gate)
-    return round_to(round_to(act, DTYPE).to(tl.float32) * up, DTYPE)
+        tl.static_assert(False, "no activation of this index")
+    return act
+
+
+@triton.jit
+def gated_activation(gate, up, DTYPE: tl.constexpr, ACTIVATION: tl.constexpr):
+    """act(gate) * up in ``DTYPE`` from fp32 tiles of gate and up (values of ``DTYPE``): the
+    activation (``ACTIVATION``: its index in ``ACTIVATIONS``) rounded to ``DTYPE``, then the
+    product (HF's two ops); ``swiglu_oai`` in fp32, rounded once. Also the routed experts'
+    epilogue (``fused_moe.py``)."""
+    if ACTIVATION == _SWIGLU_OAI:  # (clamp(up, -L, L) + 1) g sigmoid(alpha g), g = min(gate, L)
+        gate = tl.minimum(gate, _SWIGLU_OAI_LIMIT)
+        up = tl.minimum(tl.maximum(up, -_SWIGLU_OAI_LIMIT), _SWIGLU_OAI_LIMIT)
+        out = gate * tl.sigmoid(gate * _SWIGLU_OAI_ALPHA) * (up + 1.0)
+    else:
+        out = round_to(_activation(gate, ACTIVATION), DTYPE).to(tl.float32) * up
+    return round_to(out, DTYPE)
 
 
 @triton.jit

@@ -66,7 +66,7 @@ class TritonBackend(KernelBackend):
         out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                               meta.seq_lens, layer.scale, max_query_len=meta.max_query_len,
                               max_seq_len=meta.max_seq_len, window=layer.window,
-                              softcap=layer.softcap)
+                              softcap=layer.softcap, sinks=layer.sinks)
         return out.reshape(num_tokens, q_size)
 
     def add_lora(self, y, x, table, mapping):

@@ -7,19 +7,22 @@ slots on this rank's experts out in blocks of ``BLOCK_M`` rows of one expert. Th
 launches:
 
 1. gate/up: one program per (block, ``BLOCK_N`` intermediate features) multiplies its rows of
-   x by the expert's gate and up rows at once (two fp32 accumulators), rounds both to x's
-   dtype and applies the activation in HF's rounding order (``activation.gated_activation``):
-   a hidden row [I] per slot.
-2. down: the same kernel over the hidden rows and the expert's down projection, its output
-   rounded to the dtype, multiplied in fp32 by the slot's routing weight and rounded again:
-   a row [H] per slot.
+   x by the expert's gate and up rows at once (two fp32 accumulators), adds the expert's
+   ``gate_up_bias`` where it has one, rounds both to x's dtype and applies the activation in
+   HF's rounding order (``activation.gated_activation``): a hidden row [I] per slot.
+2. down: the same kernel over the hidden rows and the expert's down projection, plus its
+   ``down_bias``, its output rounded to the dtype, multiplied in fp32 by the slot's routing
+   weight and rounded again: a row [H] per slot.
 3. each token's slots summed in ascending expert order, each sum rounded to the dtype, a slot
    on another rank's expert skipped.
 
 These are ``kernels/moe.py``'s roundings (transformers' bits, but for the order of each
-matmul's fp32 sum); the oracle is ``reference.fused_moe_ref``. No host sync: the grid is
-sized for the most blocks there can be, and the unused ones return at once. The tiles are
-sized by rule, not yet tuned on a GPU.
+matmul's fp32 sum). A bias joins the fp32 sum before the projection's one rounding, as
+``F.linear``'s does there (transformers' GPT-OSS adds it in the dtype after the matmul);
+``swiglu_oai`` is rounded once, where the torch path rounds op by op (see ``activation.py``).
+The oracle is ``reference.fused_moe_ref``. No host sync: the grid is sized for the most
+blocks there can be, and the unused ones return at once. The tiles are sized by rule, not yet
+tuned on a GPU.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ def _expert_matmul_kernel(
     a_ptr,  # x [T, K] (GATED) or the hidden rows [T k, K]
     w_ptr,  # gate_up [E, 2N, K] (GATED) or down [E, N, K]
     slot_weights_ptr,  # [T k] fp32: the routing weights; read unless GATED
+    bias_ptr,  # [E, 2N] (GATED: [gate | up]) or [E, N]; read with HAS_BIAS
     sorted_slots_ptr,  # [num_blocks * BLOCK_M] int32 (moe_align.SlotBlocks)
     block_experts_ptr,  # [num_blocks] int32
     num_slots,
@@ -83,9 +87,11 @@ def _expert_matmul_kernel(
     stride_a,
     stride_we,
     stride_wn,
+    stride_be,
     SLOTS_PER_A_ROW: tl.constexpr,  # top_k when a is x (a token's slots share its row), else 1
     GATED: tl.constexpr,  # gate/up and the activation, else down and the routing weight
     ACTIVATION: tl.constexpr,  # its index in ACTIVATIONS
+    HAS_BIAS: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -114,6 +120,12 @@ def _expert_matmul_kernel(
         if GATED:  # the up rows sit N rows below the gate rows
             up = tl.load(w_rows + N * stride_wn + k[:, None], mask=w_mask, other=0.0)
             acc_up = _dot(a, up, acc_up, DOT_IN_FP32)
+    if HAS_BIAS:  # in the fp32 sums, before the projections' one rounding
+        bias_row = bias_ptr + expert.to(tl.int64) * stride_be
+        acc += tl.load(bias_row + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            bias_up = tl.load(bias_row + N + cols, mask=col_mask, other=0.0)
+            acc_up += bias_up.to(tl.float32)[None, :]
     if GATED:
         # each projection rounded to the dtype, as the gate_up matmul's output is
         out = gated_activation(round_to(acc, dtype).to(tl.float32),
@@ -177,24 +189,34 @@ def _check_layout(x: torch.Tensor, experts: Experts) -> None:
         assert weight.dtype == x.dtype and weight.device == x.device, \
             f"{name}: {weight.dtype} on {weight.device}, x: {x.dtype} on {x.device}"
         assert weight.stride(2) == 1, f"{name}: rows must be contiguous, strides {weight.stride()}"
+    for name, bias, shape in (("gate_up_bias", experts.gate_up_bias, (num_experts, width)),
+                              ("down_bias", experts.down_bias, (num_experts, hidden))):
+        if bias is None:
+            continue
+        assert bias.shape == shape and bias.dtype in _FLOAT_DTYPES, \
+            f"{name}: {list(shape)} float wanted, got {tuple(bias.shape)} {bias.dtype}"
+        assert bias.device == x.device and bias.stride(1) == 1, \
+            f"{name}: on {bias.device} (x: {x.device}), strides {bias.stride()}"
 
 
-def _launch_matmul(out, a, weight, slot_weights, blocks, num_slots, top_k_of_a: int,
+def _launch_matmul(out, a, weight, bias, slot_weights, blocks, num_slots, top_k_of_a: int,
                    gated: bool, activation: str, tile: _Tile) -> None:
     """out [T k, N] = per slot, its expert's ``weight`` (gated: gate and up, [E, 2N, K];
-    else [E, N, K]) applied to its row of a."""
+    else [E, N, K]) applied to its row of a, plus its ``bias`` ([E, 2N] or [E, N]; None:
+    none)."""
     num_experts = weight.shape[0]
     n, k = out.shape[1], a.shape[1]
     block_n = max(16, min(tile.block_n, triton.next_power_of_2(n)))
     block_k = max(16, min(tile.block_k, triton.next_power_of_2(k)))
     grid = (blocks.block_experts.numel(), triton.cdiv(n, block_n))
     _expert_matmul_kernel[grid](
-        out, a, weight, slot_weights, blocks.sorted_slots, blocks.block_experts,
-        num_slots, num_experts, n, k, out.stride(0), a.stride(0), weight.stride(0),
-        weight.stride(1),
+        out, a, weight, slot_weights, weight if bias is None else bias,  # (weight: not read)
+        blocks.sorted_slots, blocks.block_experts, num_slots, num_experts, n, k, out.stride(0),
+        a.stride(0), weight.stride(0), weight.stride(1), 0 if bias is None else bias.stride(0),
         SLOTS_PER_A_ROW=top_k_of_a,
         GATED=gated,
         ACTIVATION=ACTIVATIONS.index(activation),
+        HAS_BIAS=bias is not None,
         DOT_IN_FP32=a.dtype == torch.float32 or a.device.type != "cuda",
         BLOCK_M=tile.block_m,
         BLOCK_N=block_n,
@@ -208,7 +230,9 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, experts: Experts, to
               renormalize: bool) -> torch.Tensor:
     """``KernelBackend.fused_moe``: x [T, H] (stride(1) == 1), router_logits [T, E_router]
     -> [T, H] in x's dtype; ``experts`` stacked in x's dtype and on its device, rows
-    contiguous."""
+    contiguous. Their ``gate_up_bias`` [E, 2I] and ``down_bias`` [E, H] (None: no bias), on x's
+    device, rows contiguous, join each projection's sum: the down one before the routing
+    weight."""
     check_activation(experts.activation)
     _check_layout(x, experts)
     num_tokens, hidden = x.shape
@@ -226,11 +250,11 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, experts: Experts, to
     blocks = align_slots(slot_experts, num_experts, tile.block_m)
 
     hidden_rows = torch.empty((num_slots, inter), dtype=x.dtype, device=x.device)
-    _launch_matmul(hidden_rows, x, experts.gate_up, slot_weights, blocks, num_slots, top_k,
-                   True, experts.activation, tile)
+    _launch_matmul(hidden_rows, x, experts.gate_up, experts.gate_up_bias, slot_weights, blocks,
+                   num_slots, top_k, True, experts.activation, tile)
     slot_out = torch.empty((num_slots, hidden), dtype=x.dtype, device=x.device)
-    _launch_matmul(slot_out, hidden_rows, experts.down, slot_weights, blocks, num_slots, 1,
-                   False, experts.activation, tile)
+    _launch_matmul(slot_out, hidden_rows, experts.down, experts.down_bias, slot_weights, blocks,
+                   num_slots, 1, False, experts.activation, tile)
     out = torch.empty_like(x)
     grid = (triton.cdiv(num_tokens, _SUM_BLOCK_T), triton.cdiv(hidden, _SUM_BLOCK_H))
     _sum_slots_kernel[grid](

@@ -14,7 +14,10 @@ A sliding window starts a tile's KV range at the first position its earliest que
 positions before it are never loaded, nor their block-table entries (the allocator frees those
 blocks; the entries may name any block), and the rest of the window is masked per query. A
 score cap (Gemma 2's ``softcap * tanh(s / softcap)``) applies to the scaled scores before the
-mask. Both are constexpr switches, so a layer without them compiles the kernel as before.
+mask. Attention sinks (GPT-OSS: a logit per query head that joins its softmax's denominator
+with no value) are added once, where the sum is normalised: at the end of the KV loop, or in the
+merge of the splits. All three are constexpr switches, so a layer without them compiles the
+kernel as before.
 
 The oracle is ``paged_attention_ref`` in ``reference.py``.
 """
@@ -28,6 +31,7 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
+_LOG2E_IN_KERNEL = tl.constexpr(_LOG2E)  # the sinks come in natural-log units
 _BLOCK_N = 32  # KV tokens per inner-loop step
 _MAX_KV_SPLITS = 16
 _MIN_KV_PER_SPLIT = 256
@@ -56,6 +60,16 @@ def _tanh(x):
 
 
 @triton.jit
+def _sink_in_sum(m, l, sink):
+    """(the sum's scale, the new sum) once the sink's score (log2 units) joins a running max m and
+    sum l: both taken to max(m, sink) first, so that a sink above every score cannot overflow
+    exp2; the caller multiplies its unnormalised output by the scale."""
+    m_new = tl.maximum(m, sink)
+    rescale = tl.exp2(m - m_new)
+    return rescale, l * rescale + tl.exp2(sink - m_new)
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr,  # [T, Hq, D]; unused when NUM_SPLITS > 1
     part_acc_ptr,  # [T, Hq, NUM_SPLITS, HEAD_DIM_PAD] fp32; used when NUM_SPLITS > 1
@@ -66,6 +80,7 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [B, max_blocks] int32
     query_start_loc_ptr,  # [B + 1] int32
     seq_lens_ptr,  # [B] int32
+    sinks_ptr,  # [Hq] fp32 (with HAS_SINKS)
     scale_log2,  # softmax scale * log2(e)
     window,  # positions each query sees (with HAS_WINDOW)
     softcap_log2,  # the score cap * log2(e) (with HAS_SOFTCAP)
@@ -93,6 +108,7 @@ def _paged_attention_kernel(
     DOT_IN_FP32: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq_idx = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -162,6 +178,10 @@ def _paged_attention_kernel(
         m_i = m_new
 
     if NUM_SPLITS == 1:
+        if HAS_SINKS:  # (split partials leave the sink to the merge, which counts it once)
+            sink = tl.load(sinks_ptr + q_head, mask=row_mask, other=0.0) * _LOG2E_IN_KERNEL
+            rescale, l_i = _sink_in_sum(m_i, l_i, sink)
+            acc = acc * rescale[:, None]
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         out = acc / l_safe[:, None]
         o_rows = (q_start + q_idx).to(tl.int64) * stride_ot + q_head * stride_oh
@@ -183,6 +203,7 @@ def _merge_kv_splits_kernel(
     out_ptr,  # [T, Hq, D]
     part_acc_ptr,  # [T, Hq, NUM_SPLITS, HEAD_DIM_PAD] fp32
     part_ml_ptr,  # [T, Hq, NUM_SPLITS, 2] fp32
+    sinks_ptr,  # [Hq] fp32 (with HAS_SINKS)
     stride_ot,
     stride_oh,
     NUM_HEADS: tl.constexpr,
@@ -190,6 +211,7 @@ def _merge_kv_splits_kernel(
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -204,6 +226,10 @@ def _merge_kv_splits_kernel(
     m_max = tl.max(m, axis=0)
     weight = tl.exp2(m - m_max)  # [SPLITS_PAD]; empty splits weigh 0
     total = tl.sum(weight * l, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head) * _LOG2E_IN_KERNEL
+        rescale, total = _sink_in_sum(m_max, total, sink)
+        weight = weight * rescale
     out = tl.sum(acc * weight[:, None], axis=0) / total  # [HEAD_DIM_PAD]
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
@@ -228,7 +254,8 @@ def _choose_num_kv_splits(device: torch.device, num_programs: int, max_seq_len: 
     return max(1, min(_MAX_KV_SPLITS, by_length, triton.cdiv(2 * num_sms, num_programs)))
 
 
-def _check_layouts(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens) -> None:
+def _check_layouts(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                   sinks) -> None:
     assert query.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape
     num_heads, head_dim = query.shape[1:]
     num_kv_heads, cache_dim = k_cache.shape[2:]
@@ -245,6 +272,10 @@ def _check_layouts(query, k_cache, v_cache, block_tables, query_start_loc, seq_l
     for t in (block_tables, query_start_loc, seq_lens):
         assert t.dtype == torch.int32, t.dtype
         assert t.device == query.device
+    if sinks is not None:
+        assert sinks.shape == (num_heads,) and sinks.dtype == torch.float32, (
+            f"sinks: [{num_heads}] fp32 wanted, got {tuple(sinks.shape)} {sinks.dtype}")
+        assert sinks.stride(0) == 1 and sinks.device == query.device
 
 
 def paged_attention(
@@ -261,6 +292,7 @@ def paged_attention(
     num_kv_splits: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flattened batch of queries over the paged KV cache.
 
@@ -269,10 +301,12 @@ def paged_attention(
     Request b's queries are the last q_len_b of its seq_lens[b] tokens, whose K/V are all cached.
     With a ``window``, the query at position p sees positions p - window + 1 .. p only (and
     nothing before its request's earliest window is read); a ``softcap`` caps the scaled scores
-    at ``softcap * tanh(s / softcap)``. Returns [T, Hq, D] in query's dtype. ``num_kv_splits``
-    forces the number of KV splits (None: chosen from the grid size and ``max_seq_len``).
+    at ``softcap * tanh(s / softcap)``. ``sinks`` [Hq] fp32: each head's softmax also counts
+    exp(sinks[h]) in its denominator, a score no value goes with (GPT-OSS's attention sinks).
+    Returns [T, Hq, D] in query's dtype. ``num_kv_splits`` forces the number of KV splits (None:
+    chosen from the grid size and ``max_seq_len``).
     """
-    _check_layouts(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
+    _check_layouts(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, sinks)
     assert window is None or window > 0, window
     assert softcap is None or softcap > 0, softcap
     num_tokens, num_heads, head_dim = query.shape
@@ -308,11 +342,12 @@ def paged_attention(
             (num_tokens, num_heads, num_kv_splits, 2), dtype=torch.float32, device=query.device)
     else:
         part_acc = part_ml = out  # not read
+    sinks_arg = out if sinks is None else sinks  # (out: not read)
 
     grid = (num_seqs, num_q_tiles, num_kv_heads * num_kv_splits)
     _paged_attention_kernel[grid](
         out, part_acc, part_ml, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-        scale * _LOG2E, window or 0, (softcap or 0.0) * _LOG2E, num_heads,
+        sinks_arg, scale * _LOG2E, window or 0, (softcap or 0.0) * _LOG2E, num_heads,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -329,14 +364,16 @@ def paged_attention(
         DOT_IN_FP32=query.dtype == torch.bfloat16 and query.device.type != "cuda",
         HAS_WINDOW=window is not None,
         HAS_SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None,
     )
     if num_kv_splits > 1:
         _merge_kv_splits_kernel[(num_tokens, num_heads)](
-            out, part_acc, part_ml, out.stride(0), out.stride(1),
+            out, part_acc, part_ml, sinks_arg, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads,
             NUM_SPLITS=num_kv_splits,
             SPLITS_PAD=triton.next_power_of_2(num_kv_splits),
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
+            HAS_SINKS=sinks is not None,
         )
     return out

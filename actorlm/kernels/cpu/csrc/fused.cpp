@@ -23,7 +23,9 @@ using actorlm::to_float;
 
 constexpr int kMaxRopeDim = 512;  // head sizes the RoPE kernel takes
 // the order of kernels.backend.ACTIVATIONS
-enum Activation { kSilu = 0, kGeluTanh = 1, kRelu = 2, kRelu2 = 3, kGelu = 4 };  // ACTIVATIONS
+enum Activation { kSilu = 0, kGeluTanh = 1, kRelu = 2, kRelu2 = 3, kGelu = 4, kSwigluOai = 5 };
+// GPT-OSS's clamped SwiGLU (kernels.backend.SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT)
+constexpr float kSwigluAlpha = 1.702f, kSwigluLimit = 7.f;
 // Values from which a pass is split over the team: a decode step's few rows take a
 // microsecond or two alone, about what waking the team and joining it again cost
 constexpr int64_t kParallelFrom = 8192;
@@ -166,7 +168,17 @@ void act_and_mul(const T* gate_up, T* out, int64_t rows, int dim, int activation
 #pragma omp simd
       for (int d = 0; d < dim; ++d)
         store(rounded(gelu(to_float(gate[d])), o) * to_float(up[d]), o + d);
-    } else {
+    } else if (activation == kSwigluOai) {
+      // transformers' ops, each rounded: g * sigmoid(g * alpha) of g = min(gate, limit), times
+      // clamp(up, -limit, limit) + 1
+#pragma omp simd
+      for (int d = 0; d < dim; ++d) {
+        const float g = std::min(to_float(gate[d]), kSwigluLimit);
+        const float u = std::min(std::max(to_float(up[d]), -kSwigluLimit), kSwigluLimit);
+        const float s = rounded(1.f / (1.f + std::exp(-rounded(g * kSwigluAlpha, o))), o);
+        store(rounded(u + 1.f, o) * rounded(g * s, o), o + d);
+      }
+    } else {  // kGeluTanh
 #pragma omp simd
       for (int d = 0; d < dim; ++d)
         store(rounded(gelu_tanh(to_float(gate[d])), o) * to_float(up[d]), o + d);
