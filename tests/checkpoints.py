@@ -89,6 +89,8 @@ def perturbed(model):
         for name, param in model.named_parameters():
             if name.endswith("bias"):
                 param.normal_(0.0, 0.1)
+            elif name.endswith(".sinks"):  # (GPT-OSS's: a logit, comparable to the scores)
+                param.normal_(0.0, 1.0)
             elif "norm" in name:
                 param.add_(torch.randn_like(param) * 0.1 - centre)
         for name, buffer in model.named_buffers():  # (DeepSeek's routing bias, a buffer)
@@ -414,10 +416,11 @@ def tiny_moe_dirs(tmp_path_factory, tiny_tokenizer_dir):
     checkpoint as Granite's releases store them), its shared variant (an unscaled shared MLP
     beside the experts), GLM-4.5 (DeepSeek's sigmoid routing by groups, renormalised and
     scaled, and without either), ERNIE 4.5 (the softmax plus a bias), Hunyuan (a router in
-    fp32, q/k norms after RoPE), and ``qwen3_moe_stacked``,
+    fp32, q/k norms after RoPE), GPT-OSS (a biased router and experts, their clamped SwiGLU,
+    attention sinks, sliding layers between full ones, YaRN), and ``qwen3_moe_stacked``,
     ``granitemoe_stacked``: the same weights saved as transformers holds them
     (``save_original_format=False``: the experts stacked under its own names)."""
-    from transformers import (Ernie4_5_MoeConfig, Glm4MoeConfig, GraniteMoeConfig,
+    from transformers import (Ernie4_5_MoeConfig, Glm4MoeConfig, GptOssConfig, GraniteMoeConfig,
                               GraniteMoeSharedConfig, HunYuanMoEV1Config, MixtralConfig,
                               OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig)
 
@@ -473,6 +476,15 @@ def tiny_moe_dirs(tmp_path_factory, tiny_tokenizer_dir):
                                           rope_parameters={"rope_type": "dynamic",
                                                            "alpha": 1000.0, "factor": 1.0,
                                                            "rope_theta": 10000.0}),
+        # GPT-OSS's: sinks, a window on every other layer, YaRN (its release's but the
+        # original context a quarter of the tiny model's)
+        "gpt_oss": GptOssConfig(**{**common, "intermediate_size": 32}, num_local_experts=8,
+                                num_experts_per_tok=2, sliding_window=WINDOW,
+                                tie_word_embeddings=False,
+                                rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                 "beta_fast": 32.0, "beta_slow": 1.0,
+                                                 "truncate": False, "rope_theta": 150000.0,
+                                                 "original_max_position_embeddings": 128}),
     }
     dirs = {name: _save_tiny(tmp_path_factory, tiny_tokenizer_dir, f"tiny_{name}", config,
                              seed=20 + i)

@@ -307,6 +307,8 @@ class CausalLM(nn.Module):
         elif ".gate_proj." in name or ".up_proj." in name or ".fc_in." in name:
             # this rank's half of gate_up, its share of an ungated MLP's fc_in
             start, length = rank * dst.shape[0], dst.shape[0]
+        elif name.endswith(".self_attn.sinks"):  # this rank's heads'
+            start, length = rank * attn.num_heads, attn.num_heads
         elif ".o_proj.weight" in name:
             dim, start, length = 1, rank * attn.q_size, attn.q_size
         elif ".down_proj.weight" in name:

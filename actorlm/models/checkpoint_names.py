@@ -17,7 +17,8 @@ from actorlm.kernels import ActivationQuant, QuantizedWeight
 from actorlm.models import quantized
 from actorlm.models.families import (has_head_layer_norms, head_dim_of, num_kv_heads_of,
                                      qkv_groups, rope_head_order)
-from actorlm.models.moe_families import checkpoint_name, intermediate_size_of, shared_expert_size
+from actorlm.models.moe_families import (checkpoint_name, gpt_oss_tensor, intermediate_size_of,
+                                         shared_expert_size)
 from actorlm.models.rope_layout import ROTATED_Q_K, reordered
 
 # GPT-2's Conv1D weights, [in, out]; the causal masks its first checkpoints hold as tensors
@@ -82,8 +83,8 @@ def checkpoint_tensors(config, tensors):
     """The checkpoint's (name, tensor) pairs as the model loads them: a text tower's names as
     a text model's (its vision tower left out), Phi-3's (and GLM's) fused q/k/v and gate/up
     split into the projections they fuse (so that they merge and shard as every family's
-    do), Mixtral's experts under the other MoE families' names, and q and k in the order the
-    kernels rotate them (``rope_layout``)."""
+    do), Mixtral's and GPT-OSS's experts under the other MoE families' names and layout, and q
+    and k in the order the kernels rotate them (``rope_layout``)."""
     q_size = config.num_attention_heads * head_dim_of(config)
     kv_size = num_kv_heads_of(config) * head_dim_of(config)
     order = rope_head_order(config)
@@ -107,6 +108,8 @@ def _split_fused(config, tensors, q_size: int, kv_size: int):
                 name = ours + name.removeprefix(prefix)
                 break
         name = checkpoint_name(config, name)
+        if config.model_type == "gpt_oss":
+            tensor = gpt_oss_tensor(name, tensor)
         if config.model_type == "gpt2":
             name, tensor = _gpt2_tensor(name, tensor)
             if name is None:

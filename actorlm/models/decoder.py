@@ -76,6 +76,7 @@ class LayerSpec:
     # sliding window then reaches ``window - 1`` positions either side, as transformers'
     # bidirectional window (whose config holds half the window, plus one)
     bidirectional: bool = False
+    sinks: bool = False  # a learned logit per head in its softmax's denominator (GPT-OSS)
 
     def __post_init__(self):
         if self.qk_norm not in (None, "head", "head_layer", "projection", "head_after_rope"):
@@ -122,16 +123,19 @@ class Attention(nn.Module):
         head_norms = (None, None) if self.q_norm is None or self.norms_here or \
             self.norms_after_rope else (self.q_norm.norm, self.k_norm.norm)
         scale = spec.attention_scale if spec.attention_scale is not None else d**-0.5
+        # this rank's heads' sinks, kept in fp32 (the checkpoint's values, exactly)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, device=device), False) \
+            if spec.sinks else None
         self.layer = AttentionLayer(self.num_heads, self.num_kv_heads, d, scale, spec.window,
-                                    *head_norms, spec.softcap)
+                                    *head_norms, spec.softcap, self.sinks)
         # both ways (the door's window reaches either side; q/k norms and RoPE here)
         self.both_ways = None if not spec.bidirectional else AttentionLayer(
             self.num_heads, self.num_kv_heads, d, scale,
             None if spec.window is None else spec.window - 1)
         if spec.bidirectional and (spec.softcap is not None or self.norms_here
-                                   or self.norms_after_rope):
-            raise ValueError("bidirectional attention with soft-capped scores or q/k norms "
-                             "other than each head's RMS norm is not implemented")
+                                   or self.norms_after_rope or spec.sinks):
+            raise ValueError("bidirectional attention with soft-capped scores, sinks or q/k "
+                             "norms other than each head's RMS norm is not implemented")
 
     @property
     def norms_here(self) -> bool:

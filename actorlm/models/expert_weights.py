@@ -25,6 +25,7 @@ from actorlm.models.parallel import TensorParallel
 
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_BIASES = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_bias|down_bias)$")  # GPT-OSS's
 
 
 class ExpertPart(NamedTuple):
@@ -68,6 +69,8 @@ def expert_parts(name: str, tensor, params: dict[str, torch.Tensor],
     of ``ExpertPart``, empty for an expert another rank holds. A slice of a safetensors file in
     place of the tensor reads only that part."""
     per_expert, stacked = _PER_EXPERT.match(name), _STACKED.match(name)
+    if _BIASES.match(name):
+        return _bias_parts(name, tensor, params, tp)
     if per_expert is None and stacked is None:
         return None
     if per_expert is None and isinstance(tensor, QuantizedWeight):  # (the loaders split them)
@@ -93,6 +96,22 @@ def expert_parts(name: str, tensor, params: dict[str, torch.Tensor],
                        dst.narrow(1, index * size, size),
                        narrow(tensor, 1, index * whole + tp.rank * size, size))
             for index, part in enumerate(("gate_proj", "up_proj"))]
+
+
+def _bias_parts(name, tensor, params, tp) -> list[ExpertPart]:
+    """``expert_parts`` for the stacked experts' biases, gate_up's [E, 2I] ([gate | up]) or
+    down's [E, H]: a rank's experts' whole, or its share of the gate and up features; down's
+    every rank holds whole (one adds it: ``RoutedExperts``)."""
+    if name not in params:
+        raise ValueError(f"unexpected weight {name!r} in checkpoint")
+    dst = params[name]
+    experts = held_experts(dst, tp)
+    if tp.expert_parallel or name.endswith(".down_bias"):
+        return [ExpertPart([name], dst, narrow(tensor, 0, experts.start, len(experts)))]
+    size = dst.shape[1] // 2
+    return [ExpertPart([name], dst.narrow(1, index * size, size),
+                       narrow(tensor, 1, index * size * tp.size + tp.rank * size, size))
+            for index in range(2)]
 
 
 def _per_expert_part(name, groups, tensor, params, tp):

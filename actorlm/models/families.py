@@ -79,6 +79,9 @@ tensors is ``checkpoint_names.py``'s.
   causal masks as tensors (dropped).
 - Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE: routed experts in place of some or all dense MLPs
   (``moe_families.py`` says which and how they route; ``moe.py`` computes them).
+- GPT-OSS (gpt-oss-20b, -120b): a Llama with biases on q/k/v and o, a learned sink logit per
+  head in each softmax, sliding layers alternating with full ones, YaRN, and routed experts
+  with biases and their clamped SwiGLU (``moe_families``).
 
 A config field that changes the math and is not implemented is refused by name
 (``check_config``), never dropped.
@@ -136,7 +139,9 @@ _COMPUTED_ONLY = {"opt": {"do_layer_norm_before": True, "_remove_final_layer_nor
                   "gpt2": {"scale_attn_weights": True, "add_cross_attention": False,
                            "scale_attn_by_inverse_layer_idx": False},
                   "gpt_bigcode": {"scale_attn_weights": True, "add_cross_attention": False},
-                  "falcon": {"alibi": False}}
+                  "falcon": {"alibi": False},
+                  # (the kernels' clamped SwiGLU: backend.SWIGLU_OAI_LIMIT, SWIGLU_OAI_ALPHA)
+                  "gpt_oss": {"swiglu_limit": 7.0, "swiglu_alpha": 1.702}}
 # a query/key norm the family's config may turn on, not implemented (a LayerNorm per head)
 # the config flag of each head's q/k LayerNorm: per head (Cohere's, StableLM's) or one for all
 # heads, with a bias (Phi's)
@@ -301,7 +306,9 @@ def layer_specs(config) -> list[LayerSpec]:
         qk_norm=_qk_norm(config),
         qk_norm_bias=model_type == "phi",
         clip_qkv=getattr(config, "clip_qkv", None) if model_type in ("olmoe", "olmo") else None,
-        activation=ACTIVATION_NAMES[activation_of(config)],
+        # (GPT-OSS's experts use their clamped SwiGLU, whatever hidden_act says)
+        activation="swiglu_oai" if model_type == "gpt_oss" else
+        ACTIVATION_NAMES[activation_of(config)],
         qkv_bias=qkv_bias or biased, o_bias=_o_bias(config, attention_bias) or biased,
         # (the MoE families' MLPs have no biases, whatever their config says)
         mlp_bias=biased or model_type == "gpt_neox" or
@@ -311,7 +318,8 @@ def layer_specs(config) -> list[LayerSpec]:
         softcap=getattr(config, "attn_logit_softcapping", None) if gemma else None,
         residual_scale=config.residual_multiplier if granite else None,
         rope_order=rope_head_order(config),
-        bidirectional=bool(getattr(config, "use_bidirectional_attention", False)))
+        bidirectional=bool(getattr(config, "use_bidirectional_attention", False)),
+        sinks=model_type == "gpt_oss")
     return [LayerSpec(**base, window=window, moe=moe)
             for window, moe in zip(layer_windows(config), moe_specs(config), strict=True)]
 

@@ -65,6 +65,7 @@ class MoeSpec:
     scale: float = 1.0
     norm_min: float = 0.0
     fp32_router: bool = False  # the router's logits in fp32 whatever the model's dtype (Hunyuan)
+    biased: bool = False  # the router and each expert's projections have biases (GPT-OSS)
 
     @property
     def routed_by_scores(self) -> bool:
@@ -115,6 +116,13 @@ class RoutedExperts(nn.Module):
                                                      dtype=dtype, device=device), False)
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, hidden_size, size,
                                                   dtype=dtype, device=device), False)
+        self.gate_up_bias = self.down_bias = None
+        if spec.biased:  # (every rank loads down's; one adds it: ``_biases``)
+            self.gate_up_bias = nn.Parameter(torch.empty(self.num_experts, 2 * size,
+                                                         dtype=dtype, device=device), False)
+            self.down_bias = nn.Parameter(torch.empty(self.num_experts, hidden_size,
+                                                      dtype=dtype, device=device), False)
+        self.adds_down_bias = tp.expert_parallel or tp.rank == 0
         self.dtype = dtype
         # this rank's expert e's rows in blocks: (e, first row of gate_up) -> rows; e -> down
         self.quantized_gate_up: dict[tuple[int, int], QuantizedWeight] = {}
@@ -145,7 +153,8 @@ class RoutedExperts(nn.Module):
     def _experts_to_prepare(self) -> Experts:
         """Every expert in blocks, or, where some rows came as floats, all of them as floats
         (the stacked tensors; the blocks dequantized into them), as a ``Linear`` does."""
-        plain = Experts(self.gate_up_proj, self.down_proj, self.activation, self.first_expert)
+        plain = Experts(self.gate_up_proj, self.down_proj, self.activation, self.first_expert,
+                        *self._biases())
         if not self.quantized_gate_up and not self.quantized_down:
             return plain
         gate_up = [tuple(part for (e, _), part in sorted(self.quantized_gate_up.items())
@@ -155,7 +164,7 @@ class RoutedExperts(nn.Module):
                 for parts in gate_up):
             return Experts(tuple(gate_up), tuple(self.quantized_down[e]
                                                  for e in range(self.num_experts)),
-                           self.activation, self.first_expert)
+                           self.activation, self.first_expert, *self._biases())
         log.info("routed experts with rows both in blocks and in floats run in %s",
                  str(self.dtype).removeprefix("torch."))
         with torch.no_grad():
@@ -172,7 +181,13 @@ class RoutedExperts(nn.Module):
         """What the backend's ``fused_moe`` takes: the prepared experts, or the stacked ones."""
         if self.prepared is not None:
             return self.prepared
-        return Experts(self.gate_up_proj, self.down_proj, self.activation, self.first_expert)
+        return Experts(self.gate_up_proj, self.down_proj, self.activation, self.first_expert,
+                       *self._biases())
+
+    def _biases(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(gate_up's, down's) biases, as ``Experts`` takes them: split over tensor-parallel
+        ranks, down's is added by one of them (the sum over the ranks adds it once)."""
+        return self.gate_up_bias, self.down_bias if self.adds_down_bias else None
 
 
 class SparseMoeBlock(nn.Module):
@@ -186,7 +201,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.backend, self.tp, self.spec = backend, tp, spec
         self.routed_here = spec.routed_by_scores
-        self.gate = Linear(hidden_size, spec.num_experts, False,  # every rank: all experts
+        self.gate = Linear(hidden_size, spec.num_experts, spec.biased,  # every rank: all experts
                            torch.float32 if spec.router_in_fp32 else dtype, device)
         self.score_bias = nn.Parameter(torch.zeros(spec.num_experts, device=device), False) \
             if spec.score_bias else None

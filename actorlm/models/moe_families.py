@@ -42,6 +42,12 @@
   that size; the top k of the softmax plus ``moe_statics.e_score_correction_bias``, weighted
   by the softmax renormalised (by a sum of at least ``moe_norm_min``); its
   multi-token-prediction weights (``mtp``) are left out. ``use_bias`` is refused.
+- GPT-OSS: every layer routed, experts of ``intermediate_size``, the top k of the router's
+  logits (``router``, with a bias) weighted by their softmax (the renormalised top k of the
+  softmax); each expert's projections have biases and its activation is the clamped SwiGLU
+  (``kernels.backend.ACTIVATIONS``' ``swiglu_oai``). Its checkpoint stacks the experts
+  transposed, gate and up features interleaved (``gate_up_proj`` [E, H, 2I], ``down_proj``
+  [E, I, H]): ``gpt_oss_tensor`` lays them out as the other families' stacked experts.
 
 The others route by the softmax of the router's logits (in fp32) and its top
 ``num_experts_per_tok``. Fields of other MoE families that would change the routing
@@ -55,17 +61,19 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 from actorlm.models.moe import MoeSpec
 
 _GRANITE_MOE = ("granitemoe", "granitemoeshared")
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", *_GRANITE_MOE, "glm4_moe",
-                   "ernie4_5_moe", "hunyuan_v1_moe")
+                   "ernie4_5_moe", "hunyuan_v1_moe", "gpt_oss")
 # routed by scores and a learned bias (DeepSeek's routing, ERNIE's): their fields are read
 _SCORED = ("glm4_moe", "ernie4_5_moe")
 # every layer routed, experts of intermediate_size
-_EVERY_LAYER = ("mixtral", "olmoe", *_GRANITE_MOE, "hunyuan_v1_moe")
+_EVERY_LAYER = ("mixtral", "olmoe", *_GRANITE_MOE, "hunyuan_v1_moe", "gpt_oss")
 # the top-k weights, whatever norm_topk_prob says
-_RENORMALIZED = ("mixtral", *_GRANITE_MOE, "ernie4_5_moe", "hunyuan_v1_moe")
+_RENORMALIZED = ("mixtral", *_GRANITE_MOE, "ernie4_5_moe", "hunyuan_v1_moe", "gpt_oss")
 # field -> the values that leave the routing as these families compute it
 _OTHER_ROUTING = {
     "routed_scaling_factor": (None, 1, 1.0),
@@ -78,6 +86,9 @@ _OTHER_ROUTING = {
     "n_shared_experts": (None, 0),
     "first_k_dense_replace": (None, 0),
 }
+# GPT-OSS's experts stacked [E, in, out], and those whose gate and up features interleave
+_GPT_OSS_STACKED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+_GPT_OSS_INTERLEAVED = (".mlp.experts.gate_up_proj", ".mlp.experts.gate_up_bias")
 EXPERTS_SIZE = "experts' intermediate size"  # intermediate_sizes' key for the routed experts
 _MIXTRAL_EXPERT = re.compile(r"\.experts\.(\d+)\.w([123])\.")
 _MIXTRAL_PROJECTIONS = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
@@ -206,7 +217,7 @@ def moe_specs(config) -> list[MoeSpec | None]:
         num_experts=num_experts_of(config), top_k=top_k_of(config),
         intermediate_size=size,
         renormalize=model_type in _RENORMALIZED or bool(getattr(config, "norm_topk_prob", False)),
-        **_shared_expert(config), **_scored_routing(config))
+        biased=model_type == "gpt_oss", **_shared_expert(config), **_scored_routing(config))
     return [spec if is_routed else None for is_routed in routed]
 
 
@@ -277,6 +288,22 @@ def intermediate_sizes(config) -> dict[str, int]:
     return sizes
 
 
+def gpt_oss_tensor(name: str, tensor):
+    """A GPT-OSS checkpoint's tensor (under ``checkpoint_name``'s name), its stacked experts as
+    the other families' stacked experts are held: gate_up [E, H, 2I] (gate and up features
+    interleaved) as [E, 2I, H], the gate rows first; its bias [E, 2I] likewise; down
+    [E, I, H] as [E, H, I]. (Experts in MXFP4 come apart already: ``mxfp4``.)"""
+    stacked, interleaved = name.endswith(_GPT_OSS_STACKED), name.endswith(_GPT_OSS_INTERLEAVED)
+    if not (stacked or interleaved):
+        return tensor
+    tensor = tensor[:]  # (a safetensors slice: all of it)
+    if stacked:
+        tensor = tensor.transpose(1, 2)
+    if interleaved:
+        tensor = torch.cat((tensor[:, 0::2], tensor[:, 1::2]), 1)
+    return tensor.contiguous()
+
+
 def checkpoint_name(config, name: str) -> str:
     """A checkpoint tensor's name as the model loads it: Mixtral's MoE block and experts
     under the names the other families use (``mlp``, ``gate_proj``, ``up_proj``,
@@ -293,6 +320,10 @@ def checkpoint_name(config, name: str) -> str:
         return name.replace(".mlp.shared_experts.", ".mlp.shared_expert.") \
             .replace(".mlp.gate.e_score_correction_bias", ".mlp.score_bias") \
             .replace(".mlp.moe_statics.e_score_correction_bias", ".mlp.score_bias")
+    if config.model_type == "gpt_oss":
+        return name.replace(".mlp.router.", ".mlp.gate.") \
+            .replace(".mlp.experts.gate_up_proj_bias", ".mlp.experts.gate_up_bias") \
+            .replace(".mlp.experts.down_proj_bias", ".mlp.experts.down_bias")
     if config.model_type != "mixtral":
         return name
     name = name.replace(".block_sparse_moe.", ".mlp.")

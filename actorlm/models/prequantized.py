@@ -19,7 +19,8 @@ into what the kernels read:
   model's dtype (logged once, with why), so it is served, as a dense weight.
 
 FP8 weights (the ``fp8`` method, compressed-tensors' ``float-quantized``) are ``fp8``'s to
-read. A field of ``quantization_config`` that changes the math and is not computed here
+read, GPT-OSS's MXFP4 experts ``mxfp4``'s (into Q5_0 blocks, exactly: 5-bit values,
+symmetric). A field of ``quantization_config`` that changes the math and is not computed here
 (integer weights with quantized activations, a KV-cache scheme, transforms, sparsity, other
 methods such as bitsandbytes) is refused by name before anything loads.
 """
@@ -38,14 +39,14 @@ import torch
 
 from actorlm.kernels import QuantizedWeight
 from actorlm.kernels.resident import resident
-from actorlm.models import fp8
+from actorlm.models import fp8, mxfp4
 from actorlm.models.quantized import is_expert_weight
 
 log = logging.getLogger(__name__)
 
 # quant_method -> the --quantization names that mean it (vLLM's, its Marlin kernels' too)
 METHODS = {"gptq": ("gptq", "gptq_marlin"), "awq": ("awq", "awq_marlin"),
-           "compressed-tensors": ("compressed-tensors",), "fp8": ("fp8",)}
+           "compressed-tensors": ("compressed-tensors",), "fp8": ("fp8",), "mxfp4": ("mxfp4",)}
 _BLOCK = 32  # values per block of Q4_0, Q4_1 and Q8_0
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # word bits 4i..4i+3 hold column _AWQ_ORDER[i] of eight
 
@@ -131,7 +132,7 @@ def check(config: dict, quantization: str | None) -> None:
                          f"quantized with {method} (leave it out, or say "
                          f"{' or '.join(METHODS[method])})")
     {"gptq": _check_gptq, "awq": _check_awq, "compressed-tensors": _check_ct,
-     "fp8": fp8.check_fp8_method}[method](config)
+     "fp8": fp8.check_fp8_method, "mxfp4": mxfp4.check}[method](config)
 
 
 def _bits_dividing_a_word(bits, where: str) -> None:
@@ -287,6 +288,9 @@ def read_tensors(tensors: Iterable[tuple[str, torch.Tensor]], config: dict,
     if fp8.is_fp8(config):
         yield from fp8.read_tensors(tensors, config, dtype, lambda m: _ct_group(config, m))
         return
+    if config["quant_method"] == "mxfp4":
+        yield from mxfp4.read_tensors(tensors, dtype, as_weight)
+        return
     method = config["quant_method"]
     names, optional, reader = _FORMATS[method]
     held: dict[str, dict[str, torch.Tensor]] = {}
@@ -332,6 +336,12 @@ def as_weight(g: Grouped, dtype: torch.dtype,
         type_name = "Q8_0"
         quants = (values.int() - (128 if zeros is None else zeros)).to(torch.int8)
         quants = quants.view(torch.uint8)
+    elif g.bits == 5:  # (MXFP4's: symmetric) each value's fifth bit in qh, bit j of value j
+        type_name = "Q5_0"
+        high = (values >> 4).long() << torch.arange(_BLOCK)
+        qh = high.sum(-1, keepdim=True).view(torch.uint8)[..., :4]  # little-endian uint32
+        low = values & 0x0F
+        quants = torch.cat((qh, low[..., :16] | (low[..., 16:] << 4)), -1)
     else:
         symmetric = zeros is None or bool((zeros == 8).all())
         type_name = "Q4_0" if symmetric else "Q4_1"
@@ -351,14 +361,16 @@ def _halves(values: torch.Tensor) -> torch.Tensor:
 
 def _why_no_blocks(g: Grouped, group_size: int | None) -> str:
     """Why no block format holds ``g`` ("" where one does)."""
-    if g.bits not in (4, 8):
-        return f"{g.bits}-bit values"
+    if g.bits not in (4, 5, 8) or g.bits == 5 and g.zeros is not None:
+        return f"{g.bits}-bit values" + (" with zero points" if g.bits == 5 else "")
     if group_size is None:
         return "groups of features that are not consecutive runs"
     if group_size % _BLOCK:
         return f"groups of {group_size} features"
     if not float(g.scales.float().abs().max()) * 2**g.bits < torch.finfo(torch.float16).max:
         return "scales beyond fp16's range"
+    if g.bits == 5 and not torch.equal(g.scales.half().float(), g.scales.float()):
+        return "scales fp16 does not hold exactly"
     if g.bits == 8 and g.zeros is not None:
         q = g.values.int() - g.zeros.int().repeat_interleave(group_size, dim=1)
         if int(q.min()) < -128 or int(q.max()) > 127:

@@ -1,6 +1,6 @@
 """The mixture-of-experts families through the whole engine, against transformers' greedy on
 the same weights (tests/checkpoints.py's tiny Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, Granite
-MoE, GLM-4.5, ERNIE 4.5, Hunyuan): prompts
+MoE, GLM-4.5, ERNIE 4.5, Hunyuan, GPT-OSS): prompts
 prefilled in chunks, follow-ups that start from cached prefix blocks, and requests preempted
 and recomputed under KV pressure all route their tokens as transformers does."""
 
@@ -10,7 +10,7 @@ from engine_helpers import TOP, check_logprobs_close, engine_greedy, hf_greedy
 from actorlm import SamplingParams
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "granitemoeshared",
-            "glm4_moe", "ernie4_5_moe", "hunyuan_moe"]
+            "glm4_moe", "ernie4_5_moe", "hunyuan_moe", "gpt_oss"]
 SHARED = [7 + (j * 11) % 290 for j in range(30)]
 FOLLOW_UPS = [SHARED + [40 + i, 90 + i, 140 + i] for i in range(3)]
 PRESSED = [[9 + (i * 17 + j * 5) % 280 for j in range(20 + 4 * i)] for i in range(6)]

@@ -2,7 +2,8 @@
 experts whole, and compute what one rank computes.
 
 The families' tiny checkpoints (``checkpoints.tiny_moe_dirs``: Qwen3-MoE, from per-expert and
-from stacked tensors; Qwen2-MoE, whose shared expert stays split; Mixtral) run on 2 ranks in
+from stacked tensors; Qwen2-MoE, whose shared expert stays split; Mixtral; GLM-4.5; GPT-OSS,
+whose experts' biases go with them) run on 2 ranks in
 one launch (``tp_helpers.run_ranks``), driven as the executor drives them
 (``tp_steps.greedy_steps``); rank 0's tokens must be the unsplit runner's and transformers',
 its logits the unsplit runner's to fp32 rounding, and a prompt's logits transformers'. Each
@@ -35,7 +36,7 @@ from actorlm.models.parallel import TensorParallel, check_tensor_parallel
 from actorlm.models.parts import load_model_parts
 
 EP = 2
-FAMILIES = ["qwen3_moe", "qwen3_moe_stacked", "qwen2_moe", "mixtral", "glm4_moe"]
+FAMILIES = ["qwen3_moe", "qwen3_moe_stacked", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss"]
 NUM_EXPERTS, EXPERT_FEATURES, NUM_ROUTED_LAYERS = 8, 32, 2  # each tiny checkpoint's
 
 

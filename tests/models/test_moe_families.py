@@ -1,5 +1,5 @@
 """The mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, Granite MoE and its
-shared variant, GLM-4.5 with DeepSeek's routing, ERNIE 4.5, Hunyuan) against transformers on the
+shared variant, GLM-4.5 with DeepSeek's routing, ERNIE 4.5, Hunyuan, GPT-OSS) against transformers on the
 same tiny checkpoints (``checkpoints.tiny_moe_dirs``): logits at every position of a 40-token
 prompt and 40 greedy tokens after it, the greedy tokens themselves by vLLM's rule, the layers
 that route, both layouts of the experts in a checkpoint, and the configs refused."""
@@ -22,8 +22,9 @@ from actorlm.models.loader import load_hf_config, load_model
 from actorlm.models.moe import SparseMoeBlock
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "granitemoeshared"]
-# a router in fp32 and q/k norms after RoPE (Hunyuan's), which the one-call step does not take
-LAYER_BY_LAYER = ["hunyuan_moe"]
+# a router in fp32 and q/k norms after RoPE (Hunyuan's), attention sinks and experts with
+# biases (GPT-OSS's), which the one-call step does not take
+LAYER_BY_LAYER = ["hunyuan_moe", "gpt_oss"]
 # routed by scores and a bias (DeepSeek's sigmoid routing, ERNIE's softmax), which the one-call
 # decode step does not describe
 SCORED = ["glm4_moe", "glm4_moe_unnormed", "ernie4_5_moe"]
@@ -185,6 +186,8 @@ def _config(tiny_moe_dirs, tmp_path, family, **changes):
     ("glm4_moe", {"topk_group": 3}, "n_group=2 and topk_group=3"),
     ("ernie4_5_moe", {"use_bias": True}, "ernie4_5_moe: use_bias"),
     ("hunyuan_moe", {"moe_topk": [2, 1]}, r"moe_topk=\[2, 1\] \(a different count per layer"),
+    ("gpt_oss", {"swiglu_limit": 5.0}, "gpt_oss: swiglu_limit=5.0 is not implemented"),
+    ("gpt_oss", {"swiglu_alpha": 1.0}, "gpt_oss: swiglu_alpha=1.0 is not implemented"),
 ])
 def test_configs_that_change_the_routing_unimplemented_are_refused_by_name(
         family, changes, error, tiny_moe_dirs, tmp_path):

@@ -139,7 +139,7 @@ def test_a_damaged_module_and_a_config_that_is_no_object_are_named(tiny_llama_di
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(quant_method="mxfp4"), "quant_method 'mxfp4' is not implemented"),
+    (dict(quant_method="hqq"), "quant_method 'hqq' is not implemented"),
     (dict(quant_method="bitsandbytes"), "quant_method 'bitsandbytes' is not implemented"),
     (dict(bits=3), "bits 3 is not implemented"),
     (dict(dynamic={"-:.*down_proj": {}}), "dynamic"),
@@ -207,3 +207,60 @@ def test_routed_experts_are_read_one_module_each(family, tiny_moe_dirs, tmp_path
     assert routed and all(isinstance(p, LinearExperts) for p in routed), routed
     kinds = {linear._kinds[0][0] for p in routed for linear in (*p.gate_up, *p.down)}
     assert kinds == {"Q4_0"}
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(tiny_moe_dirs, tmp_path_factory):
+    from mxfp4_files import write_mxfp4
+
+    return write_mxfp4(tiny_moe_dirs["gpt_oss"], tmp_path_factory.mktemp("mx") / "gpt_oss")
+
+
+def _transformers_mxfp4(path, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, quantization_config=Mxfp4Config(dequantize=True)).eval()
+
+
+def test_mxfp4_experts_become_q5_0_blocks_of_the_very_values_transformers_reads(gpt_oss_mxfp4):
+    """Every expert's gate, up and down in Q5_0 blocks that ``gguf`` dequantizes to exactly
+    transformers' dequantization of the MXFP4 checkpoint (gate and up: its even and odd
+    features)."""
+    from safetensors.torch import load_file
+
+    from actorlm.models import mxfp4
+
+    theirs = _transformers_mxfp4(gpt_oss_mxfp4)
+    [file] = gpt_oss_mxfp4.glob("*.safetensors")
+    weights = dict(mxfp4.read_tensors(load_file(file).items(), torch.float32, as_weight))
+    checked = 0
+    for i, layer in enumerate(theirs.model.layers):
+        gate_up = layer.mlp.experts.gate_up_proj.detach().transpose(1, 2)  # [E, 2I, H]
+        down = layer.mlp.experts.down_proj.detach().transpose(1, 2)  # [E, H, I]
+        for e in range(gate_up.shape[0]):
+            for name, expected in (("gate_proj", gate_up[e, 0::2]), ("up_proj", gate_up[e, 1::2]),
+                                   ("down_proj", down[e])):
+                weight = weights[f"model.layers.{i}.mlp.experts.{e}.{name}.weight"]
+                assert weight.type_name == "Q5_0"
+                assert torch.equal(_gguf_dequantized(weight), expected)
+                checked += 1
+    assert checked == 2 * 8 * 3
+
+
+def test_an_mxfp4_checkpoint_matches_transformers_on_its_weights(gpt_oss_mxfp4):
+    from actorlm.kernels.moe import LinearExperts
+
+    ours = load_model(gpt_oss_mxfp4, torch.float32, "cpu", select_backend("cpu"))
+    assert all(isinstance(layer.mlp.experts.prepared, LinearExperts)
+               for layer in ours.model.layers)
+    check_greedy_and_kl(ours, _transformers_mxfp4(gpt_oss_mxfp4))
+
+
+def test_a_scale_fp16_cannot_hold_dequantizes_the_weight_exactly():
+    """2^-30 (an E8M0 scale of 98) is below fp16's subnormals: that weight is served dense."""
+    values = torch.randint(4, 29, (4, 64), dtype=torch.uint8)
+    scales = torch.tensor([[2.0**-30, 2.0**-3]] * 4)
+    weight, kind = as_weight(Grouped(values, None, scales, 5), torch.float32)
+    assert kind == "dense (scales fp16 does not hold exactly)"
+    assert torch.equal(weight, Grouped(values, None, scales, 5).dense())

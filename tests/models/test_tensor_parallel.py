@@ -75,10 +75,13 @@ def checkpoints(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen3_dir, tiny_replicated_
                             "cohere_qk_norm", "phi_qk_norm", "hunyuan_dense")},
             # every expert's intermediate features split (from per-expert tensors and from
             # stacked ones), a shared expert's too (gated, and Granite's unscaled), a router on
-            # every rank; OLMoE's q/k norms over all heads, its one KV head on both ranks
+            # every rank; OLMoE's q/k norms over all heads, its one KV head on both ranks;
+            # GPT-OSS's experts' biases split with their features (down's added by one rank)
+            # and each rank's heads' sinks
             **{name: tiny_moe_dirs[name]
                for name in ("qwen3_moe", "qwen3_moe_stacked", "qwen2_moe", "mixtral", "olmoe",
-                            "granitemoeshared", "glm4_moe", "ernie4_5_moe", "hunyuan_moe")},
+                            "granitemoeshared", "glm4_moe", "ernie4_5_moe", "hunyuan_moe",
+                            "gpt_oss")},
             # in blocks: o_proj / down_proj split on block boundaries; a tied embedding (looked
             # up as floats per rank); an untied head whose odd vocabulary pads with zero blocks
             **{name: resolve_model(write_gguf(path, files / f"{name}.gguf", type_name))
@@ -110,7 +113,7 @@ def split(checkpoints):
                                   "qwen3_moe",
                                   "qwen3_moe_stacked", "qwen2_moe", "mixtral", "olmoe",
                                   "granitemoeshared", "glm4_moe", "ernie4_5_moe", "hunyuan_moe",
-                                  "llama_fp8",
+                                  "gpt_oss", "llama_fp8",
                                   "qwen2_fp8_block"])
 def test_two_ranks_compute_what_one_computes(name, checkpoints, split):
     path = checkpoints[name]
