@@ -232,3 +232,71 @@ def transformers_on_gguf(gguf_path: pathlib.Path):
     return AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, config=load_hf_config(resolve_model(gguf_path)),
         dtype=torch.float32, local_files_only=True).eval()
+
+
+def write_gpt_oss_gguf(hf_dir: pathlib.Path, out: pathlib.Path,
+                       experts_in: str = "MXFP4") -> tuple[pathlib.Path, dict]:
+    """The GPT-OSS checkpoint ``hf_dir`` as llama.cpp's converter writes it (``gpt-oss``): the
+    experts' gate and up apart ([E, I, H] each, from the checkpoint's interleaved [E, H, 2I])
+    and their biases beside them, the experts in MXFP4 blocks (``experts_in``, or F32); the
+    router, sinks and the rest in F32. Returns (the file, the checkpoint's tensors with the
+    experts' weights as the file holds them: transformers' oracle)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    [file] = hf_dir.glob("*.safetensors")
+    state = load_file(file)
+    tensors, oracle = {}, dict(state)
+    mxfp4 = gguf.GGMLQuantizationType.MXFP4
+    for name, tensor in state.items():
+        values = tensor.float().numpy()
+        stem, _, kind = name.rpartition(".")
+        if not stem.startswith("model.layers."):
+            tensors[f"{_TOP[stem]}.{kind}"] = values
+            continue
+        layer, part = stem.split(".", 3)[2:]
+        projection = name.split(".", 3)[3].removeprefix("mlp.experts.")  # (no .weight)
+        if projection in ("gate_up_proj", "down_proj"):  # [E, in, out] -> [E, out, in] blocks
+            rows = np.ascontiguousarray(np.swapaxes(values, 1, 2))
+            if experts_in == "MXFP4":
+                blocks = gguf.quants.quantize(rows, mxfp4)
+                # (the oracle reads the blocks' values back, in the checkpoint's layout)
+                oracle[name] = torch.from_numpy(np.swapaxes(
+                    gguf.quants.dequantize(blocks, mxfp4), 1, 2).copy())
+            stored = (blocks, mxfp4) if experts_in == "MXFP4" else (rows, None)
+            parts = {"down_proj": stored} if projection == "down_proj" else \
+                {"gate_proj": (stored[0][:, 0::2], stored[1]),
+                 "up_proj": (stored[0][:, 1::2], stored[1])}
+            for ours, stored_part in parts.items():
+                tensors[f"blk.{layer}.{_EXPERTS[ours]}.weight"] = stored_part
+        elif projection in ("gate_up_proj_bias", "down_proj_bias"):
+            parts = {"down_proj": values} if projection == "down_proj_bias" else \
+                {"gate_proj": values[:, 0::2], "up_proj": values[:, 1::2]}
+            for ours, bias in parts.items():
+                tensors[f"blk.{layer}.{_EXPERTS[ours]}.bias"] = np.ascontiguousarray(bias)
+        elif projection == "self_attn.sinks":
+            tensors[f"blk.{layer}.attn_sinks.weight"] = values
+        else:
+            names = {**_LAYER, "mlp.router": "ffn_gate_inp",
+                     "post_attention_layernorm": "post_attention_norm"}
+            tensors[f"blk.{layer}.{names[part]}.{kind}"] = values
+    writer = gguf.GGUFWriter(out, "gpt-oss")
+    _write_config(writer, config)
+    writer.add_expert_count(config["num_local_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(config["intermediate_size"])
+    writer.add_sliding_window(config["sliding_window"])
+    rope = config["rope_parameters"]
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    _write_tokenizer(writer, hf_dir)
+    for name, values in sorted(tensors.items()):
+        values, kind = values if isinstance(values, tuple) else (values, None)
+        writer.add_tensor(name, np.ascontiguousarray(values), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out, oracle

@@ -401,6 +401,8 @@ def _load_keys(param_name, param, tp: TensorParallel) -> list[str]:
     """What must be loaded to fill ``param_name``: one key per checkpoint tensor merged into it."""
     if expert_weights.is_experts_param(param_name):
         return expert_weights.expert_keys(param_name, expert_weights.held_experts(param, tp))
+    if (keys := expert_weights.bias_keys(param_name)) is not None:
+        return keys
     if ".qkv_proj." in param_name:
         return [f"{param_name}#{i}" for i in range(3)]
     if ".gate_up_proj." in param_name:

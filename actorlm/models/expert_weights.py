@@ -25,7 +25,9 @@ from actorlm.models.parallel import TensorParallel
 
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-_BIASES = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_bias|down_bias)$")  # GPT-OSS's
+# GPT-OSS's: gate/up's [E, 2I] (or a GGUF file's gate's and up's apart, [E, I] each), down's
+_BIASES = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_bias|gate_bias|up_bias|down_bias)$")
+_HALVES = {"gate_bias": 0, "up_bias": 1}
 
 
 class ExpertPart(NamedTuple):
@@ -42,6 +44,15 @@ class ExpertPart(NamedTuple):
 
 def is_experts_param(param_name: str) -> bool:
     return _STACKED.match(param_name) is not None
+
+
+def bias_keys(param_name: str) -> list[str] | None:
+    """What must be loaded to fill a stacked bias parameter (gate/up's: both halves), or None
+    if it is none."""
+    match = _BIASES.match(param_name)
+    if match is None:
+        return None
+    return [f"{param_name}#0", f"{param_name}#1"] if match[2] == "gate_up_bias" else [param_name]
 
 
 def held_experts(stacked: torch.Tensor, tp: TensorParallel) -> range:
@@ -99,19 +110,27 @@ def expert_parts(name: str, tensor, params: dict[str, torch.Tensor],
 
 
 def _bias_parts(name, tensor, params, tp) -> list[ExpertPart]:
-    """``expert_parts`` for the stacked experts' biases, gate_up's [E, 2I] ([gate | up]) or
-    down's [E, H]: a rank's experts' whole, or its share of the gate and up features; down's
-    every rank holds whole (one adds it: ``RoutedExperts``)."""
-    if name not in params:
+    """``expert_parts`` for the stacked experts' biases: gate/up's [E, 2I] ([gate | up]; a GGUF
+    file's gate and up halves apart) or down's [E, H]: a rank's experts' whole, or its share of
+    the gate and up features; down's every rank holds whole (one adds it: ``RoutedExperts``)."""
+    prefix, kind = _BIASES.match(name).groups()
+    target = f"{prefix}.gate_up_bias" if kind in _HALVES else name
+    if target not in params:
         raise ValueError(f"unexpected weight {name!r} in checkpoint")
-    dst = params[name]
+    dst = params[target]
     experts = held_experts(dst, tp)
-    if tp.expert_parallel or name.endswith(".down_bias"):
+    if kind == "down_bias":
         return [ExpertPart([name], dst, narrow(tensor, 0, experts.start, len(experts)))]
-    size = dst.shape[1] // 2
-    return [ExpertPart([name], dst.narrow(1, index * size, size),
-                       narrow(tensor, 1, index * size * tp.size + tp.rank * size, size))
-            for index in range(2)]
+    size = dst.shape[1] // 2  # this rank's features of each half
+    halves = [_HALVES[kind]] if kind in _HALVES else [0, 1]
+    if tp.expert_parallel:
+        tensor = narrow(tensor, 0, experts.start, len(experts))
+    whole = size * (1 if tp.expert_parallel else tp.size)  # a half's features in the tensor
+    share = 0 if tp.expert_parallel else tp.rank * size  # this rank's first of them
+    return [ExpertPart([f"{target}#{index}"], dst.narrow(1, index * size, size),
+                       narrow(tensor, 1, (index * whole if len(halves) == 2 else 0) + share,
+                              size))
+            for index in halves]
 
 
 def _per_expert_part(name, groups, tensor, params, tp):

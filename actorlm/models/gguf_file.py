@@ -6,7 +6,8 @@ file's metadata (a few seconds: the tokenizer conversion and the metadata parse 
 slow), and ``gguf.json``, which names the file and lists its tensors (name, type, shape, byte
 offset). Loading then memory-maps the file and hands each tensor over under its Hugging Face
 name: the block formats this engine has kernels for as ``QuantizedWeight`` (the raw blocks,
-one row per output feature), the float ones as tensors, the others dequantized (logged once).
+one row per output feature), the float ones as tensors, MXFP4 (GPT-OSS's experts) as Q5_0
+blocks of the same values (``mxfp4``), the others dequantized (logged once).
 
 A mixture of experts' layers store their routed experts stacked, one 3-D tensor per projection
 (``ffn_gate_exps``, ``ffn_up_exps`` [E, I, H], ``ffn_down_exps`` [E, H, I]); they are handed
@@ -41,7 +42,7 @@ import torch
 
 from actorlm.kernels import QUANTIZED_FORMATS, QuantizedWeight
 from actorlm.kernels.resident import resident
-from actorlm.models import gguf_metadata, gguf_moe
+from actorlm.models import gguf_metadata, gguf_moe, mxfp4, prequantized
 from actorlm.paths import cache_root
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ _OWN_CONFIGS = {"smollm3": gguf_metadata.smollm3_config, "gemma": gguf_metadata.
 _UNKNOWN_TO_TRANSFORMERS = ("smollm3", "gemma", "granite", "granitemoe", "olmo2", "olmoe",
                             "exaone4", "glm4", "ernie4_5", "seed_oss", "phi2", "command-r",
                             "cohere2", "arcee", "olmo", "gptneox", "falcon", "starcoder",
-                            "qwen2vl", "qwen3vl", "glm4moe", "ernie4_5-moe")
+                            "qwen2vl", "qwen3vl", "glm4moe", "ernie4_5-moe", "gpt-oss")
 # q and k rows permuted by llama.cpp's converter (a Llama's and its descendants')
 _PERMUTED_QK = ("llama", "mistral", "mixtral", "smollm3", "granite", "granitemoe", "olmo")
 # norms stored as 1 + weight (Gemma's; Nemotron's LayerNorm1P, whose loading adds the 1 back)
@@ -103,8 +104,8 @@ _LAYER_NAMES = {
 _OUTPUT_NORM_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                       "ffn_norm": "pre_feedforward_layernorm",
                       "post_ffw_norm": "post_feedforward_layernorm"}
-# Seed-OSS's (and GLM-4.5's) norm before the MLP, under the name Gemma's and OLMo 2's norm after
-# attention has
+# Seed-OSS's (and GLM-4.5's, GPT-OSS's) norm before the MLP, under the name Gemma's and OLMo 2's
+# norm after attention has
 _SEED_OSS_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm"}
 # GLM-4's norms after attention and MLP beside a Llama's, and its gate/up fused (Phi-3's way)
 _GLM4_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_self_attn_layernorm",
@@ -236,6 +237,12 @@ def _tensor(info: TensorInfo, raw: torch.Tensor, config, dtype: torch.dtype,
         blocks = _unpermuted(info.name, raw.view(rows, -1), config)
         return QuantizedWeight(info.type_name, resident(blocks) if copied else blocks,
                                info.shape)
+    if info.type_name == "MXFP4":  # (GPT-OSS's experts) into Q5_0 blocks, exactly
+        weight, kind = prequantized.as_weight(mxfp4.gguf_grouped(raw, rows), dtype, copied)
+        if isinstance(weight, QuantizedWeight):
+            return weight._replace(shape=info.shape)
+        dequantized[f"MXFP4 ({kind})"] += 1
+        return weight.view(info.shape)
     if info.type_name in _FLOAT_TYPES:
         values = raw.view(_FLOAT_TYPES[info.type_name]).view(info.shape)
         if config.model_type in _ONE_PLUS_NORMS and info.name.endswith("norm.weight"):
@@ -307,7 +314,8 @@ def _hf_name(name: str, arch: str) -> str:
             return f"model.layers.{layer}.{gguf_moe.WHOLE_NAMES[f'{part}.{kind}']}"
         names = _OUTPUT_NORM_NAMES if arch in ("gemma2", "gemma3", "olmo2", "exaone4") else \
             {"phi3": _PHI3_LAYER_NAMES, "seed_oss": _SEED_OSS_NAMES, "glm4": _GLM4_NAMES,
-             "glm4moe": _SEED_OSS_NAMES, "starcoder2": _STARCODER2_NAMES, "phi2": _PHI2_NAMES,
+             "glm4moe": _SEED_OSS_NAMES, "gpt-oss": _SEED_OSS_NAMES,
+             "starcoder2": _STARCODER2_NAMES, "phi2": _PHI2_NAMES,
              "gptneox": _GPTNEOX_NAMES, "gpt2": _GPTNEOX_NAMES, "starcoder": _GPTNEOX_NAMES,
              "falcon": _FALCON_NAMES}.get(arch, _LAYER_NAMES)
         part = names.get(part) or gguf_moe.per_expert_name(part)

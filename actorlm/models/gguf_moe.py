@@ -28,6 +28,10 @@ top ``expert_used_count``):
   ``rope.dimension_count`` of each head's features (halves: q and k not permuted). The file's
   ``block_count`` counts its multi-token-prediction layers (``nextn_predict_layers``, the last
   ones), which are left out (``draft_layers_from``).
+- ``gpt-oss`` (transformers' reader expects other expert names): a ``GptOssConfig``, its YaRN
+  (``_gpt_oss_config``), the experts' gate, up and down with their biases
+  (``ffn_*_exps.bias``) and the sinks (``attn_sinks``); the experts' MXFP4 blocks become Q5_0
+  ones (``gguf_file``, ``mxfp4``).
 - ``ernie4_5-moe`` (ERNIE 4.5; transformers does not read it): an ``Ernie4_5_MoeConfig``,
   experts every ``interleave_moe_layer_step``-th layer from ``leading_dense_block_count`` on
   (its ``moe_layer_start_index``), ``expert_shared_count`` shared experts, the routing bias
@@ -48,10 +52,11 @@ from actorlm.models.gguf_metadata import field
 # GGUF architecture -> model_type, beside the dense ones (Mixtral's files say "llama")
 ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe",
                  "granitemoe": "granitemoe", "glm4moe": "glm4_moe",
-                 "ernie4_5-moe": "ernie4_5_moe"}
+                 "ernie4_5-moe": "ernie4_5_moe", "gpt-oss": "gpt_oss"}
 # tensors whose Hugging Face name is not "<name>.<weight or bias>": GLM-4.5's and ERNIE 4.5's
-# routing bias
-WHOLE_NAMES = {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}
+# routing bias, GPT-OSS's sinks
+WHOLE_NAMES = {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+               "attn_sinks.weight": "self_attn.sinks"}
 # GGUF tensor name (after "blk.N.") -> the Hugging Face one (after "model.layers.N."); the
 # stacked experts under a name of their own, split per expert as they are read
 LAYER_NAMES = {
@@ -127,7 +132,8 @@ def moe_config(gguf, reader, tensor_names: list[str]):
         else:
             config.attention_bias, config.norm_topk_prob = has_bias, True
         return config
-    common = dict(gguf_metadata.decoder_fields(reader, arch, tensor_names),
+    common = dict(gguf_metadata.decoder_fields(reader, arch, tensor_names,
+                                               reads_rope_scaling=arch == "gpt-oss"),
                   num_experts_per_tok=field(reader, f"{arch}.expert_used_count"))
     hidden, heads = common["hidden_size"], common["num_attention_heads"]
     head_dim = gguf_metadata.head_dim(reader, arch)
@@ -142,6 +148,8 @@ def moe_config(gguf, reader, tensor_names: list[str]):
         return _glm4moe_config(reader, common, tensor_names, experts)
     if arch == "ernie4_5-moe":
         return _ernie4_5_moe_config(reader, common, tensor_names, experts)
+    if arch == "gpt-oss":
+        return _gpt_oss_config(reader, common, experts)
     if head_dim * heads != hidden:  # its q norm has one weight per feature of q
         raise ValueError(f"olmoe: attention.key_length {head_dim} times {heads} heads is not "
                          f"the embedding length {hidden}")
@@ -188,3 +196,24 @@ def _ernie4_5_moe_config(reader, common: dict, tensor_names: list[str], experts:
         moe_num_shared_experts=field(reader, f"{arch}.expert_shared_count", 0),
         moe_layer_start_index=field(reader, f"{arch}.leading_dense_block_count", 0),
         moe_layer_interval=field(reader, f"{arch}.interleave_moe_layer_step", 1))
+
+
+def _gpt_oss_config(reader, common: dict, experts: int):
+    """GPT-OSS's: its YaRN from the file (type, factor, original context), with the betas and
+    the untruncated ramp of its release's config, which the file leaves out; every other layer
+    sliding, the first among them (llama.cpp's pattern, transformers' default)."""
+    from transformers import GptOssConfig
+
+    arch = "gpt-oss"
+    scaling = field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling != "yarn":
+        raise ValueError(f"GGUF {arch} file: rope scaling {scaling!r} is not implemented (yarn)")
+    common["rope_parameters"].update(
+        rope_type="yarn", factor=field(reader, f"{arch}.rope.scaling.factor"),
+        original_max_position_embeddings=field(
+            reader, f"{arch}.rope.scaling.original_context_length"),
+        beta_fast=32.0, beta_slow=1.0, truncate=False)
+    return GptOssConfig(**{**common, "intermediate_size": field(
+        reader, f"{arch}.expert_feed_forward_length")},
+        head_dim=gguf_metadata.head_dim(reader, arch), num_local_experts=experts,
+        sliding_window=field(reader, f"{arch}.attention.sliding_window"), attention_bias=True)

@@ -86,6 +86,12 @@ _OTHER_ROUTING = {
     "n_shared_experts": (None, 0),
     "first_k_dense_replace": (None, 0),
 }
+_GPT_OSS_NAMES = {".mlp.router.": ".mlp.gate.",
+                  ".mlp.experts.gate_up_proj_bias": ".mlp.experts.gate_up_bias",
+                  ".mlp.experts.down_proj_bias": ".mlp.experts.down_bias",
+                  ".mlp.experts.gate_proj.bias": ".mlp.experts.gate_bias",
+                  ".mlp.experts.up_proj.bias": ".mlp.experts.up_bias",
+                  ".mlp.experts.down_proj.bias": ".mlp.experts.down_bias"}
 # GPT-OSS's experts stacked [E, in, out], and those whose gate and up features interleave
 _GPT_OSS_STACKED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 _GPT_OSS_INTERLEAVED = (".mlp.experts.gate_up_proj", ".mlp.experts.gate_up_bias")
@@ -320,10 +326,10 @@ def checkpoint_name(config, name: str) -> str:
         return name.replace(".mlp.shared_experts.", ".mlp.shared_expert.") \
             .replace(".mlp.gate.e_score_correction_bias", ".mlp.score_bias") \
             .replace(".mlp.moe_statics.e_score_correction_bias", ".mlp.score_bias")
-    if config.model_type == "gpt_oss":
-        return name.replace(".mlp.router.", ".mlp.gate.") \
-            .replace(".mlp.experts.gate_up_proj_bias", ".mlp.experts.gate_up_bias") \
-            .replace(".mlp.experts.down_proj_bias", ".mlp.experts.down_bias")
+    if config.model_type == "gpt_oss":  # (a GGUF file's experts' biases come one a projection)
+        for theirs, ours in _GPT_OSS_NAMES.items():
+            name = name.replace(theirs, ours)
+        return name
     if config.model_type != "mixtral":
         return name
     name = name.replace(".block_sparse_moe.", ".mlp.")

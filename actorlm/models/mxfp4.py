@@ -14,6 +14,10 @@ Each projection becomes one weight per expert (``experts.{e}.gate_proj`` …, th
 other families' experts load by), its gate and up rows taken apart: GPT-OSS interleaves them
 (row 2i is gate feature i, row 2i + 1 up feature i). The biases, router and attention are
 plain tensors of the checkpoint.
+
+A GGUF file's MXFP4 tensors (llama.cpp's ``gpt-oss`` files: the experts) hold the same values
+in ggml's block, 17 bytes: the E8M0 scale, then 16 bytes whose low nibbles are values 0-15 and
+high nibbles 16-31 (``gguf_grouped``); they become Q5_0 blocks the same way.
 """
 
 from __future__ import annotations
@@ -68,6 +72,26 @@ def read_tensors(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
     log.info("mxfp4 checkpoint: %s", ", ".join(f"{n} x {k}" for k, n in sorted(kinds.items())))
 
 
+def gguf_grouped(raw: torch.Tensor, rows: int):
+    """A GGUF MXFP4 tensor's bytes as ``prequantized.Grouped`` [rows, 32 x blocks]."""
+    from actorlm.models.prequantized import Grouped
+
+    blocks = raw.view(rows, -1, 17)
+    qs = blocks[..., 1:]
+    nibbles = torch.cat((qs & 0x0F, qs >> 4), -1).flatten(1)  # [rows, in]
+    return Grouped(_doubled(nibbles), None, _steps(blocks[..., 0]), 5)
+
+
+def _doubled(nibbles: torch.Tensor) -> torch.Tensor:
+    """FP4 nibbles as Q5_0's values, q = 2 x value + 16."""
+    return (_DOUBLED[nibbles.long()] + 16).to(torch.uint8)
+
+
+def _steps(scales: torch.Tensor) -> torch.Tensor:
+    """E8M0 scales s as the step of a doubled value, 2^(s - 128)."""
+    return torch.exp2(scales.float() - 128)
+
+
 def _experts(stem: str, blocks: torch.Tensor, scales: torch.Tensor, grouped):
     """(per-expert name, ``Grouped``) of the stacked projection ``stem``
     (``...mlp.experts.gate_up_proj`` or ``down_proj``)."""
@@ -78,8 +102,7 @@ def _experts(stem: str, blocks: torch.Tensor, scales: torch.Tensor, grouped):
         raise ValueError(f"{stem}: MXFP4 blocks {tuple(blocks.shape)} do not fit scales "
                          f"{tuple(scales.shape)}")
     nibbles = torch.stack((blocks & 0x0F, blocks >> 4), -1).flatten(-3)  # [E, out, in]
-    values = (_DOUBLED[nibbles.long()] + 16).to(torch.uint8)  # q = k + 16
-    steps = torch.exp2(scales.float() - 128)  # d = 2^(s - 128) [E, out, groups]
+    values, steps = _doubled(nibbles), _steps(scales)
     rows = {"down_proj": (slice(None),)} if projection == "down_proj" else \
         {"gate_proj": (slice(0, None, 2),), "up_proj": (slice(1, None, 2),)}
     for expert in range(values.shape[0]):

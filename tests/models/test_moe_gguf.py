@@ -195,6 +195,56 @@ def test_a_file_in_blocks_keeps_its_experts_in_them_and_matches_transformers(
     check_logprobs_close([(tokens, tops)], [hf_continuation(theirs, prompt, NUM_DECODED)])
 
 
+@pytest.mark.parametrize("experts_in", ["F32", "MXFP4"])
+def test_a_gpt_oss_file_is_its_checkpoint(experts_in, tiny_moe_dirs, tmp_path):
+    """llama.cpp's layout of GPT-OSS (experts' gate and up apart, their biases, the sinks,
+    YaRN and the window from the metadata): in F32 it is its checkpoint to fp32 rounding; its
+    experts in MXFP4 load as Q5_0 blocks of the same values, judged as blocks are, against
+    the checkpoint holding those values."""
+    from gguf_moe_files import write_gpt_oss_gguf
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_moe_dirs["gpt_oss"]
+    file, state = write_gpt_oss_gguf(path, tmp_path / f"gpt-oss-{experts_in}.gguf", experts_in)
+    ours = _load(resolve_model(file))
+    assert moe_specs(load_hf_config(resolve_model(file))) == moe_specs(load_hf_config(path))
+    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    theirs.load_state_dict(state)
+    prompt = random_prompt(ours.vocab_size, PROMPT_LEN)
+    logits, tokens, tops, routes = _logits_and_greedy(ours, prompt)
+    expected, their_routes = _their_logits(theirs, prompt + tokens[:-1])
+    if experts_in == "F32":
+        torch.testing.assert_close(logits, expected, atol=2e-4, rtol=0)
+        return
+    assert all(experts.prepared.type_names == ["Q5_0"] for experts in _blocks(ours))
+    _check_close_where_routed_alike(logits, routes, expected, their_routes, "gpt-oss MXFP4")
+    check_logprobs_close([(tokens, tops)], [hf_continuation(theirs, prompt, NUM_DECODED)])
+
+
+@pytest.mark.parametrize("magnitude, type_name", [(1.0, "Q5_0"), (1e-9, "dense")])
+def test_a_files_mxfp4_blocks_become_q5_0_blocks_of_the_same_values(magnitude, type_name):
+    """ggml's MXFP4 blocks (the E8M0 scale, then values 0-15 in the low nibbles, 16-31 in the
+    high ones) as Q5_0 blocks that gguf reads back to its own MXFP4 values, bit for bit; where
+    a scale is below what fp16 holds (weights of 1e-9), the weight dequantized, as exactly."""
+    import gguf
+
+    from actorlm.models import mxfp4
+    from actorlm.models.prequantized import as_weight
+
+    rows = (np.random.default_rng(0).standard_normal((6, 96)) * magnitude).astype(np.float32)
+    kind = gguf.GGMLQuantizationType.MXFP4
+    blocks = gguf.quants.quantize(rows, kind)
+    expected = torch.from_numpy(gguf.quants.dequantize(blocks, kind))
+    weight, why = as_weight(mxfp4.gguf_grouped(torch.from_numpy(blocks), 6), torch.float32)
+    if type_name == "dense":
+        assert why == "dense (scales fp16 does not hold exactly)"
+        assert torch.equal(weight, expected)
+        return
+    assert weight.type_name == "Q5_0"
+    ours = gguf.quants.dequantize(weight.blocks.numpy(), gguf.GGMLQuantizationType.Q5_0)
+    assert torch.equal(torch.from_numpy(ours), expected)
+
+
 @pytest.mark.parametrize("family", ["mixtral", "olmoe", "granitemoe"])
 def test_the_dequantized_oracle_holds_what_the_file_holds(family, routed_dirs, gguf_files):
     import gguf
