@@ -350,7 +350,7 @@ def test_what_a_layer_refuses():
     assert quant.native.function("actorlm_quant_kept")(int(gb.QTYPE["Q2_K"])) == 0
 
 
-INTERLEAVED = ("Q4_0", "Q4_1", "Q8_0")  # csrc/quant_interleaved.h's types
+INTERLEAVED = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")  # csrc/quant_interleaved.h's types
 
 
 @pytest.fixture

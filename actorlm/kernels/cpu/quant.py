@@ -3,8 +3,8 @@ Q8_0, Q4_K...), on the C++ kernels of ``csrc/quant.cpp``. For few rows of x (dec
 quantized to int8 per block once per call and dotted with the weights' integers straight from
 their blocks, as ggml does, so decode reads a fraction of a dense weight's bytes; from a few
 dozen rows on (prefill) the weights are dequantized panel by panel into x's dtype for a dense
-GEMM tile (with AVX-512; ``QuantLinear.panel_from_rows``). With the VNNI kernels, Q4_0, Q4_1
-and Q8_0 weights are copied at load with 16 rows interleaved (``csrc/quant_interleaved.h``):
+GEMM tile (with AVX-512; ``QuantLinear.panel_from_rows``). With the VNNI kernels, Q4_0, Q4_1,
+Q5_0 and Q8_0 weights are copied at load with 16 rows interleaved (``csrc/quant_interleaved.h``):
 one instruction then multiplies 16 rows by x at once, and the panels gather a row's blocks
 back (a tied LM head's copy is the embedding's too: ``QuantLinear.rows``).
 Those layers keep to integers up to 192 rows in bf16 (48 where the panels run on AMX tiles)
@@ -147,7 +147,8 @@ def _part(weight: QuantizedWeight, in_features: int) -> tuple[torch.Tensor, obje
 
 def _interleaved(blocks: torch.Tensor, part, in_features: int) -> tuple[torch.Tensor, object]:
     """The part with its rows interleaved 16 by 16 for the VNNI kernels (``csrc/
-    quant_interleaved.h``: Q4_0, Q4_1 and Q8_0, rows a multiple of 16, the VNNI ISA in use), in
+    quant_interleaved.h``: Q4_0, Q4_1, Q5_0 and Q8_0, rows a multiple of 16, the VNNI ISA in
+    use), in
     a copy of its own; else the part as it is."""
     if _library() is None:
         return blocks, part
@@ -166,14 +167,26 @@ def file_layout(interleaved: torch.Tensor, type_name: str,
     rows, k = shape
     num_scales = 2 if type_name == "Q4_1" else 1
     num_vectors = 8 if type_name == "Q8_0" else 4
+    quants_at = 96 if type_name == "Q5_0" else 32 * num_scales
     groups, blocks = rows // 16, k // 32
     v = interleaved.view(groups, blocks, -1)  # [G, B, the 16 rows' bytes of a block]
     scales = v[..., :32 * num_scales].reshape(groups, blocks, num_scales, 16, 2)
-    quants = v[..., 32 * num_scales:].reshape(groups, blocks, num_vectors, 16, 4)
-    # -> [G, row, B, a block's bytes]: its f16 fields, then its quants in order
-    file = torch.cat([scales.permute(0, 3, 1, 2, 4).reshape(groups, 16, blocks, -1),
-                      quants.permute(0, 3, 1, 2, 4).reshape(groups, 16, blocks, -1)], dim=-1)
-    return QuantizedWeight(type_name, file.reshape(rows, -1), shape)
+    quants = v[..., quants_at:].reshape(groups, blocks, num_vectors, 16, 4)
+    # -> [G, row, B, a block's bytes]: its f16 fields, (Q5_0's qh,) then its quants in order
+    fields = [scales.permute(0, 3, 1, 2, 4).reshape(groups, 16, blocks, -1)]
+    if type_name == "Q5_0":
+        fields.append(_high_bits(v[..., 32:96]).permute(0, 2, 1, 3))
+    fields.append(quants.permute(0, 3, 1, 2, 4).reshape(groups, 16, blocks, -1))
+    return QuantizedWeight(type_name, torch.cat(fields, dim=-1).reshape(rows, -1), shape)
+
+
+def _high_bits(masks: torch.Tensor) -> torch.Tensor:
+    """Q5_0's eight 64-bit masks of a group's block [G, B, 64 bytes] as its 16 rows' qh,
+    [G, B, 16, 4 bytes]: bit 4 i + k of mask s is row i's value 4 s + k."""
+    bits = (masks.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1  # [G, B, 64, 8]
+    by_row = bits.reshape(*masks.shape[:2], 8, 16, 4).transpose(2, 3)  # [G, B, row, s, k]
+    qh = by_row.reshape(*masks.shape[:2], 16, 4, 8).to(torch.int32)  # value 8 byte + bit
+    return (qh << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8)
 
 
 class QuantLinear:

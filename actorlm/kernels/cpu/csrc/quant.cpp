@@ -12,9 +12,9 @@
 // the memory's speed (two Zen 4 cores: 20-25 GB/s, what a dense bf16 kernel gets too).
 // Many rows (prefill, big batches; kPanelFromRows): the weights dequantized panel by panel
 // and multiplied by linear.cpp's dense tiles (quant_panel.h), where AVX-512 is there. A part
-// whose rows are interleaved 16 by 16 (layout 1, quant_interleaved.h: Q4_0, Q4_1, Q8_0 under
-// VNNI) runs its own integer kernels below kInterleavedPanelFromRows, and its rows gathered
-// back for the panels.
+// whose rows are interleaved 16 by 16 (layout 1, quant_interleaved.h: Q4_0, Q4_1, Q5_0, Q8_0
+// under VNNI) runs its own integer kernels below kInterleavedPanelFromRows, and its rows
+// gathered back for the panels.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -118,8 +118,8 @@ const std::array<TypeTiles, kNumTypes> kKernels[kNumIsas] = {
 #endif
 };
 
-// The interleaved kernels, [Q4_0, Q4_1, Q8_0][rows - 1]; parts are interleaved only where the
-// CPU runs VNNI (actorlm_quant_interleave)
+// The interleaved kernels, [Q4_0, Q4_1, Q5_0, Q8_0][rows - 1]; parts are interleaved only where
+// the CPU runs VNNI (actorlm_quant_interleave)
 using Dot16 = void (*)(const uint8_t* w, int64_t num_groups, int64_t blocks, const Activations& x,
                        int64_t row0, float* out);
 #ifdef ACTORLM_QUANT_VNNI
@@ -128,10 +128,11 @@ constexpr std::array<Dot16, kTileRows> tiles16(std::integer_sequence<int, R...>)
   return {&interleaved::dot16<Type, R + 1>...};
 }
 constexpr auto kRowsSeq = std::make_integer_sequence<int, kTileRows>{};
-const std::array<Dot16, kTileRows> kInterleaved[3] = {
-    tiles16<kQ4_0>(kRowsSeq), tiles16<kQ4_1>(kRowsSeq), tiles16<kQ8_0>(kRowsSeq)};
+const std::array<Dot16, kTileRows> kInterleaved[4] = {
+    tiles16<kQ4_0>(kRowsSeq), tiles16<kQ4_1>(kRowsSeq), tiles16<kQ5_0>(kRowsSeq),
+    tiles16<kQ8_0>(kRowsSeq)};
 inline Dot16 interleaved_tiles(int type, int tile) {
-  return kInterleaved[type == kQ4_0 ? 0 : type == kQ4_1 ? 1 : 2][tile];
+  return kInterleaved[type == kQ4_0 ? 0 : type == kQ4_1 ? 1 : type == kQ5_0 ? 2 : 3][tile];
 }
 #else
 inline Dot16 interleaved_tiles(int, int) { return nullptr; }  // no part is interleaved
@@ -353,6 +354,7 @@ int actorlm_quant_interleave(int32_t type, const uint8_t* src, int64_t rows, int
   const int64_t blocks = in_features / 32;
   if (type == kQ4_0) interleaved::interleave<kQ4_0>(src, rows, blocks, dst);
   if (type == kQ4_1) interleaved::interleave<kQ4_1>(src, rows, blocks, dst);
+  if (type == kQ5_0) interleaved::interleave<kQ5_0>(src, rows, blocks, dst);
   if (type == kQ8_0) interleaved::interleave<kQ8_0>(src, rows, blocks, dst);
   return 1;
 #else

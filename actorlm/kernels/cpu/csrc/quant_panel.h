@@ -80,6 +80,7 @@ struct LayerRows {
       if (group != gathered_group || call != gathered_call) {
         if (kTypes[type] == kQ4_0) interleaved::file_rows<kQ4_0>(part, r / 16, blocks, gathered.get());
         if (kTypes[type] == kQ4_1) interleaved::file_rows<kQ4_1>(part, r / 16, blocks, gathered.get());
+        if (kTypes[type] == kQ5_0) interleaved::file_rows<kQ5_0>(part, r / 16, blocks, gathered.get());
         if (kTypes[type] == kQ8_0) interleaved::file_rows<kQ8_0>(part, r / 16, blocks, gathered.get());
         gathered_group = group, gathered_call = call;
       }
