@@ -18,7 +18,7 @@ in the history says nothing of this one):
   if the output opens with ``<think>``, and is all content otherwise.
 
 The other parsers are these two rules under other tags (``seed_oss``'s ``<seed:think>``,
-``mistral``'s ``[THINK]``). Where the tags are special tokens (Magistral's), a chat request
+``mistral``'s ``[THINK]``), but ``openai_gptoss``: GPT-OSS's harmony channels (``harmony.py``). Where the tags are special tokens (Magistral's), a chat request
 keeps special tokens in its text, or the tags would not be there to split on.
 
 From there the reasoning ends at the first ``</think>``; an unterminated think is all
@@ -46,6 +46,7 @@ class ReasoningParser:
     turn_tag: str | None = None  # the token that begins the turn the output continues
     start_tag: str = "<think>"
     end_tag: str = "</think>"
+    harmony: bool = False  # GPT-OSS's channels, not tags (``harmony.py``)
 
 
 _DEEPSEEK_TURN, _CHATML_TURN = "<｜Assistant｜>", "<|im_start|>"
@@ -57,6 +58,7 @@ REASONING_PARSERS = {parser.name: parser for parser in (
     ReasoningParser("mimo", False, _CHATML_TURN),
     ReasoningParser("minimax_m2", True),
     ReasoningParser("mistral", False, "[/INST]", "[THINK]", "[/THINK]"),
+    ReasoningParser("openai_gptoss", True, harmony=True),
     ReasoningParser("qwen3", False, _CHATML_TURN),
     ReasoningParser("seed_oss", True, "<seed:bos>", "<seed:think>", "</seed:think>"),
     ReasoningParser("step3", True),
@@ -70,6 +72,16 @@ def reasoning_parser(name: str) -> ReasoningParser:
         raise ValueError(f"--reasoning-parser: unknown parser {name!r} "
                          f"(known: {', '.join(REASONING_PARSERS)})")
     return parser
+
+
+def reasoning_tokens(parser: ReasoningParser, tokenizer, model: str = ""):
+    """The parser bound to a tokenizer: a ``ThinkTokens``, or for GPT-OSS's channels a
+    ``harmony.HarmonyTokens`` (the same interface)."""
+    if parser.harmony:
+        from actorlm.harmony import HarmonyTokens
+
+        return HarmonyTokens.for_tokenizer(tokenizer, model)
+    return ThinkTokens.for_tokenizer(parser, tokenizer, model)
 
 
 @dataclass(frozen=True)
@@ -156,7 +168,7 @@ class ReasoningStream:
                 reasoning.append(buffer[:at])
                 buffer, self.phase = buffer[at + len(end):], Phase.CONTENT
                 continue
-            keep = _partial_tag_length(buffer, end)
+            keep = partial_tag_length(buffer, end)
             reasoning.append(buffer[:len(buffer) - keep])
             self._held = buffer[len(buffer) - keep:]
             break
@@ -212,7 +224,7 @@ class ThinkGate:
         return True
 
 
-def _partial_tag_length(text: str, tag: str) -> int:
+def partial_tag_length(text: str, tag: str) -> int:
     """The length of the longest end of ``text`` that begins ``tag`` (and is shorter)."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-n:]):

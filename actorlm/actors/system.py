@@ -33,7 +33,7 @@ from actorlm.messages import (Connect, ExecutorStats, GetStats, KVStats, ResetPr
                               SchedulerStats)
 from actorlm.models.lora_adapter import lora_checker
 from actorlm.models.parts import ModelParts, load_model_parts
-from actorlm.reasoning import ThinkTokens, reasoning_parser
+from actorlm.reasoning import reasoning_parser, reasoning_tokens
 from actorlm.tokenizer import PerThreadTokenizer
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class EngineSystem:
             self.config.override_generation_config)
         self.reasoning = None
         if self.config.reasoning_parser is not None:
-            self.reasoning = ThinkTokens.for_tokenizer(
+            self.reasoning = reasoning_tokens(
                 reasoning_parser(self.config.reasoning_parser), parts.tokenizer, parts.name)
         make_runner = parts.make_runner
         config = self.config

@@ -35,7 +35,7 @@ from actorlm.messages import ExecutorStats, KVStats, SchedulerStats
 from actorlm.models.loader import load_hf_config
 from actorlm.models.parts import eos_token_ids
 from actorlm.models.lora_adapter import lora_checker
-from actorlm.reasoning import ThinkTokens, reasoning_parser
+from actorlm.reasoning import reasoning_parser, reasoning_tokens
 from actorlm.tokenizer import PerThreadTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -65,8 +65,8 @@ class EngineCoreSystem(EngineSystem):
                 self.config.generation_config, self.model_path, self.hf_config,
                 self.config.override_generation_config)
             self.reasoning = None if self.config.reasoning_parser is None else \
-                ThinkTokens.for_tokenizer(reasoning_parser(self.config.reasoning_parser),
-                                          tokenizer, self.model_path.name)
+                reasoning_tokens(reasoning_parser(self.config.reasoning_parser), tokenizer,
+                                 self.model_path.name)
             to_core = trace.wrap(self.router, "frontend", "scheduler") if trace else self.router
             self.frontend = FrontendActor.start(
                 self.tokenizer, self.config.max_model_len, ready.vocab_size, to_core,
