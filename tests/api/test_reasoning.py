@@ -344,7 +344,8 @@ def test_an_earlier_answers_think_does_not_end_this_one(seed_server):
 def test_an_unknown_parser_is_refused_before_anything_loads(capsys):
     assert main(["serve", "--reasoning-parser", "deepseek"]) == 2
     assert "--reasoning-parser: unknown parser 'deepseek' (known: deepseek_r1, deepseek_v3, " \
-        "glm45, mimo, minimax_m2, mistral, qwen3, seed_oss, step3)" in capsys.readouterr().err
+        "glm45, mimo, minimax_m2, mistral, openai_gptoss, qwen3, seed_oss, step3)" in \
+        capsys.readouterr().err
 
 
 def test_a_model_without_think_tokens_is_refused(tiny_llama_dir):

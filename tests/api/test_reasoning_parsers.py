@@ -158,7 +158,7 @@ def test_only_the_last_turn_of_the_prompt_counts():
 def test_unknown_parser_and_missing_tags_are_clear_errors():
     with pytest.raises(ValueError, match=r"--reasoning-parser: unknown parser 'r1' \(known: "
                                          r"deepseek_r1, deepseek_v3, glm45, mimo, minimax_m2, "
-                                         r"mistral, qwen3, seed_oss, step3\)"):
+                                         r"mistral, openai_gptoss, qwen3, seed_oss, step3\)"):
         reasoning_parser("r1")
     with pytest.raises(ValueError, match="tokenizer of tiny has no '</think>' token"):
         ThinkTokens.for_tokenizer(QWEN3, FakeTokenizer({"<think>": START}), "tiny")
