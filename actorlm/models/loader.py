@@ -26,7 +26,7 @@ from actorlm.kernels import QUANTIZED_FORMATS
 from actorlm.models import gguf_file, prequantized, quantized
 from actorlm.models.families import SUPPORTED_MODEL_TYPES, TEXT_TOWERS, text_config
 from actorlm.models.expert_parallel import split_intermediate_sizes
-from actorlm.models.moe_families import EXPERTS_SIZE
+from actorlm.models.moe_families import EXPERTS_SIZE, experts_as_held
 from actorlm.models.causal_lm import CausalLM
 from actorlm.models.encoder import ENCODER_MODEL_TYPES, Encoder, encoder_class, is_encoder
 from actorlm.models.parallel import TensorParallel
@@ -186,7 +186,8 @@ def load_model(path, dtype: torch.dtype, device, backend,
     else:
         tensors = _safetensors(path, sliced=tp.is_parallel and quantization is None)
         if quantization is not None:
-            tensors = quantized.quantize_checkpoint(tensors, quantization)
+            tensors = quantized.quantize_checkpoint(experts_as_held(config, tensors),
+                                                    quantization)
     if getattr(config, "classifier_from_token", None) and pooling == "classify":
         from transformers import AutoTokenizer  # (its tokens' rows of the LM head: the score)
 

@@ -310,6 +310,15 @@ def gpt_oss_tensor(name: str, tensor):
     return tensor.contiguous()
 
 
+def experts_as_held(config, tensors):
+    """A checkpoint's (name, tensor) pairs with GPT-OSS's stacked experts in the layout the
+    others' are held in, under their own names (``gpt_oss_tensor``): what ``--quantization``
+    splits per expert before the model reads the names."""
+    for name, tensor in tensors:
+        yield name, gpt_oss_tensor(name, tensor) if config.model_type == "gpt_oss" and \
+            name.endswith(_GPT_OSS_STACKED) else tensor
+
+
 def checkpoint_name(config, name: str) -> str:
     """A checkpoint tensor's name as the model loads it: Mixtral's MoE block and experts
     under the names the other families use (``mlp``, ``gate_proj``, ``up_proj``,

@@ -70,19 +70,17 @@ def quantize_checkpoint(tensors, quantization: str):
 
 
 def _quantized_experts(stacked, tensor: torch.Tensor, quantization: str):
-    """A checkpoint's stacked gate/up [E, 2I, H] or down [E, H, I] one expert and projection at
-    a time in blocks, or as it is where its rows do not divide into blocks."""
+    """A checkpoint's stacked gate/up [E, 2I, H] or down [E, H, I] (the layout the experts are
+    held in: ``moe_families.experts_as_held``) one expert and projection at a time, in blocks
+    where its rows divide into them."""
     prefix, projection = stacked.groups()
-    if tensor.shape[-1] % block_elements(quantization.upper()):
-        yield stacked.string, tensor
-        return
     size = tensor.shape[1] // 2
     for expert, values in enumerate(tensor):
         parts = [("down_proj", values)] if projection == "down_proj" else \
             [("gate_proj", values[:size]), ("up_proj", values[size:])]
-        for part, rows in parts:
-            yield f"{prefix}.{expert}.{part}.weight", quantize(rows, quantization, False,
-                                                               copied=False)
+        for part, rows in parts:  # (rows that do not divide into blocks: as they are)
+            yield f"{prefix}.{expert}.{part}.weight", \
+                quantize(rows, quantization, False, copied=False) or rows
 
 
 def narrow(weight: QuantizedWeight, dim: int, start: int, length: int) -> QuantizedWeight:

@@ -41,7 +41,7 @@ from actorlm.kernels import QuantizedWeight, moe, portable, select_backend
 from actorlm.models import expert_weights, quantized
 from actorlm.models.loader import load_hf_config, load_model, resolve_model
 from actorlm.models.moe import SparseMoeBlock
-from actorlm.models.moe_families import moe_specs
+from actorlm.models.moe_families import experts_as_held, moe_specs
 from actorlm.models.parallel import TensorParallel
 from actorlm.models.parts import load_model_parts
 
@@ -313,25 +313,31 @@ def _quantized_like_the_engine(hf_dir, quantization: str):
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.dim() < 2 or name.endswith((".gate.weight", "shared_expert_gate.weight")):
-                continue
+            if param.dim() < 2 or name.endswith((".gate.weight", "shared_expert_gate.weight",
+                                                 ".router.weight", "_bias")):
+                continue  # (GPT-OSS's experts' biases are [E, out]: no matrices)
             vocabulary = "embed_tokens" in name or "lm_head" in name
-            rows = param.reshape(-1, param.shape[-1])
+            # (GPT-OSS's experts [E, in, out]: blocks along the inputs)
+            inputs_first = name.endswith((".experts.gate_up_proj", ".experts.down_proj")) and \
+                model.config.model_type == "gpt_oss"
+            values = param.transpose(1, 2) if inputs_first else param
+            rows = values.reshape(-1, values.shape[-1])
             blocks = quantized.quantize(rows, quantization, vocabulary)
             if blocks is not None:
-                param.copy_(portable.dequantize(blocks, torch.float32).view(param.shape))
+                values.copy_(portable.dequantize(blocks, torch.float32).view(values.shape))
     return model
 
 
 @pytest.mark.parametrize("quantization", ["q8_0", "q4_0"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_moe_stacked", "qwen2_moe", "mixtral",
-                                    "olmoe"])
+                                    "olmoe", "gpt_oss"])
 def test_quantization_puts_the_experts_in_blocks_too(family, quantization, tiny_moe_dirs):
     """tests/checkpoints.py's MoE checkpoints (a dense layer among Qwen3-MoE's, Qwen2-MoE's
-    shared expert, experts saved stacked) under ``--quantization``: every routed expert in
-    blocks, the routers in floats, and the blocks hold what transformers' weights quantized and
-    dequantized by gguf hold (the model over their values, in floats, is transformers' over
-    them to fp32 rounding)."""
+    shared expert, experts saved stacked, GPT-OSS's stacked [E, in, out] with gate and up
+    interleaved) under ``--quantization``: every routed expert in blocks, the routers in
+    floats, and the blocks hold what transformers' weights quantized and dequantized by gguf
+    hold (the model over their values, in floats, is transformers' over them to fp32
+    rounding)."""
     path = tiny_moe_dirs[family]
     ours = _load(path, quantization=quantization)
     for experts in _blocks(ours):
@@ -347,7 +353,8 @@ def test_quantization_puts_the_experts_in_blocks_too(family, quantization, tiny_
     values.load_weights((name, portable.dequantize(tensor, torch.float32)
                          if isinstance(tensor, QuantizedWeight) else tensor)
                         for name, tensor in quantized.quantize_checkpoint(
-                            _safetensors(path, sliced=False), quantization))
+                            experts_as_held(values.config, _safetensors(path, sliced=False)),
+                            quantization))
     prompt = random_prompt(ours.vocab_size, PROMPT_LEN)
     expected, _ = _their_logits(_quantized_like_the_engine(path, quantization), prompt)
     torch.testing.assert_close(PagedContexts(values).step(values, [(0, prompt)]), expected,
