@@ -3,7 +3,8 @@ the reply's ``analysis`` channel apart from its ``final`` one.
 
 A harmony reply is a run of messages, each a header and a body:
 
-    <|channel|>analysis<|message|>The user asks…<|end|><|start|>assistant<|channel|>final<|message|>Hi!<|return|>
+    <|channel|>analysis<|message|>The user asks…<|end|>
+    <|start|>assistant<|channel|>final<|message|>Hi!<|return|>      (one line, no break)
 
 (the prompt's last turn ends with ``<|start|>assistant``, so the reply opens on a header). The
 bodies of ``analysis`` messages are the reasoning; those of ``final`` and ``commentary``
