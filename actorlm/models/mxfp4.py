@@ -43,12 +43,11 @@ def check(config: dict) -> None:
     modules it leaves out (``modules_to_not_convert``) are the checkpoint's plain tensors."""
 
 
-def read_tensors(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
-                 as_weight) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """The checkpoint's pairs with each MXFP4 projection as its experts' weights (``as_weight``:
-    ``prequantized.as_weight``, a ``Grouped`` into blocks or ``dtype``); other tensors pass as
-    they are."""
-    from actorlm.models.prequantized import Grouped
+def read_tensors(tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
+                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """The checkpoint's pairs with each MXFP4 projection as its experts' weights, in blocks
+    or in ``dtype`` (``prequantized.as_weight``); other tensors pass as they are."""
+    from actorlm.models.prequantized import Grouped, as_weight  # (prequantized imports this)
 
     held: dict[str, dict[str, torch.Tensor]] = {}
     kinds = Counter()

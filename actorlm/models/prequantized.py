@@ -289,7 +289,7 @@ def read_tensors(tensors: Iterable[tuple[str, torch.Tensor]], config: dict,
         yield from fp8.read_tensors(tensors, config, dtype, lambda m: _ct_group(config, m))
         return
     if config["quant_method"] == "mxfp4":
-        yield from mxfp4.read_tensors(tensors, dtype, as_weight)
+        yield from mxfp4.read_tensors(tensors, dtype)
         return
     method = config["quant_method"]
     names, optional, reader = _FORMATS[method]

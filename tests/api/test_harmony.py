@@ -7,8 +7,9 @@ alone, against a real xgrammar matcher; and a tokenizer without harmony's tokens
 from __future__ import annotations
 
 import pytest
+from test_reasoning_parsers import fed
 
-from actorlm.harmony import HarmonyGate, HarmonyStream, HarmonyTokens
+from actorlm.harmony import HarmonyStream, HarmonyTokens
 from actorlm.reasoning import Phase, reasoning_parser, reasoning_tokens, split_reasoning
 
 HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
@@ -42,13 +43,7 @@ CASES = [
 
 
 def streamed(pieces):
-    stream = HarmonyStream()
-    reasoning, content = "", ""
-    for piece in pieces:
-        r, c = stream.feed(piece)
-        reasoning, content = reasoning + r, content + c
-    r, c = stream.finish()
-    return (reasoning + r if stream.has_reasoning else None), content + c
+    return fed(HarmonyStream(), pieces)
 
 
 @pytest.mark.parametrize("text, reasoning, content", CASES)

@@ -21,9 +21,12 @@ def whole(parser, phase, text):
 
 
 def streamed(parser, phase, pieces):
-    """(reasoning or None, content) from feeding ``pieces`` one by one, plus every piece's
-    output (nothing may come back that a later piece would have to retract)."""
-    stream = ReasoningStream(parser, phase)
+    return fed(ReasoningStream(parser, phase), pieces)
+
+
+def fed(stream, pieces):
+    """(reasoning or None, content) from feeding ``pieces`` one by one to ``stream``, plus
+    every piece's output (nothing may come back that a later piece would have to retract)."""
     reasoning, content = "", ""
     for piece in pieces:
         r, c = stream.feed(piece)

@@ -233,7 +233,7 @@ def test_mxfp4_experts_become_q5_0_blocks_of_the_very_values_transformers_reads(
 
     theirs = _transformers_mxfp4(gpt_oss_mxfp4)
     [file] = gpt_oss_mxfp4.glob("*.safetensors")
-    weights = dict(mxfp4.read_tensors(load_file(file).items(), torch.float32, as_weight))
+    weights = dict(mxfp4.read_tensors(load_file(file).items(), torch.float32))
     checked = 0
     for i, layer in enumerate(theirs.model.layers):
         gate_up = layer.mlp.experts.gate_up_proj.detach().transpose(1, 2)  # [E, 2I, H]
