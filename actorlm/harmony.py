@@ -8,9 +8,18 @@ A harmony reply is a run of messages, each a header and a body:
 
 (the prompt's last turn ends with ``<|start|>assistant``, so the reply opens on a header). The
 bodies of ``analysis`` messages are the reasoning; those of ``final`` and ``commentary``
-messages (a preamble to the user; a tool call's arguments, which no parser here takes apart)
-are the content; headers and the tokens between messages are neither. A reply that opens on
-anything but a header is all content (a model not speaking harmony).
+messages (a preamble to the user; a tool call's arguments) are the content; headers and the
+tokens between messages are neither. A reply that opens on anything but a header is all
+content (a model not speaking harmony).
+
+A tool call is a message to a function, its arguments the body:
+
+    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json
+    <|message|>{"city": "Paris"}<|call|>      (one line)
+
+With ``calls`` (the ``openai`` tool parser reads them), such a message goes into the content
+as ``call_text`` writes it, the header's name kept, so that the tool parser, which sees the
+content alone, can take it apart; without, its arguments are content like any body.
 
 The same rule at two levels, as ``reasoning.py``'s: ``HarmonyStream`` splits the text (special
 tokens kept in it) as it streams; ``HarmonyGate`` follows the token ids, so that a grammar
@@ -19,6 +28,7 @@ constrains the final message's body alone (a header's tokens and every other bod
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -28,6 +38,21 @@ CHANNEL, MESSAGE, START = "<|channel|>", "<|message|>", "<|start|>"
 # what ends a body: a message's end, the reply's, a tool call's
 BODY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 _REASONING_CHANNEL, _FINAL_CHANNEL = "analysis", "final"
+# a call in the content: CALL_START, the function's name, MESSAGE, its arguments, CALL_END
+CALL_START, CALL_END, FUNCTIONS = "<|start|>functions.", "<|call|>", "functions."
+_RECIPIENT = re.compile(r"\bto=(\S+?)(?=\s|<\||$)")
+
+
+def call_text(name: str, arguments: str) -> str:
+    """A call as the content holds it (``HarmonyStream(calls=True)``)."""
+    return f"{CALL_START}{name}{MESSAGE}{arguments}{CALL_END}"
+
+
+def _function(header: str) -> str | None:
+    """The function a header addresses (``to=functions.get_weather``, in the role's part or
+    the channel's); None for none, or another recipient (a built-in tool's)."""
+    found = _RECIPIENT.search(header)
+    return found[1][len(FUNCTIONS):] if found and found[1].startswith(FUNCTIONS) else None
 
 
 def _channel(header: str) -> str:
@@ -40,8 +65,10 @@ def _channel(header: str) -> str:
 class HarmonyStream:
     """``reasoning.ReasoningStream``'s interface over a harmony reply's text."""
 
-    def __init__(self):
+    def __init__(self, calls: bool = False):
         self.has_reasoning = False  # an analysis message was entered
+        self._calls = calls  # calls into the content as call_text writes them
+        self._in_call = False  # the body is a call's arguments (with calls)
         self._header: str | None = ""  # the header read so far; None: inside a body
         self._channel: str | None = None  # the body's; None: no header read yet
         self._plain = False  # the reply opened on no header: all content
@@ -66,11 +93,16 @@ class HarmonyStream:
                 self._channel = _channel(header[:at])
                 self._header, buffer = None, header[at + len(MESSAGE):]
                 self.has_reasoning |= self._channel == _REASONING_CHANNEL
+                function = _function(header[:at]) if self._calls else None
+                if function is not None:
+                    self._in_call = True
+                    content.append(f"{CALL_START}{function}{MESSAGE}")
                 continue
             ends = [(at, end) for end in BODY_ENDS if (at := buffer.find(end)) >= 0]
             if ends:
                 at, end = min(ends)
                 self._body(buffer[:at], reasoning, content)
+                self._end_call(content)
                 self._header, buffer = "", buffer[at + len(end):]
                 continue
             keep = max(partial_tag_length(buffer, end) for end in BODY_ENDS)
@@ -86,12 +118,19 @@ class HarmonyStream:
         reasoning, content = [], []
         if self._plain or self._header is None:
             self._body(held, reasoning, content)
+            self._end_call(content)  # (the reply stopped at <|call|>, which the text lacks)
         elif self._channel is None:  # nothing but whitespace or a partial header: as it is
             content.append(self._header)
         return "".join(reasoning), "".join(content)
 
     def _body(self, text: str, reasoning: list, content: list) -> None:
-        (reasoning if self._channel == _REASONING_CHANNEL else content).append(text)
+        in_reasoning = self._channel == _REASONING_CHANNEL and not self._in_call
+        (reasoning if in_reasoning else content).append(text)
+
+    def _end_call(self, content: list) -> None:
+        if self._in_call:
+            self._in_call = False
+            content.append(CALL_END)
 
 
 def _may_open(header: str) -> bool:
@@ -157,8 +196,9 @@ class HarmonyTokens:
         """A harmony reply opens on a header: outside the final message's body."""
         return Phase.REASONING
 
-    def text_stream(self, prompt_token_ids: Sequence[int]) -> HarmonyStream:
-        return HarmonyStream()
+    def text_stream(self, prompt_token_ids: Sequence[int], calls: bool = False
+                    ) -> HarmonyStream:
+        return HarmonyStream(calls)
 
     def gate(self, phase: Phase) -> HarmonyGate:
         return HarmonyGate(self, phase)

@@ -169,12 +169,19 @@ def _serve(args) -> int:
     if args.guided_decoding_backend is not None:
         log.info("--guided-decoding-backend %s: nothing to do (structured outputs run on "
                  "xgrammar)", args.guided_decoding_backend)
-    status = serve(model, engine_flags(args), host=args.host, port=args.port,
+    options = ServerOptions.from_args(args)
+    flags = engine_flags(args)
+    reasoning = options.reasoning_parser_for(args.reasoning_parser)
+    if reasoning != args.reasoning_parser:
+        log.info("--tool-call-parser %s: --reasoning-parser %s (its calls are harmony "
+                 "messages)", options.tool_call_parser, reasoning)
+        flags["reasoning_parser"] = reasoning
+    status = serve(model, flags, host=args.host, port=args.port,
                    served_model_name=args.served_model_name,
                    max_num_waiting=args.max_num_waiting,
                    log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
                    uvicorn_log_level=args.uvicorn_log_level, trace_file=args.trace_file,
-                   shutdown_timeout=args.shutdown_timeout, options=ServerOptions.from_args(args),
+                   shutdown_timeout=args.shutdown_timeout, options=options,
                    lora_modules=args.lora_modules)
     # the process ends now: spare it the interpreter's final collection over torch's and
     # transformers' objects (over a second), which would stretch a graceful stop

@@ -17,6 +17,8 @@ from actorlm.api.tool_parsers import PARSERS
 from actorlm.api.user_middleware import user_middleware
 from actorlm.chat_content import CONTENT_FORMATS, check_content_format
 
+_HARMONY = "openai_gptoss"  # the reasoning parser of GPT-OSS's harmony format
+
 API_KEY_ENV_VARS = ("ACTORLM_API_KEY", "VLLM_API_KEY")
 LOCAL_HOST_NAMES = ("localhost", "127.0.0.1", "::1")
 
@@ -92,6 +94,18 @@ class ServerOptions:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (which format "
                              "the model writes its calls in)")
+
+    def reasoning_parser_for(self, given: str | None) -> str | None:
+        """The reasoning parser the server runs, ``given`` that of the flags: GPT-OSS's calls
+        (``--tool-call-parser openai``) are harmony messages, which the harmony parser alone
+        keeps apart, so that one is implied (vLLM's gpt-oss serving always splits them)."""
+        if self.tool_call_parser is None or not PARSERS[self.tool_call_parser].reads_harmony:
+            return given
+        if given not in (None, _HARMONY):
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser} reads GPT-OSS's "
+                             f"harmony messages: it needs --reasoning-parser {_HARMONY}, not "
+                             f"{given}")
+        return _HARMONY
 
     @property
     def binds_loopback(self) -> bool:

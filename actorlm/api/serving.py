@@ -386,6 +386,8 @@ class _Generation:
                              self.token_text)
 
     def _think_stream(self):
+        if self.tools is not None and self.tools.reads_harmony:  # (the reasoning is harmony's)
+            return self.reasoning.text_stream(self.prompt_token_ids[0], calls=True)
         return self.reasoning.text_stream(self.prompt_token_ids[0])
 
     def _chunk(self, choices: list, usage=None) -> p.ChatCompletionChunk:

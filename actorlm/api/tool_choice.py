@@ -41,6 +41,11 @@ class ToolUse:
     def reads_calls(self) -> bool:
         return self.mode != "none"
 
+    @property
+    def reads_harmony(self) -> bool:
+        """Whether the calls are harmony messages, which the reasoning parser must keep."""
+        return self.mode == "auto" and self.parser.reads_harmony
+
     def constraint(self) -> StructuredOutputsParams | None:
         """The schema the output must follow (named and required), else None."""
         if self.mode == "named":

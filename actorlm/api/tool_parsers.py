@@ -44,6 +44,9 @@
   Python's literals or JSON's ``null``, ``true``, ``false``.
 - ``ernie45`` (ERNIE 4.5) is Hermes' format; ``longcat`` (LongCat-Flash) is Hermes' format in
   ``<longcat_tool_call>`` tags.
+- ``openai`` (GPT-OSS): harmony messages to ``functions.<name>``, their bodies the arguments.
+  The harmony reasoning parser, which this one needs (``--reasoning-parser openai_gptoss``,
+  implied), leaves them in the content as ``harmony.call_text`` writes them.
 
 A parser finds where a call begins (``find_start``, which also reports a marker cut off at the
 end of streamed text, so that it is not sent as content) and reads the calls (``parse``). Text
@@ -57,6 +60,7 @@ import ast
 import json
 import re
 
+from actorlm import harmony
 from actorlm.api.protocol_tools import Tool
 from actorlm.api.tool_text import (Call, cut_marker, find_marker, first_start, json_calls,
                                    json_object, named_call, python_calls, read_call, skip,
@@ -66,6 +70,7 @@ from actorlm.api.tool_text import (Call, cut_marker, find_marker, first_start, j
 class ToolParser:
     name = ""
     keeps_special_tokens = False  # its markers are special tokens: the text must keep them
+    reads_harmony = False  # its calls are harmony messages (the reasoning parser keeps them)
 
     def __init__(self, tools: tuple[Tool, ...] = ()):
         # each tool's parameter schemas, for a format whose arguments are untyped text
@@ -415,10 +420,29 @@ class Glm45ToolParser(_PatternToolParser):
         return self._typed_call(match["name"], self._ARGUMENT.findall(match["arguments"]))
 
 
+class OpenAIToolParser(_MarkedToolParser):
+    name = "openai"
+    keeps_special_tokens = reads_harmony = True
+    STARTS = (harmony.CALL_START,)
+    _OPEN = re.escape(harmony.CALL_START) + r"(?P<name>.*?)" + re.escape(harmony.MESSAGE)
+    _CALL = re.compile(_OPEN + r"(?P<arguments>.*?)" + re.escape(harmony.CALL_END), re.DOTALL)
+    _OPEN = re.compile(_OPEN, re.DOTALL)
+
+    def parse(self, text: str) -> tuple[str, list[Call]]:
+        """The calls wherever they sit (a preamble may come first). If one does not parse (its
+        arguments cut short), no calls, and the text as it is without them: their arguments
+        as content, their marks gone."""
+        calls = [named_call(m["name"], m["arguments"]) for m in self._CALL.finditer(text)]
+        rest = self._CALL.sub("", text)
+        if calls and None not in calls and not self._OPEN.search(rest):
+            return rest, calls
+        return self._OPEN.sub("", self._CALL.sub(lambda m: m["arguments"], text)), []
+
+
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
     HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser,
     GraniteToolParser, Phi4MiniJsonToolParser, Qwen3CoderToolParser, SeedOssToolParser,
     Llama4JsonToolParser, Qwen3XmlToolParser, Llama4PythonicToolParser, HunyuanA13BToolParser,
     JambaToolParser, InternLMToolParser, DeepSeekV3ToolParser, DeepSeekV31ToolParser,
     KimiK2ToolParser, Glm45ToolParser, MinimaxToolParser, LongcatToolParser, Ernie45ToolParser,
-    Olmo3ToolParser)}
+    Olmo3ToolParser, OpenAIToolParser)}

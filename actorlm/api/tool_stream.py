@@ -157,9 +157,7 @@ class ParsedCallStream:
         return content, []
 
     def finish(self) -> tuple[str, Deltas]:
-        content, calls = self.parser.parse(self.text)
-        if not calls:
-            content = self.text
+        content, calls = self.parser.parse(self.text)  # (no calls: the text as the parser reads it)
         if not self.parallel:
             calls = calls[:1]  # the client runs one call at a time
         rest = content[self.num_sent:]

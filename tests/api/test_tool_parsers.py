@@ -1,6 +1,6 @@
 """Tool calls read out of text: the Hermes, Llama 3 JSON, Mistral, pythonic, Granite,
 Phi-4-mini, Qwen3-Coder and Seed-OSS parsers, vLLM's other formats (Llama 4, Hunyuan, Jamba,
-MiniMax, InternLM, DeepSeek V3/V3.1, Kimi K2, GLM-4.5, ERNIE 4.5, LongCat), and the
+MiniMax, InternLM, DeepSeek V3/V3.1, Kimi K2, GLM-4.5, ERNIE 4.5, LongCat, GPT-OSS's), and the
 streams that turn a choice's text into content and call deltas (pieces fed one by one add up to
 the whole)."""
 
@@ -11,6 +11,7 @@ import json
 import pytest
 
 from actorlm import SamplingParams
+from actorlm.harmony import call_text
 from actorlm.api.options import ServerOptions
 from actorlm.api.protocol_tools import FunctionDefinition, Tool
 from actorlm.api.tool_choice import ToolUse, tool_use
@@ -20,8 +21,9 @@ from actorlm.api.tool_parsers import (PARSERS, DeepSeekV3ToolParser, DeepSeekV31
                                       JambaToolParser, KimiK2ToolParser, Llama3JsonToolParser,
                                       Llama4JsonToolParser, Llama4PythonicToolParser,
                                       LongcatToolParser, MinimaxToolParser, MistralToolParser,
-                                      Olmo3ToolParser, Phi4MiniJsonToolParser, PythonicToolParser,
-                                      Qwen3CoderToolParser, Qwen3XmlToolParser, SeedOssToolParser)
+                                      Olmo3ToolParser, OpenAIToolParser, Phi4MiniJsonToolParser,
+                                      PythonicToolParser, Qwen3CoderToolParser, Qwen3XmlToolParser,
+                                      SeedOssToolParser)
 from actorlm.api.tool_stream import (NamedCallStream, ParsedCallStream, RequiredCallStream,
                                      collect)
 
@@ -83,6 +85,8 @@ MORE_FORMATS = [  # (parser, two calls, whether its markers are special tokens)
     (LongcatToolParser(), LONGCAT_TWO, False),
     (Olmo3ToolParser(), OLMO3_TWO, False)]
 MORE_IDS = [parser.name for parser, _, _ in MORE_FORMATS]
+# GPT-OSS's calls as the harmony reasoning parser leaves them in the content
+OPENAI_TWO = call_text("get_weather", '{"city": "Paris"}') + call_text("get_time", "{}")
 
 
 def _calls(parsed):
@@ -269,6 +273,18 @@ def test_more_formats_leave_malformed_calls_alone(parser, text):
     assert parser.parse(text) == (text, [])
 
 
+def test_openai_reads_the_calls_the_harmony_parser_kept():
+    parser = OpenAIToolParser()
+    assert _calls(parser.parse("Checking. " + OPENAI_TWO)) == ("Checking. ", TWO_CALLS)
+    assert PARSERS["openai"] is OpenAIToolParser and parser.keeps_special_tokens
+    assert parser.find_start("Sure. " + OPENAI_TWO[:3]) == (6, False)  # a mark may be arriving
+    # a call that does not parse, or is not closed: no calls, the arguments as content
+    for text, content in ((OPENAI_TWO.replace('{"city": "Paris"}', '{"city'), '{"city{}'),
+                          (OPENAI_TWO[:-len("<|call|>")], '{"city": "Paris"}{}'),
+                          (call_text("", "{}"), "{}"), ("no call here", "no call here")):
+        assert parser.parse(text) == (content, []), text
+
+
 def test_more_formats_read_their_variants():
     weather = [TWO_CALLS[0]]
     # Llama 4's list without its tags, or without the closing one
@@ -329,7 +345,8 @@ def test_glm45_types_each_argument_by_the_requests_tools():
                                          (Qwen3CoderToolParser(), "Sure. " + QWEN3_CODER_TWO),
                                          (SeedOssToolParser(), "Sure. " + QWEN3_CODER_TWO.replace(
                                              "tool_call>", "seed:tool_call>"))] +
-                         [(parser, "Sure. " + text) for parser, text, _ in MORE_FORMATS])
+                         [(parser, "Sure. " + text) for parser, text, _ in MORE_FORMATS] +
+                         [(OpenAIToolParser(), "Sure. " + OPENAI_TWO)])
 def test_parsed_stream_holds_back_only_the_call(parser, text):
     whole = collect(ParsedCallStream(parser), text)
     stream = ParsedCallStream(parser)
