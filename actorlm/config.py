@@ -22,6 +22,10 @@ from actorlm.structured_outputs_config import StructuredOutputsConfig
 from actorlm.sampling_params import LOGPROBS_MODES, MAX_LOGPROBS
 from actorlm.speculative import SpeculativeConfig
 
+# --kv-cache-dtype's FP8 choices (vLLM's names; its "fp8" is E4M3)
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2}
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                   "half": "float16"}
@@ -127,9 +131,10 @@ class EngineConfig:
     # processed ones (penalties, bias, temperature, top-k/p, min-p: what the token is drawn
     # from) as logprobs or logits
     logprobs_mode: str = "raw_logprobs"
-    # vLLM's choices a launch line names, of which this engine computes one: the KV cache in
-    # the model's dtype (auto; fp8 ones are refused by name) and the model's Hugging Face
-    # tokenizer files (auto, hf; mistral_common's and the slow ones are refused by name)
+    # what the KV cache stores: the model's dtype (auto), or FP8 (KV_CACHE_DTYPES: half of
+    # bf16's bytes a block, each value rounded to it with vLLM's scale of one); and, of vLLM's
+    # tokenizer modes, the model's Hugging Face tokenizer files (auto, hf; mistral_common's and
+    # the slow ones are refused by name)
     kv_cache_dtype: str = "auto"
     tokenizer_mode: str = "auto"
     # vLLM's --load-format: what the weights are read from; a directory's safetensors and a
@@ -155,9 +160,9 @@ class EngineConfig:
                                       or value <= 0):  # True is an int to Python
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be a positive integer, got {value!r}")
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is not implemented: the "
-                             f"KV cache is stored in the model's dtype (auto)")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is not implemented "
+                             f"(known: auto, {', '.join(KV_CACHE_DTYPES)})")
         if self.tokenizer_mode not in ("auto", "hf"):
             raise ValueError(f"--tokenizer-mode {self.tokenizer_mode!r} is not implemented: the "
                              f"model's Hugging Face tokenizer files are read (auto, hf)")
@@ -248,6 +253,10 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def kv_cache_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the KV cache stores (auto: the model's)."""
+        return KV_CACHE_DTYPES.get(self.kv_cache_dtype, model_dtype)
 
     def torch_dtype(self, hf_config=None) -> torch.dtype:
         """``--dtype``, or for ``auto`` what fits the hardware: on a GPU the checkpoint's half

@@ -25,6 +25,8 @@ _HELP = {
     "long_prefill_token_threshold": "the most prompt tokens one request prefills in a step, so "
                                     "that a long prompt leaves room for the others' (default: "
                                     "0, no limit but the step's token budget)",
+    "kv_cache_dtype": "what the KV cache stores: auto (the model's dtype), fp8 (E4M3, as "
+                      "vLLM's), fp8_e4m3 or fp8_e5m2 (one byte a value)",
     "reasoning_parser": f"split chat answers' think (<think>...</think>, or the model's own "
                         f"tags) into reasoning_content, and constrain only what follows it: "
                         f"{', '.join(REASONING_PARSERS)}",

@@ -109,10 +109,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """key, value [T, Hkv, D] into the paged caches at ``slot_mapping`` [T] (all valid)."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    """key, value [T, Hkv, D] into the paged caches at ``slot_mapping`` [T] (all valid), as
+    ``cache_values`` rounds them."""
+    for x, cache in ((key, k_cache), (value, v_cache)):
+        x = cache_values(x, cache.dtype)
+        if cache.dtype.itemsize == 1:  # (index_copy_ has no FP8 kernel: their bytes, then)
+            x, cache = x.view(torch.uint8), cache.view(torch.uint8)
+        cache.view(-1, *cache.shape[-2:]).index_copy_(0, slot_mapping, x)
+
+
+def cache_values(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache of ``dtype`` holds it: an FP8 cache's values rounded to the nearest (even)
+    and saturated at its largest finite one (vLLM's conversion, with a scale of one)."""
+    if x.dtype == dtype:
+        return x
+    if dtype.itemsize == 1:
+        top = torch.finfo(dtype).max
+        return x.float().clamp(-top, top).to(dtype)
+    return x.to(dtype)
 
 
 def split_qkv(qkv, cos, sin_signed, num_heads, num_kv_heads, head_dim, q_norm=None,

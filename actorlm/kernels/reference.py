@@ -108,15 +108,24 @@ def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
 def write_kv_ref(key, value, k_cache, v_cache, slot_mapping) -> None:
     """Scatter new K/V into the paged cache, in place; a negative slot skips its token.
 
-    key, value: [T, Hkv, D]; slot_mapping: [T], slot = block_id * block_size + offset.
+    key, value: [T, Hkv, D]; slot_mapping: [T], slot = block_id * block_size + offset. An FP8
+    cache (``--kv-cache-dtype``) stores each value rounded to the nearest, ties to even, and
+    beyond its largest finite value that value (vLLM's saturating conversion, scale one).
     """
     num_kv_heads, head_dim = k_cache.shape[-2:]
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     for token, slot in enumerate(slot_mapping.tolist()):
         if slot >= 0:
-            k_flat[slot] = key[token].to(k_cache.dtype)
-            v_flat[slot] = value[token].to(v_cache.dtype)
+            k_flat[slot] = _stored(key[token], k_cache.dtype)
+            v_flat[slot] = _stored(value[token], v_cache.dtype)
+
+
+def _stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        largest = torch.finfo(dtype).max
+        x = torch.where(x.double().abs() > largest, x.double().sign() * largest, x.double())
+    return x.to(dtype)
 
 
 def paged_attention_ref(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,

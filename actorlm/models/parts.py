@@ -118,6 +118,7 @@ class RunnerFactory:
     pooler: PoolerConfig | None = None  # a pooling model's (resolved); None: it generates
     hf_overrides: dict | None = None  # (--hf-overrides, set on the config it reads)
     logprobs_mode: str = "raw_logprobs"  # (--logprobs-mode, ``models/sampler.py``)
+    kv_cache_dtype: torch.dtype | None = None  # (--kv-cache-dtype); None: the model's
     profiled: list = field(default_factory=list, compare=False)
 
     def __call__(self, rank: int) -> ModelRunner:
@@ -144,7 +145,7 @@ class RunnerFactory:
         lora_slots = None if self.lora is None else LoRASlots(model, *self.lora)
         return ModelRunner(model, self.backend, num_blocks, self.block_size, self.dtype,
                            self.device, self.eos_token_ids, model.tp, proposer, lora_slots,
-                           self.pooler, self.logprobs_mode)
+                           self.pooler, self.logprobs_mode, self.kv_cache_dtype)
 
     def _proposer(self, model):
         spec = self.speculative_config
@@ -227,6 +228,7 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
     check_quantization(path, config.quantization)
     check_block_split(path, hf_config, config.quantization, tp_size, expert_parallel)
     device, dtype = config.torch_device, config.torch_dtype(hf_config)
+    kv_dtype = config.kv_cache_torch_dtype(dtype)
     if config.dtype == "auto":
         log.info("--dtype auto: %s on this %s", str(dtype).removeprefix("torch."),
                  "CPU (native bf16)" if device.type == "cpu" and dtype == torch.bfloat16
@@ -235,7 +237,7 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
     # (their KV tensors are shared); each rank holds its share of the KV heads, so the pool
     # is sized per rank
     groups = tuple(kv_cache_groups(cache_windows(hf_config)))
-    bytes_per_block = kv_bytes_per_block(hf_config, config.block_size, tp_size, dtype,
+    bytes_per_block = kv_bytes_per_block(hf_config, config.block_size, tp_size, kv_dtype,
                                          max(len(g.layers) for g in groups))
     profile_gpu = device.type == "cuda" and not config.is_kv_pool_sized_by_user
     # profiling loads the whole model in this process, where only a worker thread reuses it
@@ -253,7 +255,8 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
         draft_config = load_hf_config(draft_path)
         check_draft_vocabulary(spec.model, tokenizer, AutoTokenizer.from_pretrained(draft_path),
                                hf_config.vocab_size, draft_config.vocab_size)
-        # its own KV pool has as many blocks as the target's (rank 0 holds it)
+        # its own KV pool has as many blocks as the target's (rank 0 holds it), in the
+        # model's dtype (its cache's rounding would change the drafts alone, not the output)
         bytes_per_block += kv_bytes_per_block(draft_config, config.block_size, 1, dtype)
     # flags are checked against the model before anything heavy loads
     resolved = config.resolve_lengths(hf_config) if profile_gpu else \
@@ -268,7 +271,8 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
                             speculative_config=spec, draft_path=draft_path,
                             lora=(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
                             if config.enable_lora else None, pooler=config.pooler_config,
-                            hf_overrides=config.hf_overrides, logprobs_mode=config.logprobs_mode)
+                            hf_overrides=config.hf_overrides, logprobs_mode=config.logprobs_mode,
+                            kv_cache_dtype=kv_dtype if kv_dtype != dtype else None)
     profile = None
     if profile_gpu:
         step = largest_step(resolved.max_num_batched_tokens, resolved.max_num_seqs,

@@ -133,7 +133,8 @@ class ModelRunner:
                  dtype: torch.dtype, device: torch.device,
                  eos_token_ids: frozenset[int] = frozenset(),
                  tp: TensorParallel = TensorParallel(), proposer=None, lora_slots=None,
-                 pooler: PoolerConfig | None = None, logprobs_mode: str = "raw_logprobs"):
+                 pooler: PoolerConfig | None = None, logprobs_mode: str = "raw_logprobs",
+                 kv_cache_dtype: torch.dtype | None = None):
         self.model, self.backend, self.tp = model, backend, tp
         self.pooler = None if pooler is None else \
             Pooler(pooler, getattr(model, "score", None), dtype)
@@ -141,6 +142,7 @@ class ModelRunner:
         self.proposer = proposer  # speculative decoding's (``speculative.Proposer``); None: off
         self._moe_timer = getattr(model, "moe_timer", None)  # None: no MoE layers, or a GPU
         self.block_size, self.dtype, self.device = block_size, dtype, device
+        self.kv_cache_dtype = kv_cache_dtype or dtype  # what the KV pool stores
         self.eos_token_ids = eos_token_ids
         self.logprobs_mode = logprobs_mode  # (``models/sampler.py``)
         groups = getattr(model, "kv_cache_groups", None) or \
@@ -161,8 +163,8 @@ class ModelRunner:
         self.kv_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         shape = (num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
         # one (k, v) pair per layer of a group: [num_blocks, block_size, Hkv, D]
-        self.kv_pairs = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                          torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.kv_pairs = [(torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+                          torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
                          for _ in range(max(len(g.layers) for g in self.kv_cache_groups))]
         # per layer, as the model takes them: layer i stores into pair slot_of[i]
         self.kv_caches = [self.kv_pairs[slot] for slot in self._slot_of]

@@ -56,8 +56,7 @@ def test_an_executor_backend_must_be_one_of_the_three(value):
 
 
 @pytest.mark.parametrize("fields, said", [
-    ({"kv_cache_dtype": "fp8"}, "--kv-cache-dtype 'fp8' is not implemented"),
-    ({"kv_cache_dtype": "fp8_e5m2"}, "--kv-cache-dtype 'fp8_e5m2' is not implemented"),
+    ({"kv_cache_dtype": "int8"}, "--kv-cache-dtype 'int8' is not implemented"),
     ({"tokenizer_mode": "mistral"}, "--tokenizer-mode 'mistral' is not implemented"),
     ({"tokenizer_mode": "slow"}, "--tokenizer-mode 'slow' is not implemented"),
     ({"load_format": "dummy"}, "--load-format 'dummy' is not implemented"),

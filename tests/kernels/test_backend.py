@@ -72,6 +72,42 @@ def test_both_wings_attend_through_a_sliding_window_with_capped_scores(name, mon
 
 @pytest.mark.parametrize("name", ["cpu", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["e4m3", "e5m2"])
+def test_both_wings_store_fp8_caches_as_the_oracle_and_attend_over_them(name, dtype,
+                                                                         cache_dtype,
+                                                                         monkeypatch):
+    # --kv-cache-dtype fp8: the door's K/V write rounds into the FP8 caches bit for bit as
+    # the oracle's (values past E4M3's 448 saturate), and attention reads what they hold; a
+    # chunk of 6 queries over 2 cached tokens and two decodes, blocks of 4
+    monkeypatch.setenv("ACTORLM_ATTENTION_BACKEND", name)
+    backend = select_backend("cpu")
+    layer = AttentionLayer(4, 2, 16, 0.25)
+    q_lens, seq_lens, block_ids = [6, 1, 1], [8, 5, 11], [[3, 1], [2, 6], [0, 4, 5]]
+    gen = torch.Generator().manual_seed(3)
+    caches = tuple((torch.randn(7, 4, 2, 16, generator=gen) * 4).to(cache_dtype)
+                   for _ in range(2))
+    qkv = (torch.randn(8, (4 + 2 * 2) * 16, generator=gen) * 4).to(dtype)
+    qkv[0, 64] = qkv[1, 100] = 1000.0  # beyond E4M3's largest value, 448
+    meta = backend.attention_metadata(q_lens, seq_lens, block_ids, 4)
+    expected = tuple(c.clone() for c in caches)
+    key, value = qkv[:, 64:96].view(8, 2, 16), qkv[:, 96:].view(8, 2, 16)
+    write_kv_ref(key, value, *expected, meta.slot_mapping)
+    out = backend.attention(qkv.clone(), torch.ones(8, 1, 16, dtype=dtype),
+                            torch.zeros(8, 1, 16, dtype=dtype), caches, meta, layer)
+    for cache, want in zip(caches, expected):
+        assert cache.dtype == cache_dtype and torch.equal(cache.view(torch.uint8),
+                                                          want.view(torch.uint8))
+    written = caches[0].view(-1, 2, 16)[meta.slot_mapping]  # (the rounding did happen)
+    assert not torch.equal(written.to(dtype), key) and written.float().isfinite().all()
+    inputs = (qkv[:, :64].reshape(8, 4, 16), *caches, meta.block_tables, meta.query_start_loc,
+              meta.seq_lens)
+    assert_matches_reference(out.view(8, 4, 16), inputs, 0.25,
+                             probs=None if dtype == torch.float32 else dtype)
+
+
+@pytest.mark.parametrize("name", ["cpu", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_both_wings_attend_both_ways_within_each_request(name, dtype, monkeypatch):
     # an encoder's attention: three requests' rows (5, 1 and 9), each seeing all of its own
     # rows and none of the others'; 4 query heads over 2 KV heads

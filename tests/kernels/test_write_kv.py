@@ -1,10 +1,12 @@
-"""write_kv (Triton, interpreted on the CPU) against write_kv_ref: a copy, so results must be equal."""
+"""write_kv (Triton, interpreted on the CPU) against write_kv_ref: a copy, so results must be equal;
+into FP8 caches a rounding, the same bits on both wings."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from actorlm.kernels import portable
 from actorlm.kernels.triton.write_kv import write_kv
 from actorlm.kernels.reference import write_kv_ref
 from paged_batches import dtype_id
@@ -53,3 +55,28 @@ def test_write_kv_all_padding_leaves_cache_untouched():
     key, value = torch.randn(3, 2, 64), torch.randn(3, 2, 64)
     write_kv(key, value, k_cache, v_cache, torch.full((3,), -1, dtype=torch.int64))
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["e4m3", "e5m2"])
+def test_write_kv_rounds_into_fp8_caches_as_the_reference(dtype, cache_dtype):
+    # values over every binade a cache holds: its subnormals, its ties, past its largest
+    # (E4M3's 448, E5M2's 57344: saturated), and zeros of both signs, bit for bit
+    gen = torch.Generator().manual_seed(8)
+    num_tokens, num_kv_heads, head_dim = 64, 2, 32
+    magnitude = torch.exp2(torch.randint(-20, 18, (num_tokens, num_kv_heads, head_dim),
+                                         generator=gen).float())
+    key = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen) * magnitude).to(dtype)
+    value = key.flip(0).clone()
+    key[0, 0, :4] = torch.tensor([0.0, -0.0, -1e-30, 2.0 ** -10 * 1.5])
+    caches = [torch.zeros(8, 16, num_kv_heads, head_dim, dtype=cache_dtype) for _ in range(6)]
+    slots = torch.randperm(8 * 16, generator=gen)[:num_tokens]
+    write_kv_ref(key, value, caches[0], caches[1], slots)
+    write_kv(key, value, caches[2], caches[3], slots)  # Triton's
+    portable.write_kv(key, value, caches[4], caches[5], slots)  # the CPU wing's torch path
+    for got, want in zip(caches[2:], caches[:2] * 2):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    largest = torch.finfo(cache_dtype).max
+    assert (key.float().abs() > largest).any()  # (saturation was exercised)
+    assert caches[0].float().abs().max() == largest

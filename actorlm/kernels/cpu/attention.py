@@ -188,8 +188,9 @@ def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     out, groups = None, plan.groups
     if plan.decode is not None:
-        if sinks is None and decode_attention.supports(query.dtype, num_heads, num_kv_heads,
-                                                       head_dim, block_size):
+        if sinks is None and k_cache.dtype == query.dtype and \
+                decode_attention.supports(query.dtype, num_heads, num_kv_heads, head_dim,
+                                          block_size):
             d = plan.decode
             out = decode_attention.paged_decode_attention(
                 query, k_cache, v_cache, d.block_tables, d.seq_lens, scale, d.rows,
@@ -197,7 +198,8 @@ def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         else:
             groups = plan.decode.groups() + groups
     for group in groups:
-        k, v = _gather(k_cache, group), _gather(v_cache, group)  # [B, Hkv, S, D]
+        # [B, Hkv, S, D]; an FP8 cache's values widened (exactly) to the query's dtype
+        k, v = (_gather(c, group).to(query.dtype) for c in (k_cache, v_cache))
         if group.is_decode:
             q = query if group.q_rows is None else query[group.q_rows[:, 0]]  # [B, Hq, D]
             # the G query heads of a K/V head become G query rows of it: plain attention,

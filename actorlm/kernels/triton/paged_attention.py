@@ -157,7 +157,8 @@ def _paged_attention_kernel(
         in_block = offs_n % BLOCK_SIZE
         kv_mask = d_mask[:, None] & n_mask[None, :]  # [HEAD_DIM_PAD, BLOCK_N]
         k_off = block_ids * stride_kb + in_block * stride_ks + kv_head * stride_kh  # [BLOCK_N]
-        k = tl.load(k_cache_ptr + k_off[None, :] + offs_d[:, None], mask=kv_mask, other=0.0)  # [D, N]
+        # [D, N]; an FP8 cache's values widened (exactly) to q's dtype
+        k = tl.load(k_cache_ptr + k_off[None, :] + offs_d[:, None], mask=kv_mask, other=0.0).to(q.dtype)
 
         s = _dot(q, k, DOT_IN_FP32) * scale_log2  # [BLOCK_M, BLOCK_N]
         if HAS_SOFTCAP:  # softcap * tanh(s / softcap), on the scores in log2 units
@@ -173,7 +174,7 @@ def _paged_attention_kernel(
 
         v_off = block_ids * stride_vb + in_block * stride_vs + kv_head * stride_vh  # [BLOCK_N]
         v_mask = n_mask[:, None] & d_mask[None, :]  # [BLOCK_N, HEAD_DIM_PAD]
-        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=v_mask, other=0.0)  # [N, D]
+        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=v_mask, other=0.0).to(q.dtype)  # [N, D]
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_IN_FP32)
         m_i = m_new
 
@@ -261,8 +262,9 @@ def _check_layouts(query, k_cache, v_cache, block_tables, query_start_loc, seq_l
     num_kv_heads, cache_dim = k_cache.shape[2:]
     assert cache_dim == head_dim, (query.shape, k_cache.shape)
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads for {num_kv_heads} KV heads"
-    assert query.dtype in _FLOAT_DTYPES and k_cache.dtype == query.dtype == v_cache.dtype, (
-        query.dtype, k_cache.dtype, v_cache.dtype)
+    assert query.dtype in _FLOAT_DTYPES and k_cache.dtype == v_cache.dtype and \
+        k_cache.dtype in (query.dtype, torch.float8_e4m3fn, torch.float8_e5m2), (
+            query.dtype, k_cache.dtype, v_cache.dtype)
     for t in (query, k_cache, v_cache):
         assert t.stride(-1) == 1, "the head dimension must be contiguous"
     num_seqs = seq_lens.shape[0]
