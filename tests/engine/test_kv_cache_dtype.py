@@ -7,6 +7,7 @@ takes a quarter of fp32's bytes, so the same memory holds four times the blocks.
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_helpers import TOP, check_logprobs_close, engine_greedy, hf_greedy
 
 from actorlm import SamplingParams
@@ -61,3 +62,39 @@ def test_other_cache_dtypes_are_refused_naming_the_known_ones(value):
     with pytest.raises(ValueError, match=f"--kv-cache-dtype '{value}' is not implemented "
                                          r"\(known: auto, fp8, fp8_e4m3, fp8_e5m2\)"):
         EngineConfig(kv_cache_dtype=value)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["e4m3", "e5m2"])
+def test_the_one_call_decode_step_reads_an_fp8_cache_as_the_python_layers(tiny_llama_dir,
+                                                                          cache_dtype):
+    # the C++ step runs every decode over the FP8 cache, with the Python layers' bits
+    one_call, decodes = _decode(tiny_llama_dir, cache_dtype, python_layers=False)
+    python_layers, _ = _decode(tiny_llama_dir, cache_dtype, python_layers=True)
+    assert one_call == python_layers and decodes > 0
+
+
+def _decode(model_dir, cache_dtype, python_layers: bool):
+    """(every request's tokens and their logprobs, the one-call step's number of steps) of a
+    run of PROMPTS over a cache of ``cache_dtype``."""
+    from actorlm.core.scheduler import SchedulerConfig
+    from actorlm.kernels import select_backend
+    from actorlm.messages import AddRequest
+    from actorlm.models.loader import load_model
+    from actorlm.models.runner import ModelRunner
+    from actorlm.trace.replay import SyncEngine
+
+    backend = select_backend("cpu")
+    model = load_model(model_dir, torch.float32, "cpu", backend)
+    if python_layers:
+        model.decode_step = None
+    runner = ModelRunner(model, backend, 48, 4, torch.float32, torch.device("cpu"),
+                         kv_cache_dtype=cache_dtype)
+    assert runner.kv_caches[0][0].dtype == cache_dtype
+    engine = SyncEngine(SchedulerConfig(16, 4, 48, 4), 48, runner=runner)
+    for i, prompt in enumerate(PROMPTS):
+        engine.send(AddRequest(f"r{i}", prompt, GREEDY, 0, 0.0))
+    engine.run_until_idle()
+    deltas = [(d.request_id, d.new_token_ids, d.new_logprobs)
+              for out in engine.outputs for d in out.deltas]
+    return deltas, 0 if python_layers else model.decode_step.num_steps

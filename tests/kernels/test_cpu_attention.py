@@ -69,6 +69,25 @@ def test_decode_kernel_matches_reference(dtype, head_dim, num_kv_heads, gqa, blo
     assert_matches_reference(out, inputs, head_dim**-0.5)  # fp32 scores, P and sums
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("head_dim", [64, 80])  # the AVX-512 item, and the portable one
+def test_decode_kernel_reads_fp8_caches(dtype, cache_dtype, head_dim):
+    # --kv-cache-dtype fp8: the kernel widens each cached value exactly (subnormals too) and
+    # attends as over the model's dtype
+    lens = [(1, c) for c in (1, 15, 150, 333)]
+    query, k_cache, v_cache, block_tables, start_loc, seq_lens = make_batch(
+        lens, 6, 2, head_dim, 16, dtype, seed=7)
+    k_cache, v_cache = ((c.float() * torch.exp2(torch.randint(-12, 4, c.shape[-1:]).float())
+                         ).to(cache_dtype) for c in (k_cache, v_cache))
+    assert decode_attention.supports(dtype, 6, 2, head_dim, 16, cache_dtype)
+    out = decode_attention.paged_decode_attention(query, k_cache, v_cache, block_tables,
+                                                  seq_lens, head_dim**-0.5)
+    inputs = (query, k_cache, v_cache, block_tables, start_loc, seq_lens)
+    assert_matches_reference(out, inputs, head_dim**-0.5)  # fp32 scores, P and sums
+
+
 def test_decode_kernel_reads_strided_rows_and_writes_only_them():
     # query rows as a view into a fused projection; rows 0 and 2 decode, row 1 is not touched
     lens = [(1, 20), (1, 7), (1, 64)]

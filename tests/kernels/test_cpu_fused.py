@@ -14,7 +14,7 @@ import torch
 
 from actorlm.kernels import ActivationQuant, Norm, portable
 from actorlm.kernels.cpu import fused, native
-from actorlm.kernels.reference import act_and_mul_ref, rms_norm_ref
+from actorlm.kernels.reference import act_and_mul_ref, rms_norm_ref, write_kv_ref
 from paged_batches import dtype_id
 from tolerance import assert_within, rounding_error, sum_error, unit_roundoff
 
@@ -218,6 +218,40 @@ def test_rope_and_write_kv_rotates_and_writes_exactly_its_slots(dtype, num_token
         flat = cache.view(32, num_kv_heads, head_dim)
         assert torch.equal(flat[slots], ref)  # exactly the (rotated) rows, at their slots
         assert not flat[~written].any()  # and nowhere else
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["e4m3", "e5m2"])
+def test_rope_and_write_kv_rounds_into_fp8_caches_as_the_oracle(dtype, cache_dtype):
+    # the rotated k and the v of each row rounded into FP8 caches, bit for bit as the oracle
+    # rounds the same rows (magnitudes over every binade the formats hold, and past E4M3's
+    # largest: saturated)
+    qkv, cos, sin, _, slots = _rope_case(dtype, 7, 2, 2, 64, seed=11)
+    magnitude = torch.exp2(torch.randint(-20, 17, (qkv.shape[1],),
+                                         generator=torch.Generator().manual_seed(3)).float())
+    qkv = (qkv.float() * magnitude).to(dtype)
+    caches = [torch.zeros(8, 4, 2, 64, dtype=cache_dtype) for _ in range(2)]
+    rotated = portable.apply_rope(qkv[:, :256].reshape(7, 4, 64), cos, sin)[:, 2:]
+    expected = [c.clone() for c in caches]
+    write_kv_ref(rotated, qkv[:, 256:].reshape(7, 2, 64), *expected, slots)
+    assert fused.rope_and_write_kv(qkv, cos, sin, *caches, slots, 2, 2)
+    for got, want in zip(caches, expected):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert caches[0].float().abs().max() == torch.finfo(cache_dtype).max  # (saturated)
+
+
+@pytest.mark.skipif(native.library() is None, reason="needs a C++ compiler to build the kernels")
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["e4m3", "e5m2"])
+def test_fp8_cache_values_widen_exactly(dtype, cache_dtype):
+    # every byte an FP8 cache can hold but NaN's, in a length that leaves a tail past the
+    # last whole vector: the C++ widening equals torch's conversion
+    every = torch.arange(256, dtype=torch.uint8).view(cache_dtype)
+    every = every[~every.float().isnan() & every.float().isfinite()]
+    x = every.repeat(3)[:-5].contiguous()
+    assert torch.equal(fused.widened(x, dtype), x.to(dtype))
 
 
 def test_rope_and_write_kv_declines_what_it_does_not_take():

@@ -7,7 +7,9 @@ does not compile) and the ctypes types (``function``'s argtypes, ``STRUCT_TYPES`
 header with ``python -m actorlm.kernels.cpu.abi``.
 
 ``T`` is the element type: a function whose signature names it exists once per dtype, its name
-suffixed ``_f32`` (``float``) or ``_bf16`` (``uint16_t``, bf16's bits).
+suffixed ``_f32`` (``float``) or ``_bf16`` (``uint16_t``, bf16's bits). ``C`` is a KV cache's:
+``T`` again, or an FP8 format's byte (``uint8_t``), the name then suffixed once more, ``_e4m3``
+or ``_e5m2`` (``actorlm_decode_bf16_e4m3``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import ctypes
 import functools
 
 _DTYPES = {"f32": "float", "bf16": "uint16_t"}
+_CACHE_TYPES = ("e4m3", "e5m2")  # a KV cache's FP8 formats, besides T
 
 # Structs of the one-call decode step (``decode_step.py``): a layer's description and a step.
 STRUCTS = {
@@ -95,7 +98,8 @@ STRUCTS = {
         ("const actorlm_kv_group*", "groups"),  # per KV-cache group
         ("const int32_t*", "seq_lens"),
         ("actorlm_moe_seconds*", "moe_seconds"),  # added to by the step (null: not timed)
-        ("const int32_t*", "lora_slots")],  # each row's LoRA slot, -1: none (null: no LoRA)
+        ("const int32_t*", "lora_slots"),  # each row's LoRA slot, -1: none (null: no LoRA)
+        ("int32_t", "kv_type")],  # what the caches hold: 0 T, 1 E4M3, 2 E5M2
 }
 
 # (return type, name, parameters)
@@ -125,10 +129,12 @@ FUNCTIONS = [
         ("int", "activation")]),
     ("void", "actorlm_rope_write_kv", [
         ("T*", "qkv"), ("int64_t", "row_stride"), ("const T*", "cos"),
-        ("const T*", "sin_signed"), ("T*", "k_cache"), ("T*", "v_cache"),
+        ("const T*", "sin_signed"), ("C*", "k_cache"), ("C*", "v_cache"),
         ("const int64_t*", "slots"), ("int64_t", "rows"), ("int", "num_heads"),
         ("int", "num_kv_heads"), ("int", "head_dim")]),
     ("int", "actorlm_rope_max_head_dim", []),
+    ("void", "actorlm_widen", [  # an FP8 cache's values widened: out = x
+        ("const C*", "x"), ("T*", "out"), ("int64_t", "n")]),
     ("void", "actorlm_argmax_f32", [
         ("const float*", "x"), ("int64_t*", "out"), ("int64_t", "rows"), ("int64_t", "n")]),
     # decode_attention.cpp
@@ -136,7 +142,7 @@ FUNCTIONS = [
         ("int*", "max_group"), ("int*", "max_head_dim"), ("int*", "max_block_size")]),
     ("void", "actorlm_decode", [
         ("const T*", "query"), ("int64_t", "query_row_stride"), ("const int32_t*", "rows"),
-        ("const T*", "k_cache"), ("const T*", "v_cache"), ("const int32_t*", "block_tables"),
+        ("const C*", "k_cache"), ("const C*", "v_cache"), ("const int32_t*", "block_tables"),
         ("int", "max_blocks"), ("const int32_t*", "seq_lens"), ("T*", "out"),
         ("int", "num_requests"), ("int", "num_heads"), ("int", "num_kv_heads"),
         ("int", "head_dim"), ("int", "block_size"), ("float", "scale"),
@@ -204,8 +210,11 @@ def _concrete() -> dict[str, tuple[str, list[tuple[str, str]]]]:
             out[name] = (restype, params)
             continue
         for suffix, element in _DTYPES.items():
-            out[f"{name}_{suffix}"] = (restype, [(ctype.replace("T*", f"{element}*"), p)
-                                                 for ctype, p in params])
+            for cache in ("", *_CACHE_TYPES) if any("C*" in c for c, _ in params) else ("",):
+                stored = "uint8_t" if cache else element
+                out[f"{name}_{suffix}" + (f"_{cache}" if cache else "")] = (restype, [
+                    (ctype.replace("T*", f"{element}*").replace("C*", f"{stored}*"), p)
+                    for ctype, p in params])
     return out
 
 

@@ -35,7 +35,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from actorlm.kernels.cpu import decode_attention
+from actorlm.kernels.cpu import decode_attention, fused
 from actorlm.kernels.metadata import padded_block_table
 
 
@@ -188,9 +188,8 @@ def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     out, groups = None, plan.groups
     if plan.decode is not None:
-        if sinks is None and k_cache.dtype == query.dtype and \
-                decode_attention.supports(query.dtype, num_heads, num_kv_heads, head_dim,
-                                          block_size):
+        if sinks is None and decode_attention.supports(query.dtype, num_heads, num_kv_heads,
+                                                       head_dim, block_size, k_cache.dtype):
             d = plan.decode
             out = decode_attention.paged_decode_attention(
                 query, k_cache, v_cache, d.block_tables, d.seq_lens, scale, d.rows,
@@ -199,7 +198,7 @@ def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             groups = plan.decode.groups() + groups
     for group in groups:
         # [B, Hkv, S, D]; an FP8 cache's values widened (exactly) to the query's dtype
-        k, v = (_gather(c, group).to(query.dtype) for c in (k_cache, v_cache))
+        k, v = _gather(k_cache, group, query.dtype), _gather(v_cache, group, query.dtype)
         if group.is_decode:
             q = query if group.q_rows is None else query[group.q_rows[:, 0]]  # [B, Hq, D]
             # the G query heads of a K/V head become G query rows of it: plain attention,
@@ -270,14 +269,16 @@ def _group(members, firsts, is_decode, step: _Step, window):
                   mask[:, None], False)
 
 
-def _gather(cache: torch.Tensor, group: _Group) -> torch.Tensor:
-    """[B, Hkv, seq_len, D]: each request's context, a view where its blocks are one run."""
+def _gather(cache: torch.Tensor, group: _Group, dtype: torch.dtype) -> torch.Tensor:
+    """[B, Hkv, seq_len, D] in ``dtype``: each request's context, a view where its blocks are
+    one run (and the cache holds ``dtype``: an FP8 cache's are widened)."""
     _, block_size, num_kv_heads, head_dim = cache.shape
     if isinstance(group.blocks, slice):
         dense = cache[group.blocks]
     else:
         # index_select copies whole blocks at memcpy speed (advanced indexing is ~1.5x slower)
         dense = cache.index_select(0, group.blocks)
+    dense = fused.widened(dense, dtype)
     dense = dense.view(-1, group.num_blocks * block_size, num_kv_heads, head_dim)
     return dense[:, :group.seq_len].transpose(1, 2)
 

@@ -21,8 +21,11 @@ class _Library:
         limits = [ctypes.c_int() for _ in range(3)]
         limits_function(*map(ctypes.byref, limits))
         self.max_group, self.max_head_dim, self.max_block_size = (v.value for v in limits)
-        self.functions = {dtype: native.function(f"actorlm_decode_{native.dtype_suffix(dtype)}")
-                          for dtype in (torch.float32, torch.bfloat16)}
+        # (the query's dtype, the caches'): the model's, or an FP8 format
+        self.functions = {
+            (dtype, cache): native.function(f"actorlm_decode_{native.cache_suffix(dtype, cache)}")
+            for dtype in (torch.float32, torch.bfloat16)
+            for cache in (dtype, *native.FP8_CACHES)}
 
 
 def is_built(block_size: int) -> bool:
@@ -32,11 +35,12 @@ def is_built(block_size: int) -> bool:
 
 
 def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-             block_size: int) -> bool:
+             block_size: int, cache_dtype: torch.dtype | None = None) -> bool:
     """Whether decode rows of this shape can run here (the library built, the shape in its
-    limits); otherwise the torch path attends them."""
+    limits), over caches of ``cache_dtype`` (None: ``dtype``); otherwise the torch path
+    attends them."""
     lib = _library()
-    return is_built(block_size) and dtype in lib.functions and \
+    return is_built(block_size) and (dtype, cache_dtype or dtype) in lib.functions and \
         num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= lib.max_group and \
         head_dim <= lib.max_head_dim
 
@@ -61,7 +65,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     num_requests = block_tables.shape[0]
     assert query.stride(2) == 1 and query.stride(1) == head_dim, "query heads must be dense"
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and \
-        k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype == query.dtype
+        k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype
     assert block_tables.dtype == seq_lens.dtype == torch.int32 and \
         block_tables.is_contiguous() and seq_lens.is_contiguous()
     assert seq_lens.shape == (num_requests,)
@@ -74,7 +78,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     assert out.is_contiguous() and out.shape == query.shape and out.dtype == query.dtype
-    _library().functions[query.dtype](
+    _library().functions[query.dtype, k_cache.dtype](
         query.data_ptr(), query.stride(0), None if rows is None else rows.data_ptr(),
         k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
         seq_lens.data_ptr(), out.data_ptr(), num_requests, num_heads, num_kv_heads, head_dim,

@@ -67,6 +67,7 @@ class DecodeStep:
         self._groups_type = _GroupStruct * self.num_groups
         self.num_steps = 0
         self._structs, self._caches = None, None  # the layers' structs, for these KV caches
+        self._kv_type = 0  # what the caches hold (``abi``'s kv_type of the step)
         # the layers' experts' structs, which the layers' structs point to
         self._moes = [None if layer.moe is None else _moe_struct(layer.moe)
                       for layer in self.layers]
@@ -121,7 +122,8 @@ class DecodeStep:
                            ctypes.cast(cos_tables, ctypes.c_void_p),
                            ctypes.cast(sin_tables, ctypes.c_void_p), groups,
                            metas[0].plan.decode.seq_lens.data_ptr(), self._seconds_pointer,
-                           None if lora_slots is None else lora_slots.data_ptr())
+                           None if lora_slots is None else lora_slots.data_ptr(),
+                           self._kv_type)
         self._seconds.router = self._seconds.experts = 0.0
         residual = torch.empty_like(x)
         self.function(structs, len(self.layers), ctypes.byref(step), x.data_ptr(),
@@ -143,11 +145,13 @@ class DecodeStep:
         if caches == self._caches:
             return self._structs
         self._structs, self._caches = None, caches
-        block_size = kv_caches[0][0].shape[1]
+        block_size, cache_dtype = kv_caches[0][0].shape[1], kv_caches[0][0].dtype
         if len(kv_caches) != len(self.layers) or any(
-                not _caches_fit(layer, k, v, self.dtype, block_size)
+                k.dtype != cache_dtype or not _caches_fit(layer, k, v, self.dtype, block_size)
                 for layer, (k, v) in zip(self.layers, kv_caches)):
             return None
+        # what the caches hold: the model's dtype (0) or an FP8 format (``abi``'s kv_type)
+        self._kv_type = 0 if cache_dtype == self.dtype else native.FP8_CACHES[cache_dtype][1]
         self._structs = (_LayerStruct * len(self.layers))(*(
             _layer_struct(layer, moe, k, v, loras, roundings)
             for layer, moe, (k, v), loras, roundings in zip(
@@ -242,8 +246,8 @@ def _caches_fit(layer: DecoderLayerPlan, k: torch.Tensor, v: torch.Tensor, dtype
                 block_size: int) -> bool:
     a = layer.attention
     return decode_attention.supports(dtype, a.num_heads, a.num_kv_heads, a.head_dim,
-                                     block_size) and \
-        k.dtype == dtype and k.is_contiguous() and v.is_contiguous() and v.shape == k.shape and \
+                                     block_size, k.dtype) and \
+        v.dtype == k.dtype and k.is_contiguous() and v.is_contiguous() and v.shape == k.shape and \
         k.shape[1:] == (block_size, a.num_kv_heads, a.head_dim)
 
 

@@ -75,22 +75,41 @@ def rope_and_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Te
     """In one pass: the q and k heads of each row of a fused projection qkv
     [T, (Hq + 2 Hkv) * D] rotated in place as ``portable.apply_rope`` rotates them (cos,
     sin_signed: [T, 1, D]), and each row's k and v heads written into the paged caches
-    ([num_blocks, block_size, Hkv, D]) at its slot. False, with nothing done, where the kernel
+    ([num_blocks, block_size, Hkv, D]; in the model's dtype, or FP8: rounded as
+    ``portable.cache_values`` rounds) at its slot. False, with nothing done, where the kernel
     does not take these tensors; the caller then runs the torch ops."""
     head_dim = k_cache.shape[-1]
-    fn = _function("actorlm_rope_write_kv", qkv, cos, sin_signed, k_cache, v_cache,
-                   dense_rows=False)
-    if fn is None or head_dim % 2 or head_dim > rope_max_head_dim() or \
+    suffix = native.cache_suffix(qkv.dtype, k_cache.dtype)  # (an FP8 cache's own kernel)
+    if _function("actorlm_rope_write_kv", qkv, cos, sin_signed, dense_rows=False) is None or \
+            suffix is None or v_cache.dtype != k_cache.dtype or \
+            not (k_cache.is_contiguous() and v_cache.is_contiguous()) or \
+            head_dim % 2 or head_dim > rope_max_head_dim() or \
             qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or \
             k_cache.shape != v_cache.shape or k_cache.shape[-2] != num_kv_heads or \
             cos.numel() != qkv.shape[0] * head_dim or sin_signed.shape != cos.shape or \
             slot_mapping.dtype != torch.int64 or slot_mapping.shape != (qkv.shape[0],) or \
             not slot_mapping.is_contiguous():
         return False
-    fn(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin_signed.data_ptr(), k_cache.data_ptr(),
-       v_cache.data_ptr(), slot_mapping.data_ptr(), qkv.shape[0], num_heads, num_kv_heads,
-       head_dim)
+    native.function(f"actorlm_rope_write_kv_{suffix}")(
+        qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin_signed.data_ptr(), k_cache.data_ptr(),
+        v_cache.data_ptr(), slot_mapping.data_ptr(), qkv.shape[0], num_heads, num_kv_heads,
+        head_dim)
     return True
+
+
+def widened(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An FP8 cache's values x in ``dtype``, exactly (``x.to(dtype)``, at several times its
+    speed where the library runs); x itself where it is in ``dtype`` already."""
+    if x.dtype == dtype:
+        return x
+    suffix = native.cache_suffix(dtype, x.dtype)
+    fn = None if suffix is None or x.device.type != "cpu" or not x.is_contiguous() else \
+        native.function(f"actorlm_widen_{suffix}")
+    if fn is None:
+        return x.to(dtype)
+    out = torch.empty(x.shape, dtype=dtype)
+    fn(x.data_ptr(), out.data_ptr(), x.numel())
+    return out
 
 
 @functools.cache

@@ -73,6 +73,19 @@ def dtype_suffix(dtype: torch.dtype) -> str | None:
     return {torch.float32: "f32", torch.bfloat16: "bf16"}.get(dtype)
 
 
+# a KV cache's FP8 formats: the kernels' suffix and the decode step's kv_type (``abi``)
+FP8_CACHES = {torch.float8_e4m3fn: ("e4m3", 1), torch.float8_e5m2: ("e5m2", 2)}
+
+
+def cache_suffix(dtype: torch.dtype, cache_dtype: torch.dtype) -> str | None:
+    """The suffix of a kernel that reads or writes a KV cache of ``cache_dtype`` with values
+    of ``dtype`` (``_bf16``, ``_bf16_e4m3``), or None where the library has none."""
+    suffix = dtype_suffix(dtype)
+    if suffix is None or cache_dtype == dtype:
+        return suffix
+    return f"{suffix}_{FP8_CACHES[cache_dtype][0]}" if cache_dtype in FP8_CACHES else None
+
+
 def _build() -> pathlib.Path:
     """The compiled library, built once per sources, compiler and CPU."""
     compiler = shutil.which(os.environ.get("CXX", "g++"))

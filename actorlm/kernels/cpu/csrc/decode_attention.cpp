@@ -10,6 +10,9 @@
 // already loaded (same soname), so it runs on torch's own pool instead of a second one that
 // would fight it for the cores.
 //
+// The caches hold the query's dtype, or an FP8 format (--kv-cache-dtype), whose values are
+// widened to fp32 as they are loaded.
+//
 // A sliding window starts a request at max(0, seq_len - window): no block before it is read
 // (the allocator frees them; their table entries may name any block), nor the positions
 // before it in its block. A cap (softcap * tanh(s / softcap)) bends the scores before softmax.
@@ -106,8 +109,8 @@ inline int64_t enter_block(const T* k_cache, const T* v_cache, const int32_t* bl
 // [begin, end) of its context, into `partial` (G partial_size()s).
 // kHeadDim is the head size where it is one of the common ones (then every loop over it has a
 // trip count the compiler knows, and is unrolled and vectorised whole), else 0 and head_dim.
-template <typename T, int kHeadDim>
-void attend_item(const T* query, const T* k_cache, const T* v_cache, const int32_t* block_table,
+template <typename T, typename C, int kHeadDim>
+void attend_item(const T* query, const C* k_cache, const C* v_cache, const int32_t* block_table,
                  int begin, int end, int64_t first_position, int64_t position_stride, int group,
                  int head_dim, int block_size, float scale, float softcap, float* partial) {
   const int dim = kHeadDim ? kHeadDim : head_dim;
@@ -128,7 +131,7 @@ void attend_item(const T* query, const T* k_cache, const T* v_cache, const int32
                                       first_position, position_stride, dim, n);
     for (int g = 0; g < group; ++g) {  // scores
       for (int t = 0; t < n; ++t) {
-        const T* k = k_cache + first + t * position_stride;
+        const C* k = k_cache + first + t * position_stride;
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
         for (int d = 0; d < dim; ++d) dot += q[g][d] * to_float(k[d]);
@@ -143,7 +146,7 @@ void attend_item(const T* query, const T* k_cache, const T* v_cache, const int32
 #pragma omp simd
       for (int d = 0; d < dim; ++d) sum[d] = acc[g][d] * rescale;
       for (int t = 0; t < n; ++t) {
-        const T* v = v_cache + first + t * position_stride;
+        const C* v = v_cache + first + t * position_stride;
         const float weight = p[g][t];
 #pragma omp simd
         for (int d = 0; d < dim; ++d) sum[d] += weight * to_float(v[d]);
@@ -169,6 +172,8 @@ inline __m512 load16(const uint16_t* x) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
+inline __m512 load16(const actorlm::E5M2* x) { return actorlm::widen16(x); }  // an FP8 cache's
+inline __m512 load16(const actorlm::E4M3* x) { return actorlm::widen16(x); }
 
 // Lane t of the result is the sum of the 16 lanes of v[t]: a transpose folded into the adds,
 // 45 instructions where 16 separate horizontal sums would take ~130.
@@ -191,8 +196,8 @@ inline __m512 sum_each(const __m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, kEven), _mm512_shuffle_f32x4(low, high, kOdd));
 }
 
-template <typename T, int kVectors, int kGroup>
-void attend_item_avx512(const T* query, const T* k_cache, const T* v_cache,
+template <typename T, typename C, int kVectors, int kGroup>
+void attend_item_avx512(const T* query, const C* k_cache, const C* v_cache,
                         const int32_t* block_table, int begin, int end, int64_t first_position,
                         int64_t position_stride, int, int, int block_size, float scale,
                         float softcap, float* partial) {
@@ -219,7 +224,7 @@ void attend_item_avx512(const T* query, const T* k_cache, const T* v_cache,
           for (int g = 0; g < kGroup; ++g) dots[g][t] = _mm512_setzero_ps();
           continue;
         }
-        const T* k_row = k_cache + first + (t0 + t) * position_stride;
+        const C* k_row = k_cache + first + (t0 + t) * position_stride;
         __m512 k[kVectors];
         for (int i = 0; i < kVectors; ++i) k[i] = load16(k_row + 16 * i);
         for (int g = 0; g < kGroup; ++g) {
@@ -235,7 +240,7 @@ void attend_item_avx512(const T* query, const T* k_cache, const T* v_cache,
       for (int i = 0; i < kVectors; ++i) acc[g][i] = _mm512_mul_ps(acc[g][i], _mm512_set1_ps(rescale));
     }
     for (int t = 0; t < n; ++t) {
-      const T* v_row = v_cache + first + t * position_stride;
+      const C* v_row = v_cache + first + t * position_stride;
       __m512 v[kVectors];
       for (int i = 0; i < kVectors; ++i) v[i] = load16(v_row + 16 * i);
       for (int g = 0; g < kGroup; ++g) {
@@ -253,34 +258,36 @@ void attend_item_avx512(const T* query, const T* k_cache, const T* v_cache,
 }
 #endif
 
-template <typename T>
-using Item = void (*)(const T*, const T*, const T*, const int32_t*, int, int, int64_t, int64_t,
+template <typename T, typename C>
+using Item = void (*)(const T*, const C*, const C*, const int32_t*, int, int, int64_t, int64_t,
                       int, int, int, float, float, float*);
 
 #ifdef __AVX512F__
-template <typename T, int kVectors, int... kGroups>
-Item<T> pick_avx512(int group, std::integer_sequence<int, kGroups...>) {
-  Item<T> item = nullptr;
-  ((group == kGroups + 1 ? (item = attend_item_avx512<T, kVectors, kGroups + 1>, 0) : 0), ...);
+template <typename T, typename C, int kVectors, int... kGroups>
+Item<T, C> pick_avx512(int group, std::integer_sequence<int, kGroups...>) {
+  Item<T, C> item = nullptr;
+  ((group == kGroups + 1 ? (item = attend_item_avx512<T, C, kVectors, kGroups + 1>, 0) : 0), ...);
   return item;
 }
 #endif
 
 // The fastest item this build has for the shape.
-template <typename T>
-Item<T> pick_item(int head_dim, int group) {
-  Item<T> item = nullptr;
+template <typename T, typename C>
+Item<T, C> pick_item(int head_dim, int group) {
+  Item<T, C> item = nullptr;
 #ifdef __AVX512F__
   constexpr auto groups = std::make_integer_sequence<int, 8>();  // 1..8 query heads a KV head
   switch (head_dim) {  // the head sizes of the models served, and of small test models
-    case 16: item = pick_avx512<T, 1>(group, groups); break;
-    case 32: item = pick_avx512<T, 2>(group, groups); break;
-    case 64: item = pick_avx512<T, 4>(group, groups); break;
-    case 128: item = pick_avx512<T, 8>(group, groups); break;
+    case 16: item = pick_avx512<T, C, 1>(group, groups); break;
+    case 32: item = pick_avx512<T, C, 2>(group, groups); break;
+    case 64: item = pick_avx512<T, C, 4>(group, groups); break;
+    case 128: item = pick_avx512<T, C, 8>(group, groups); break;
   }
 #endif
   if (item) return item;
-  return head_dim == 64 ? attend_item<T, 64> : head_dim == 128 ? attend_item<T, 128> : attend_item<T, 0>;
+  return head_dim == 64    ? attend_item<T, C, 64>
+         : head_dim == 128 ? attend_item<T, C, 128>
+                           : attend_item<T, C, 0>;
 }
 
 // out = the softmax-weighted sum over every span of one query head: each span's sums rescaled
@@ -302,13 +309,13 @@ void merge_spans(const float* partials, int num_spans, int64_t span_stride, int 
   for (int d = 0; d < dim; ++d) store(sum[d] * inv_total, out + d);
 }
 
-template <typename T>
-void decode(const T* query, int64_t query_row_stride, const int32_t* rows, const T* k_cache,
-            const T* v_cache, const int32_t* block_tables, int max_blocks, const int32_t* seq_lens,
+template <typename T, typename C>
+void decode(const T* query, int64_t query_row_stride, const int32_t* rows, const C* k_cache,
+            const C* v_cache, const int32_t* block_tables, int max_blocks, const int32_t* seq_lens,
             T* out, int num_requests, int num_heads, int num_kv_heads, int head_dim,
             int block_size, float scale, int window, float softcap) {
   const int group = num_heads / num_kv_heads;
-  const auto item = pick_item<T>(head_dim, group);
+  const auto item = pick_item<T, C>(head_dim, group);
   // request b reads positions [first[b], seq_lens[b]), in spans from the start of first[b]'s
   // block (so that every span but its first starts on a block boundary)
   std::unique_ptr<int[]> first(new int[num_requests]);
@@ -388,17 +395,23 @@ int actorlm_decode_limits(int* max_group, int* max_head_dim, int* max_block_size
   return 0;
 }
 
-#define ACTORLM_DECODE(NAME, T)                                                                   \
-  void NAME(const T* query, int64_t query_row_stride, const int32_t* rows, const T* k_cache,    \
-            const T* v_cache, const int32_t* block_tables, int max_blocks,                     \
-            const int32_t* seq_lens, T* out, int num_requests, int num_heads, int num_kv_heads, \
-            int head_dim, int block_size, float scale, int window, float softcap) {            \
-    decode(query, query_row_stride, rows, k_cache, v_cache, block_tables, max_blocks, seq_lens, \
-           out, num_requests, num_heads, num_kv_heads, head_dim, block_size, scale, window,     \
-           softcap);                                                                            \
+// the caches' values as the ABI passes them (STORED: an FP8 cache's bytes) and as read (C)
+#define ACTORLM_DECODE(NAME, T, STORED, C)                                                      \
+  void NAME(const T* query, int64_t query_row_stride, const int32_t* rows,                     \
+            const STORED* k_cache, const STORED* v_cache, const int32_t* block_tables,         \
+            int max_blocks, const int32_t* seq_lens, T* out, int num_requests, int num_heads,  \
+            int num_kv_heads, int head_dim, int block_size, float scale, int window,           \
+            float softcap) {                                                                   \
+    decode(query, query_row_stride, rows, reinterpret_cast<const C*>(k_cache),                 \
+           reinterpret_cast<const C*>(v_cache), block_tables, max_blocks, seq_lens, out,       \
+           num_requests, num_heads, num_kv_heads, head_dim, block_size, scale, window, softcap); \
   }
 
-ACTORLM_DECODE(actorlm_decode_f32, float)
-ACTORLM_DECODE(actorlm_decode_bf16, uint16_t)
+ACTORLM_DECODE(actorlm_decode_f32, float, float, float)
+ACTORLM_DECODE(actorlm_decode_bf16, uint16_t, uint16_t, uint16_t)
+ACTORLM_DECODE(actorlm_decode_f32_e4m3, float, uint8_t, actorlm::E4M3)
+ACTORLM_DECODE(actorlm_decode_bf16_e4m3, uint16_t, uint8_t, actorlm::E4M3)
+ACTORLM_DECODE(actorlm_decode_f32_e5m2, float, uint8_t, actorlm::E5M2)
+ACTORLM_DECODE(actorlm_decode_bf16_e5m2, uint16_t, uint8_t, actorlm::E5M2)
 
 }  // extern "C"

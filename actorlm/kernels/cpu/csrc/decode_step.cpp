@@ -8,7 +8,8 @@
 // biases, the attention scale, window and score cap, the RoPE table, the KV-cache group whose
 // slots and block table it reads, routed experts in the dense MLP's place), which a model family
 // gives (kernels.backend.DecoderLayerPlan), and LoRA adapters' deltas on its projections for
-// the rows whose request has one (lora.cpp); nothing here knows a family. Each
+// the rows whose request has one (lora.cpp), over KV caches in the model's dtype or an FP8
+// format (the step's kv_type); nothing here knows a family. Each
 // layer runs the kernels the Python layers call one by one, in their order, with their bits.
 // What goes is the Python between them: a decode step streams hundreds of MB of weights
 // through the caches, which evicts the interpreter's working set, so each Python-level op
@@ -21,6 +22,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "actorlm_abi.h"
@@ -39,8 +41,6 @@ struct Kernels;
     static constexpr auto act = actorlm_act_##S;                          \
     static constexpr auto head_rms_norm = actorlm_head_rms_norm_##S;      \
     static constexpr auto act_and_mul = actorlm_act_and_mul_##S;          \
-    static constexpr auto rope_write_kv = actorlm_rope_write_kv_##S;      \
-    static constexpr auto decode = actorlm_decode_##S;                    \
     static constexpr auto linear = actorlm_linear_##S;                    \
     static constexpr auto quant_linear = actorlm_quant_linear_##S;        \
     static constexpr auto moe_route = actorlm_moe_route_##S;              \
@@ -50,6 +50,24 @@ struct Kernels;
   };
 ACTORLM_KERNELS_OF(float, f32)
 ACTORLM_KERNELS_OF(uint16_t, bf16)
+
+// The kernels that touch the KV caches, for caches that hold T (kKv 0) or an FP8 format (1:
+// E4M3, 2: E5M2, the step's kv_type), and the type the caches' values are passed as
+template <typename T, int kKv>
+struct KvKernels;
+#define ACTORLM_KV_KERNELS_OF(T, S, KV, SUFFIX)                          \
+  template <>                                                             \
+  struct KvKernels<T, KV> {                                               \
+    using Stored = std::conditional_t<KV == 0, T, uint8_t>;               \
+    static constexpr auto rope_write_kv = actorlm_rope_write_kv_##S##SUFFIX; \
+    static constexpr auto decode = actorlm_decode_##S##SUFFIX;            \
+  };
+ACTORLM_KV_KERNELS_OF(float, f32, 0, )
+ACTORLM_KV_KERNELS_OF(float, f32, 1, _e4m3)
+ACTORLM_KV_KERNELS_OF(float, f32, 2, _e5m2)
+ACTORLM_KV_KERNELS_OF(uint16_t, bf16, 0, )
+ACTORLM_KV_KERNELS_OF(uint16_t, bf16, 1, _e4m3)
+ACTORLM_KV_KERNELS_OF(uint16_t, bf16, 2, _e5m2)
 
 template <typename T>
 inline const T* weight_of(const actorlm_norm& n) { return static_cast<const T*>(n.weight); }
@@ -240,17 +258,19 @@ void moe_mlp(const actorlm_moe& m, int activation, T* x, int64_t rows, int64_t h
 
 // x, residual [rows, hidden]: in, the embeddings (residual's contents are ignored); out, the
 // last layer's output and the residual stream before it (the model's final norm adds them).
-template <typename T>
+template <typename T, int kKv>
 void decode_layers(const actorlm_decoder_layer* layers, int num_layers,
                    const actorlm_decode_step& s, T* x, T* residual) {
   using K = Kernels<T>;
+  using KV = KvKernels<T, kKv>;
+  using Stored = typename KV::Stored;
   const int64_t rows = s.rows, hidden = layers[0].qkv.in_features;
   Scratch<T> t(layers, num_layers, rows);
   for (int i = 0; i < num_layers; ++i) {
     const actorlm_decoder_layer& l = layers[i];
     const int64_t q_size = int64_t(l.num_heads) * l.head_dim, qkv_size = l.qkv.out_features;
-    T* const k_cache = static_cast<T*>(l.k_cache);
-    T* const v_cache = static_cast<T*>(l.v_cache);
+    Stored* const k_cache = static_cast<Stored*>(l.k_cache);
+    Stored* const v_cache = static_cast<Stored*>(l.v_cache);
     const actorlm_kv_group& g = s.groups[l.kv_group];
     if (i == 0) {  // the stream starts as the embeddings
       std::memcpy(residual, x, rows * hidden * sizeof(T));
@@ -276,10 +296,10 @@ void decode_layers(const actorlm_decoder_layer* layers, int num_layers,
                        l.q_norm.unit_offset);
     }
     if (l.clip_qkv > 0) clamp_in_place(t.qkv, rows * qkv_size, l.clip_qkv);
-    K::rope_write_kv(t.qkv, qkv_size, static_cast<const T*>(s.cos[l.rope]),
+    KV::rope_write_kv(t.qkv, qkv_size, static_cast<const T*>(s.cos[l.rope]),
                      static_cast<const T*>(s.sin_signed[l.rope]), k_cache, v_cache, g.slots,
                      rows, l.num_heads, l.num_kv_heads, l.head_dim);
-    K::decode(t.qkv, qkv_size, nullptr, k_cache, v_cache, g.block_tables, g.max_blocks,
+    KV::decode(t.qkv, qkv_size, nullptr, k_cache, v_cache, g.block_tables, g.max_blocks,
               s.seq_lens, t.attention, int(rows), l.num_heads, l.num_kv_heads, l.head_dim,
               s.block_size, l.scale, l.window, l.softcap);
     linear(l.o, t.attention, q_size, x, rows);
@@ -304,18 +324,29 @@ void decode_layers(const actorlm_decoder_layer* layers, int num_layers,
   }
 }
 
+// decode_layers for the caches the step says it has
+template <typename T>
+void decode_layers_of(const actorlm_decoder_layer* layers, int num_layers,
+                      const actorlm_decode_step& s, T* x, T* residual) {
+  switch (s.kv_type) {
+    case 1: return decode_layers<T, 1>(layers, num_layers, s, x, residual);
+    case 2: return decode_layers<T, 2>(layers, num_layers, s, x, residual);
+    default: return decode_layers<T, 0>(layers, num_layers, s, x, residual);
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
 void actorlm_decode_layers_f32(const actorlm_decoder_layer* layers, int num_layers,
                                const actorlm_decode_step* step, float* x, float* residual) {
-  decode_layers(layers, num_layers, *step, x, residual);
+  decode_layers_of(layers, num_layers, *step, x, residual);
 }
 void actorlm_decode_layers_bf16(const actorlm_decoder_layer* layers, int num_layers,
                                 const actorlm_decode_step* step, uint16_t* x,
                                 uint16_t* residual) {
-  decode_layers(layers, num_layers, *step, x, residual);
+  decode_layers_of(layers, num_layers, *step, x, residual);
 }
 
 }  // extern "C"

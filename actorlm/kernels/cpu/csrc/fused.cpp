@@ -11,9 +11,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "actorlm_abi.h"
 #include "dtype.h"
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -212,14 +217,51 @@ void act(const T* x, T* out, int64_t rows, int dim, int activation) {
   }
 }
 
+// n values of x into a cache row: copied, or rounded into an FP8 cache's format
+template <typename T, typename C>
+inline void cache_row(const T* x, C* out, int64_t n) {
+  if constexpr (std::is_same_v<T, C>) {
+    std::memcpy(out, x, n * sizeof(T));
+  } else {
+    for (int64_t i = 0; i < n; ++i) store(to_float(x[i]), out + i);
+  }
+}
+
+// out [n] = an FP8 cache's values x [n], widened exactly (the torch path's prefill reads a
+// gathered context so: torch's own conversion takes ~2.5 ns a value)
+template <typename C, typename T>
+void widen(const C* x, T* out, int64_t n) {
+  if constexpr (std::is_same_v<T, C>) {
+    std::memcpy(out, x, n * sizeof(T));
+  } else {
+#pragma omp parallel for schedule(static) if (n >= kParallelFrom)
+    for (int64_t i = 0; i < n; i += 16) {
+#ifdef __AVX512F__
+      if (i + 16 <= n) {
+        const __m512 v = actorlm::widen16(x + i);
+        if constexpr (sizeof(T) == 4) {
+          _mm512_storeu_ps(reinterpret_cast<float*>(out + i), v);
+        } else {  // (exact in bf16: FP8's mantissa is shorter)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                              _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+        }
+        continue;
+      }
+#endif
+      for (int64_t j = i; j < std::min(n, i + 16); ++j) store(to_float(x[j]), out + j);
+    }
+  }
+}
+
 // For each token row of a fused qkv projection ([q heads | k heads | v heads], rows
 // `row_stride` apart): q and k rotated in place by HF's RoPE, x * cos + rotate_half(x) * sin
 // (sin_signed has its first half negated, so rotate_half is a roll by half; in bf16 both
 // products and their sum are rounded, as torch's three ops round them), then the row's k and v
-// heads copied into the paged cache at its slot. cos and sin_signed: [rows, head_dim].
-template <typename T>
-void rope_write_kv(T* qkv, int64_t row_stride, const T* cos, const T* sin_signed, T* k_cache,
-                   T* v_cache, const int64_t* slots, int64_t rows, int num_heads,
+// heads written into the paged cache at its slot (rounded, where the cache is FP8). cos and
+// sin_signed: [rows, head_dim].
+template <typename T, typename C>
+void rope_write_kv(T* qkv, int64_t row_stride, const T* cos, const T* sin_signed, C* k_cache,
+                   C* v_cache, const int64_t* slots, int64_t rows, int num_heads,
                    int num_kv_heads, int head_dim) {
   const int half = head_dim / 2;
   const int64_t kv_size = int64_t(num_kv_heads) * head_dim;
@@ -240,8 +282,8 @@ void rope_write_kv(T* qkv, int64_t row_stride, const T* cos, const T* sin_signed
       for (int d = 0; d < head_dim; ++d) store(rotated[d], x + d);
     }
     const T* k = row + int64_t(num_heads) * head_dim;
-    std::memcpy(k_cache + slots[r] * kv_size, k, kv_size * sizeof(T));
-    std::memcpy(v_cache + slots[r] * kv_size, k + kv_size, kv_size * sizeof(T));
+    cache_row(k, k_cache + slots[r] * kv_size, kv_size);
+    cache_row(k + kv_size, v_cache + slots[r] * kv_size, kv_size);
   }
 }
 
@@ -275,12 +317,22 @@ extern "C" {
                                int activation) {                                               \
     act_and_mul(gate_up, out, rows, dim, activation);                                           \
   }                                                                                             \
-  void actorlm_rope_write_kv_##S(T* qkv, int64_t row_stride, const T* cos,                     \
-                                 const T* sin_signed, T* k_cache, T* v_cache,                  \
-                                 const int64_t* slots, int64_t rows, int num_heads,            \
-                                 int num_kv_heads, int head_dim) {                             \
-    rope_write_kv(qkv, row_stride, cos, sin_signed, k_cache, v_cache, slots, rows, num_heads,   \
-                  num_kv_heads, head_dim);                                                      \
+  ACTORLM_ROPE_WRITE_KV(actorlm_rope_write_kv_##S, T, T, T)                                    \
+  ACTORLM_ROPE_WRITE_KV(actorlm_rope_write_kv_##S##_e4m3, T, uint8_t, actorlm::E4M3)           \
+  ACTORLM_ROPE_WRITE_KV(actorlm_rope_write_kv_##S##_e5m2, T, uint8_t, actorlm::E5M2)        \
+  ACTORLM_WIDEN(actorlm_widen_##S, T, T, T)                                                     \
+  ACTORLM_WIDEN(actorlm_widen_##S##_e4m3, T, uint8_t, actorlm::E4M3)                            \
+  ACTORLM_WIDEN(actorlm_widen_##S##_e5m2, T, uint8_t, actorlm::E5M2)
+// the caches' values as the ABI passes them (STORED: an FP8 cache's bytes) and as written (C)
+#define ACTORLM_WIDEN(NAME, T, STORED, C)                                                        \
+  void NAME(const STORED* x, T* out, int64_t n) { widen(reinterpret_cast<const C*>(x), out, n); }
+#define ACTORLM_ROPE_WRITE_KV(NAME, T, STORED, C)                                                \
+  void NAME(T* qkv, int64_t row_stride, const T* cos, const T* sin_signed, STORED* k_cache,     \
+            STORED* v_cache, const int64_t* slots, int64_t rows, int num_heads,                 \
+            int num_kv_heads, int head_dim) {                                                   \
+    rope_write_kv(qkv, row_stride, cos, sin_signed, reinterpret_cast<C*>(k_cache),              \
+                  reinterpret_cast<C*>(v_cache), slots, rows, num_heads, num_kv_heads,          \
+                  head_dim);                                                                    \
   }
 ACTORLM_FUSED(f32, float)
 ACTORLM_FUSED(bf16, uint16_t)
