@@ -11,9 +11,11 @@ class PagedContexts:
     one table per KV-cache group (``num_groups``, the model's by default), each with blocks of
     its own."""
 
-    def __init__(self, model, num_blocks=96, block_size=4, seed=0, num_groups=None):
+    def __init__(self, model, num_blocks=96, block_size=4, seed=0, num_groups=None,
+                 cache_dtype=None):
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+        cache_dtype = cache_dtype or model.dtype  # (an FP8 cache: --kv-cache-dtype)
+        self.kv_caches = [(torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype))
                           for _ in range(model.num_layers)]
         self.block_size = block_size
         # Shuffled so a request's blocks are not contiguous; block 0 is the table padding.

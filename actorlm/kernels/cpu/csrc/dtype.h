@@ -33,8 +33,9 @@ inline void store(float x, uint16_t* out) { *out = to_bf16(x); }
 inline float rounded(float x, const float*) { return x; }
 inline float rounded(float x, const uint16_t*) { return to_float(to_bf16(x)); }
 
-// An FP8 format with kMantissa bits of mantissa and exponent bias kBias, its largest finite
-// value kLargest (one byte: its sign, then exponent and mantissa as one 7-bit number "em").
+// An FP8 format with kMantissa bits of mantissa and exponent bias kBias, kLargestBits the bits
+// of its largest finite value (one byte: its sign, then exponent and mantissa as one 7-bit
+// number, "em").
 template <int kMantissa, int kBias, int kLargestBits>
 struct Fp8 {
   uint8_t bits;
