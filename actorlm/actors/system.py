@@ -165,8 +165,10 @@ class EngineSystem:
             reach(self.frontend, "scheduler", "frontend"),
             reach(self.allocator, "scheduler", "allocator"),
             reach(self.executor, "scheduler", "executor")))
-        log.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d", parts.name,
-                 config.num_kv_blocks, config.block_size, config.max_model_len)
+        log.info("engine ready: %s, %d KV blocks of %d tokens%s, max_model_len %d", parts.name,
+                 config.num_kv_blocks, config.block_size,
+                 "" if config.kv_cache_dtype == "auto" else f" ({config.kv_cache_dtype})",
+                 config.max_model_len)
         if self.kv_cache_windows != [None]:
             log.info("KV-cache groups: %s (windows; None: full attention), %d layers a block",
                      self.kv_cache_windows, len(parts.kv_cache_groups[0].layers))
