@@ -9,11 +9,11 @@ PROMPTS = [[5, 17, 33, 8, 91, 4, 60], [12, 7], [40, 41, 42, 43, 44, 45, 46, 47, 
            [200, 3, 150]]
 
 
-def run(model_dir, monkeypatch, backend, params):
+def run(model_dir, monkeypatch, backend, params, **flags):
     monkeypatch.setenv("ACTORLM_ATTENTION_BACKEND", backend)
     # a small pool and a small token budget: chunked prefills mixed with decodes, and preemption
     with LLM(str(model_dir), dtype="float32", block_size=4, num_kv_blocks=12, max_model_len=32,
-             max_num_batched_tokens=10) as llm:
+             max_num_batched_tokens=10, **flags) as llm:
         assert llm.engine.backend_name == backend
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         stats = llm.stats()
@@ -28,6 +28,16 @@ def test_triton_backend_matches_cpu_backend(tiny_llama_dir, monkeypatch):
     triton_tokens, triton_stats = run(tiny_llama_dir, monkeypatch, "triton", greedy)
     assert triton_tokens == cpu_tokens
     assert cpu_stats["num_preemptions"] > 0 and triton_stats["num_preemptions"] > 0
+
+
+@pytest.mark.slow
+def test_both_backends_round_into_an_fp8_kv_cache_alike(tiny_llama_dir, monkeypatch):
+    # the same bits in the cache (both round as the oracle), so the same greedy tokens
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    cpu_tokens, _ = run(tiny_llama_dir, monkeypatch, "cpu", greedy, kv_cache_dtype="fp8")
+    triton_tokens, stats = run(tiny_llama_dir, monkeypatch, "triton", greedy,
+                               kv_cache_dtype="fp8")
+    assert triton_tokens == cpu_tokens and stats["num_preemptions"] > 0
 
 
 @pytest.mark.slow
