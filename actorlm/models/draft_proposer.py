@@ -38,9 +38,11 @@ class _DraftState:
 
 class DraftModelProposer:
     def __init__(self, model, backend: KernelBackend, num_speculative_tokens: int,
-                 block_size: int, dtype: torch.dtype, device: torch.device):
+                 block_size: int, dtype: torch.dtype, device: torch.device,
+                 kv_cache_dtype: torch.dtype | None = None):
         self.model, self.backend, self.k = model, backend, num_speculative_tokens
         self.block_size, self.dtype, self.device = block_size, dtype, device
+        self.kv_cache_dtype = kv_cache_dtype or dtype  # the target's (--kv-cache-dtype)
         self.max_positions = getattr(model.config, "max_position_embeddings", None) or 2048
         self.num_groups = len(getattr(model, "kv_cache_groups", None) or [None])
         self.states: dict[str, _DraftState] = {}
@@ -52,8 +54,8 @@ class DraftModelProposer:
         passes on); every request starts again."""
         self.kv_caches = []  # (the old pool goes before the new one is made)
         shape = (num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
                           for _ in range(self.model.num_layers)]  # [num_blocks, bs, Hkv, D]
         self.free_block_ids = list(range(num_blocks - 1, -1, -1))
         self.states.clear()

@@ -158,7 +158,7 @@ class RunnerFactory:
             return None
         draft = load_model(self.draft_path, self.dtype, self.device, self.backend)
         return DraftModelProposer(draft, self.backend, spec.num_speculative_tokens,
-                                  self.block_size, self.dtype, self.device)
+                                  self.block_size, self.dtype, self.device, self.kv_cache_dtype)
 
     def __getstate__(self):
         return {**self.__dict__, "profiled": []}
@@ -255,9 +255,9 @@ def load_model_parts(config: EngineConfig) -> LoadedModel:
         draft_config = load_hf_config(draft_path)
         check_draft_vocabulary(spec.model, tokenizer, AutoTokenizer.from_pretrained(draft_path),
                                hf_config.vocab_size, draft_config.vocab_size)
-        # its own KV pool has as many blocks as the target's (rank 0 holds it), in the
-        # model's dtype (its cache's rounding would change the drafts alone, not the output)
-        bytes_per_block += kv_bytes_per_block(draft_config, config.block_size, 1, dtype)
+        # its own KV pool has as many blocks as the target's (rank 0 holds it), of the same
+        # dtype (as vLLM's)
+        bytes_per_block += kv_bytes_per_block(draft_config, config.block_size, 1, kv_dtype)
     # flags are checked against the model before anything heavy loads
     resolved = config.resolve_lengths(hf_config) if profile_gpu else \
         config.resolve(hf_config, bytes_per_block)

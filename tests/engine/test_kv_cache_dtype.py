@@ -2,7 +2,8 @@
 rounded to FP8 (vLLM's conversion with a scale of one), and attention reads what it holds.
 Held to transformers by vLLM's greedy rule, through preemption and prefix hits; the rounding
 shows in the logprobs (it is not a cache in the model's dtype under another name); a block
-takes a quarter of fp32's bytes, so the same memory holds four times the blocks."""
+takes a quarter of fp32's bytes, so the same memory holds four times the blocks (a draft
+model's pool too); the one-call decode step reads it as the Python layers do."""
 
 from __future__ import annotations
 
@@ -55,6 +56,22 @@ def test_the_same_memory_holds_four_times_the_fp32_blocks(tiny_llama_dir, make_l
     auto = make_llm(str(tiny_llama_dir), **budget).config.num_kv_blocks
     assert make_llm(str(tiny_llama_dir), kv_cache_dtype="fp8", **budget
                     ).config.num_kv_blocks == 4 * auto
+
+
+def test_a_draft_models_cache_is_fp8_too_and_its_drafts_change_no_token(tiny_llama_dir,
+                                                                        tiny_llama_draft_dir,
+                                                                        make_llm):
+    # (its pool beside the target's, of the same dtype, as vLLM's: four times the blocks too)
+    flags = {"kv_cache_dtype": "fp8", "kv_cache_memory_bytes": 1 << 22}
+    plain = make_llm(str(tiny_llama_dir), **flags)
+    spec = make_llm(str(tiny_llama_dir), **flags, speculative_config={
+        "model": str(tiny_llama_draft_dir), "num_speculative_tokens": 3})
+    auto = make_llm(str(tiny_llama_dir), kv_cache_memory_bytes=1 << 22, speculative_config={
+        "model": str(tiny_llama_draft_dir), "num_speculative_tokens": 3})
+    assert spec.config.num_kv_blocks == 4 * auto.config.num_kv_blocks
+    tokens = [o.outputs[0].token_ids for o in _greedy(spec)[0]]
+    assert tokens == [o.outputs[0].token_ids for o in _greedy(plain)[0]]
+    assert spec.stats()["spec_num_accepted_tokens"] > 0
 
 
 @pytest.mark.parametrize("value", ["int8", "fp8_inc", "float16"])
