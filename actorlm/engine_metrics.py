@@ -94,6 +94,19 @@ class EngineCollector:
         yield per_position
         if config.enable_lora:
             yield lora_requests_info(replicas, config.max_loras)
+        yield cache_config_info(config)
+
+
+def cache_config_info(config) -> GaugeMetricFamily:
+    """vLLM's ``vllm:cache_config_info``: the KV cache's settings as the labels of a gauge of
+    one (its pool as ``num_gpu_blocks``, vLLM's name on every device)."""
+    fields = {"block_size": config.block_size, "cache_dtype": config.kv_cache_dtype,
+              "enable_prefix_caching": config.enable_prefix_caching,
+              "num_gpu_blocks": config.num_kv_blocks}
+    info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                             labels=list(fields))
+    info.add_metric([str(value) for value in fields.values()], 1)
+    return info
 
 
 def lora_requests_info(replicas: list[dict], max_loras: int) -> GaugeMetricFamily:

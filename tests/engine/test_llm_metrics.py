@@ -53,6 +53,15 @@ def test_an_offline_engine_counts_and_times_its_requests(make_llm, tiny_llama_di
     assert _one(records, "vllm:inter_token_latency_seconds", HistogramRecord).count == 0
 
 
+def test_the_kv_caches_settings_are_vllms_cache_config_info(make_llm, tiny_llama_dir):
+    llm = make_llm(str(tiny_llama_dir), disable_log_stats=False, kv_cache_dtype="fp8_e5m2",
+                   num_kv_blocks=64, block_size=8)
+    info = _one(llm.get_metrics(), "vllm:cache_config_info", Gauge)
+    assert info.value == 1 and info.labels == {
+        "block_size": "8", "cache_dtype": "fp8_e5m2", "enable_prefix_caching": "True",
+        "num_gpu_blocks": "64"}
+
+
 def test_without_stats_there_are_no_metrics_to_read(make_llm, tiny_llama_dir):
     llm = make_llm(str(tiny_llama_dir))
     assert llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=2),
