@@ -102,6 +102,7 @@ def run_latency(model: str | None, flags: dict, batch_size: int, input_len: int,
     tpot = statistics.median((r[1] - r[0]) / (output_len - 1) for r in runs)
     result = {
         "model": path.name, "dtype": str(dtype).removeprefix("torch."),
+        "kv_cache_dtype": config.kv_cache_dtype,
         "threads": torch.get_num_threads(), "batch_size": batch_size, "input_len": input_len,
         "output_len": output_len, "num_iters": num_iters, "workload": workload,
         "ttft_ms": round(1e3 * ttft, 2), "tpot_ms": round(1e3 * tpot, 2),

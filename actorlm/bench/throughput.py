@@ -115,6 +115,7 @@ def run_throughput(model: str | None, flags: dict, num_prompts: int, output_len:
     elapsed = statistics.median(runs)
     result = {
         "model": path.name, "dtype": str(dtype).removeprefix("torch."),
+        "kv_cache_dtype": config.kv_cache_dtype,
         "num_prompts": num_prompts, "output_len": output_len, "num_iters": num_iters,
         "threads": torch.get_num_threads(), "prompt_tokens": num_prompt_tokens,
         "output_tokens": num_output, "elapsed_s": round(elapsed, 3),
