@@ -93,6 +93,7 @@ class ServerState:
         if self.engine is None:
             self._tasks.append(asyncio.create_task(self._load()))
         else:
+            self._check_engine(self.engine)
             self.max_token_chars = await asyncio.to_thread(max_token_chars, self.engine)
             await asyncio.to_thread(self._load_lora_modules, self.engine)
             self._engine_ready()
@@ -110,6 +111,7 @@ class ServerState:
         def build() -> tuple[AsyncLLM, int]:
             engine = self.factory()
             try:
+                self._check_engine(engine)
                 self._load_lora_modules(engine)
             except BaseException:
                 engine.shutdown()
@@ -132,6 +134,14 @@ class ServerState:
             return
         self.engine = engine
         self._engine_ready()
+
+    def _check_engine(self, engine: AsyncLLM) -> None:
+        """The options against the engine they serve: GPT-OSS's tool calls need its harmony
+        reasoning parser (which the command line implies; an engine built apart may lack it)."""
+        given = engine.config.reasoning_parser
+        if (wanted := self.options.reasoning_parser_for(given)) != given:
+            raise ValueError(f"--tool-call-parser {self.options.tool_call_parser} needs the "
+                             f"engine's --reasoning-parser {wanted}, which it has not")
 
     def _load_lora_modules(self, engine: AsyncLLM) -> None:
         """The checker of ``engine``'s adapters, then ``--lora-modules`` (blocking)."""

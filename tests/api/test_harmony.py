@@ -238,3 +238,23 @@ def test_a_tokenizer_without_harmonys_tokens_is_refused_by_name(tiny_tokenizer_d
     with pytest.raises(ValueError, match=r"openai_gptoss: .*has no <\|channel\|>, <\|message\|>"):
         reasoning_tokens(reasoning_parser("openai_gptoss"),
                          AutoTokenizer.from_pretrained(tiny_tokenizer_dir), "tiny")
+
+
+def test_an_engine_without_the_harmony_parser_is_refused_under_the_openai_tool_parser(
+        tiny_llama_dir):
+    # (the command line implies the parser; an engine built apart and handed to the app may
+    # lack it: the app does not start)
+    from starlette.testclient import TestClient
+
+    from actorlm.api.server import create_app
+    from actorlm.async_llm import AsyncLLM
+
+    engine = AsyncLLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=64)
+    try:
+        app = create_app(engine, options=ServerOptions(enable_auto_tool_choice=True,
+                                                       tool_call_parser="openai"))
+        with pytest.raises(ValueError, match="openai needs the engine's --reasoning-parser "
+                                             "openai_gptoss"), TestClient(app):
+            pass
+    finally:
+        engine.shutdown()
