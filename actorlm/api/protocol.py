@@ -275,6 +275,8 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     chat_template: str | None = None  # only with --trust-request-chat-template
     # OpenAI's; as vLLM, a variable of the chat template (GPT-OSS's, for one, reads it)
     reasoning_effort: ReasoningEffort | None = None
+    # vLLM's: false leaves the think out of the answer (still split from the content)
+    include_reasoning: bool = True
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # without it: "auto" when there are tools
     parallel_tool_calls: bool | None = True  # false: at most one call

@@ -365,6 +365,7 @@ class _Generation:
             text, think = c.text, None
             if self.reasoning is not None:
                 think, text = split_reasoning(self._think_stream(), text)
+                think = think if self.req.include_reasoning else None
             content, calls = text, []
             if self.tools is not None:
                 content, calls = collect(self.tools.new_stream(), text)
@@ -432,7 +433,7 @@ class _Generation:
                     if done:
                         more_think, more_text = thinks[c.index].finish()
                         think, text = think + more_think, text + more_text
-                    think = think or None
+                    think = (think or None) if self.req.include_reasoning else None
                 delta = p.DeltaMessage(content=text)
                 if calls is not None:
                     content, deltas = calls[c.index].feed(text)

@@ -154,6 +154,15 @@ def test_the_end_of_the_think_splits_reasoning_from_content(think_server, end_bi
     assert _streamed(client, bias=bias)[:2] == (reasoning, content)
 
 
+def test_include_reasoning_false_leaves_the_think_out(think_server, end_bias):
+    # vLLM's include_reasoning: the think is still split off, and not sent
+    client, engine = think_server
+    bias, raw = end_bias
+    _, content = _expected(engine, _prompt(engine), raw)
+    for answer in (_whole, _streamed):
+        assert answer(client, bias=bias, include_reasoning=False)[:2] == (None, content)
+
+
 def test_a_grammar_constrains_only_what_follows_the_think(think_server, end_bias):
     client, engine = think_server
     bias, raw = end_bias
