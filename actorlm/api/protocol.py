@@ -334,6 +334,7 @@ class TokenizeRequest(Struct, kw_only=True):
     continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # only with --trust-request-chat-template
+    return_token_strs: bool | None = False  # vLLM's: each token as the tokenizer writes it
 
 
 class DetokenizeRequest(Struct, kw_only=True):
@@ -490,10 +491,11 @@ class ModelList(Struct):
     data: list[ModelCard]
 
 
-class TokenizeResponse(Struct):
+class TokenizeResponse(Struct, omit_defaults=True):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs (vLLM leaves it out else)
 
 
 class DetokenizeResponse(Struct):

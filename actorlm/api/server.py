@@ -122,7 +122,8 @@ async def tokenize(request: Request) -> Response:
                                         p.or_default(req.add_special_tokens, True))
     else:
         raise p.ApiError(400, "either prompt or messages is required", "prompt")
-    return json_response(p.TokenizeResponse(len(ids), engine.max_model_len, ids))
+    strings = engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+    return json_response(p.TokenizeResponse(len(ids), engine.max_model_len, ids, strings))
 
 
 async def detokenize(request: Request) -> Response:

@@ -237,13 +237,21 @@ def test_several_prompts_and_echo(client):
     assert echoed == PROMPTS[0] + singles[0]
 
 
-def test_tokenize_detokenize(server, client):
+def test_tokenize_detokenize(server, client, tiny_llama_dir):
     tokens = httpx.post(server + "/tokenize", json={"model": MODEL, "prompt": PROMPTS[0]}).json()
     assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 512
     text = httpx.post(server + "/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
     assert text == PROMPTS[0]
     chat_tokens = httpx.post(server + "/tokenize", json={"messages": MESSAGES}).json()
     assert chat_tokens["count"] == _chat(client, max_tokens=1).usage.prompt_tokens
+    assert "token_strs" not in tokens  # (vLLM's answer leaves it out unless asked)
+    # vLLM's return_token_strs: each token as the tokenizer writes it (byte-level BPE's)
+    strings = httpx.post(server + "/tokenize", json={"prompt": PROMPTS[0],
+                                                     "return_token_strs": True}).json()
+    from transformers import AutoTokenizer
+
+    assert strings["tokens"] == tokens["tokens"] and strings["token_strs"] == \
+        AutoTokenizer.from_pretrained(tiny_llama_dir).convert_ids_to_tokens(tokens["tokens"])
 
 
 def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, server,
