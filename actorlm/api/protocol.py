@@ -77,6 +77,8 @@ class _SamplingRequest(StructuredFields, kw_only=True):
     prompt_logprobs: int | None = None
     # logprobs' tokens as "token_id:<id>"; None: as the server's --return-tokens-as-token-ids
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's: the prompt's and the answer's token ids beside the text (agents and RL read them)
+    return_token_ids: bool | None = False
     # keep only the prompt's last k tokens (-1: as many as the context holds), as vLLM does
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
     # its prefix-cache tenant: cached prefixes are shared only with requests of the same salt
@@ -379,6 +381,8 @@ class CompletionChoice(Struct):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    token_ids: list[int] | None = None
 
 
 class CompletionStreamChoice(Struct):
@@ -387,6 +391,13 @@ class CompletionStreamChoice(Struct):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+class CompletionStreamChoiceIds(CompletionStreamChoice):
+    """With return_token_ids: the chunk's tokens (and in a choice's first, the prompt's)."""
+
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(Struct):
@@ -439,6 +450,7 @@ class ChatChoice(Struct):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(Struct):
@@ -449,6 +461,7 @@ class ChatCompletionResponse(Struct):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class DeltaMessage(Struct, omit_defaults=True):
@@ -467,6 +480,12 @@ class ChatChunkChoice(Struct):
     stop_reason: int | str | None = None
 
 
+class ChatChunkChoiceIds(ChatChunkChoice):
+    """With return_token_ids: the tokens of the chunk's delta."""
+
+    token_ids: list[int] | None = None
+
+
 class ChatCompletionChunk(Struct, omit_defaults=True):
     id: str
     object: str
@@ -474,6 +493,7 @@ class ChatCompletionChunk(Struct, omit_defaults=True):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids, in the first chunk
 
 
 class ModelCard(Struct):

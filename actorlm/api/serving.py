@@ -311,9 +311,12 @@ class _Generation:
                         offset = 0
                     lp = completion_logprobs(ids, positions, self.req.logprobs,
                                              self.token_text, offset)
+                ids = self.req.return_token_ids
                 choices.append(p.CompletionChoice(i * self.n + c.index, prefix + c.text, lp,
                                                   c.finish_reason, c.stop_reason,
-                                                  prompt_logprobs(final.prompt_logprobs)))
+                                                  prompt_logprobs(final.prompt_logprobs),
+                                                  final.prompt_token_ids if ids else None,
+                                                  list(c.token_ids) if ids else None))
         return p.CompletionResponse(self.request_id, "text_completion", self.created,
                                     self.model_name, choices, self.usage(finals))
 
@@ -343,6 +346,11 @@ class _Generation:
                     choice = p.CompletionStreamChoice(i * self.n + c.index, text, lp,
                                                       c.finish_reason if done else None,
                                                       c.stop_reason if done else None)
+                    if self.req.return_token_ids:  # (the prompt's with a choice's first)
+                        choice = p.CompletionStreamChoiceIds(
+                            *msgspec.structs.astuple(choice),
+                            out.prompt_token_ids if start == 0 else None,
+                            list(c.token_ids[start:end]))
                     usage = self.usage([f for f in finals if f]) if continuous else None
                     yield event(p.CompletionStreamResponse(
                         self.request_id, "text_completion", self.created, self.model_name,
@@ -374,10 +382,12 @@ class _Generation:
             message = p.ChatResponseMessage(self.role, content, calls, think, think)
             choices.append(p.ChatChoice(c.index, message, lp,
                                         _finish_reason(c.finish_reason, bool(calls)),
-                                        c.stop_reason))
-        return p.ChatCompletionResponse(self.request_id, "chat.completion", self.created,
-                                        self.model_name, choices, self.usage(finals),
-                                        prompt_logprobs(final.prompt_logprobs))
+                                        c.stop_reason,
+                                        list(c.token_ids) if self.req.return_token_ids else None))
+        return p.ChatCompletionResponse(
+            self.request_id, "chat.completion", self.created, self.model_name, choices,
+            self.usage(finals), prompt_logprobs(final.prompt_logprobs),
+            final.prompt_token_ids if self.req.return_token_ids else None)
 
     def _chat_logprobs(self, c, start: int, end: int) -> p.ChatLogprobs | None:
         num_top = self.req.num_logprobs
@@ -391,9 +401,9 @@ class _Generation:
             return self.reasoning.text_stream(self.prompt_token_ids[0], calls=True)
         return self.reasoning.text_stream(self.prompt_token_ids[0])
 
-    def _chunk(self, choices: list, usage=None) -> p.ChatCompletionChunk:
+    def _chunk(self, choices: list, usage=None, prompt_token_ids=None) -> p.ChatCompletionChunk:
         return p.ChatCompletionChunk(self.request_id, "chat.completion.chunk", self.created,
-                                     self.model_name, choices, usage)
+                                     self.model_name, choices, usage, prompt_token_ids)
 
     async def chat_events(self) -> AsyncIterator[bytes]:
         try:
@@ -413,12 +423,15 @@ class _Generation:
         logprobs_from = [0] * self.n  # the first token whose logprobs are not sent yet
         final = None
         continuous = self.req.continuous_usage
+        # vLLM's return_token_ids, unless include_reasoning hides the think's tokens
+        ids = self.req.return_token_ids and (self.req.include_reasoning or not self.reasoning)
         async for _, out in self.outputs():
             usage = self.usage([out]) if continuous else None
             if final is None:  # the role comes first, with the first output (as vLLM)
                 for index in range(self.n):
                     yield self._chunk([p.ChatChunkChoice(
-                        index, p.DeltaMessage(role=self.role, content=""))], usage)
+                        index, p.DeltaMessage(role=self.role, content=""))], usage,
+                        out.prompt_token_ids if ids else None)
             final = out
             for c in out.outputs:
                 prog = progress[c.index]
@@ -452,9 +465,13 @@ class _Generation:
                                            reasoning=think)
                 start, logprobs_from[c.index] = logprobs_from[c.index], end
                 finish = _finish_reason(c.finish_reason, made_calls[c.index])
-                yield self._chunk([p.ChatChunkChoice(
-                    c.index, delta, self._chat_logprobs(c, start, end),
-                    finish if done else None, c.stop_reason if done else None)], usage)
+                choice = p.ChatChunkChoice(c.index, delta, self._chat_logprobs(c, start, end),
+                                           finish if done else None,
+                                           c.stop_reason if done else None)
+                if ids:  # (tokens held back with their text come with it)
+                    choice = p.ChatChunkChoiceIds(*msgspec.structs.astuple(choice),
+                                                  list(c.token_ids[start:end]))
+                yield self._chunk([choice], usage)
         self.final = final
         if self.include_usage:
             yield self._chunk([], self.usage([final]))

@@ -308,3 +308,33 @@ def test_prompt_logprobs(server):
     chat = httpx.post(server + "/v1/chat/completions", timeout=30, json={
         "model": MODEL, "messages": MESSAGES, "max_tokens": 2, "prompt_logprobs": 0}).json()
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 1
+
+
+def test_return_token_ids_gives_the_prompts_and_the_answers_ids(server, client):
+    """vLLM's return_token_ids (agent and RL frameworks read it): completions and chat, whole
+    and streamed; the streamed pieces add up to the whole answer's ids, the prompt's come once
+    (in the first chunk), and without the flag none of it is sent."""
+    asked = {"extra_body": {"return_token_ids": True}}
+    prompt_ids = httpx.post(server + "/tokenize", json={"prompt": PROMPTS[0]}).json()["tokens"]
+    whole = _complete(client, **asked).choices[0]
+    extra = whole.model_extra
+    assert extra["prompt_token_ids"] == prompt_ids and len(extra["token_ids"]) == 16
+    text = httpx.post(server + "/detokenize", json={"tokens": extra["token_ids"]}).json()
+    assert text["prompt"] == whole.text
+    chunks = [c.choices[0].model_extra for c in _complete(client, stream=True, **asked)]
+    assert sum((c["token_ids"] for c in chunks), []) == extra["token_ids"]
+    assert chunks[0]["prompt_token_ids"] == prompt_ids and \
+        all(c["prompt_token_ids"] is None for c in chunks[1:])
+    assert _complete(client).choices[0].model_extra["token_ids"] is None  # (null, as vLLM's)
+
+    chat_ids = httpx.post(server + "/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    answer = _chat(client, **asked)
+    ids = answer.choices[0].model_extra["token_ids"]
+    assert answer.model_extra["prompt_token_ids"] == chat_ids and len(ids) == 16
+    pieces = list(_chat(client, stream=True, **asked))
+    assert pieces[0].model_extra["prompt_token_ids"] == chat_ids
+    assert sum((c.choices[0].model_extra.get("token_ids", []) for c in pieces
+                if c.choices), []) == ids
+    plain = list(_chat(client, stream=True))
+    assert all("token_ids" not in c.choices[0].model_extra and
+               "prompt_token_ids" not in c.model_extra for c in plain if c.choices)
