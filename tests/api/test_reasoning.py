@@ -163,6 +163,16 @@ def test_include_reasoning_false_leaves_the_think_out(think_server, end_bias):
         assert answer(client, bias=bias, include_reasoning=False)[:2] == (None, content)
 
 
+def test_a_stream_without_its_think_sends_no_token_ids(think_server, end_bias):
+    # (vLLM's rule: the ids would give the think away)
+    client, _ = think_server
+    extra = {"include_reasoning": False, "return_token_ids": True}
+    chunks = list(_chat(client, stream=True, bias=end_bias[0], **extra))
+    assert not any("token_ids" in c.choices[0].model_extra for c in chunks if c.choices)
+    kept = list(_chat(client, stream=True, bias=end_bias[0], return_token_ids=True))
+    assert any("token_ids" in c.choices[0].model_extra for c in kept if c.choices)
+
+
 def test_a_grammar_constrains_only_what_follows_the_think(think_server, end_bias):
     client, engine = think_server
     bias, raw = end_bias
