@@ -37,16 +37,19 @@ def max_tokens_for(num_prompt_tokens: int, requested: int | None, max_model_len:
     return requested
 
 
-def truncated(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+def truncated(ids: list[int], keep: int | None, max_model_len: int,
+              side: str | None = None) -> list[int]:
     """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: the context's
-    worth); None keeps it whole."""
+    worth), or with ``side`` "right" (vLLM's ``truncation_side``) its first; None keeps it
+    whole."""
     if keep is None:
         return ids
     if keep == 0 or keep > max_model_len:
         raise p.ApiError(400, f"truncate_prompt_tokens: must be -1 or between 1 and the "
                               f"context length {max_model_len}, got {keep}",
                          "truncate_prompt_tokens")
-    return ids[-(max_model_len if keep == -1 else keep):]
+    keep = max_model_len if keep == -1 else keep
+    return ids[:keep] if side == "right" else ids[-keep:]
 
 
 def check_text_length(state, num_chars: int, req) -> None:

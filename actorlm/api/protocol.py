@@ -19,7 +19,7 @@ from msgspec import Meta, Struct
 
 from actorlm.api.errors import ApiError
 from actorlm.api.protocol_tools import DeltaToolCall, Tool, ToolCall, ToolChoice
-from actorlm.api.refused import CHAT_FIELDS
+from actorlm.api.refused import CHAT_FIELDS, COMPLETION_FIELDS
 from actorlm.api.structured import StructuredFields
 from actorlm.beam_search import BeamSearchParams
 from actorlm.generation_config import SamplingDefaults
@@ -79,8 +79,10 @@ class _SamplingRequest(StructuredFields, kw_only=True):
     return_tokens_as_token_ids: bool | None = None
     # vLLM's: the prompt's and the answer's token ids beside the text (agents and RL read them)
     return_token_ids: bool | None = False
-    # keep only the prompt's last k tokens (-1: as many as the context holds), as vLLM does
+    # keep only the prompt's last k tokens (-1: as many as the context holds), as vLLM does;
+    # its first k with truncation_side "right"
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
     # its prefix-cache tenant: cached prefixes are shared only with requests of the same salt
     cache_salt: Annotated[str, Meta(min_length=1)] | None = None
     # smaller is served first, under --scheduling-policy priority (else it must be 0)
@@ -173,6 +175,7 @@ class CompletionRequest(_SamplingRequest, kw_only=True):
     suffix: str | None = None
     best_of: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None  # only best_of == n runs
     add_special_tokens: bool | None = True
+    prompt_embeds: Any = None  # vLLM's: refused (``refused.COMPLETION_FIELDS``)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request: each text or token ids."""
@@ -192,7 +195,7 @@ class CompletionRequest(_SamplingRequest, kw_only=True):
 
     def check_supported(self) -> None:
         self.check_stream_options()
-        self.check_refused()
+        self.check_refused(COMPLETION_FIELDS)
         if self.suffix:
             raise ApiError(400, "suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != or_default(self.n, 1):
@@ -286,6 +289,7 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
+    echo: bool | None = False  # vLLM's: refused (``refused.CHAT_FIELDS``)
 
     def check_supported(self) -> None:
         self.check_stream_options()

@@ -16,8 +16,10 @@ from msgspec import Struct
 
 from actorlm.api.errors import ApiError
 
-# fields a chat request may carry besides RefusedFields'
-CHAT_FIELDS = ("functions", "function_call", "documents")
+# fields a chat request may carry besides RefusedFields' (echo: vLLM's, the last message
+# prepended to an answer of its role), and a completions request (prompts as embeddings)
+CHAT_FIELDS = ("functions", "function_call", "documents", "echo")
+COMPLETION_FIELDS = ("prompt_embeds",)
 # "off" values that are not simply falsy
 _OFF = {"function_call": lambda v: v == "none",
         "guided_decoding_backend": lambda v: v in ("xgrammar", "auto")}
@@ -29,6 +31,13 @@ class RefusedFields(Struct, kw_only=True):
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None  # JSON is generated compact
     logits_processors: list[Any] | None = None
+    # vLLM's later ones: a budget of think tokens, logprobs of chosen ids, stopping on
+    # repeated n-grams, disaggregated prefill's KV hand-over, watermarks
+    thinking_token_budget: int | None = None
+    logprob_token_ids: list[int] | None = None
+    repetition_detection: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    watermarking: bool | None = None
 
     def check_refused(self, extra: tuple[str, ...] = ()) -> None:
         """Raise a 400 naming the first unimplemented field this request turns on."""

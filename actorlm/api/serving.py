@@ -68,7 +68,8 @@ async def create_completion(state, request: Request) -> Response:
         lambda: [engine.encode(x, add_special) if isinstance(x, str) else x for x in prompts])
     if any(not ids for ids in prompt_ids):
         raise p.ApiError(400, empty_prompt("prompt"), "prompt")
-    prompt_ids = [truncated(ids, req.truncate_prompt_tokens, engine.max_model_len)
+    prompt_ids = [truncated(ids, req.truncate_prompt_tokens, engine.max_model_len,
+                            req.truncation_side)
                   for ids in prompt_ids]
     constraint = await checked_constraint(req)
     defaults = engine.sampling_defaults
@@ -112,7 +113,7 @@ async def start_chat(state, request: Request, req: p.ChatCompletionRequest, api:
     conversation = req.conversation()
     check_text_length(state, p.num_chars(req.messages, conversation), req)
     ids = await apply_chat_template(engine, conversation, add_generation_prompt, **kwargs)
-    ids = truncated(ids, req.truncate_prompt_tokens, engine.max_model_len)
+    ids = truncated(ids, req.truncate_prompt_tokens, engine.max_model_len, req.truncation_side)
     field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     defaults = engine.sampling_defaults
     max_tokens = max_tokens_for(len(ids), req.requested_max_tokens, engine.max_model_len, field,

@@ -39,6 +39,15 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(http):
     whole = _ok(http.post("/v1/completions",
                           json={**GREEDY, "prompt": ids, "truncate_prompt_tokens": -1}))
     assert whole["usage"]["prompt_tokens"] == len(ids)
+    # vLLM's truncation_side "right": the first 7 instead
+    head = _ok(http.post("/v1/completions", json={**GREEDY, "prompt": ids[:7]}))
+    first = _ok(http.post("/v1/completions", json={
+        **GREEDY, "prompt": ids, "truncate_prompt_tokens": 7, "truncation_side": "right"}))
+    assert first["usage"]["prompt_tokens"] == 7
+    assert first["choices"][0]["text"] == head["choices"][0]["text"] != \
+        truncated["choices"][0]["text"]
+    wrong = http.post("/v1/completions", json={**GREEDY, "prompt": ids, "truncation_side": "up"})
+    assert wrong.status_code == 400 and "truncation_side" in wrong.text
 
 
 def test_truncate_prompt_tokens_in_chat(http):
@@ -94,7 +103,8 @@ def test_a_cache_salt_keeps_a_tenants_cached_prefix_to_itself(http):
 OFF_VALUES = {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
               "guided_json": None, "guided_choice": [], "structured_outputs": None,
               "use_beam_search": False, "priority": 0, "logits_processors": [],
-              "chat_template_kwargs": {"enable_thinking": False}}
+              "chat_template_kwargs": {"enable_thinking": False}, "thinking_token_budget": None,
+              "kv_transfer_params": None, "echo": False, "watermarking": False}
 
 
 def test_unimplemented_fields_pass_when_off(http):
