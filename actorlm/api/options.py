@@ -57,6 +57,9 @@ class ServerOptions:
     # a message's content as the chat template reads it (chat_content: auto, string, openai)
     chat_template_content_format: str = "auto"
     middleware: tuple[str, ...] = ()  # the operator's own, by import path (user_middleware)
+    # a stream's chunks each carry this many new tokens at least (vLLM's --stream-interval:
+    # fewer, larger writes), but its first and its last; a request may ask for more
+    stream_interval: int = 1
 
     def __post_init__(self):
         for key in self.api_keys:
@@ -87,6 +90,10 @@ class ServerOptions:
             raise ValueError(f"--root-path: a path such as /api (a leading slash, no trailing "
                              f"one), got {self.root_path!r}")
         check_content_format(self.chat_template_content_format, "--chat-template-content-format")
+        if isinstance(self.stream_interval, bool) or not isinstance(self.stream_interval, int) \
+                or self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be a positive integer, got "
+                             f"{self.stream_interval!r}")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"--max-log-len must be at least 0, got {self.max_log_len}")
         for path in self.middleware:
@@ -145,7 +152,8 @@ class ServerOptions:
                    log_requests=args.enable_log_requests, log_outputs=args.enable_log_outputs,
                    max_log_len=args.max_log_len,
                    chat_template_content_format=args.chat_template_content_format,
-                   middleware=tuple(args.middleware or ()))
+                   middleware=tuple(args.middleware or ()),
+                   stream_interval=args.stream_interval)
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -257,6 +265,11 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                         help="log each finished answer's text, token ids and finish reason")
     parser.add_argument("--max-log-len", type=int, default=None, metavar="N",
                         help="log at most N characters or token ids of each (default: all)")
+    parser.add_argument("--stream-interval", type=int, default=defaults.stream_interval,
+                        metavar="N",
+                        help="send a stream's tokens N at a time (its first and last chunks at "
+                             "once; a request's stream_interval may raise it): fewer writes "
+                             "per token (default: 1, each token)")
     parser.add_argument("--middleware", action="append", metavar="MODULE.NAME",
                         help="wrap the server in this ASGI middleware class or async "
                              "(request, call_next) function; repeatable, the first outermost")

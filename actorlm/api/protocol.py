@@ -79,6 +79,8 @@ class _SamplingRequest(StructuredFields, kw_only=True):
     return_tokens_as_token_ids: bool | None = None
     # vLLM's: the prompt's and the answer's token ids beside the text (agents and RL read them)
     return_token_ids: bool | None = False
+    # vLLM's: stream this many tokens a chunk at least (never fewer than --stream-interval)
+    stream_interval: Annotated[int, Meta(ge=1)] | None = None
     # keep only the prompt's last k tokens (-1: as many as the context holds), as vLLM does;
     # its first k with truncation_side "right"
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None

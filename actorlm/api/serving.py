@@ -155,11 +155,15 @@ class _Progress:
         self.text_len = self.num_tokens = self.text_offset = 0
         self.finished = False
 
-    def advance(self, c) -> tuple[str, int, int] | None:
-        """(new text, first new token, end) since the last call; None when nothing is new."""
+    def advance(self, c, interval: int = 1) -> tuple[str, int, int] | None:
+        """(new text, first new token, end) since the last call; None when nothing is new, or
+        fewer than ``interval`` new tokens after the first ones (until the last: they wait for
+        the next call, ``--stream-interval``)."""
         if self.finished:
             return None
         finished = c.finish_reason is not None
+        if not finished and self.num_tokens and len(c.token_ids) - self.num_tokens < interval:
+            return None
         # the frontend's cumulative text only grows: it holds back half characters and
         # text that could still begin a stop string
         text = c.text[self.text_len:]
@@ -186,6 +190,8 @@ class _Generation:
         self.lora = lora  # the adapter every prompt runs with; None: the base model
         self.tools = tools if tools is not None and tools.reads_calls else None
         self.reasoning = reasoning  # chat with --reasoning-parser: split the think out
+        # the fewest new tokens a streamed chunk carries (but a choice's first and last)
+        self.stream_interval = max(options.stream_interval, req.stream_interval or 1)
         self.prompt_token_ids: list[list[int]] = []
         # the API id carries the X-Request-Id; the engine's must be unique whatever clients
         # send, so a client's id gets a random suffix there
@@ -330,7 +336,7 @@ class _Generation:
                 finals[i] = out
                 for c in out.outputs:
                     prog = progress[i][c.index]
-                    step = prog.advance(c)
+                    step = prog.advance(c, self.stream_interval)
                     if step is None:
                         continue
                     text, start, end = step
@@ -436,7 +442,7 @@ class _Generation:
             final = out
             for c in out.outputs:
                 prog = progress[c.index]
-                step = prog.advance(c)
+                step = prog.advance(c, self.stream_interval)
                 if step is None:
                     continue
                 text, _, end = step

@@ -338,3 +338,22 @@ def test_return_token_ids_gives_the_prompts_and_the_answers_ids(server, client):
     plain = list(_chat(client, stream=True))
     assert all("token_ids" not in c.choices[0].model_extra and
                "prompt_token_ids" not in c.model_extra for c in plain if c.choices)
+
+
+def test_stream_interval_sends_tokens_a_few_at_a_time(client):
+    """vLLM's stream_interval: chunks of at least 4 new tokens but the first and the last,
+    adding up to the unbatched stream's text and ids."""
+    asked = {"extra_body": {"return_token_ids": True}}
+    every = [c.choices[0] for c in _complete(client, stream=True, **asked)]
+    batched = [c.choices[0] for c in _complete(client, stream=True, extra_body={
+        "return_token_ids": True, "stream_interval": 4})]
+    assert "".join(c.text for c in batched) == "".join(c.text for c in every)
+    sizes = [len(c.model_extra["token_ids"]) for c in batched]
+    assert sum(sizes) == 16 and len(batched) < len(every)
+    assert all(size >= 4 for size in sizes[1:-1])
+    chat = [c for c in _chat(client, stream=True, extra_body={"stream_interval": 5})]
+    assert len(chat) < len(list(_chat(client, stream=True)))
+    from actorlm.api.options import ServerOptions
+
+    with pytest.raises(ValueError, match="--stream-interval must be a positive integer"):
+        ServerOptions(stream_interval=0)
