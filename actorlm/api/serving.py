@@ -318,12 +318,12 @@ class _Generation:
                         offset = 0
                     lp = completion_logprobs(ids, positions, self.req.logprobs,
                                              self.token_text, offset)
-                ids = self.req.return_token_ids
+                with_ids = self.req.return_token_ids
                 choices.append(p.CompletionChoice(i * self.n + c.index, prefix + c.text, lp,
                                                   c.finish_reason, c.stop_reason,
                                                   prompt_logprobs(final.prompt_logprobs),
-                                                  final.prompt_token_ids if ids else None,
-                                                  list(c.token_ids) if ids else None))
+                                                  final.prompt_token_ids if with_ids else None,
+                                                  list(c.token_ids) if with_ids else None))
         return p.CompletionResponse(self.request_id, "text_completion", self.created,
                                     self.model_name, choices, self.usage(finals))
 
@@ -431,14 +431,15 @@ class _Generation:
         final = None
         continuous = self.req.continuous_usage
         # vLLM's return_token_ids, unless include_reasoning hides the think's tokens
-        ids = self.req.return_token_ids and (self.req.include_reasoning or not self.reasoning)
+        with_ids = self.req.return_token_ids and (self.req.include_reasoning or
+                                                  not self.reasoning)
         async for _, out in self.outputs():
             usage = self.usage([out]) if continuous else None
             if final is None:  # the role comes first, with the first output (as vLLM)
                 for index in range(self.n):
                     yield self._chunk([p.ChatChunkChoice(
                         index, p.DeltaMessage(role=self.role, content=""))], usage,
-                        out.prompt_token_ids if ids else None)
+                        out.prompt_token_ids if with_ids else None)
             final = out
             for c in out.outputs:
                 prog = progress[c.index]
@@ -475,7 +476,7 @@ class _Generation:
                 choice = p.ChatChunkChoice(c.index, delta, self._chat_logprobs(c, start, end),
                                            finish if done else None,
                                            c.stop_reason if done else None)
-                if ids:  # (tokens held back with their text come with it)
+                if with_ids:  # (tokens held back with their text come with it)
                     choice = p.ChatChunkChoiceIds(*msgspec.structs.astuple(choice),
                                                   list(c.token_ids[start:end]))
                 yield self._chunk([choice], usage)
