@@ -424,9 +424,10 @@ class OpenAIToolParser(_MarkedToolParser):
     name = "openai"
     keeps_special_tokens = reads_harmony = True
     STARTS = (harmony.CALL_START,)
-    _OPEN = re.escape(harmony.CALL_START) + r"(?P<name>.*?)" + re.escape(harmony.MESSAGE)
-    _CALL = re.compile(_OPEN + r"(?P<arguments>.*?)" + re.escape(harmony.CALL_END), re.DOTALL)
-    _OPEN = re.compile(_OPEN, re.DOTALL)
+    _OPEN = re.compile(re.escape(harmony.CALL_START) + r"(?P<name>.*?)" +
+                       re.escape(harmony.MESSAGE), re.DOTALL)  # a call's start, its name
+    _CALL = re.compile(_OPEN.pattern + r"(?P<arguments>.*?)" + re.escape(harmony.CALL_END),
+                       re.DOTALL)
 
     def parse(self, text: str) -> tuple[str, list[Call]]:
         """The calls wherever they sit (a preamble may come first). If one does not parse (its

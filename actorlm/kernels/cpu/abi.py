@@ -9,7 +9,7 @@ header with ``python -m actorlm.kernels.cpu.abi``.
 ``T`` is the element type: a function whose signature names it exists once per dtype, its name
 suffixed ``_f32`` (``float``) or ``_bf16`` (``uint16_t``, bf16's bits). ``C`` is a KV cache's:
 ``T`` again, or an FP8 format's byte (``uint8_t``), the name then suffixed once more, ``_e4m3``
-or ``_e5m2`` (``actorlm_decode_bf16_e4m3``).
+or ``_e5m2`` (``actorlm_decode_bf16_e4m3``); ``F`` is an FP8 cache's alone (no ``T`` variant).
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ FUNCTIONS = [
         ("int", "num_kv_heads"), ("int", "head_dim")]),
     ("int", "actorlm_rope_max_head_dim", []),
     ("void", "actorlm_widen", [  # an FP8 cache's values widened: out = x
-        ("const C*", "x"), ("T*", "out"), ("int64_t", "n")]),
+        ("const F*", "x"), ("T*", "out"), ("int64_t", "n")]),
     ("void", "actorlm_argmax_f32", [
         ("const float*", "x"), ("int64_t*", "out"), ("int64_t", "rows"), ("int64_t", "n")]),
     # decode_attention.cpp
@@ -209,12 +209,17 @@ def _concrete() -> dict[str, tuple[str, list[tuple[str, str]]]]:
         if not any("T*" in ctype for ctype, _ in params):
             out[name] = (restype, params)
             continue
+        caches = ("",)  # (none: T's alone)
+        if any("C*" in ctype for ctype, _ in params):
+            caches = ("", *_CACHE_TYPES)
+        elif any("F*" in ctype for ctype, _ in params):
+            caches = _CACHE_TYPES
         for suffix, element in _DTYPES.items():
-            for cache in ("", *_CACHE_TYPES) if any("C*" in c for c, _ in params) else ("",):
+            for cache in caches:
                 stored = "uint8_t" if cache else element
                 out[f"{name}_{suffix}" + (f"_{cache}" if cache else "")] = (restype, [
-                    (ctype.replace("T*", f"{element}*").replace("C*", f"{stored}*"), p)
-                    for ctype, p in params])
+                    (ctype.replace("T*", f"{element}*").replace("C*", f"{stored}*")
+                     .replace("F*", f"{stored}*"), p) for ctype, p in params])
     return out
 
 

@@ -231,25 +231,21 @@ inline void cache_row(const T* x, C* out, int64_t n) {
 // gathered context so: torch's own conversion takes ~2.5 ns a value)
 template <typename C, typename T>
 void widen(const C* x, T* out, int64_t n) {
-  if constexpr (std::is_same_v<T, C>) {
-    std::memcpy(out, x, n * sizeof(T));
-  } else {
 #pragma omp parallel for schedule(static) if (n >= kParallelFrom)
-    for (int64_t i = 0; i < n; i += 16) {
+  for (int64_t i = 0; i < n; i += 16) {
 #ifdef __AVX512F__
-      if (i + 16 <= n) {
-        const __m512 v = actorlm::widen16(x + i);
-        if constexpr (sizeof(T) == 4) {
-          _mm512_storeu_ps(reinterpret_cast<float*>(out + i), v);
-        } else {  // (exact in bf16: FP8's mantissa is shorter)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
-                              _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
-        }
-        continue;
+    if (i + 16 <= n) {
+      const __m512 v = actorlm::widen16(x + i);
+      if constexpr (sizeof(T) == 4) {
+        _mm512_storeu_ps(reinterpret_cast<float*>(out + i), v);
+      } else {  // (exact in bf16: FP8's mantissa is shorter)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
       }
-#endif
-      for (int64_t j = i; j < std::min(n, i + 16); ++j) store(to_float(x[j]), out + j);
+      continue;
     }
+#endif
+    for (int64_t j = i; j < std::min(n, i + 16); ++j) store(to_float(x[j]), out + j);
   }
 }
 
@@ -319,13 +315,12 @@ extern "C" {
   }                                                                                             \
   ACTORLM_ROPE_WRITE_KV(actorlm_rope_write_kv_##S, T, T, T)                                    \
   ACTORLM_ROPE_WRITE_KV(actorlm_rope_write_kv_##S##_e4m3, T, uint8_t, actorlm::E4M3)           \
-  ACTORLM_ROPE_WRITE_KV(actorlm_rope_write_kv_##S##_e5m2, T, uint8_t, actorlm::E5M2)        \
-  ACTORLM_WIDEN(actorlm_widen_##S, T, T, T)                                                     \
-  ACTORLM_WIDEN(actorlm_widen_##S##_e4m3, T, uint8_t, actorlm::E4M3)                            \
-  ACTORLM_WIDEN(actorlm_widen_##S##_e5m2, T, uint8_t, actorlm::E5M2)
+  ACTORLM_ROPE_WRITE_KV(actorlm_rope_write_kv_##S##_e5m2, T, uint8_t, actorlm::E5M2)           \
+  ACTORLM_WIDEN(actorlm_widen_##S##_e4m3, T, actorlm::E4M3)                                     \
+  ACTORLM_WIDEN(actorlm_widen_##S##_e5m2, T, actorlm::E5M2)
 // the caches' values as the ABI passes them (STORED: an FP8 cache's bytes) and as written (C)
-#define ACTORLM_WIDEN(NAME, T, STORED, C)                                                        \
-  void NAME(const STORED* x, T* out, int64_t n) { widen(reinterpret_cast<const C*>(x), out, n); }
+#define ACTORLM_WIDEN(NAME, T, C)                                                                \
+  void NAME(const uint8_t* x, T* out, int64_t n) { widen(reinterpret_cast<const C*>(x), out, n); }
 #define ACTORLM_ROPE_WRITE_KV(NAME, T, STORED, C)                                                \
   void NAME(T* qkv, int64_t row_stride, const T* cos, const T* sin_signed, STORED* k_cache,     \
             STORED* v_cache, const int64_t* slots, int64_t rows, int num_heads,                 \
